@@ -1,0 +1,45 @@
+"""Store configuration: a plain dataclass (the API builds it from pydantic-settings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    data_dir: Path
+    db_url: str | None = None  # default: SQLite in data_dir
+    master_key_file: Path | None = None  # default: data_dir/master.key (env DSS_MASTER_KEY wins)
+    create_master_key: bool = True  # embedded default: generate on first start (with a warning)
+    host_capacity_bytes: int = 2 * GiB
+    disk_capacity_bytes: int = 20 * GiB
+    device_capacity_bytes: int = 0  # only useful with CUDA
+    device: str | None = None  # "cuda" when available, else "cpu"
+    shm_dir: Path | None = None  # default: /dev/shm/dss-<hash of data_dir>
+    codec: str = "zstd-byteplane"
+    eviction_policy: str = "cost"
+    write_through: bool = True
+    fsync: bool = True
+    loader_threads: int = 2
+    max_tokens_per_sequence: int = 1 << 20
+
+    @property
+    def resolved_db_url(self) -> str:
+        from dss.db.engine import sqlite_url_for
+
+        return self.db_url or sqlite_url_for(self.data_dir)
+
+    @property
+    def resolved_key_file(self) -> Path:
+        return self.master_key_file or (self.data_dir / "master.key")
+
+    @property
+    def disk_dir(self) -> Path:
+        return self.data_dir / "pages"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.data_dir / "run"

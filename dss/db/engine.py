@@ -1,0 +1,118 @@
+"""Engines, sessions, transactions and migrations for the metadata database.
+
+Works with SQLite (one server, the default) and PostgreSQL through psycopg 3. The schema is only
+ever created by the Alembic migrations in the repository's `migrations/` folder.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import StaticPool
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MIGRATIONS_DIR = REPO_ROOT / "migrations"
+SQLITE_FILENAME = "dss.sqlite3"
+
+_SQLITE_PRAGMAS = (
+    "PRAGMA journal_mode=WAL",
+    "PRAGMA foreign_keys=ON",
+    "PRAGMA busy_timeout=5000",
+    "PRAGMA synchronous=NORMAL",
+)
+
+
+def sqlite_url_for(data_dir: Path) -> str:
+    return f"sqlite:///{Path(data_dir).resolve() / SQLITE_FILENAME}"
+
+
+def _is_sqlite(url: str) -> bool:
+    return make_url(url).get_backend_name() == "sqlite"
+
+
+def _set_sqlite_pragmas(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    try:
+        for pragma in _SQLITE_PRAGMAS:
+            cur.execute(pragma)
+    finally:
+        cur.close()
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    """An engine with the store's connection settings; extra `kwargs` go to `create_engine`."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        database = parsed.database or ""
+        in_memory = database in ("", ":memory:") or database.startswith("file::memory:")
+        if in_memory:
+            # One shared connection, or every pooled connection would see its own empty database.
+            kwargs.setdefault("poolclass", StaticPool)
+            kwargs.setdefault("connect_args", {"check_same_thread": False})
+        else:
+            Path(database).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(parsed, **kwargs)
+        event.listen(engine, "connect", _set_sqlite_pragmas)
+        return engine
+    kwargs.setdefault("pool_pre_ping", True)
+    return create_engine(parsed, **kwargs)
+
+
+def make_session_factory(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(bind=engine, expire_on_commit=False)
+
+
+@contextmanager
+def transaction(session_factory: sessionmaker[Session]) -> Iterator[Session]:
+    """A session inside one transaction: committed when the block succeeds, rolled back otherwise."""
+    with session_factory() as session, session.begin():
+        yield session
+
+
+def alembic_config(url: str) -> Config:
+    """An Alembic config pointing at the repository's migrations, independent of the cwd."""
+    if not (MIGRATIONS_DIR / "env.py").is_file():
+        raise FileNotFoundError(f"migrations folder not found at {MIGRATIONS_DIR}")
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    # ConfigParser interpolates '%', which appears in URL-encoded passwords.
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def upgrade_to_head(url: str, engine: Engine | None = None) -> None:
+    """Create or upgrade the schema; a no-op when it is already at head.
+
+    Pass `engine` to migrate through it (needed for in-memory SQLite, whose data lives in the
+    engine's one connection); otherwise the migration opens and closes its own engine.
+    """
+    cfg = alembic_config(url)
+    if engine is not None:
+        with engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "head")
+        return
+    if _is_sqlite(url):
+        database = make_url(url).database or ""
+        if database and database != ":memory:":
+            Path(database).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
+    command.upgrade(cfg, "head")
+
+
+def current_revision(url: str) -> str | None:
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    finally:
+        engine.dispose()

@@ -1,0 +1,179 @@
+"""SQLAlchemy table models of the store's durable metadata.
+
+These are storage models only; API request/response schemas live in `api/` and are mapped from
+the frozen dataclasses the services return. The schema itself is created by the Alembic
+migrations in `migrations/`; `Base.metadata` exists so that autogenerate can compare against it.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    ForeignKey,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    func,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Explicit constraint names keep SQLite (batch mode) and PostgreSQL migrations identical.
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+HASH_LEN = 32
+NAMESPACE_LEN = 16
+CHECKSUM_LEN = 16
+ID_LEN = 128
+
+
+def utcnow() -> datetime:
+    """Client-side timestamp default: microsecond resolution on every backend.
+
+    `server_default=func.now()` still covers rows written outside the ORM; SQLite's
+    CURRENT_TIMESTAMP only has whole seconds, which would make creation order ambiguous.
+    """
+    return datetime.now(UTC)
+
+
+def _timestamp(nullable: bool = False) -> Mapped[Any]:
+    if nullable:
+        return mapped_column(DateTime(timezone=True), nullable=True)
+    return mapped_column(DateTime(timezone=True), nullable=False, default=utcnow, server_default=func.now())
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class StoreMeta(Base):
+    """Small store-wide settings: master-key verifier, tenant-salt secret, format version."""
+
+    __tablename__ = "store_meta"
+
+    key: Mapped[str] = mapped_column(String(128), primary_key=True)
+    value: Mapped[str] = mapped_column(Text, nullable=False)
+
+
+class DataKey(Base):
+    """A tenant's data key, wrapped by the master key. Deleting the row is crypto-erasure."""
+
+    __tablename__ = "data_keys"
+
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    wrapped: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    created_at: Mapped[datetime] = _timestamp()
+
+
+class SessionRow(Base):
+    __tablename__ = "sessions"
+
+    id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
+    user_id: Mapped[str] = mapped_column(String(256), nullable=False, index=True)
+    created_at: Mapped[datetime] = _timestamp()
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), nullable=False, default=utcnow, onupdate=utcnow, server_default=func.now()
+    )
+    system_prompt: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # `metadata` is reserved on declarative classes, hence the attribute name.
+    meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON(none_as_null=True), nullable=True)
+    # Highest version number allocated so far; bumped with a compare-and-set on every commit.
+    version_count: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+
+
+class BranchRow(Base):
+    __tablename__ = "branches"
+
+    session_id: Mapped[str] = mapped_column(
+        String(ID_LEN), ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True
+    )
+    name: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
+    # 0 means the branch has no versions yet (version numbers start at 1).
+    head_version: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    created_at: Mapped[datetime] = _timestamp()
+
+
+class VersionRow(Base):
+    __tablename__ = "versions"
+
+    session_id: Mapped[str] = mapped_column(
+        String(ID_LEN), ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True
+    )
+    number: Mapped[int] = mapped_column(Integer, primary_key=True)
+    parent: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    branch: Mapped[str] = mapped_column(String(ID_LEN), nullable=False)
+    created_at: Mapped[datetime] = _timestamp()
+    n_tokens: Mapped[int] = mapped_column(Integer, nullable=False)
+    tokens: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)  # int32 little-endian
+    messages: Mapped[list[dict[str, Any]]] = mapped_column(JSON, nullable=False)
+    fingerprint: Mapped[str | None] = mapped_column(String(64), nullable=True)
+
+
+class PageRow(Base):
+    """One page that has reached the disk tier; the page index is rebuilt from these rows."""
+
+    __tablename__ = "pages"
+
+    hash: Mapped[bytes] = mapped_column(LargeBinary(HASH_LEN), primary_key=True)
+    namespace: Mapped[bytes] = mapped_column(LargeBinary(NAMESPACE_LEN), nullable=False, index=True)
+    tenant: Mapped[str] = mapped_column(String(64), nullable=False, index=True)
+    fingerprint: Mapped[str] = mapped_column(String(64), nullable=False)
+    parent: Mapped[bytes] = mapped_column(LargeBinary(HASH_LEN), nullable=False)
+    page_index: Mapped[int] = mapped_column(Integer, nullable=False)
+    n_tokens: Mapped[int] = mapped_column(Integer, nullable=False)
+    tokens: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    nbytes: Mapped[int] = mapped_column(Integer, nullable=False)
+    disk_bytes: Mapped[int] = mapped_column(Integer, nullable=False)
+    codec: Mapped[str] = mapped_column(String(32), nullable=False)
+    checksum: Mapped[bytes] = mapped_column(LargeBinary(CHECKSUM_LEN), nullable=False)
+    created_at: Mapped[datetime] = _timestamp()
+
+
+class PublicPrefixRow(Base):
+    __tablename__ = "public_prefixes"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(String(64), nullable=False)
+    n_tokens: Mapped[int] = mapped_column(Integer, nullable=False)
+    tokens: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    text: Mapped[str | None] = mapped_column(Text, nullable=True)
+    messages: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
+    pinned: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
+    created_at: Mapped[datetime] = _timestamp()
+
+
+class ErasureReceiptRow(Base):
+    """Append-only and hash-chained: `entry_hash` covers this row and `prev_hash`."""
+
+    __tablename__ = "erasure_receipts"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, nullable=False, unique=True)
+    erased_at: Mapped[datetime] = _timestamp()
+    subject: Mapped[str] = mapped_column(String(128), nullable=False)
+    counts: Mapped[dict[str, Any]] = mapped_column(JSON, nullable=False)
+    prev_hash: Mapped[str] = mapped_column(String(64), nullable=False)
+    entry_hash: Mapped[str] = mapped_column(String(64), nullable=False)
+
+
+class ApiKeyRow(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    key_hash: Mapped[str] = mapped_column(String(128), nullable=False, unique=True)
+    user_id: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    is_admin: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
+    created_at: Mapped[datetime] = _timestamp()
+    revoked_at: Mapped[datetime | None] = _timestamp(nullable=True)

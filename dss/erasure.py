@@ -1,0 +1,192 @@
+"""Erasing a user (GDPR/CCPA) and proving it.
+
+Order matters: the database transaction (sessions, versions, page rows, the data key, and the
+receipt) commits first; then the irreversible steps run (zeroing host slots, unlinking files).
+Destroying the data key is what makes any copy of the user's pages that we cannot reach (a
+backup) unreadable. Public-prefix pages are not user data and stay.
+
+A receipt records counts, a time and the subject's salted hash (its tenant id), never content.
+Receipts form an append-only hash chain; `verify` re-scans the database and every tier for
+anything of the subject older than the erasure, and checks the chain up to the receipt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import delete, func, select, text
+
+from dss.db import models as m
+from dss.errors import ReceiptNotFound
+from dss.types import PUBLIC_TENANT, TenantId, Tier
+
+if TYPE_CHECKING:
+    from dss.store import Store
+
+GENESIS = "0" * 64
+_append_lock = threading.Lock()
+
+
+@dataclass(frozen=True, slots=True)
+class ErasureReceipt:
+    id: str
+    seq: int
+    erased_at: datetime
+    subject: str
+    counts: dict[str, Any]
+    prev_hash: str
+    entry_hash: str
+
+
+@dataclass(frozen=True, slots=True)
+class Verification:
+    receipt_id: str
+    checked_at: datetime
+    remnants: int
+    details: tuple[str, ...]
+    chain_ok: bool
+
+
+def _entry_hash(prev_hash: str, rid: str, seq: int, erased_at: datetime, subject: str, counts: dict[str, Any]) -> str:
+    body = json.dumps(
+        {"id": rid, "seq": seq, "erased_at": _iso(erased_at), "subject": subject, "counts": counts},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    return hashlib.sha256((prev_hash + body).encode()).hexdigest()
+
+
+def _iso(t: datetime) -> str:
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=UTC)
+    return t.astimezone(UTC).isoformat(timespec="microseconds")
+
+
+def _receipt(row: m.ErasureReceipt) -> ErasureReceipt:
+    erased = row.erased_at if row.erased_at.tzinfo else row.erased_at.replace(tzinfo=UTC)
+    return ErasureReceipt(row.id, row.seq, erased, row.subject, dict(row.counts), row.prev_hash, row.entry_hash)
+
+
+def erase_user(store: Store, user: str) -> ErasureReceipt:
+    tenant = store.tenant_for(user)
+    if tenant == PUBLIC_TENANT:  # cannot happen (an HMAC is hex), but never erase shared pages
+        raise ValueError("refusing to erase the public tenant")
+    with store._lock:
+        for sid, pending in list(store._saves.items()):
+            if pending.namespace.tenant == tenant:
+                store.abort_save(sid)
+        usage = store.pages.tenant_usage(tenant)
+        erased_at = datetime.now(UTC)
+        rid = "era_" + uuid.uuid4().hex[:24]
+        with store.sf() as s, s.begin():
+            sess_ids = list(s.execute(select(m.ChatSession.id).where(m.ChatSession.user_id == user)).scalars())
+            n_versions = n_branches = 0
+            if sess_ids:
+                n_versions = s.execute(
+                    select(func.count()).select_from(m.Version).where(m.Version.session_id.in_(sess_ids))
+                ).scalar_one()
+                n_branches = s.execute(
+                    select(func.count()).select_from(m.Branch).where(m.Branch.session_id.in_(sess_ids))
+                ).scalar_one()
+                s.execute(delete(m.Version).where(m.Version.session_id.in_(sess_ids)))
+                s.execute(delete(m.Branch).where(m.Branch.session_id.in_(sess_ids)))
+                s.execute(delete(m.ChatSession).where(m.ChatSession.id.in_(sess_ids)))
+            n_page_rows = s.execute(delete(m.Page).where(m.Page.tenant == tenant)).rowcount or 0
+            n_keys = store.keyring.destroy_in(s, tenant)
+            counts: dict[str, Any] = {
+                "sessions": len(sess_ids),
+                "versions": int(n_versions),
+                "branches": int(n_branches),
+                "page_rows": int(n_page_rows),
+                "data_keys_destroyed": n_keys,
+                "pages": {t.value: usage[t][0] for t in Tier},
+                "bytes": {t.value: usage[t][1] for t in Tier},
+            }
+            with _append_lock:
+                last = s.execute(select(m.ErasureReceipt).order_by(m.ErasureReceipt.seq.desc()).limit(1)).scalar()
+                seq = (last.seq + 1) if last else 1
+                prev = last.entry_hash if last else GENESIS
+                entry = _entry_hash(prev, rid, seq, erased_at, tenant, counts)
+                s.add(m.ErasureReceipt(id=rid, seq=seq, erased_at=erased_at, subject=tenant, counts=counts,
+                                       prev_hash=prev, entry_hash=entry))
+        # Committed: now the irreversible part.
+        store.keyring.forget_cached(tenant)
+        pages = store._drop_tenant_index(tenant)
+        store.pages.drop(pages, notify=False)
+        _scrub_database(store)
+    return ErasureReceipt(rid, seq, erased_at, tenant, counts, prev, entry)
+
+
+def _scrub_database(store: Store) -> None:
+    """SQLite keeps deleted rows in free pages and in the WAL; make them go away."""
+    if store.db.dialect.name != "sqlite":
+        return
+    with store.db.connect() as c:
+        c.execute(text("PRAGMA wal_checkpoint(TRUNCATE)"))
+
+
+def get_receipt(store: Store, receipt_id: str) -> ErasureReceipt:
+    with store.sf() as s:
+        row = s.get(m.ErasureReceipt, receipt_id)
+        if row is None:
+            raise ReceiptNotFound(f"no erasure receipt {receipt_id!r}")
+        return _receipt(row)
+
+
+def verify(store: Store, receipt_id: str) -> Verification:
+    """Re-scan the database and every tier for anything of the receipt's subject that predates it."""
+    receipt = get_receipt(store, receipt_id)
+    tenant = TenantId(receipt.subject)
+    cutoff = receipt.erased_at
+    cutoff_ts = cutoff.timestamp()
+    details: list[str] = []
+    with store.sf() as s:
+        chain = list(s.execute(select(m.ErasureReceipt).where(m.ErasureReceipt.seq <= receipt.seq)
+                               .order_by(m.ErasureReceipt.seq)).scalars())
+        users = list(s.execute(select(m.ChatSession.user_id).distinct()).scalars())
+        mine = [u for u in users if store.tenant_for(u) == tenant]
+        if mine:
+            old = s.execute(
+                select(func.count()).select_from(m.ChatSession)
+                .where(m.ChatSession.user_id.in_(mine), m.ChatSession.created_at <= cutoff)
+            ).scalar_one()
+            if old:
+                details.append(f"database: {old} session(s) created before the erasure")
+        rows = s.execute(
+            select(func.count()).select_from(m.Page).where(m.Page.tenant == tenant, m.Page.created_at <= cutoff)
+        ).scalar_one()
+        if rows:
+            details.append(f"database: {rows} page row(s)")
+        keys = s.execute(
+            select(func.count()).select_from(m.DataKey)
+            .where(m.DataKey.tenant == tenant, m.DataKey.created_at <= cutoff)
+        ).scalar_one()
+        if keys:
+            details.append("database: the data key still exists")
+    chain_ok = True
+    prev = GENESIS
+    for row in chain:
+        r = _receipt(row)
+        if r.prev_hash != prev or _entry_hash(prev, r.id, r.seq, r.erased_at, r.subject, r.counts) != r.entry_hash:
+            chain_ok = False
+            details.append(f"audit chain broken at receipt #{r.seq}")
+            break
+        prev = r.entry_hash
+    for e in store.pages.entries_of_tenant(tenant):
+        if e.created_wall <= cutoff_ts:
+            details.append(f"{'/'.join(sorted(t.value for t in e.tiers))}: page {e.meta.hash.hex()[:16]}")
+    if store.disk is not None:
+        for h, header, _size in store.disk.scan():
+            if header.tenant == tenant:
+                path = store.disk.path_of(h) if hasattr(store.disk, "path_of") else None
+                mtime = os.path.getmtime(path) if path is not None and os.path.exists(path) else 0.0
+                if mtime <= cutoff_ts:
+                    details.append(f"disk: page file {h.hex()[:16]}")
+    return Verification(receipt.id, datetime.now(UTC), len(details), tuple(details), chain_ok)

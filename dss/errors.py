@@ -1,0 +1,112 @@
+"""Every error the store raises on purpose.
+
+The API maps these classes to HTTP status codes in one place (`api/errors.py`);
+nothing in `dss` knows about HTTP.
+"""
+
+from __future__ import annotations
+
+
+class DSSError(Exception):
+    """Base class of every deliberate DSS error."""
+
+
+# --- lookups (HTTP 404) -------------------------------------------------------
+class NotFoundError(DSSError):
+    """Something the caller named does not exist (or is not theirs to see)."""
+
+
+class SessionNotFound(NotFoundError):
+    pass
+
+
+class VersionNotFound(NotFoundError):
+    pass
+
+
+class BranchNotFound(NotFoundError):
+    pass
+
+
+class PrefixNotFound(NotFoundError):
+    pass
+
+
+class ReceiptNotFound(NotFoundError):
+    pass
+
+
+# --- conflicts (HTTP 409) -----------------------------------------------------
+class ConflictError(DSSError):
+    """The request is well-formed but contradicts the current state."""
+
+
+class BranchExists(ConflictError):
+    pass
+
+
+class SessionExists(ConflictError):
+    pass
+
+
+class StaleHead(ConflictError):
+    """An optimistic commit lost a race: the branch head moved since it was read."""
+
+
+class NotAnAncestor(ConflictError):
+    """A rollback target is not on the branch's history."""
+
+
+# --- bad input (HTTP 400) -----------------------------------------------------
+class InvalidInput(DSSError):
+    """A value is malformed or out of the allowed range."""
+
+
+class PageShapeMismatch(InvalidInput):
+    """Page bytes do not have the size the namespace's model fingerprint implies."""
+
+
+class FingerprintMismatch(InvalidInput):
+    """A page or request names a model fingerprint other than the one expected."""
+
+
+class LimitExceeded(InvalidInput):
+    """A size limit (tokens, messages, bytes) was exceeded."""
+
+
+# --- storage ------------------------------------------------------------------
+class StorageError(DSSError):
+    pass
+
+
+class TierUnavailable(StorageError):
+    """A tier cannot be used (disk full, read-only, gone). The store keeps serving from the others."""
+
+
+class CorruptPage(StorageError):
+    """Page bytes failed their checksum or authentication. Never served; counted and deleted."""
+
+
+class CapacityError(StorageError):
+    """A tier cannot make room (everything is pinned or locked)."""
+
+
+class PageMissing(StorageError):
+    """A tier does not hold the page asked for (never stored there, or deleted meanwhile)."""
+
+
+# --- keys ---------------------------------------------------------------------
+class KeyError_(DSSError):
+    """Base for key-management errors (named with a trailing underscore to not shadow the builtin)."""
+
+
+class WrongMasterKey(KeyError_):
+    """The master key cannot unwrap the stored data keys. The store refuses to start."""
+
+
+class KeyDestroyed(KeyError_):
+    """The tenant's data key was destroyed by an erasure; its pages are unreadable forever."""
+
+
+class StoreClosed(DSSError):
+    pass

@@ -1,0 +1,85 @@
+"""Model fingerprints, tenant salts and namespaces.
+
+A page's bytes are meaningful only for the exact engine configuration that wrote them; the
+fingerprint covers all of it. The tenant part keeps users apart: it is an HMAC of the
+authenticated user id under a server secret, derived on the server, never taken from a client.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from dataclasses import asdict, dataclass
+
+from dss.types import PUBLIC_TENANT, FingerprintId, Namespace, NamespaceId, TenantId, UserId
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1, "uint8": 1}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFingerprint:
+    """Everything that makes a page's bytes meaningful."""
+
+    model_id: str
+    revision: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    kv_layout: str = "LBHNC"
+    isa: str = "generic"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPE_BYTES:
+            raise ValueError(f"unsupported KV dtype {self.dtype!r}")
+        for name in ("num_layers", "num_kv_heads", "head_size", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+
+    @property
+    def id(self) -> FingerprintId:
+        canon = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return FingerprintId(hashlib.blake2b(canon.encode(), digest_size=16).hexdigest())
+
+    @property
+    def dtype_bytes(self) -> int:
+        return _DTYPE_BYTES[self.dtype]
+
+    @property
+    def layer_block_nbytes(self) -> int:
+        """Bytes of one engine block in one layer (K and V together)."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one page: one engine block across all layers, layer-major."""
+        return self.num_layers * self.layer_block_nbytes
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelFingerprint:
+        return cls(**json.loads(text))
+
+
+def tenant_for_user(server_secret: bytes, user: UserId | str) -> TenantId:
+    """The per-user cache salt: an HMAC under the server secret, so it cannot be guessed or chosen."""
+    if not user:
+        raise ValueError("user id must not be empty")
+    mac = hmac.new(server_secret, b"dss-tenant\x00" + str(user).encode(), hashlib.sha256)
+    return TenantId(mac.hexdigest()[:32])
+
+
+def namespace_id(fingerprint: FingerprintId, tenant: TenantId) -> NamespaceId:
+    return NamespaceId(hashlib.blake2b(f"{fingerprint}\x00{tenant}".encode(), digest_size=16).digest())
+
+
+def make_namespace(fingerprint: FingerprintId, tenant: TenantId) -> Namespace:
+    return Namespace(fingerprint=fingerprint, tenant=tenant, id=namespace_id(fingerprint, tenant))
+
+
+def public_namespace(fingerprint: FingerprintId) -> Namespace:
+    return make_namespace(fingerprint, PUBLIC_TENANT)

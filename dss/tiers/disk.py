@@ -1,0 +1,304 @@
+"""The disk tier: one compressed, encrypted, checksummed file per page, written atomically.
+
+Files live at `root/<first 2 hex of the hash>/<hash hex>.page`. A write goes to a temp file in
+the same directory, is fsynced, renamed over the final name and the directory fsynced, so a
+crash leaves either the whole page or a temp file that `gc_temp` removes at start-up.
+
+When the file system refuses a write (full, read-only, permissions), the tier raises
+`TierUnavailable` and marks itself unavailable: further writes fail fast until `probe()` sees
+the directory writable again. Reads keep working while they can.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from dss.codec import Buffer, Codec
+from dss.errors import CapacityError, CorruptPage, PageMissing, TierUnavailable
+from dss.hashing import HASH_BYTES
+from dss.pagefile import HEADER_LEN, PageFileHeader, decode_page, encode_page, read_header
+from dss.pages import PageMeta
+from dss.types import PageHash, Tier
+
+PAGE_SUFFIX = ".page"
+TEMP_MARK = ".tmp-"
+_PROBE_NAME = ".probe"
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _page_from_name(name: str) -> PageHash | None:
+    stem, _, suffix = name.partition(".")
+    if "." + suffix != PAGE_SUFFIX or len(stem) != 2 * HASH_BYTES:
+        return None
+    try:
+        return PageHash(bytes.fromhex(stem))
+    except ValueError:
+        return None
+
+
+class DiskTier:
+    tier = Tier.DISK
+
+    def __init__(self, root: Path, capacity_bytes: int, codec: Codec, fsync: bool = True) -> None:
+        self.root = Path(root)
+        self.capacity_bytes = capacity_bytes
+        self.codec = codec
+        self.fsync = fsync
+        self.available = True
+        self.corrupt_pages = 0
+        self._lock = threading.Lock()
+        self._sizes: dict[PageHash, int] = {}
+        self._used = 0
+        self._pending = 0  # bytes reserved by writes in flight
+        self._writing: set[str] = set()  # temp file names of this process's writes in flight
+        self._known_dirs: set[str] = set()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._index_at_open()
+        except OSError as exc:
+            self.available = False
+            raise TierUnavailable(f"disk tier at {self.root} is not usable: {exc.strerror or exc}") from exc
+
+    def _index_at_open(self) -> None:
+        """Sizes of the page files present, by name only (`scan` verifies headers)."""
+        for sub in os.scandir(self.root):
+            if not sub.is_dir(follow_symlinks=False) or len(sub.name) != 2:
+                continue
+            self._known_dirs.add(sub.name)
+            for entry in os.scandir(sub.path):
+                page = _page_from_name(entry.name)
+                if page is not None and entry.name.startswith(sub.name):
+                    size = entry.stat(follow_symlinks=False).st_size
+                    self._sizes[page] = size
+                    self._used += size
+
+    def path_of(self, page: PageHash) -> Path:
+        hexname = page.hex()
+        return self.root / hexname[:2] / (hexname + PAGE_SUFFIX)
+
+    # --- writing ------------------------------------------------------------------------------
+    def write(self, meta: PageMeta, raw: Buffer, data_key: bytes | None) -> int:
+        """Store the page; returns its bytes on disk. A page already present is left as is."""
+        if not self.available:
+            raise TierUnavailable(f"disk tier at {self.root} is unavailable (waiting for a successful probe)")
+        with self._lock:
+            if meta.hash in self._sizes:
+                return self._sizes[meta.hash]
+        blob = encode_page(meta, raw, self.codec, data_key)  # CPU-bound; outside the lock
+        size = len(blob)
+        with self._lock:
+            if meta.hash in self._sizes:
+                return self._sizes[meta.hash]
+            if self._used + self._pending + size > self.capacity_bytes:
+                raise CapacityError(
+                    f"disk tier full: {self._used + self._pending} of {self.capacity_bytes} bytes used, "
+                    f"{size} asked"
+                )
+            self._pending += size
+        final = self.path_of(meta.hash)
+        tmp = final.with_name(f"{final.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+        committed = False
+        try:
+            self._write_file(final, tmp, blob)
+            committed = True
+        except OSError as exc:
+            self.available = False
+            raise TierUnavailable(f"disk tier cannot write {final}: {exc.strerror or exc}") from exc
+        finally:
+            with self._lock:
+                self._pending -= size
+                self._writing.discard(tmp.name)
+                if committed:
+                    old = self._sizes.get(meta.hash, 0)
+                    self._sizes[meta.hash] = size
+                    self._used += size - old
+            if not committed:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+        return size
+
+    def _write_file(self, final: Path, tmp: Path, blob: bytes) -> None:
+        subdir = final.parent
+        if subdir.name not in self._known_dirs:
+            subdir.mkdir(exist_ok=True)
+            if self.fsync:
+                _fsync_dir(self.root)
+            self._known_dirs.add(subdir.name)
+        with self._lock:
+            self._writing.add(tmp.name)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            view = memoryview(blob)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, final)
+        if self.fsync:
+            _fsync_dir(subdir)
+
+    # --- reading ------------------------------------------------------------------------------
+    def _read_bytes(self, page: PageHash, limit: int | None = None) -> bytes:
+        path = self.path_of(page)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                return f.read() if limit is None else f.read(limit)
+        except FileNotFoundError:
+            with self._lock:
+                self._used -= self._sizes.pop(page, 0)
+            raise PageMissing(f"page {page.hex()} is not on disk") from None
+        except OSError as exc:
+            raise TierUnavailable(f"disk tier cannot read {path}: {exc.strerror or exc}") from exc
+
+    def read(
+        self, page: PageHash, data_key: bytes | None
+    ) -> tuple[PageFileHeader, np.ndarray, bytearray | bytes]:
+        """Verified page: (header, token ids, raw bytes). A corrupt file is deleted and counted."""
+        blob = self._read_bytes(page)
+        try:
+            header, tokens, raw = decode_page(blob, data_key)
+            if header.page_hash != page:
+                raise CorruptPage(f"file of page {page.hex()} holds page {header.page_hash.hex()}")
+        except CorruptPage:
+            self._drop_corrupt(page)
+            raise
+        return header, tokens, raw
+
+    def read_header(self, page: PageHash) -> PageFileHeader:
+        prefix = self._read_bytes(page, HEADER_LEN)
+        try:
+            header = read_header(prefix)
+            if header.page_hash != page:
+                raise CorruptPage(f"file of page {page.hex()} holds page {header.page_hash.hex()}")
+        except CorruptPage:
+            self._drop_corrupt(page)
+            raise
+        return header
+
+    def _drop_corrupt(self, page: PageHash, path: Path | None = None) -> None:
+        with self._lock:
+            self.corrupt_pages += 1
+            self._used -= self._sizes.pop(page, 0)
+        with contextlib.suppress(OSError):
+            (path or self.path_of(page)).unlink()
+
+    def scan(self) -> Iterator[tuple[PageHash, PageFileHeader, int]]:
+        """Every page file with a valid header, for recovery. Bad headers are counted and deleted."""
+        for sub in sorted(os.scandir(self.root), key=lambda e: e.name):
+            if not sub.is_dir(follow_symlinks=False) or len(sub.name) != 2:
+                continue
+            for entry in sorted(os.scandir(sub.path), key=lambda e: e.name):
+                page = _page_from_name(entry.name)
+                if page is None:
+                    continue
+                path = Path(entry.path)
+                try:
+                    size = entry.stat(follow_symlinks=False).st_size
+                    with open(path, "rb", buffering=0) as f:
+                        prefix = f.read(HEADER_LEN)
+                except FileNotFoundError:
+                    continue  # deleted meanwhile
+                except OSError as exc:
+                    raise TierUnavailable(f"disk tier cannot read {path}: {exc.strerror or exc}") from exc
+                try:
+                    header = read_header(prefix)
+                    if header.page_hash != page or header.file_len != size:
+                        raise CorruptPage(f"page file {path} is misnamed or truncated")
+                except CorruptPage:
+                    self._drop_corrupt(page, path)
+                    continue
+                with self._lock:
+                    self._used += size - self._sizes.get(page, 0)
+                    self._sizes[page] = size
+                yield page, header, size
+
+    def gc_temp(self) -> int:
+        """Remove temp files left by interrupted writes; returns how many."""
+        removed = 0
+        with self._lock:
+            in_flight = set(self._writing)
+        dirs = [self.root, *(Path(e.path) for e in os.scandir(self.root) if e.is_dir(follow_symlinks=False))]
+        for directory in dirs:
+            for entry in os.scandir(directory):
+                if TEMP_MARK in entry.name and entry.name not in in_flight:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
+                        removed += 1
+        return removed
+
+    # --- bookkeeping --------------------------------------------------------------------------
+    def delete(self, page: PageHash) -> int:
+        with self._lock:
+            size = self._sizes.pop(page, 0)
+            self._used -= size
+        # Metadata first; the unlink after it is the irreversible part.
+        with contextlib.suppress(FileNotFoundError):
+            self.path_of(page).unlink()
+        return size
+
+    def contains(self, page: PageHash) -> bool:
+        with self._lock:
+            return page in self._sizes
+
+    def __contains__(self, page: PageHash) -> bool:
+        return self.contains(page)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sizes)
+
+    def keys(self) -> Iterator[PageHash]:
+        with self._lock:
+            snapshot = list(self._sizes)
+        return iter(snapshot)
+
+    def size_of(self, page: PageHash) -> int | None:
+        with self._lock:
+            return self._sizes.get(page)
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return self.capacity_bytes - self._used - self._pending
+
+    def probe(self) -> bool:
+        """Try a small durable write; the tier is available again exactly when it succeeds."""
+        path = self.root / f"{_PROBE_NAME}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, b"probe")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.unlink(path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            self.available = False
+            return False
+        self.available = True
+        return True

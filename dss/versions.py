@@ -1,0 +1,731 @@
+"""Versioned sessions: the durable dialogue state, with git-like branches.
+
+A session owns numbered versions (1, 2, 3, ... per session) that form a tree through `parent`,
+and named branches whose `head_version` points into that tree (0 = the branch has no versions).
+A commit appends a child of a branch head; a rollback moves a head back to one of its ancestors
+(later versions stay stored); a branch is a new name pointing at any existing version.
+
+Concurrency is optimistic and works the same on SQLite and PostgreSQL: a commit allocates its
+number with a compare-and-set on `sessions.version_count` and moves the head with a
+compare-and-set on `branches.head_version`. A caller that passes `expected_head` gets `StaleHead`
+when another writer moved the head first; without it the commit retries on the new head.
+
+Every method takes the acting user and sees only that user's sessions: another user's session
+raises `SessionNotFound`, exactly like a missing one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal, cast, overload
+
+import numpy as np
+from sqlalchemy import CursorResult, Delete, Select, Update, delete, func, select, tuple_, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from dss.db.engine import transaction
+from dss.db.models import BranchRow, SessionRow, VersionRow, utcnow
+from dss.errors import (
+    BranchExists,
+    BranchNotFound,
+    InvalidInput,
+    LimitExceeded,
+    NotAnAncestor,
+    SessionExists,
+    SessionNotFound,
+    StaleHead,
+    VersionNotFound,
+)
+from dss.hashing import TOKEN_DTYPE
+from dss.types import SessionId, UserId
+
+MAIN_BRANCH = "main"
+EMPTY_HEAD = 0
+MAX_TOKENS = 1 << 20
+MAX_MESSAGES_BYTES = 8 << 20
+MAX_METADATA_BYTES = 64 << 10
+MAX_SYSTEM_PROMPT_CHARS = 1 << 20
+MAX_LIST_LIMIT = 1000
+# Each retry means another writer committed in between; far more than that is a livelock.
+MAX_COMMIT_ATTEMPTS = 64
+
+_NAME_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_INT32_MAX = np.iinfo(np.int32).max
+_EMPTY_TOKENS = np.zeros(0, dtype=TOKEN_DTYPE)
+_EMPTY_TOKENS.flags.writeable = False
+
+
+@dataclass(frozen=True, slots=True)
+class BranchInfo:
+    name: str
+    head_version: int  # EMPTY_HEAD (0) when the branch has no versions yet
+    created_at: datetime
+
+    @property
+    def is_empty(self) -> bool:
+        return self.head_version == EMPTY_HEAD
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    id: SessionId
+    user_id: UserId
+    created_at: datetime
+    updated_at: datetime
+    system_prompt: str | None
+    metadata: dict[str, Any]
+    version_count: int
+    branches: tuple[BranchInfo, ...]
+
+    def branch(self, name: str) -> BranchInfo:
+        for b in self.branches:
+            if b.name == name:
+                return b
+        raise BranchNotFound(f"branch {name!r} not found")
+
+
+@dataclass(frozen=True, slots=True)
+class VersionSummary:
+    """A version without its token and message bodies (what listings return)."""
+
+    session_id: SessionId
+    number: int
+    parent: int | None
+    branch: str  # the branch it was committed on
+    created_at: datetime
+    n_tokens: int
+    fingerprint: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class VersionInfo(VersionSummary):
+    tokens: np.ndarray  # int32, read-only
+    messages: list[dict[str, Any]]
+
+
+def _aware(ts: datetime) -> datetime:
+    # SQLite hands back naive datetimes; everything is stored in UTC.
+    return ts if ts.tzinfo is not None else ts.replace(tzinfo=UTC)
+
+
+def _check_name(kind: str, name: str) -> str:
+    if not isinstance(name, str) or _NAME_RE.fullmatch(name) is None:
+        raise InvalidInput(f"{kind} must be 1-128 characters of [A-Za-z0-9._:-], got {name!r}")
+    return name
+
+
+def _json_size(kind: str, value: object) -> int:
+    try:
+        return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode())
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"{kind} is not JSON-serialisable: {exc}") from exc
+
+
+def _coerce_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise InvalidInput("tokens must be a 1-D sequence of token ids")
+    if arr.size == 0:
+        return _EMPTY_TOKENS
+    if arr.dtype.kind not in "iu":
+        raise InvalidInput(f"tokens must be integers, got dtype {arr.dtype}")
+    if arr.size > MAX_TOKENS:
+        raise LimitExceeded(f"{arr.size} tokens exceed the limit of {MAX_TOKENS}")
+    if int(arr.min()) < 0 or int(arr.max()) > _INT32_MAX:
+        raise InvalidInput("token ids must be in [0, 2**31 - 1]")
+    return np.ascontiguousarray(arr, dtype=TOKEN_DTYPE)
+
+
+def _check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    if not isinstance(messages, list | tuple) or not all(isinstance(m, Mapping) for m in messages):
+        raise InvalidInput("messages must be a list of JSON objects")
+    plain = [dict(m) for m in messages]
+    size = _json_size("messages", plain)
+    if size > MAX_MESSAGES_BYTES:
+        raise LimitExceeded(f"messages take {size} bytes of JSON, over the limit of {MAX_MESSAGES_BYTES}")
+    return plain
+
+
+def _normalised(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as they come back from the JSON column, so equality matches stored ones."""
+    _check_messages(messages)
+    out: list[dict[str, Any]] = json.loads(json.dumps([dict(m) for m in messages]))
+    return out
+
+
+def _branch_info(row: BranchRow) -> BranchInfo:
+    return BranchInfo(name=row.name, head_version=row.head_version, created_at=_aware(row.created_at))
+
+
+def _session_info(row: SessionRow, branches: Iterable[BranchRow]) -> SessionInfo:
+    return SessionInfo(
+        id=SessionId(row.id),
+        user_id=UserId(row.user_id),
+        created_at=_aware(row.created_at),
+        updated_at=_aware(row.updated_at),
+        system_prompt=row.system_prompt,
+        metadata=dict(row.meta or {}),
+        version_count=row.version_count,
+        branches=tuple(_branch_info(b) for b in branches),
+    )
+
+
+_SUMMARY_COLS = (
+    VersionRow.session_id,
+    VersionRow.number,
+    VersionRow.parent,
+    VersionRow.branch,
+    VersionRow.created_at,
+    VersionRow.n_tokens,
+    VersionRow.fingerprint,
+)
+
+
+def _summary(r: Any) -> VersionSummary:
+    return VersionSummary(
+        session_id=SessionId(r.session_id),
+        number=r.number,
+        parent=r.parent,
+        branch=r.branch,
+        created_at=_aware(r.created_at),
+        n_tokens=r.n_tokens,
+        fingerprint=r.fingerprint,
+    )
+
+
+def _full(r: VersionRow) -> VersionInfo:
+    tokens = np.frombuffer(r.tokens, dtype=TOKEN_DTYPE) if r.tokens else _EMPTY_TOKENS
+    return VersionInfo(
+        session_id=SessionId(r.session_id),
+        number=r.number,
+        parent=r.parent,
+        branch=r.branch,
+        created_at=_aware(r.created_at),
+        n_tokens=r.n_tokens,
+        fingerprint=r.fingerprint,
+        tokens=tokens,
+        messages=list(r.messages),
+    )
+
+
+def _chain(parents: Mapping[int, int | None], start: int) -> list[int]:
+    """`start` and its ancestors, newest first (parents always have smaller numbers)."""
+    out: list[int] = []
+    cur: int | None = start
+    while cur is not None and cur != EMPTY_HEAD:
+        out.append(cur)
+        cur = parents[cur]
+    return out
+
+
+class _LostRace(StaleHead):
+    """A compare-and-set missed: another writer got in between. Caught and retried internally;
+    a StaleHead so that even an escape would carry the right meaning."""
+
+
+class VersionStore:
+    """Sessions, branches and versions of every user, over a SQLAlchemy session factory."""
+
+    def __init__(self, session_factory: sessionmaker[Session]) -> None:
+        self._factory = session_factory
+
+    # --- sessions ------------------------------------------------------------------------------
+    def create_session(
+        self,
+        user: str,
+        session_id: str | None = None,
+        system_prompt: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> SessionInfo:
+        """A new session with an empty `main` branch.
+
+        An id that exists raises `SessionExists` whoever owns it: ids are one global key, so a
+        taken id cannot be handed out again. That tells a caller the id is in use, but not whose
+        session it is or anything in it; generated ids are random and cannot be guessed.
+        """
+        _check_user(user)
+        sid = _check_name("session id", session_id) if session_id is not None else f"sess_{uuid.uuid4().hex}"
+        if system_prompt is not None and len(system_prompt) > MAX_SYSTEM_PROMPT_CHARS:
+            raise LimitExceeded(f"system prompt longer than {MAX_SYSTEM_PROMPT_CHARS} characters")
+        meta = dict(metadata) if metadata is not None else None
+        if meta is not None and _json_size("metadata", meta) > MAX_METADATA_BYTES:
+            raise LimitExceeded(f"metadata over {MAX_METADATA_BYTES} bytes of JSON")
+        try:
+            with transaction(self._factory) as db:
+                now = utcnow()
+                row = SessionRow(
+                    id=sid,
+                    user_id=user,
+                    created_at=now,
+                    updated_at=now,
+                    system_prompt=system_prompt,
+                    meta=meta,
+                    version_count=0,
+                )
+                db.add(row)
+                db.flush()
+                main = BranchRow(session_id=sid, name=MAIN_BRANCH, head_version=EMPTY_HEAD, created_at=now)
+                db.add(main)
+                db.flush()
+                return _session_info(row, [main])
+        except IntegrityError as exc:
+            raise SessionExists(f"session id {sid!r} is already in use") from exc
+
+    def get_session(self, user: str, sid: str) -> SessionInfo:
+        with transaction(self._factory) as db:
+            row = self._owned(db, user, sid)
+            return _session_info(row, self._branch_rows(db, sid))
+
+    def ensure_session(
+        self,
+        user: str,
+        sid: str,
+        system_prompt: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> tuple[SessionInfo, bool]:
+        """Get the user's session `sid`, creating it if missing; `created` says which happened."""
+        try:
+            return self.get_session(user, sid), False
+        except SessionNotFound:
+            pass
+        try:
+            return self.create_session(user, sid, system_prompt=system_prompt, metadata=metadata), True
+        except SessionExists:
+            # Lost a creation race, or the id belongs to someone else (then get raises, and the
+            # caller sees the same SessionExists as from create_session).
+            try:
+                return self.get_session(user, sid), False
+            except SessionNotFound:
+                raise SessionExists(f"session id {sid!r} is already in use") from None
+
+    def list_sessions(
+        self, user: str, limit: int = 20, after: str | None = None
+    ) -> tuple[list[SessionInfo], bool]:
+        """The user's sessions ordered by (created_at, id), `limit` at a time after session `after`."""
+        if not 1 <= limit <= MAX_LIST_LIMIT:
+            raise InvalidInput(f"limit must be in [1, {MAX_LIST_LIMIT}]")
+        with transaction(self._factory) as db:
+            q = select(SessionRow).where(SessionRow.user_id == user)
+            if after is not None:
+                cursor = db.execute(
+                    select(SessionRow.created_at, SessionRow.id).where(
+                        SessionRow.id == after, SessionRow.user_id == user
+                    )
+                ).one_or_none()
+                if cursor is None:
+                    raise InvalidInput(f"unknown cursor session {after!r}")
+                q = q.where(tuple_(SessionRow.created_at, SessionRow.id) > tuple_(cursor[0], cursor[1]))
+            rows = list(db.scalars(q.order_by(SessionRow.created_at, SessionRow.id).limit(limit + 1)))
+            has_more = len(rows) > limit
+            rows = rows[:limit]
+            by_session: dict[str, list[BranchRow]] = {r.id: [] for r in rows}
+            if rows:
+                for b in db.scalars(
+                    select(BranchRow)
+                    .where(BranchRow.session_id.in_(list(by_session)))
+                    .order_by(BranchRow.created_at, BranchRow.name)
+                ):
+                    by_session[b.session_id].append(b)
+            return [_session_info(r, by_session[r.id]) for r in rows], has_more
+
+    def delete_session(self, user: str, sid: str) -> int:
+        """Delete the session with its branches and versions; return the number of versions deleted."""
+        with transaction(self._factory) as db:
+            self._owned(db, user, sid)
+            return self._delete_where(db, select(SessionRow.id).where(SessionRow.id == sid))["versions"]
+
+    # --- commits, rollbacks, branches ----------------------------------------------------------
+    def commit(
+        self,
+        user: str,
+        sid: str,
+        *,
+        tokens: Sequence[int] | np.ndarray,
+        messages: Sequence[Mapping[str, Any]],
+        branch: str = MAIN_BRANCH,
+        parent: int | None = None,
+        expected_head: int | None = None,
+        fingerprint: str | None = None,
+    ) -> VersionInfo:
+        """Append a version as the child of `branch`'s head and move the head to it.
+
+        `parent` and `expected_head` both pin the head the caller built on (0 = empty branch):
+        when the head is elsewhere, `StaleHead`. Without either, the commit goes on top of
+        whatever the head is when it lands.
+        """
+        arr = _coerce_tokens(tokens)
+        msgs = _check_messages(messages)
+        if fingerprint is not None and len(fingerprint) > 64:
+            raise InvalidInput("fingerprint longer than 64 characters")
+        pinned = {h for h in (parent, expected_head) if h is not None}
+        if len(pinned) > 1:
+            raise InvalidInput(f"parent {parent} and expected_head {expected_head} disagree")
+        want = pinned.pop() if pinned else None
+        body = arr.tobytes()
+        for _ in range(MAX_COMMIT_ATTEMPTS):
+            try:
+                return self._try_commit(user, sid, branch, want, body, int(arr.size), msgs, fingerprint)
+            except _LostRace:
+                continue
+        raise StaleHead(f"commit on {sid!r}/{branch!r} lost {MAX_COMMIT_ATTEMPTS} races in a row")
+
+    def _try_commit(
+        self,
+        user: str,
+        sid: str,
+        branch: str,
+        want: int | None,
+        body: bytes,
+        n_tokens: int,
+        msgs: list[dict[str, Any]],
+        fingerprint: str | None,
+    ) -> VersionInfo:
+        with transaction(self._factory) as db:
+            count = self._owned(db, user, sid).version_count
+            head = self._branch_row(db, sid, branch).head_version
+            if want is not None and head != want:
+                raise StaleHead(f"branch {branch!r} head is {head}, expected {want}")
+            number = count + 1
+            now = utcnow()
+            # Both compare-and-sets must hold for the commit to stand; a miss means another writer
+            # got in between, and the transaction is rolled back and everything re-read.
+            took_number = _rowcount(
+                db,
+                update(SessionRow)
+                .where(SessionRow.id == sid, SessionRow.version_count == count)
+                .values(version_count=number, updated_at=now),
+            )
+            if took_number != 1:
+                raise _LostRace
+            self._move_head(db, sid, branch, head, number)
+            parent = head if head != EMPTY_HEAD else None
+            db.add(
+                VersionRow(
+                    session_id=sid,
+                    number=number,
+                    parent=parent,
+                    branch=branch,
+                    created_at=now,
+                    n_tokens=n_tokens,
+                    tokens=body,
+                    messages=msgs,
+                    fingerprint=fingerprint,
+                )
+            )
+            db.flush()
+        return VersionInfo(
+            session_id=SessionId(sid),
+            number=number,
+            parent=parent,
+            branch=branch,
+            created_at=now,
+            n_tokens=n_tokens,
+            fingerprint=fingerprint,
+            tokens=np.frombuffer(body, dtype=TOKEN_DTYPE) if body else _EMPTY_TOKENS,
+            messages=msgs,
+        )
+
+    def rollback(
+        self, user: str, sid: str, branch: str, to_version: int, expected_head: int | None = None
+    ) -> BranchInfo:
+        """Move `branch`'s head back to `to_version`, an ancestor-or-self of the current head.
+
+        Versions after it stay stored and listed (another branch may still point at them).
+        """
+        for _ in range(MAX_COMMIT_ATTEMPTS):
+            try:
+                with transaction(self._factory) as db:
+                    self._owned(db, user, sid)
+                    brow = self._branch_row(db, sid, branch)
+                    head = brow.head_version
+                    if expected_head is not None and head != expected_head:
+                        raise StaleHead(f"branch {branch!r} head is {head}, expected {expected_head}")
+                    parents = self._parents(db, sid)
+                    if to_version not in parents:
+                        raise VersionNotFound(f"version {to_version} not found in session {sid!r}")
+                    if to_version not in _chain(parents, head):
+                        raise NotAnAncestor(
+                            f"version {to_version} is not on the history of branch {branch!r}"
+                        )
+                    self._move_head(db, sid, branch, head, to_version)
+                    self._touch(db, sid)
+                    return BranchInfo(
+                        name=branch, head_version=to_version, created_at=_aware(brow.created_at)
+                    )
+            except _LostRace:
+                if expected_head is not None:
+                    raise StaleHead(f"branch {branch!r} head moved during the rollback") from None
+        raise StaleHead(f"rollback of {sid!r}/{branch!r} lost {MAX_COMMIT_ATTEMPTS} races in a row")
+
+    def branch(self, user: str, sid: str, from_version: int, name: str) -> BranchInfo:
+        """A new branch `name` whose head is the existing version `from_version`."""
+        _check_name("branch name", name)
+        try:
+            with transaction(self._factory) as db:
+                self._owned(db, user, sid)
+                exists = db.scalar(
+                    select(VersionRow.number).where(
+                        VersionRow.session_id == sid, VersionRow.number == from_version
+                    )
+                )
+                if exists is None:
+                    raise VersionNotFound(f"version {from_version} not found in session {sid!r}")
+                if self._branch_row(db, sid, name, missing_ok=True) is not None:
+                    raise BranchExists(f"branch {name!r} already exists")
+                row = BranchRow(session_id=sid, name=name, head_version=from_version, created_at=utcnow())
+                db.add(row)
+                db.flush()
+                self._touch(db, sid)
+                return _branch_info(row)
+        except IntegrityError as exc:
+            # A concurrent writer created the same name (or deleted the session) in between.
+            self.get_session(user, sid)
+            raise BranchExists(f"branch {name!r} already exists") from exc
+
+    # --- reads ---------------------------------------------------------------------------------
+    def list_branches(self, user: str, sid: str) -> list[BranchInfo]:
+        with transaction(self._factory) as db:
+            self._owned(db, user, sid)
+            return [_branch_info(b) for b in self._branch_rows(db, sid)]
+
+    def get_branch(self, user: str, sid: str, name: str) -> BranchInfo:
+        with transaction(self._factory) as db:
+            self._owned(db, user, sid)
+            return _branch_info(self._branch_row(db, sid, name))
+
+    @overload
+    def list_versions(
+        self, user: str, sid: str, with_body: Literal[False] = False
+    ) -> list[VersionSummary]: ...
+    @overload
+    def list_versions(self, user: str, sid: str, with_body: Literal[True]) -> list[VersionInfo]: ...
+    def list_versions(
+        self, user: str, sid: str, with_body: bool = False
+    ) -> list[VersionSummary] | list[VersionInfo]:
+        """Every version of the session by number, including ones no branch points at any more."""
+        with transaction(self._factory) as db:
+            self._owned(db, user, sid)
+            if with_body:
+                q = select(VersionRow).where(VersionRow.session_id == sid).order_by(VersionRow.number)
+                return [_full(r) for r in db.scalars(q)]
+            q2 = select(*_SUMMARY_COLS).where(VersionRow.session_id == sid).order_by(VersionRow.number)
+            return [_summary(r) for r in db.execute(q2)]
+
+    @overload
+    def get_version(
+        self, user: str, sid: str, number: int, with_body: Literal[True] = True
+    ) -> VersionInfo: ...
+    @overload
+    def get_version(self, user: str, sid: str, number: int, with_body: Literal[False]) -> VersionSummary: ...
+    def get_version(self, user: str, sid: str, number: int, with_body: bool = True) -> VersionSummary:
+        with transaction(self._factory) as db:
+            self._owned(db, user, sid)
+            where = (VersionRow.session_id == sid, VersionRow.number == number)
+            if with_body:
+                row = db.scalar(select(VersionRow).where(*where))
+                if row is None:
+                    raise VersionNotFound(f"version {number} not found in session {sid!r}")
+                return _full(row)
+            r = db.execute(select(*_SUMMARY_COLS).where(*where)).one_or_none()
+            if r is None:
+                raise VersionNotFound(f"version {number} not found in session {sid!r}")
+            return _summary(r)
+
+    def ancestors(self, user: str, sid: str, number: int) -> list[int]:
+        """Version `number` and its ancestors back to the root, `number` first."""
+        with transaction(self._factory) as db:
+            self._owned(db, user, sid)
+            parents = self._parents(db, sid)
+            if number not in parents:
+                raise VersionNotFound(f"version {number} not found in session {sid!r}")
+            return _chain(parents, number)
+
+    def find_deepest_prefix_version(
+        self, user: str, sid: str, messages: Sequence[Mapping[str, Any]]
+    ) -> VersionInfo | None:
+        """The version with the most messages whose messages are a prefix of (or equal to) `messages`.
+
+        Among equally deep matches, a version that is some branch's head wins, then the lowest
+        number. Returns None when no version matches (a new turn then starts from scratch).
+        """
+        want = _normalised(messages)
+        with transaction(self._factory) as db:
+            self._owned(db, user, sid)
+            heads = set(db.scalars(select(BranchRow.head_version).where(BranchRow.session_id == sid)))
+            best: tuple[int, bool, int] | None = None
+            for number, stored in db.execute(
+                select(VersionRow.number, VersionRow.messages).where(VersionRow.session_id == sid)
+            ):
+                depth = len(stored)
+                if depth > len(want) or want[:depth] != stored:
+                    continue
+                key = (-depth, number not in heads, number)
+                if best is None or key < best:
+                    best = key
+            if best is None:
+                return None
+            row = db.scalar(
+                select(VersionRow).where(VersionRow.session_id == sid, VersionRow.number == best[2])
+            )
+            assert row is not None  # read in this same transaction
+            return _full(row)
+
+    # --- erasure -------------------------------------------------------------------------------
+    def delete_user_sessions(self, user: str, db: Session | None = None) -> dict[str, int]:
+        """Delete every session of `user`; counts of deleted sessions, versions and branches.
+
+        Pass `db` to run inside the caller's transaction (erasure commits it with the rest).
+        """
+        if db is not None:
+            return self._delete_user(db, user)
+        with transaction(self._factory) as own:
+            return self._delete_user(own, user)
+
+    def count_user_rows(self, user: str, db: Session | None = None) -> dict[str, int]:
+        """How many sessions, versions and branches `user` has (0s after an erasure)."""
+        if db is not None:
+            return self._count_user(db, user)
+        with transaction(self._factory) as own:
+            return self._count_user(own, user)
+
+    def user_ids_with_data(self) -> list[UserId]:
+        with transaction(self._factory) as db:
+            return [
+                UserId(u)
+                for u in db.scalars(select(SessionRow.user_id).distinct().order_by(SessionRow.user_id))
+            ]
+
+    # --- invariants ----------------------------------------------------------------------------
+    def check(self) -> list[str]:
+        """Every broken invariant of the version store, as readable lines (empty = healthy)."""
+        problems: list[str] = []
+        with transaction(self._factory) as db:
+            counts = dict(db.execute(select(SessionRow.id, SessionRow.version_count)).tuples())
+            parents: dict[str, dict[int, int | None]] = {sid: {} for sid in counts}
+            for sid, number, parent in db.execute(
+                select(VersionRow.session_id, VersionRow.number, VersionRow.parent)
+            ).tuples():
+                if sid not in parents:
+                    problems.append(f"version {sid}/{number} has no session")
+                    continue
+                parents[sid][number] = parent
+            for sid, count in counts.items():
+                numbers = parents[sid]
+                if sorted(numbers) != list(range(1, count + 1)):
+                    problems.append(f"session {sid}: versions {sorted(numbers)} != 1..{count}")
+                for number, parent in numbers.items():
+                    if parent is not None and (parent >= number or parent not in numbers):
+                        problems.append(f"session {sid}: version {number} has bad parent {parent}")
+            has_main = set()
+            for sid, name, head in db.execute(
+                select(BranchRow.session_id, BranchRow.name, BranchRow.head_version)
+            ).tuples():
+                if sid not in counts:
+                    problems.append(f"branch {sid}/{name} has no session")
+                    continue
+                if name == MAIN_BRANCH:
+                    has_main.add(sid)
+                if head != EMPTY_HEAD and head not in parents[sid]:
+                    problems.append(f"branch {sid}/{name} points at missing version {head}")
+            for sid in counts.keys() - has_main:
+                problems.append(f"session {sid} has no {MAIN_BRANCH!r} branch")
+        return problems
+
+    # --- internals -----------------------------------------------------------------------------
+    @staticmethod
+    def _owned(db: Session, user: str, sid: str) -> SessionRow:
+        row = db.scalar(select(SessionRow).where(SessionRow.id == sid, SessionRow.user_id == user))
+        if row is None:
+            raise SessionNotFound(f"session {sid!r} not found")
+        return row
+
+    @staticmethod
+    def _branch_rows(db: Session, sid: str) -> list[BranchRow]:
+        q = (
+            select(BranchRow)
+            .where(BranchRow.session_id == sid)
+            .order_by(BranchRow.created_at, BranchRow.name)
+        )
+        return list(db.scalars(q))
+
+    @overload
+    @staticmethod
+    def _branch_row(db: Session, sid: str, name: str, missing_ok: Literal[False] = False) -> BranchRow: ...
+    @overload
+    @staticmethod
+    def _branch_row(db: Session, sid: str, name: str, missing_ok: Literal[True]) -> BranchRow | None: ...
+    @staticmethod
+    def _branch_row(db: Session, sid: str, name: str, missing_ok: bool = False) -> BranchRow | None:
+        row = db.scalar(select(BranchRow).where(BranchRow.session_id == sid, BranchRow.name == name))
+        if row is None and not missing_ok:
+            raise BranchNotFound(f"branch {name!r} not found in session {sid!r}")
+        return row
+
+    @staticmethod
+    def _parents(db: Session, sid: str) -> dict[int, int | None]:
+        q = select(VersionRow.number, VersionRow.parent).where(VersionRow.session_id == sid)
+        return dict(db.execute(q).tuples())
+
+    @staticmethod
+    def _move_head(db: Session, sid: str, branch: str, old: int, new: int) -> None:
+        """Compare-and-set of a branch head; `_LostRace` when another writer moved it first."""
+        moved = _rowcount(
+            db,
+            update(BranchRow)
+            .where(BranchRow.session_id == sid, BranchRow.name == branch, BranchRow.head_version == old)
+            .values(head_version=new),
+        )
+        if moved != 1:
+            raise _LostRace
+
+    @staticmethod
+    def _touch(db: Session, sid: str) -> None:
+        db.execute(
+            update(SessionRow)
+            .where(SessionRow.id == sid)
+            .values(updated_at=utcnow())
+            .execution_options(synchronize_session=False)
+        )
+
+    @staticmethod
+    def _delete_where(db: Session, owned: Select[tuple[str]]) -> dict[str, int]:
+        """Delete the sessions whose ids `owned` selects.
+
+        Children go first and explicitly, which stays correct where foreign-key cascades are off.
+        """
+        versions = _rowcount(db, delete(VersionRow).where(VersionRow.session_id.in_(owned)))
+        branches = _rowcount(db, delete(BranchRow).where(BranchRow.session_id.in_(owned)))
+        sessions = _rowcount(db, delete(SessionRow).where(SessionRow.id.in_(owned)))
+        return {"sessions": sessions, "versions": versions, "branches": branches}
+
+    def _delete_user(self, db: Session, user: str) -> dict[str, int]:
+        return self._delete_where(db, select(SessionRow.id).where(SessionRow.user_id == user))
+
+    @staticmethod
+    def _count_user(db: Session, user: str) -> dict[str, int]:
+        owned = select(SessionRow.id).where(SessionRow.user_id == user).scalar_subquery()
+        return {
+            "sessions": db.scalar(
+                select(func.count()).select_from(SessionRow).where(SessionRow.user_id == user)
+            )
+            or 0,
+            "versions": db.scalar(select(func.count()).where(VersionRow.session_id.in_(owned))) or 0,
+            "branches": db.scalar(select(func.count()).where(BranchRow.session_id.in_(owned))) or 0,
+        }
+
+
+def _rowcount(db: Session, stmt: Update | Delete) -> int:
+    """Rows matched by a bulk UPDATE/DELETE (the ORM session is not synchronised: rows are re-read)."""
+    result = db.execute(stmt.execution_options(synchronize_session=False))
+    return cast(CursorResult[Any], result).rowcount
+
+
+def _check_user(user: str) -> None:
+    if not isinstance(user, str) or not user or len(user) > 256:
+        raise InvalidInput("user id must be 1-256 characters")

@@ -1,0 +1,67 @@
+"""Alembic environment: where the database is and what the schema should be.
+
+The URL comes from the config's `sqlalchemy.url` or the `DSS_DB_URL` environment variable. A
+caller may hand over an open connection in `config.attributes["connection"]` (in-memory SQLite).
+"""
+
+from __future__ import annotations
+
+import os
+from logging.config import fileConfig
+
+from alembic import context
+from sqlalchemy import Connection
+
+from dss.db.engine import make_engine
+from dss.db.models import Base
+
+config = context.config
+
+if config.config_file_name is not None:
+    # Keep the application's loggers alive when migrations run inside the server.
+    fileConfig(config.config_file_name, disable_existing_loggers=False)
+
+target_metadata = Base.metadata
+
+
+def _url() -> str:
+    url = config.get_main_option("sqlalchemy.url") or os.environ.get("DSS_DB_URL", "")
+    if not url:
+        raise RuntimeError("no database URL: set sqlalchemy.url in alembic.ini or DSS_DB_URL")
+    return url
+
+
+def _configure(**kwargs: object) -> None:
+    context.configure(target_metadata=target_metadata, compare_type=True, **kwargs)
+
+
+def run_migrations_offline() -> None:
+    url = _url()
+    _configure(url=url, literal_binds=True, render_as_batch=url.startswith("sqlite"))
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def _run_on(connection: Connection) -> None:
+    _configure(connection=connection, render_as_batch=connection.dialect.name == "sqlite")
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_online() -> None:
+    given = config.attributes.get("connection")
+    if given is not None:
+        _run_on(given)
+        return
+    engine = make_engine(_url())
+    try:
+        with engine.connect() as connection:
+            _run_on(connection)
+    finally:
+        engine.dispose()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    run_migrations_online()

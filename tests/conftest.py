@@ -1,0 +1,71 @@
+"""Shared pytest fixtures.
+
+Database fixtures: `sqlite_url` (a fresh file), `pg_url` (a throwaway PostgreSQL database on the
+server named by DSS_TEST_PG_URL), `db_url` (both, parametrised), and `session_factory` (a migrated
+database of the `db_url` kind). PostgreSQL tests skip when the server does not answer, except
+under CI (env `CI` set), where that is a failure: CI must exercise PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from dss.db.engine import make_engine, make_session_factory, upgrade_to_head
+
+DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'db' / 'dss.sqlite3'}"
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    server = make_url(os.environ.get("DSS_TEST_PG_URL", DEFAULT_PG_URL))
+    name = f"dss_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(server, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3})
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except OperationalError as exc:
+        admin.dispose()
+        if os.environ.get("CI"):
+            pytest.fail(
+                f"PostgreSQL at {server.render_as_string(hide_password=True)} is required in CI: {exc}"
+            )
+        pytest.skip(f"PostgreSQL not reachable at {server.render_as_string(hide_password=True)}")
+    try:
+        yield server.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            # FORCE: a test that failed half-way may still hold pooled connections.
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("pg", marks=pytest.mark.pg)])
+def db_url(request: pytest.FixtureRequest) -> str:
+    fixture = "sqlite_url" if request.param == "sqlite" else "pg_url"
+    url: str = request.getfixturevalue(fixture)
+    return url
+
+
+@pytest.fixture
+def session_factory(db_url: str) -> Iterator[sessionmaker[Session]]:
+    """A migrated, empty database of each kind `db_url` names."""
+    upgrade_to_head(db_url)
+    engine = make_engine(db_url)
+    try:
+        yield make_session_factory(engine)
+    finally:
+        engine.dispose()
