@@ -152,6 +152,9 @@ class BytePlaneZstdCodec:
                 plane: bytes | memoryview = body
             elif mode == _MODE_ZSTD:
                 try:
+                    # A damaged frame header may claim any size; check it before zstd allocates it.
+                    if zstandard.frame_content_size(body) != plane_len:
+                        raise CorruptPage(f"zstd plane {i} does not hold {plane_len} bytes")
                     plane = dctx.decompress(body, max_output_size=plane_len)
                 except zstandard.ZstdError as exc:
                     raise CorruptPage(f"zstd plane {i} does not decode: {exc}") from exc

@@ -69,7 +69,7 @@ def _iso(t: datetime) -> str:
     return t.astimezone(UTC).isoformat(timespec="microseconds")
 
 
-def _receipt(row: m.ErasureReceipt) -> ErasureReceipt:
+def _receipt(row: m.ErasureReceiptRow) -> ErasureReceipt:
     erased = row.erased_at if row.erased_at.tzinfo else row.erased_at.replace(tzinfo=UTC)
     return ErasureReceipt(row.id, row.seq, erased, row.subject, dict(row.counts), row.prev_hash, row.entry_hash)
 
@@ -86,19 +86,19 @@ def erase_user(store: Store, user: str) -> ErasureReceipt:
         erased_at = datetime.now(UTC)
         rid = "era_" + uuid.uuid4().hex[:24]
         with store.sf() as s, s.begin():
-            sess_ids = list(s.execute(select(m.ChatSession.id).where(m.ChatSession.user_id == user)).scalars())
+            sess_ids = list(s.execute(select(m.SessionRow.id).where(m.SessionRow.user_id == user)).scalars())
             n_versions = n_branches = 0
             if sess_ids:
                 n_versions = s.execute(
-                    select(func.count()).select_from(m.Version).where(m.Version.session_id.in_(sess_ids))
+                    select(func.count()).select_from(m.VersionRow).where(m.VersionRow.session_id.in_(sess_ids))
                 ).scalar_one()
                 n_branches = s.execute(
-                    select(func.count()).select_from(m.Branch).where(m.Branch.session_id.in_(sess_ids))
+                    select(func.count()).select_from(m.BranchRow).where(m.BranchRow.session_id.in_(sess_ids))
                 ).scalar_one()
-                s.execute(delete(m.Version).where(m.Version.session_id.in_(sess_ids)))
-                s.execute(delete(m.Branch).where(m.Branch.session_id.in_(sess_ids)))
-                s.execute(delete(m.ChatSession).where(m.ChatSession.id.in_(sess_ids)))
-            n_page_rows = s.execute(delete(m.Page).where(m.Page.tenant == tenant)).rowcount or 0
+                s.execute(delete(m.VersionRow).where(m.VersionRow.session_id.in_(sess_ids)))
+                s.execute(delete(m.BranchRow).where(m.BranchRow.session_id.in_(sess_ids)))
+                s.execute(delete(m.SessionRow).where(m.SessionRow.id.in_(sess_ids)))
+            n_page_rows = s.execute(delete(m.PageRow).where(m.PageRow.tenant == tenant)).rowcount or 0
             n_keys = store.keyring.destroy_in(s, tenant)
             counts: dict[str, Any] = {
                 "sessions": len(sess_ids),
@@ -110,11 +110,11 @@ def erase_user(store: Store, user: str) -> ErasureReceipt:
                 "bytes": {t.value: usage[t][1] for t in Tier},
             }
             with _append_lock:
-                last = s.execute(select(m.ErasureReceipt).order_by(m.ErasureReceipt.seq.desc()).limit(1)).scalar()
+                last = s.execute(select(m.ErasureReceiptRow).order_by(m.ErasureReceiptRow.seq.desc()).limit(1)).scalar()
                 seq = (last.seq + 1) if last else 1
                 prev = last.entry_hash if last else GENESIS
                 entry = _entry_hash(prev, rid, seq, erased_at, tenant, counts)
-                s.add(m.ErasureReceipt(id=rid, seq=seq, erased_at=erased_at, subject=tenant, counts=counts,
+                s.add(m.ErasureReceiptRow(id=rid, seq=seq, erased_at=erased_at, subject=tenant, counts=counts,
                                        prev_hash=prev, entry_hash=entry))
         # Committed: now the irreversible part.
         store.keyring.forget_cached(tenant)
@@ -134,7 +134,7 @@ def _scrub_database(store: Store) -> None:
 
 def get_receipt(store: Store, receipt_id: str) -> ErasureReceipt:
     with store.sf() as s:
-        row = s.get(m.ErasureReceipt, receipt_id)
+        row = s.get(m.ErasureReceiptRow, receipt_id)
         if row is None:
             raise ReceiptNotFound(f"no erasure receipt {receipt_id!r}")
         return _receipt(row)
@@ -148,19 +148,19 @@ def verify(store: Store, receipt_id: str) -> Verification:
     cutoff_ts = cutoff.timestamp()
     details: list[str] = []
     with store.sf() as s:
-        chain = list(s.execute(select(m.ErasureReceipt).where(m.ErasureReceipt.seq <= receipt.seq)
-                               .order_by(m.ErasureReceipt.seq)).scalars())
-        users = list(s.execute(select(m.ChatSession.user_id).distinct()).scalars())
+        chain = list(s.execute(select(m.ErasureReceiptRow).where(m.ErasureReceiptRow.seq <= receipt.seq)
+                               .order_by(m.ErasureReceiptRow.seq)).scalars())
+        users = list(s.execute(select(m.SessionRow.user_id).distinct()).scalars())
         mine = [u for u in users if store.tenant_for(u) == tenant]
         if mine:
             old = s.execute(
-                select(func.count()).select_from(m.ChatSession)
-                .where(m.ChatSession.user_id.in_(mine), m.ChatSession.created_at <= cutoff)
+                select(func.count()).select_from(m.SessionRow)
+                .where(m.SessionRow.user_id.in_(mine), m.SessionRow.created_at <= cutoff)
             ).scalar_one()
             if old:
                 details.append(f"database: {old} session(s) created before the erasure")
         rows = s.execute(
-            select(func.count()).select_from(m.Page).where(m.Page.tenant == tenant, m.Page.created_at <= cutoff)
+            select(func.count()).select_from(m.PageRow).where(m.PageRow.tenant == tenant, m.PageRow.created_at <= cutoff)
         ).scalar_one()
         if rows:
             details.append(f"database: {rows} page row(s)")

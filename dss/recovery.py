@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from sqlalchemy import delete, select
 
-from dss.db.models import DataKey, Page
+from dss.db.models import DataKey, PageRow
 from dss.hashing import ROOT_PARENT
 from dss.pages import PageMeta
 from dss.types import FingerprintId, NamespaceId, PageHash, TenantId
@@ -46,10 +46,10 @@ def rebuild(store: Store) -> RecoveryReport:
             files[h] = size
 
     with store.sf() as s:
-        rows = list(s.execute(select(Page)).scalars())
+        rows = list(s.execute(select(PageRow)).scalars())
         keyed = set(s.execute(select(DataKey.tenant)).scalars())
 
-    keep: dict[PageHash, Page] = {}
+    keep: dict[PageHash, PageRow] = {}
     unusable: list[PageHash] = []
     missing_file = 0
     for row in rows:
@@ -69,7 +69,7 @@ def rebuild(store: Store) -> RecoveryReport:
     if unusable:
         with store.sf() as s, s.begin():
             for i in range(0, len(unusable), 500):
-                s.execute(delete(Page).where(Page.hash.in_(unusable[i : i + 500])))
+                s.execute(delete(PageRow).where(PageRow.hash.in_(unusable[i : i + 500])))
     orphans = [h for h in files if h not in keep]
     if disk is not None:
         for h in orphans:
@@ -95,7 +95,7 @@ def rebuild(store: Store) -> RecoveryReport:
     return report
 
 
-def _reachable(rows: dict[PageHash, Page]) -> set[PageHash]:
+def _reachable(rows: dict[PageHash, PageRow]) -> set[PageHash]:
     ok: set[PageHash] = set()
     for h in rows:
         path: list[PageHash] = []
@@ -111,7 +111,7 @@ def _reachable(rows: dict[PageHash, Page]) -> set[PageHash]:
     return ok
 
 
-def _rebuild_tries(store: Store, rows: dict[PageHash, Page]) -> None:
+def _rebuild_tries(store: Store, rows: dict[PageHash, PageRow]) -> None:
     """Insert, for each page that has no child in its own namespace, the whole path from the root
     into that namespace's trie. Public pages at the head of a private path are part of it."""
     has_same_ns_child: set[PageHash] = set()

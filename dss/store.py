@@ -35,7 +35,7 @@ from dss.codec import make_codec
 from dss.config import StoreConfig
 from dss.crypto import KeyManager
 from dss.db.engine import make_engine, make_session_factory, upgrade_to_head
-from dss.db.models import Page, PublicPrefix, StoreMeta
+from dss.db.models import PageRow, PublicPrefixRow, StoreMeta
 from dss.errors import (
     FingerprintMismatch,
     InvalidInput,
@@ -594,12 +594,12 @@ class Store:
             )
         pid = "pfx_" + uuid.uuid4().hex[:24]
         with self.sf() as s, s.begin():
-            s.add(PublicPrefix(id=pid, fingerprint=fid, n_tokens=len(arr), tokens=arr.tobytes(), text=text,
+            s.add(PublicPrefixRow(id=pid, fingerprint=fid, n_tokens=len(arr), tokens=arr.tobytes(), text=text,
                                messages=messages, pinned=pin))
         self._apply_pins(fid)
         return self.get_public_prefix(pid)
 
-    def _prefix_info(self, row: PublicPrefix) -> PrefixInfo:
+    def _prefix_info(self, row: PublicPrefixRow) -> PrefixInfo:
         tokens = np.frombuffer(row.tokens, dtype="<i4")
         cached = self.match(FingerprintId(row.fingerprint), PUBLIC_TENANT, tokens).n_tokens if (
             row.fingerprint in self.fingerprints) else 0
@@ -608,26 +608,26 @@ class Store:
 
     def get_public_prefix(self, pid: str) -> PrefixInfo:
         with self.sf() as s:
-            row = s.get(PublicPrefix, pid)
+            row = s.get(PublicPrefixRow, pid)
             if row is None:
                 raise PrefixNotFound(f"no public prefix {pid!r}")
             return self._prefix_info(row)
 
     def public_prefix_tokens(self, pid: str) -> np.ndarray:
         with self.sf() as s:
-            row = s.get(PublicPrefix, pid)
+            row = s.get(PublicPrefixRow, pid)
             if row is None:
                 raise PrefixNotFound(f"no public prefix {pid!r}")
             return np.frombuffer(row.tokens, dtype="<i4").copy()
 
     def list_public_prefixes(self) -> list[PrefixInfo]:
         with self.sf() as s:
-            rows = s.execute(select(PublicPrefix).order_by(PublicPrefix.created_at, PublicPrefix.id)).scalars()
+            rows = s.execute(select(PublicPrefixRow).order_by(PublicPrefixRow.created_at, PublicPrefixRow.id)).scalars()
             return [self._prefix_info(r) for r in rows]
 
     def delete_public_prefix(self, pid: str) -> None:
         with self.sf() as s, s.begin():
-            row = s.get(PublicPrefix, pid)
+            row = s.get(PublicPrefixRow, pid)
             if row is None:
                 raise PrefixNotFound(f"no public prefix {pid!r}")
             fid = FingerprintId(row.fingerprint)
@@ -641,7 +641,7 @@ class Store:
     def _apply_pins(self, fid: FingerprintId) -> None:
         with self.sf() as s:
             rows = s.execute(
-                select(PublicPrefix.tokens).where(PublicPrefix.fingerprint == fid, PublicPrefix.pinned.is_(True))
+                select(PublicPrefixRow.tokens).where(PublicPrefixRow.fingerprint == fid, PublicPrefixRow.pinned.is_(True))
             ).scalars()
             token_sets = [np.frombuffer(t, dtype="<i4") for t in rows]
         for tokens in token_sets:
@@ -669,8 +669,8 @@ class Store:
     # ================================================================== callbacks from the page store
     def _record_disk_page(self, meta: PageMeta, disk_bytes: int) -> None:
         with self.sf() as s, s.begin():
-            if s.get(Page, meta.hash) is None:
-                s.add(Page(hash=meta.hash, namespace=meta.namespace, tenant=meta.tenant,
+            if s.get(PageRow, meta.hash) is None:
+                s.add(PageRow(hash=meta.hash, namespace=meta.namespace, tenant=meta.tenant,
                            fingerprint=meta.fingerprint, parent=meta.parent, page_index=meta.index,
                            n_tokens=meta.n_tokens, tokens=meta.tokens.tobytes(), nbytes=meta.nbytes,
                            disk_bytes=disk_bytes, codec=self.config.codec, checksum=meta.checksum or b""))
@@ -678,7 +678,7 @@ class Store:
     def _forget_disk_pages(self, pages: list[PageHash]) -> None:
         with self.sf() as s, s.begin():
             for chunk in _chunks(pages, 500):
-                s.execute(delete(Page).where(Page.hash.in_(chunk)))
+                s.execute(delete(PageRow).where(PageRow.hash.in_(chunk)))
 
     def _unlink_from_tries(self, gone: list[PageHash]) -> None:
         """Pages that left every tier: cut them (and what hangs below them) out of every trie."""

@@ -372,7 +372,7 @@ class RadixTrie:
         parent = node.parent
         if parent is None:
             raise AssertionError("cannot merge the root")
-        if node.lock_ref == child.lock_ref:
+        if True:
             child.key = np.concatenate((node.key, child.key))
             child.pages = node.pages + child.pages
             child.parent = parent

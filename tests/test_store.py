@@ -1,0 +1,105 @@
+"""The store facade end to end on real files, shared memory and SQLite."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from dss.errors import StorageError, WrongMasterKey
+from dss.types import PUBLIC_TENANT, Tier
+from tests.store_helpers import SMALL_FP, open_store, pages_for
+
+
+def test_put_load_reopen_from_disk(tmp_path):
+    store = open_store(tmp_path)
+    fid = store.register_fingerprint(SMALL_FP)
+    alice = store.tenant_for("alice")
+    tokens = np.arange(1, 23, dtype=np.int32)  # 5 full pages of 4 + 2 tokens
+    pages = pages_for(SMALL_FP, tokens)
+    assert store.put_sequence(fid, alice, tokens, pages) == 5
+    assert store.put_sequence(fid, alice, tokens, pages) == 0  # dedup by content address
+    n, got = store.load_sequence(fid, alice, tokens)
+    assert n == 20 and got == pages
+    store.pages.flush()
+    assert store.residency(fid, alice, tokens) == {"device": 0, "host": 20, "disk": 0}
+    store.check()
+    store.close()
+
+    store = open_store(tmp_path)
+    assert store.recovery_report is not None and store.recovery_report.pages_indexed == 5
+    assert store.residency(fid, alice, tokens)["disk"] == 20
+    n, got = store.load_sequence(fid, alice, tokens)
+    assert n == 20 and got == pages
+    assert store.residency(fid, alice, tokens)["host"] == 20  # promoted on hit
+    store.check()
+    store.close()
+
+
+def test_tenants_and_fingerprints_never_share(tmp_path):
+    store = open_store(tmp_path)
+    fid = store.register_fingerprint(SMALL_FP)
+    other_fp = store.register_fingerprint(dataclasses.replace(SMALL_FP, isa="amx"))
+    alice, bob = store.tenant_for("alice"), store.tenant_for("bob")
+    tokens = np.arange(100, 116, dtype=np.int32)
+    store.put_sequence(fid, alice, tokens, pages_for(SMALL_FP, tokens))
+    assert store.match(fid, alice, tokens).n_tokens == 16
+    assert store.match(fid, bob, tokens).n_tokens == 0
+    assert store.match(other_fp, alice, tokens).n_tokens == 0
+    store.close()
+
+
+def test_public_prefix_shared_rest_private(tmp_path):
+    store = open_store(tmp_path)
+    fid = store.register_fingerprint(SMALL_FP)
+    system = np.arange(500, 508, dtype=np.int32)  # two pages
+    store.register_public_prefix(fid, system, text="system prompt", pin=True)
+    store.put_sequence(fid, PUBLIC_TENANT, system, pages_for(SMALL_FP, system))
+    alice, bob = store.tenant_for("alice"), store.tenant_for("bob")
+    a_tokens = np.concatenate([system, np.arange(1, 9, dtype=np.int32)])
+    assert store.match(fid, alice, a_tokens).n_tokens == 8  # the public pages
+    store.put_sequence(fid, alice, a_tokens, pages_for(SMALL_FP, a_tokens))
+    assert store.match(fid, alice, a_tokens).n_tokens == 16
+    m = store.match(fid, bob, a_tokens)
+    assert m.n_tokens == 8 and m.public_tokens == 8
+    # the public pages are pinned: erasing alice leaves them
+    receipt = store.erase_user("alice")
+    assert receipt.counts["pages"]["host"] == 2
+    assert store.match(fid, bob, a_tokens).n_tokens == 8
+    assert store.verify_erasure(receipt.id).remnants == 0
+    store.check()
+    store.close()
+
+
+def test_host_pressure_demotes_to_disk_then_promotes(tmp_path):
+    page = SMALL_FP.page_nbytes
+    store = open_store(tmp_path, host_capacity_bytes=4 * page, write_through=False)
+    fid = store.register_fingerprint(SMALL_FP)
+    t = store.tenant_for("alice")
+    seqs = [np.arange(i * 1000, i * 1000 + 8, dtype=np.int32) for i in range(6)]  # 12 pages > 4 slots
+    for s in seqs:
+        store.put_sequence(fid, t, s, pages_for(SMALL_FP, s))
+    assert store.pages.counters.evictions[Tier.HOST] >= 8
+    for s in seqs:
+        n, got = store.load_sequence(fid, t, s)
+        assert n == 8 and got == pages_for(SMALL_FP, s)
+    store.check()
+    store.close()
+
+
+def test_wrong_master_key_refuses_to_start(tmp_path):
+    store = open_store(tmp_path)
+    store.close()
+    (tmp_path / "master.key").write_text("00" * 32)
+    with pytest.raises(WrongMasterKey, match="master.key"):
+        open_store(tmp_path)
+
+
+def test_second_owner_refused(tmp_path):
+    store = open_store(tmp_path)
+    try:
+        with pytest.raises(StorageError, match="owns the data directory"):
+            open_store(tmp_path)
+    finally:
+        store.close()
