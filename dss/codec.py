@@ -41,6 +41,23 @@ class Codec(Protocol):
 
     def decode(self, data: Buffer, raw_len: int, elem_bytes: int = 2) -> bytearray | bytes: ...
 
+    def decode_into(self, data: Buffer, out: np.ndarray, elem_bytes: int = 2) -> None:
+        """Decode into `out` (a writable uint8 array of exactly the raw length, e.g. an arena slot)."""
+        ...
+
+
+def _out_array(out: np.ndarray | Buffer) -> np.ndarray:
+    arr = out if isinstance(out, np.ndarray) else np.frombuffer(out, dtype=np.uint8)
+    if arr.dtype != np.uint8 or arr.ndim != 1 or not arr.flags.c_contiguous or not arr.flags.writeable:
+        raise InvalidInput("decode_into needs a writable, contiguous 1-D uint8 array")
+    return arr
+
+
+def _decode_via_into(codec: Codec, data: Buffer, raw_len: int, elem_bytes: int) -> bytearray:
+    out = bytearray(raw_len)
+    codec.decode_into(data, np.frombuffer(out, dtype=np.uint8), elem_bytes)
+    return out
+
 
 def _as_u8(buf: Buffer) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.uint8)
@@ -58,6 +75,12 @@ class NoneCodec:
         if len(data) != raw_len:
             raise CorruptPage(f"uncompressed payload has {len(data)} bytes, expected {raw_len}")
         return bytes(data)
+
+    def decode_into(self, data: Buffer, out: np.ndarray, elem_bytes: int = 2) -> None:
+        arr = _out_array(out)
+        if len(data) != arr.size:
+            raise CorruptPage(f"uncompressed payload has {len(data)} bytes, expected {arr.size}")
+        arr[:] = _as_u8(data)
 
 
 # --- byte planes + zstd -------------------------------------------------------------------------
@@ -128,6 +151,11 @@ class BytePlaneZstdCodec:
         return len(cctx.compress(sample.data)) < self.max_plane_ratio * sample.size
 
     def decode(self, data: Buffer, raw_len: int, elem_bytes: int = 2) -> bytearray | bytes:
+        return _decode_via_into(self, data, raw_len, elem_bytes)
+
+    def decode_into(self, data: Buffer, out: np.ndarray, elem_bytes: int = 2) -> None:
+        arr = _out_array(out)
+        raw_len = arr.size
         view = memoryview(data).cast("B")
         try:
             (n_planes,) = _BP_HEAD.unpack_from(view, 0)
@@ -163,23 +191,21 @@ class BytePlaneZstdCodec:
             if len(plane) != plane_len:
                 raise CorruptPage(f"plane {i} has {len(plane)} bytes, expected {plane_len}")
             planes.append(_as_u8(plane))
-        return _interleave(planes, raw_len)
+        _interleave(planes, arr)
 
 
-def _interleave(planes: list[np.ndarray], raw_len: int) -> bytearray:
-    out = bytearray(raw_len)
+def _interleave(planes: list[np.ndarray], out: np.ndarray) -> None:
     if len(planes) == 1:
-        _as_u8(out)[:] = planes[0]
+        out[:] = planes[0]
     elif len(planes) == 2:
         # Two whole-array integer ops beat two strided byte copies by about 2x.
-        words = np.frombuffer(out, dtype="<u2")
+        words = out.view("<u2")
         np.left_shift(planes[1], 8, out=words, dtype=words.dtype)
         np.bitwise_or(words, planes[0], out=words)
     else:
-        strided = _as_u8(out).reshape(-1, len(planes)).T
+        strided = out.reshape(-1, len(planes)).T
         for i, plane in enumerate(planes):
             strided[i] = plane
-    return out
 
 
 # --- int8 (lossy) -------------------------------------------------------------------------------
@@ -225,6 +251,11 @@ class Int8Codec:
         return b"".join((scale.astype("<f4").data, q.reshape(-1)[: values.size].data))
 
     def decode(self, data: Buffer, raw_len: int, elem_bytes: int = 2) -> bytearray | bytes:
+        return _decode_via_into(self, data, raw_len, elem_bytes)
+
+    def decode_into(self, data: Buffer, out: np.ndarray, elem_bytes: int = 2) -> None:
+        arr = _out_array(out)
+        raw_len = arr.size
         n = raw_len // 2
         n_groups = -(-n // INT8_GROUP)
         if raw_len % 2 or len(data) != 4 * n_groups + n:
@@ -234,7 +265,7 @@ class Int8Codec:
         padded = np.zeros(n_groups * INT8_GROUP, dtype=np.float32)
         padded[:n] = q
         values = (padded.reshape(n_groups, INT8_GROUP) * scale[:, None]).reshape(-1)[:n]
-        return bytearray(_f32_to_bf16(np.ascontiguousarray(values)).astype("<u2").tobytes())
+        arr.view("<u2")[:] = _f32_to_bf16(np.ascontiguousarray(values))
 
 
 def _pad_groups(values: np.ndarray) -> np.ndarray:

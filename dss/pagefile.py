@@ -1,16 +1,18 @@
 """The at-rest format of one page: a fixed binary header, then the body.
 
-    header (HEADER_LEN bytes, little-endian, see `_HEADER`)
-    body   = tokens ‖ payload                          when not encrypted
-           = AES-GCM(data_key, tokens ‖ payload, aad = header bytes)   when encrypted
+    header (HEADER_LEN bytes, little-endian, see `_FIELDS`)
+    body   = tokens ‖ payload                                        when not encrypted
+           = AES-GCM(data_key, tokens ‖ payload, aad = header fields)  when encrypted
 
 `tokens` are the page's token ids (int32 LE), needed to rebuild the index after a restart; they
 are user content, so they sit inside the encrypted body. `payload` is the codec's output.
 
 Every byte is verified on decode, so a damaged file raises `CorruptPage` and never yields wrong
 bytes: `header_check` covers the header (so `read_header` alone detects a damaged header),
-`tokens_check` covers the token ids, `checksum` (xxh3-128) covers the decoded page, and when
-encrypted the AES-GCM tag covers the body and, as associated data, the header.
+`body_check` (xxh3-64) covers the body as stored (checked before anything is decrypted or
+decompressed, which also tells damage apart from a wrong key), `checksum` (xxh3-128) covers the
+decoded page, and when encrypted the AES-GCM tag covers the body and, as associated data, the
+header fields.
 
 `checksum` is the xxh3-128 of the raw page for lossless codecs (it equals `PageMeta.checksum`).
 For a lossy codec it is the checksum of what decoding yields (flag `FLAG_LOSSY`), since the
@@ -39,10 +41,13 @@ FLAG_LOSSY = 1 << 1
 _KNOWN_FLAGS = FLAG_ENCRYPTED | FLAG_LOSSY
 TENANT_FIELD_BYTES = 32
 
+# The header is `_FIELDS` (also the AES-GCM associated data) followed by `_TRAILER`:
+# body_check (xxh3-64 of the body as stored) and header_check (xxh3-64 of everything before it).
 # magic, version, codec id, flags, namespace, tenant, page hash, parent hash, page index,
-# n_tokens, raw_len, body_len, checksum, tokens_check, header_check
-_HEADER = struct.Struct("<4sHHI16s32s32s32sIIQQ16sQQ")
-HEADER_LEN = _HEADER.size
+# n_tokens, raw_len, body_len, checksum
+_FIELDS = struct.Struct("<4sHHI16s32s32s32sIIQQ16s")
+_TRAILER = struct.Struct("<QQ")
+HEADER_LEN = _FIELDS.size + _TRAILER.size
 _CHECKED_PREFIX_LEN = HEADER_LEN - 8  # everything before header_check
 
 
@@ -60,7 +65,7 @@ class PageFileHeader:
     raw_len: int
     body_len: int
     checksum: bytes
-    tokens_check: int
+    body_check: int
     header_len: int = HEADER_LEN
 
     @property
@@ -80,8 +85,8 @@ def checksum(raw: Buffer) -> bytes:
     return xxhash.xxh3_128_digest(raw)
 
 
-def _tokens_check(tokens_bytes: Buffer) -> int:
-    return xxhash.xxh3_64_intdigest(tokens_bytes)
+def _body_check(body: Buffer) -> int:
+    return xxhash.xxh3_64_intdigest(body)
 
 
 def _tenant_field(tenant: str) -> bytes:
@@ -94,19 +99,12 @@ def _tenant_field(tenant: str) -> bytes:
     return encoded.ljust(TENANT_FIELD_BYTES, b"\x00")
 
 
-def _pack_header(
-    meta: PageMeta,
-    codec_id: int,
-    flags: int,
-    n_tokens: int,
-    raw_len: int,
-    body_len: int,
-    check: bytes,
-    tcheck: int,
+def _pack_fields(
+    meta: PageMeta, codec_id: int, flags: int, raw_len: int, body_len: int, check: bytes
 ) -> bytes:
     if len(meta.hash) != HASH_BYTES or len(meta.parent) != HASH_BYTES or len(meta.namespace) != 16:
         raise InvalidInput("page hash and parent must be 32 bytes, namespace id 16 bytes")
-    prefix = _HEADER.pack(
+    return _FIELDS.pack(
         MAGIC,
         FORMAT_VERSION,
         codec_id,
@@ -116,14 +114,16 @@ def _pack_header(
         meta.hash,
         meta.parent,
         meta.index,
-        n_tokens,
+        len(meta.tokens),
         raw_len,
         body_len,
         check,
-        tcheck,
-        0,
-    )[:_CHECKED_PREFIX_LEN]
-    return prefix + struct.pack("<Q", xxhash.xxh3_64_intdigest(prefix))
+    )
+
+
+def _seal_header(fields: bytes, body: Buffer) -> bytes:
+    checked = fields + struct.pack("<Q", _body_check(body))
+    return checked + struct.pack("<Q", xxhash.xxh3_64_intdigest(checked))
 
 
 def encode_page(
@@ -150,24 +150,15 @@ def encode_page(
     if not codec.lossless:
         flags |= FLAG_LOSSY
         stored_check = checksum(codec.decode(payload, len(raw_view), elem_bytes))
-    if data_key is not None:
+    if data_key is None:
+        body = tokens_bytes + payload
+        fields = _pack_fields(meta, codec.codec_id, flags, len(raw_view), len(body), stored_check)
+    else:
         flags |= FLAG_ENCRYPTED
         body_len = crypto.NONCE_BYTES + len(tokens_bytes) + len(payload) + crypto.TAG_BYTES
-    else:
-        body_len = len(tokens_bytes) + len(payload)
-    header = _pack_header(
-        meta,
-        codec.codec_id,
-        flags,
-        len(meta.tokens),
-        len(raw_view),
-        body_len,
-        stored_check,
-        _tokens_check(tokens_bytes),
-    )
-    if data_key is not None:
-        return header + crypto.encrypt(data_key, tokens_bytes + payload, header)
-    return b"".join((header, tokens_bytes, payload))
+        fields = _pack_fields(meta, codec.codec_id, flags, len(raw_view), body_len, stored_check)
+        body = crypto.encrypt(data_key, tokens_bytes + payload, fields)
+    return _seal_header(fields, body) + body
 
 
 def read_header(blob_or_prefix: Buffer) -> PageFileHeader:
@@ -175,11 +166,10 @@ def read_header(blob_or_prefix: Buffer) -> PageFileHeader:
     view = memoryview(blob_or_prefix).cast("B")
     if len(view) < HEADER_LEN:
         raise CorruptPage(f"page file truncated inside its header ({len(view)} < {HEADER_LEN} bytes)")
-    fields = _HEADER.unpack_from(view, 0)
-    (magic, version, codec_id, flags, ns, tenant, page, parent, index, n_tokens, raw_len, body_len) = fields[
-        :12
-    ]
-    check, tcheck, hcheck = fields[12:]
+    (magic, version, codec_id, flags, ns, tenant, page, parent, index, n_tokens, raw_len, body_len, check) = (
+        _FIELDS.unpack_from(view, 0)
+    )
+    bcheck, hcheck = _TRAILER.unpack_from(view, _FIELDS.size)
     if magic != MAGIC:
         raise CorruptPage(f"not a page file (magic {bytes(magic)!r})")
     if hcheck != xxhash.xxh3_64_intdigest(view[:_CHECKED_PREFIX_LEN]):
@@ -201,14 +191,18 @@ def read_header(blob_or_prefix: Buffer) -> PageFileHeader:
         raw_len=raw_len,
         body_len=body_len,
         checksum=check,
-        tokens_check=tcheck,
+        body_check=bcheck,
     )
 
 
 def decode_page(
-    blob: Buffer, data_key: bytes | None, elem_bytes: int = 2
-) -> tuple[PageFileHeader, np.ndarray, bytearray | bytes]:
+    blob: Buffer, data_key: bytes | None, elem_bytes: int = 2, out: np.ndarray | None = None
+) -> tuple[PageFileHeader, np.ndarray, bytearray | bytes | memoryview]:
     """Verify and decode a whole page file: (header, token ids, raw page bytes).
+
+    With `out` (a writable uint8 array of the page's size, e.g. a reserved arena slot) the page
+    is decoded in place and a memoryview of `out` is returned as the raw bytes; on `CorruptPage`
+    its content is undefined (a reserved slot is released, which zeroes it).
 
     Passing a data key demands an encrypted file: an unencrypted file where an encrypted one is
     expected could have been planted, so it is refused as corrupt.
@@ -227,16 +221,29 @@ def decode_page(
         raise CorruptPage(str(exc)) from exc
 
     body = view[HEADER_LEN:]
+    if _body_check(body) != header.body_check:
+        raise CorruptPage("page file body fails its checksum")
     if data_key is not None:
-        body = memoryview(crypto.decrypt(data_key, body, bytes(view[:HEADER_LEN])))
+        try:
+            body = memoryview(crypto.decrypt(data_key, body, bytes(view[: _FIELDS.size])))
+        except CorruptPage as exc:
+            # The stored bytes passed body_check, so the key is what does not fit.
+            raise CorruptPage(
+                "page fails authentication under the given data key (wrong or destroyed key)"
+            ) from exc
     tokens_len = header.n_tokens * TOKEN_DTYPE.itemsize
     if len(body) < tokens_len:
         raise CorruptPage("page body is shorter than its token ids")
     tokens_bytes = body[:tokens_len]
-    if _tokens_check(tokens_bytes) != header.tokens_check:
-        raise CorruptPage("page token ids fail their checksum")
     tokens = np.frombuffer(tokens_bytes, dtype=TOKEN_DTYPE).copy()
-    raw = codec.decode(body[tokens_len:], header.raw_len, elem_bytes)
+    raw: bytearray | bytes | memoryview
+    if out is None:
+        raw = codec.decode(body[tokens_len:], header.raw_len, elem_bytes)
+    else:
+        if out.size != header.raw_len:
+            raise InvalidInput(f"output buffer has {out.size} bytes, the page has {header.raw_len}")
+        codec.decode_into(body[tokens_len:], out, elem_bytes)
+        raw = out.data
     if len(raw) != header.raw_len or checksum(raw) != header.checksum:
         raise CorruptPage("page bytes fail their checksum")
     return header, tokens, raw

@@ -204,7 +204,7 @@ class RadixTrie:
         if split is not None:
             node = self._split(*split)
         new_key = toks[pos:end].copy()
-        if node is not self.root and not node.children:
+        if node is not self.root:
             # Extending a leaf keeps a multi-turn session one node deep instead of one per turn.
             node.key = np.concatenate((node.key, new_key))
             node.pages.extend(new_pages)
@@ -372,7 +372,7 @@ class RadixTrie:
         parent = node.parent
         if parent is None:
             raise AssertionError("cannot merge the root")
-        if True:
+        if node.lock_ref == child.lock_ref:
             child.key = np.concatenate((node.key, child.key))
             child.pages = node.pages + child.pages
             child.parent = parent

@@ -170,6 +170,10 @@ def _build(out: Path, progress: bool) -> None:
             step(3)
             _save(model, tok, out)
             bar.update()
+        # mkdtemp makes a private folder; the model is meant to be read by any local user.
+        out.chmod(0o755)
+        for p in out.iterdir():
+            p.chmod(0o644)
         step(4)
         marker = {
             "model": DEFAULT_MODEL_NAME,
@@ -220,7 +224,6 @@ def _save(model: Any, tok: Any, out: Path) -> None:
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
     config.architectures = [type(model).__name__]
-    config._name_or_path = DEFAULT_MODEL_NAME
     # A fresh dense model guarantees no quantizer state leaks into the saved files.
     dense = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     missing, unexpected = dense.load_state_dict(model.state_dict(), strict=False)
@@ -237,9 +240,11 @@ def _save(model: Any, tok: Any, out: Path) -> None:
     )
     dense.save_pretrained(str(out), safe_serialization=True)
     tok.save_pretrained(str(out))
-    saved = json.loads((out / "config.json").read_text())
-    if "quantization_config" in saved:
-        raise ModelPrepareError("saved config.json still names a quantization_config")
+    cfg_path = out / "config.json"
+    saved = json.loads(cfg_path.read_text())
+    saved.pop("quantization_config", None)
+    saved.pop("_model_name_or_path", None)  # the GGUF's internal training-run name
+    cfg_path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
     if not tok.chat_template:
         raise ModelPrepareError("the GGUF tokenizer carries no chat template")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -28,12 +29,12 @@ def pages_for(fp: ModelFingerprint, tokens: np.ndarray, salt: int = 0) -> list[b
     bs = fp.block_size
     out = []
     for i in range(len(tokens) // bs):
-        seed = int(np.uint64(abs(hash(tokens[: (i + 1) * bs].tobytes())) % (1 << 32))) + salt
+        seed = zlib.crc32(np.ascontiguousarray(tokens[: (i + 1) * bs]).tobytes()) + salt
         out.append(page_bytes(fp, seed))
     return out
 
 
 def open_store(data_dir: Path, **overrides: object) -> Store:
-    cfg = StoreConfig(data_dir=data_dir, fsync=False, host_capacity_bytes=overrides.pop("host_capacity_bytes", 1 << 24),
-                      **overrides)  # type: ignore[arg-type]
+    options: dict[str, object] = {"fsync": False, "host_capacity_bytes": 1 << 24, **overrides}
+    cfg = StoreConfig(data_dir=data_dir, **options)  # type: ignore[arg-type]
     return Store.open(cfg)

@@ -153,3 +153,19 @@ def test_registry() -> None:
         codec_by_id(99)
     with pytest.raises(InvalidInput):
         BytePlaneZstdCodec(level=99)
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_decode_into_matches_decode(name: str) -> None:
+    codec = make_codec(name)
+    raw = bf16_like(20_000, seed=9)
+    blob = codec.encode(raw)
+    out = np.full(len(raw), 0xAA, dtype=np.uint8)
+    codec.decode_into(blob, out)
+    assert out.tobytes() == bytes(codec.decode(blob, len(raw)))
+    with pytest.raises(InvalidInput):
+        codec.decode_into(blob, np.zeros(len(raw), dtype=np.uint8)[::2])  # not contiguous
+    with pytest.raises(InvalidInput):
+        codec.decode_into(blob, np.zeros(len(raw), dtype=np.uint8).view(np.uint16))
+    with pytest.raises(CorruptPage):
+        codec.decode_into(blob, np.zeros(len(raw) - 2, dtype=np.uint8))  # wrong size

@@ -11,12 +11,19 @@ import pytest
 import torch
 
 from dss.codec import BytePlaneZstdCodec, Int8Codec, NoneCodec, make_codec
-from dss.errors import CapacityError, CorruptPage, InvalidInput, PageMissing, PageShapeMismatch, TierUnavailable
+from dss.errors import (
+    CapacityError,
+    CorruptPage,
+    InvalidInput,
+    PageMissing,
+    PageShapeMismatch,
+    TierUnavailable,
+)
 from dss.hashing import ROOT_PARENT, page_hash
 from dss.pagefile import HEADER_LEN, checksum, decode_page, encode_page, read_header
 from dss.pages import PageMeta
 from dss.tiers.disk import DiskTier
-from dss.types import PUBLIC_TENANT, FingerprintId, NamespaceId, PageHash, TenantId
+from dss.types import PUBLIC_TENANT, FingerprintId, NamespaceId, TenantId
 
 NS = NamespaceId(b"n" * 16)
 TENANT = TenantId("0123456789abcdef0123456789abcdef")
@@ -279,3 +286,21 @@ def test_write_without_fsync_and_without_key(tmp_path: Path) -> None:
     header, _, out = disk.read(meta.hash, None)
     assert not header.encrypted and bytes(out) == bf16_page(9)
     assert os.stat(disk.path_of(meta.hash)).st_mode & 0o777 == 0o600
+
+
+def test_read_decodes_straight_into_a_host_arena_slot(disk: DiskTier, tmp_path: Path) -> None:
+    from dss.tiers.host import HostTier
+
+    meta = stored(disk, 1)
+    host = HostTier(4 * PAGE_NBYTES, directory=tmp_path / "shm", pin_memory=False)
+    try:
+        ref = host.reserve(PAGE_NBYTES)
+        _, tokens, raw = disk.read(meta.hash, KEY, out=host.slot_array(ref))
+        host.publish(meta.hash, ref)
+        assert bytes(host.get(meta.hash)) == bf16_page(1) == bytes(raw)
+        assert np.array_equal(tokens, meta.tokens)
+        with pytest.raises(InvalidInput):
+            disk.read(meta.hash, KEY, out=np.zeros(PAGE_NBYTES - 2, dtype=np.uint8))
+        assert disk.contains(meta.hash)  # a caller mistake is not corruption
+    finally:
+        host.close()

@@ -6,6 +6,7 @@ import multiprocessing as mp
 import os
 import pickle
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ def page_bytes(i: int, n: int = SLOT) -> bytes:
 
 
 @pytest.fixture
-def tier(tmp_path: Path) -> HostTier:
+def tier(tmp_path: Path) -> Iterator[HostTier]:
     t = HostTier(8 * SLOT, directory=tmp_path / "shm", pin_memory=False)
     yield t
     t.close()
@@ -145,7 +146,7 @@ def test_concurrent_puts_and_deletes(tier: HostTier) -> None:
 
     def worker(base: int) -> None:
         try:
-            for round_ in range(30):
+            for _ in range(30):
                 for i in range(base, base + 2):
                     tier.put(h(i), page_bytes(i))
                     assert bytes(tier.get(h(i))) == page_bytes(i)

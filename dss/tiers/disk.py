@@ -168,12 +168,16 @@ class DiskTier:
             raise TierUnavailable(f"disk tier cannot read {path}: {exc.strerror or exc}") from exc
 
     def read(
-        self, page: PageHash, data_key: bytes | None
-    ) -> tuple[PageFileHeader, np.ndarray, bytearray | bytes]:
-        """Verified page: (header, token ids, raw bytes). A corrupt file is deleted and counted."""
+        self, page: PageHash, data_key: bytes | None, out: np.ndarray | None = None
+    ) -> tuple[PageFileHeader, np.ndarray, bytearray | bytes | memoryview]:
+        """Verified page: (header, token ids, raw bytes). A corrupt file is deleted and counted.
+
+        `out`, a writable uint8 array of the page's size (e.g. a reserved host-arena slot), makes
+        the page decode straight into it, saving a copy on promotion.
+        """
         blob = self._read_bytes(page)
         try:
-            header, tokens, raw = decode_page(blob, data_key)
+            header, tokens, raw = decode_page(blob, data_key, out=out)
             if header.page_hash != page:
                 raise CorruptPage(f"file of page {page.hex()} holds page {header.page_hash.hex()}")
         except CorruptPage:

@@ -1,0 +1,157 @@
+"""API keys and the identity of a request.
+
+A key is shown once when it is created; the database keeps only its SHA-256 (the keys are 256
+random bits, so a fast hash is enough: nothing can be brute-forced from it). A user key acts
+as its user; an admin key may also erase users, manage public prefixes and read metrics.
+
+With no active key at all, the server may run in a development mode, and only bound to a
+loopback address: the user is then taken from the `X-DSS-User` header (or the request's `user`
+field) and every caller counts as an admin. The check for "any active key" is refreshed every
+few seconds, so creating the first key switches a running server out of development mode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import threading
+import time
+import uuid
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from dss.db.engine import transaction
+from dss.db.models import ApiKeyRow
+from dss.errors import InvalidInput
+from dss.types import UserId
+
+KEY_PREFIX = "dss-"
+ADMIN_USER = UserId("admin")
+_MAX_USER_LEN = 256
+_ANY_KEY_TTL_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is asking: the user whose sessions and cache namespace a request uses."""
+
+    user: UserId
+    is_admin: bool
+    key_id: str | None  # None in development mode
+    dev_mode: bool = False
+
+    def as_user(self, user: str) -> Principal:
+        """Development mode only: act as another user named by the request."""
+        return replace(self, user=UserId(check_user_id(user)))
+
+
+@dataclass(frozen=True, slots=True)
+class CreatedKey:
+    id: str
+    key: str  # the secret; shown once, never stored
+    user: UserId
+    is_admin: bool
+
+
+@dataclass(frozen=True, slots=True)
+class KeyInfo:
+    id: str
+    user: UserId
+    is_admin: bool
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def check_user_id(user: str) -> str:
+    if not isinstance(user, str) or not user.strip() or len(user) > _MAX_USER_LEN:
+        raise InvalidInput(f"user id must be 1-{_MAX_USER_LEN} characters")
+    return user
+
+
+class ApiKeys:
+    """The `api_keys` table, with a short-lived cache of validated keys."""
+
+    def __init__(self, session_factory: sessionmaker[Session], cache_ttl_s: float = 10.0) -> None:
+        self._sf = session_factory
+        self._ttl = cache_ttl_s
+        self._lock = threading.Lock()
+        self._cache: dict[str, tuple[float, Principal]] = {}
+        self._any: tuple[float, bool] | None = None
+
+    def create(self, user: str | None = None, admin: bool = False) -> CreatedKey:
+        if user is None and not admin:
+            raise InvalidInput("a user key needs a user id")
+        owner = UserId(check_user_id(user)) if user is not None else ADMIN_USER
+        key = KEY_PREFIX + secrets.token_urlsafe(32)
+        kid = "key_" + uuid.uuid4().hex[:16]
+        with transaction(self._sf) as db:
+            db.add(ApiKeyRow(id=kid, key_hash=hash_key(key), user_id=owner, is_admin=admin))
+        with self._lock:
+            self._any = None
+        return CreatedKey(kid, key, owner, admin)
+
+    def authenticate(self, key: str) -> Principal | None:
+        """The principal of an active key, or None for an unknown or revoked one."""
+        digest = hash_key(key)
+        now = time.monotonic()
+        with self._lock:
+            hit = self._cache.get(digest)
+            if hit is not None and hit[0] > now:
+                return hit[1]
+        with transaction(self._sf) as db:
+            row = db.scalar(select(ApiKeyRow).where(ApiKeyRow.key_hash == digest, ApiKeyRow.revoked_at.is_(None)))
+            if row is None:
+                return None
+            principal = Principal(UserId(row.user_id or ADMIN_USER), bool(row.is_admin), row.id)
+        with self._lock:
+            if len(self._cache) > 10_000:
+                self._cache.clear()
+            self._cache[digest] = (now + self._ttl, principal)
+        return principal
+
+    def any_active(self) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            if self._any is not None and self._any[0] > now:
+                return self._any[1]
+        with transaction(self._sf) as db:
+            n = db.scalar(select(func.count()).select_from(ApiKeyRow).where(ApiKeyRow.revoked_at.is_(None))) or 0
+        with self._lock:
+            self._any = (now + _ANY_KEY_TTL_S, n > 0)
+        return n > 0
+
+    def revoke(self, key_id: str) -> bool:
+        with transaction(self._sf) as db:
+            n = db.execute(
+                update(ApiKeyRow)
+                .where(ApiKeyRow.id == key_id, ApiKeyRow.revoked_at.is_(None))
+                .values(revoked_at=datetime.now(UTC))
+            ).rowcount
+        with self._lock:
+            self._cache.clear()
+            self._any = None
+        return bool(n)
+
+    def list(self) -> list[KeyInfo]:
+        with transaction(self._sf) as db:
+            rows = db.scalars(select(ApiKeyRow).order_by(ApiKeyRow.created_at, ApiKeyRow.id))
+            return [
+                KeyInfo(r.id, UserId(r.user_id or ADMIN_USER), bool(r.is_admin), r.created_at, r.revoked_at)
+                for r in rows
+            ]
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()

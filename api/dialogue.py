@@ -1,0 +1,165 @@
+"""Where a chat turn attaches in a session's version tree, and committing it there.
+
+A turn extends one version (its parent) and is committed on a branch whose head is that parent.
+When no branch head is the parent (the client edited history, or named an older version), the
+commit creates a new branch (`fork-...`) at the parent first, so no existing branch is rewritten.
+All of this runs after the generation: a turn that is cancelled leaves no branch and no version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from dss.db.engine import transaction
+from dss.db.models import BranchRow, utcnow
+from dss.errors import BranchExists, ConflictError, SessionExists, SessionNotFound, StaleHead
+from dss.types import SessionId
+from dss.versions import EMPTY_HEAD, MAIN_BRANCH, SessionInfo, VersionInfo, VersionStore
+
+_MAX_FORK_NAMES = 64
+_MAX_COMMIT_TRIES = 4
+
+
+@dataclass(frozen=True, slots=True)
+class TurnTarget:
+    session_id: SessionId
+    parent: int | None  # the version the turn extends; None = a first turn (a root version)
+    branch: str | None  # the branch to commit on; None = fork a new branch at `parent`
+    fork_on_race: bool  # if the branch head moves meanwhile: fork (True) or answer 409 (False)
+
+    @property
+    def expected_head(self) -> int:
+        return self.parent if self.parent is not None else EMPTY_HEAD
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    version: VersionInfo
+    branch: str
+
+
+def plain_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    return [dict(m) for m in messages]
+
+
+def branch_at(session: SessionInfo, version: int | None) -> str | None:
+    """A branch whose head is `version` (`main` first), or None."""
+    head = version if version is not None else EMPTY_HEAD
+    if session.branch(MAIN_BRANCH).head_version == head:
+        return MAIN_BRANCH
+    for b in session.branches:
+        if b.head_version == head:
+            return b.name
+    return None
+
+
+def open_session(versions: VersionStore, user: str, sid: str) -> SessionInfo:
+    """The user's session, created on first use. Another user's id answers like a missing one."""
+    try:
+        return versions.ensure_session(user, sid)[0]
+    except SessionExists:
+        raise SessionNotFound(f"session {sid!r} not found") from None
+
+
+def chat_target(
+    versions: VersionStore,
+    user: str,
+    sid: str,
+    messages: Sequence[Mapping[str, Any]],
+    state_version: int | None,
+) -> TurnTarget:
+    """Where a `/v1/chat/completions` turn with the full `messages` attaches."""
+    session = open_session(versions, user, sid)
+    if state_version is not None:
+        base = versions.get_version(user, sid, state_version)
+        stored = base.messages
+        if len(messages) <= len(stored) or plain_messages(messages[: len(stored)]) != stored:
+            raise ConflictError(
+                f"the messages do not extend version {state_version}: send its {len(stored)} messages "
+                "followed by the new ones"
+            )
+        return TurnTarget(session.id, state_version, branch_at(session, state_version), fork_on_race=True)
+    found = versions.find_deepest_prefix_version(user, sid, messages)
+    parent = found.number if found is not None else None
+    return TurnTarget(session.id, parent, branch_at(session, parent), fork_on_race=True)
+
+
+def message_target(
+    versions: VersionStore, user: str, sid: str, branch: str | None, version: int | None
+) -> tuple[TurnTarget, list[dict[str, Any]]]:
+    """Where a stateful `/messages` turn attaches, and the dialogue it continues."""
+    session = versions.get_session(user, sid)
+    if version is not None:
+        base = versions.get_version(user, sid, version)
+        return TurnTarget(session.id, version, branch_at(session, version), fork_on_race=True), base.messages
+    name = branch or MAIN_BRANCH
+    head = session.branch(name).head_version
+    if head == EMPTY_HEAD:
+        start = [{"role": "system", "content": session.system_prompt}] if session.system_prompt else []
+        return TurnTarget(session.id, None, name, fork_on_race=False), start
+    base = versions.get_version(user, sid, head)
+    return TurnTarget(session.id, head, name, fork_on_race=False), base.messages
+
+
+def commit_turn(
+    versions: VersionStore,
+    session_factory: sessionmaker[Session],
+    user: str,
+    target: TurnTarget,
+    tokens: np.ndarray,
+    messages: Sequence[Mapping[str, Any]],
+    fingerprint: str | None,
+) -> Committed:
+    """Commit the finished turn as a child of `target.parent`, forking a branch when needed."""
+    for _ in range(_MAX_COMMIT_TRIES):
+        branch = target.branch
+        if branch is None:
+            branch = _fork(versions, session_factory, user, target)
+        try:
+            v = versions.commit(
+                user,
+                target.session_id,
+                tokens=tokens,
+                messages=messages,
+                branch=branch,
+                expected_head=target.expected_head,
+                fingerprint=fingerprint,
+            )
+            return Committed(v, branch)
+        except StaleHead:
+            if not target.fork_on_race:
+                raise
+            target = replace(target, branch=None)
+    raise StaleHead(f"session {target.session_id!r} kept moving under the commit; retry the request")
+
+
+def _fork(versions: VersionStore, sf: sessionmaker[Session], user: str, target: TurnTarget) -> str:
+    stem = f"fork-v{target.parent}" if target.parent is not None else "fork-root"
+    for i in range(_MAX_FORK_NAMES):
+        name = stem if i == 0 else f"{stem}-{i + 1}"
+        try:
+            if target.parent is None:
+                _create_empty_branch(versions, sf, user, target.session_id, name)
+            else:
+                versions.branch(user, target.session_id, target.parent, name)
+            return name
+        except BranchExists:
+            continue
+    raise ConflictError(f"could not find a free branch name for a fork of {stem}")
+
+
+def _create_empty_branch(versions: VersionStore, sf: sessionmaker[Session], user: str, sid: str, name: str) -> None:
+    # VersionStore.branch needs an existing version; a fork of the very first turn has none.
+    versions.get_session(user, sid)  # ownership check: SessionNotFound for anyone else
+    try:
+        with transaction(sf) as db:
+            db.add(BranchRow(session_id=sid, name=name, head_version=EMPTY_HEAD, created_at=utcnow()))
+            db.flush()
+    except IntegrityError as exc:
+        raise BranchExists(f"branch {name!r} already exists") from exc

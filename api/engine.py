@@ -1,0 +1,331 @@
+"""The embedded vLLM engine as the chat routes see it.
+
+`ChatEngine` wraps vLLM's `AsyncLLM`: it renders chat messages with the tokenizer's chat template
+into prompt token ids (the server, not vLLM, owns the prompt, because those ids are what a
+version stores), runs generations with the session's KV-transfer parameters (tenant derived on
+the server) and the tenant's prefix-cache salt, measures time to first token, and admits a
+bounded number of generations at once: beyond it the caller gets `EngineOverloaded` (503 with
+Retry-After) instead of an unbounded queue.
+
+vLLM is imported here only, and only when the engine starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from api.errors import BadRequest, EngineOverloaded, EngineUnavailable
+from api.settings import Settings
+from dss.errors import InvalidInput
+from dss.store import Store
+from dss.types import FingerprintId, TenantId
+
+log = logging.getLogger("dss.api.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """New text of a running generation."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The end of a generation: everything a commit and a response need."""
+
+    text: str
+    output_ids: tuple[int, ...]
+    finish_reason: str | None
+    num_cached_tokens: int  # engine prefix cache + connector loads, as vLLM reports it
+    kv_params: Mapping[str, Any]  # what the connector returned for the request
+    ttft_s: float | None
+
+
+@dataclass
+class _Admission:
+    limit: int
+    retry_after_s: int
+    inflight: int = 0
+
+
+class ChatEngine:
+    def __init__(
+        self,
+        llm: Any,
+        tokenizer: Any,
+        *,
+        model_name: str,
+        max_model_len: int,
+        fingerprint: FingerprintId | None,
+        max_inflight: int,
+        retry_after_s: int,
+        session_params: Any,
+    ) -> None:
+        self.llm = llm
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.fingerprint = fingerprint
+        self.created = int(time.time())
+        self._session_params = session_params
+        self._admission = _Admission(max_inflight, retry_after_s)
+        self.on_inflight_change: Any = None  # set by the app: a gauge setter
+
+    # ----------------------------------------------------------------------------------- start/stop
+    @classmethod
+    async def start(cls, settings: Settings, store: Store) -> ChatEngine:
+        """Start the engine against the store's RPC (blocking parts run in a worker thread)."""
+        from engine_patch import factory
+        from engine_patch.model import resolve_model
+
+        eng = settings.engine
+        data_dir = settings.store.resolved_data_dir
+        model_path = await asyncio.to_thread(resolve_model, eng.model, data_dir)
+        address, authkey = store.serve_rpc()
+        known = set(store.fingerprints)
+        es = _engine_settings(factory, settings, model_path)
+        llm = await asyncio.to_thread(factory.build_async_engine, address, authkey, es)
+        try:
+            tokenizer = llm.get_tokenizer()
+            model_config = llm.model_config
+            max_len = int(model_config.max_model_len)
+            name = eng.served_model_name or Path(model_path).name
+            fid = _engine_fingerprint(factory, llm, store, known)
+        except BaseException:
+            llm.shutdown()
+            raise
+        log.info("engine ready: model %s, context %d tokens, fingerprint %s", name, max_len, fid)
+        return cls(
+            llm,
+            tokenizer,
+            model_name=name,
+            max_model_len=max_len,
+            fingerprint=fid,
+            max_inflight=eng.max_inflight,
+            retry_after_s=eng.retry_after_s,
+            session_params=factory.session_params,
+        )
+
+    def shutdown(self) -> None:
+        with contextlib.suppress(Exception):
+            self.llm.shutdown()
+
+    async def ready(self) -> bool:
+        try:
+            await self.llm.check_health()
+        except Exception:
+            return False
+        return not getattr(self.llm, "errored", False)
+
+    # ------------------------------------------------------------------------------------ prompts
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Prompt token ids of `messages` through the model's chat template."""
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except Exception as exc:  # templates raise plain exceptions for unsupported role orders
+            raise InvalidInput(f"the chat template rejected the messages: {exc}") from exc
+        return self.encode(str(text))
+
+    def encode(self, text: str) -> list[int]:
+        # The template already wrote the special tokens it wants.
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def check_length(self, n_prompt: int, max_tokens: int | None, default_max: int) -> int:
+        """The max_tokens to use; 400 with the numbers when the prompt does not fit the context."""
+        room = self.max_model_len - n_prompt
+        if max_tokens is None:
+            if room < 1:
+                raise BadRequest(
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                    f"messages resulted in {n_prompt} tokens.",
+                    code="context_length_exceeded",
+                    param="messages",
+                )
+            return min(default_max, room)
+        if n_prompt + max_tokens > self.max_model_len:
+            raise BadRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{n_prompt + max_tokens} tokens ({n_prompt} in the messages, {max_tokens} in the completion).",
+                code="context_length_exceeded",
+                param="messages",
+            )
+        return max_tokens
+
+    # --------------------------------------------------------------------------------- generation
+    def check_capacity(self) -> None:
+        """Fail fast with `EngineOverloaded` when every generation slot is taken."""
+        adm = self._admission
+        if adm.inflight >= adm.limit:
+            raise EngineOverloaded(
+                f"{adm.inflight} generations are running, the limit is {adm.limit}; retry shortly",
+                adm.retry_after_s,
+            )
+
+    @contextlib.asynccontextmanager
+    async def admitted(self, strict: bool = True) -> AsyncIterator[None]:
+        """Hold a generation slot. `strict`: fail with `EngineOverloaded` when none is free;
+        otherwise take it anyway (a stream whose capacity was checked before its 200 went out)."""
+        adm = self._admission
+        if strict:
+            self.check_capacity()
+        adm.inflight += 1  # one event loop: no lock needed between the check and the increment
+        self._report_inflight()
+        try:
+            yield
+        finally:
+            adm.inflight -= 1
+            self._report_inflight()
+
+    def _report_inflight(self) -> None:
+        if self.on_inflight_change is not None:
+            self.on_inflight_change(self._admission.inflight)
+
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: Sampling,
+        *,
+        tenant: TenantId,
+        cache_salt: str,
+        session_id: str | None,
+        state_version: int | None,
+        arrived: float,
+    ) -> AsyncIterator[Delta | Finished]:
+        """Stream the generation: `Delta`s as text arrives, then one `Finished`.
+
+        Cancelling the iteration aborts the request in the engine (vLLM does it on cancellation).
+        """
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.exceptions import GracefulHTTPError, VLLMClientError
+        from vllm.sampling_params import RequestOutputKind
+
+        extra = self._session_params(tenant, session_id, state_version)
+        params = SamplingParams(
+            max_tokens=sampling.max_tokens,
+            temperature=1.0 if sampling.temperature is None else sampling.temperature,
+            top_p=1.0 if sampling.top_p is None else sampling.top_p,
+            stop=list(sampling.stop) or None,
+            seed=sampling.seed,
+            presence_penalty=sampling.presence_penalty or 0.0,
+            frequency_penalty=sampling.frequency_penalty or 0.0,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args=extra,
+        )
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=cache_salt)
+        request_id = "chatcmpl-" + uuid.uuid4().hex
+        text_parts: list[str] = []
+        output_ids: list[int] = []
+        ttft: float | None = None
+        cached = 0
+        kv_params: Mapping[str, Any] = {}
+        finish_reason: str | None = None
+        try:
+            async for out in self.llm.generate(prompt, params, request_id):
+                if out.num_cached_tokens is not None:
+                    cached = int(out.num_cached_tokens)
+                if out.kv_transfer_params:
+                    kv_params = dict(out.kv_transfer_params)
+                for comp in out.outputs:
+                    if comp.token_ids and ttft is None:
+                        ttft = time.perf_counter() - arrived
+                    output_ids.extend(comp.token_ids)
+                    if comp.finish_reason is not None:
+                        finish_reason = comp.finish_reason
+                    if comp.text:
+                        text_parts.append(comp.text)
+                        yield Delta(comp.text)
+        except GracefulHTTPError as exc:
+            raise EngineOverloaded(exc.message, self._admission.retry_after_s) from exc
+        except VLLMClientError as exc:
+            raise BadRequest(str(exc), code="invalid_generation_request") from exc
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as exc:
+            if getattr(self.llm, "errored", False):
+                raise EngineUnavailable("the engine died; the server needs a restart") from exc
+            raise
+        yield Finished("".join(text_parts), tuple(output_ids), finish_reason, cached, kv_params, ttft)
+
+
+def loaded_split(kv_params: Mapping[str, Any]) -> tuple[int, dict[str, int]]:
+    """Tokens the connector loaded, and by which tier, from the params it returned."""
+    loaded = _int(kv_params.get("loaded_tokens"))
+    raw = kv_params.get("loaded_from") or kv_params.get("tier_tokens") or {}
+    split = {str(k): _int(v) for k, v in raw.items()} if isinstance(raw, Mapping) else {}
+    return loaded, split
+
+
+def _int(v: object) -> int:
+    try:
+        return max(0, int(v))  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return 0
+
+
+def _engine_settings(factory: Any, settings: Settings, model_path: Path) -> Any:
+    eng = settings.engine
+    kwargs: dict[str, Any] = {
+        "model": str(model_path),
+        "kv_cache_space_gib": eng.kv_cache_space_gib,
+        "enforce_eager": eng.enforce_eager,
+        "seed": eng.seed,
+    }
+    if eng.max_model_len is not None:
+        kwargs["max_model_len"] = eng.max_model_len
+    if eng.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = eng.max_num_seqs
+    if eng.served_model_name is not None:
+        kwargs["served_model_name"] = eng.served_model_name
+    fields = getattr(factory.EngineSettings, "__dataclass_fields__", None)
+    if fields is not None:
+        kwargs = {k: v for k, v in kwargs.items() if k in fields}
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(eng.kv_cache_space_gib))
+    return factory.EngineSettings(**kwargs)
+
+
+def _engine_fingerprint(factory: Any, llm: Any, store: Store, known_before: set[FingerprintId]) -> FingerprintId | None:
+    """The model fingerprint the engine's connector writes pages under."""
+    getter = getattr(factory, "engine_fingerprint", None)
+    if getter is not None:
+        fid = getter(llm)
+        if fid is not None:
+            return FingerprintId(str(fid))
+    fresh = [f for f in store.fingerprints if f not in known_before]
+    if len(fresh) == 1:
+        return fresh[0]
+    return _fingerprint_by_config(llm, store, fresh or list(store.fingerprints))
+
+
+def _fingerprint_by_config(llm: Any, store: Store, candidates: list[FingerprintId]) -> FingerprintId | None:
+    cfg = llm.vllm_config
+    block = cfg.cache_config.block_size
+    layers = cfg.model_config.get_num_layers(cfg.parallel_config)
+    matches = [
+        f for f in candidates
+        if store.fingerprints[f].block_size == block and store.fingerprints[f].num_layers == layers
+    ]
+    return matches[-1] if matches else None
+

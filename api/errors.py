@@ -1,0 +1,201 @@
+"""The one place where errors become HTTP responses, in OpenAI's shape.
+
+`{"error": {"message", "type", "param", "code"}}` for every error the server answers: the store's
+typed exceptions (`dss.errors`), the API's own (`ApiError` below), request validation (always 400,
+malformed JSON included, never FastAPI's 422), unknown routes, and anything unexpected (500,
+logged, with no internals in the message).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dss import errors as e
+
+log = logging.getLogger("dss.api")
+
+
+class ApiError(Exception):
+    """An error that only exists at the HTTP boundary (auth, admission, engine state)."""
+
+    status = 500
+    type = "server_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code or _snake(type(self).__name__)
+        self.param = param
+        self.headers = headers or {}
+
+
+class BadRequest(ApiError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(ApiError):
+    status = 401
+    type = "authentication_error"
+
+    def __init__(self, message: str = "a valid API key is required (Authorization: Bearer ...)") -> None:
+        super().__init__(message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+class Forbidden(ApiError):
+    status = 403
+    type = "permission_error"
+
+
+class PayloadTooLarge(ApiError):
+    status = 413
+    type = "invalid_request_error"
+
+
+class EngineUnavailable(ApiError):
+    """The engine is not running (starting, disabled, or dead)."""
+
+    status = 503
+    type = "service_unavailable_error"
+
+
+class EngineOverloaded(ApiError):
+    """Too many generations in flight; the client should retry after `Retry-After` seconds."""
+
+    status = 503
+    type = "overloaded_error"
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message, code="engine_overloaded", headers={"Retry-After": str(retry_after_s)})
+
+
+# Most specific first: the first matching class decides.
+_STORE_ERRORS: tuple[tuple[type[e.DSSError], int, str], ...] = (
+    (e.NotFoundError, 404, "not_found_error"),
+    (e.ConflictError, 409, "conflict_error"),
+    (e.InvalidInput, 400, "invalid_request_error"),
+    (e.CapacityError, 503, "service_unavailable_error"),
+    (e.TierUnavailable, 503, "service_unavailable_error"),
+    (e.StoreClosed, 503, "service_unavailable_error"),
+    (e.DSSError, 500, "server_error"),
+)
+
+_RETRY_AFTER_503 = {"Retry-After": "1"}
+
+
+def store_error_status(exc: e.DSSError) -> tuple[int, str]:
+    for cls, status, kind in _STORE_ERRORS:
+        if isinstance(exc, cls):
+            return status, kind
+    return 500, "server_error"
+
+
+def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(
+    status: int,
+    message: str,
+    kind: str,
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, code, param), status_code=status, headers=headers)
+
+
+def response_for(exc: BaseException) -> JSONResponse:
+    """The response for any exception (also used inside SSE streams, through `error_body`)."""
+    if isinstance(exc, ApiError):
+        return error_response(exc.status, exc.message, exc.type, exc.code, exc.param, exc.headers)
+    if isinstance(exc, e.DSSError):
+        status, kind = store_error_status(exc)
+        if status >= 500:
+            # Storage and key failures are logged in full and answered without internals.
+            log.error("store error answering a request", exc_info=exc)
+            message = "the store failed to serve the request" if status == 500 else str(exc)
+        else:
+            message = str(exc)
+        headers = _RETRY_AFTER_503 if status == 503 else None
+        return error_response(status, message, kind, _snake(type(exc).__name__), headers=headers)
+    log.error("unhandled error answering a request", exc_info=exc)
+    return error_response(500, "internal server error", "server_error", "internal_error")
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name.rstrip("_")).lower()
+
+
+def _validation_param(errors: list[Any]) -> str | None:
+    if not errors:
+        return None
+    loc = [str(p) for p in errors[0].get("loc", ()) if p not in ("body", "query", "path", "header")]
+    return ".".join(loc) or None
+
+
+def _validation_message(errors: list[Any]) -> str:
+    parts = []
+    for err in errors[:5]:
+        loc = ".".join(str(p) for p in err.get("loc", ()))
+        if err.get("type") == "json_invalid":
+            return f"malformed JSON body: {err.get('ctx', {}).get('error', 'decode error')}"
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    return "invalid request: " + "; ".join(parts) + more
+
+
+async def _on_api_error(_req: Request, exc: Exception) -> JSONResponse:
+    return response_for(exc)
+
+
+async def _on_validation(_req: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = list(exc.errors())
+    code = "invalid_json" if any(x.get("type") == "json_invalid" for x in errors) else "invalid_request"
+    return error_response(400, _validation_message(errors), "invalid_request_error", code, _validation_param(errors))
+
+
+async def _on_http(_req: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    if isinstance(exc.__cause__, ApiError):  # raised while FastAPI read the body (size limit)
+        return response_for(exc.__cause__)
+    kinds = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+             404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+    kind = kinds.get(exc.status_code, "server_error" if exc.status_code >= 500 else "invalid_request_error")
+    message = exc.detail if isinstance(exc.detail, str) else "request failed"
+    if exc.status_code == 404 and message == "Not Found":
+        message = "no such endpoint"
+    return error_response(exc.status_code, message, kind, None, headers=dict(exc.headers or {}))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ApiError, _on_api_error)
+    app.add_exception_handler(e.DSSError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation)
+    app.add_exception_handler(StarletteHTTPException, _on_http)
+    app.add_exception_handler(Exception, _on_api_error)
+
+
+# Documented error responses of every route (OpenAPI), so clients and schema tests know them.
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    from api.schemas import ErrorResponse
+
+    descriptions = {400: "Bad request", 401: "Missing or invalid API key", 403: "Not allowed for this key",
+                    404: "Not found", 409: "Conflict with the current state", 413: "Body too large",
+                    503: "Engine unavailable or overloaded (see Retry-After)"}
+    return {s: {"model": ErrorResponse, "description": descriptions.get(s, "Error")} for s in statuses}

@@ -1,0 +1,111 @@
+"""Prometheus metrics of one server: `dss_` prefix, base units (seconds, bytes), `_total` counters.
+
+The registry belongs to the app (not prometheus_client's global one), so several apps can live in
+one process (tests). Store-side numbers (pages, bytes, evictions, promotions, corrupt pages) are
+read from `store.stats()` at scrape time by a collector; request-side numbers are counted here.
+No label ever carries a user, a session or a key: only routes, tiers and outcomes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from dss.types import Tier
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Where a prompt token's KV came from: the engine's own prefix cache, or a DSS tier.
+HIT_SOURCES = ("engine", *(t.value for t in Tier))
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.http_requests = Counter(
+            "dss_http_requests_total", "HTTP requests answered", ["route", "method", "status"], registry=r
+        )
+        self.request_seconds = Histogram(
+            "dss_request_duration_seconds", "Time to answer a request (streams: until the last byte)",
+            ["route"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.ttft_seconds = Histogram(
+            "dss_ttft_seconds", "Time from a chat request's arrival to its first generated token",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.prompt_tokens = Counter("dss_prompt_tokens_total", "Prompt tokens of chat requests", registry=r)
+        self.completion_tokens = Counter("dss_completion_tokens_total", "Generated tokens", registry=r)
+        self.tokens_looked_up = Counter(
+            "dss_tokens_looked_up_total", "Prompt tokens looked up in the caches", registry=r
+        )
+        self.tokens_hit = Counter(
+            "dss_tokens_hit_total", "Prompt tokens served from a cache, by source", ["tier"], registry=r
+        )
+        self.commits = Counter("dss_versions_committed_total", "Versions committed by chat turns", registry=r)
+        self.aborted = Counter(
+            "dss_generations_aborted_total", "Generations cancelled before their commit", registry=r
+        )
+        self.rejected = Counter(
+            "dss_generations_rejected_total", "Generations refused with 503 (overload)", registry=r
+        )
+        self.inflight = Gauge("dss_generations_inflight", "Generations running now", registry=r)
+        self.erasures = Counter("dss_erasures_total", "Users erased", registry=r)
+        for source in HIT_SOURCES:
+            self.tokens_hit.labels(source)
+
+    def observe_prompt(self, prompt_tokens: int, engine_cached: int, loaded_from: dict[str, int]) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.tokens_looked_up.inc(prompt_tokens)
+        if engine_cached > 0:
+            self.tokens_hit.labels("engine").inc(engine_cached)
+        for tier, n in loaded_from.items():
+            if n > 0 and tier in HIT_SOURCES:
+                self.tokens_hit.labels(tier).inc(n)
+
+    def watch_store(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self.registry.register(_StoreCollector(stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StoreCollector(Collector):
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self._stats = stats
+
+    def describe(self) -> list[Metric]:
+        return []  # computed at scrape time; nothing to describe up front
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        pages = GaugeMetricFamily("dss_pages", "Pages resident in each tier", labels=["tier"])
+        used = GaugeMetricFamily("dss_tier_used_bytes", "Bytes used in each tier", labels=["tier"])
+        cap = GaugeMetricFamily("dss_tier_capacity_bytes", "Capacity of each tier", labels=["tier"])
+        hits = CounterMetricFamily("dss_page_hits", "Pages served from each tier", labels=["tier"])
+        promos = CounterMetricFamily("dss_promotions", "Pages promoted into each tier", labels=["tier"])
+        evictions = CounterMetricFamily("dss_evictions", "Pages evicted from each tier", labels=["tier"])
+        for tier in Tier:
+            t = tier.value
+            pages.add_metric([t], s["pages"].get(t, 0))
+            used.add_metric([t], s["bytes"].get(t, 0))
+            cap.add_metric([t], s["capacity_bytes"].get(t, 0))
+            hits.add_metric([t], s["hits_pages"].get(t, 0))
+            promos.add_metric([t], s["promotions"].get(t, 0))
+            evictions.add_metric([t], s["evictions"].get(t, 0))
+        yield from (pages, used, cap, hits, promos, evictions)
+        yield CounterMetricFamily(
+            "dss_corrupt_pages", "Pages that failed their checksum or authentication", value=s["corrupt_pages"]
+        )
+        yield CounterMetricFamily(
+            "dss_disk_write_errors", "Failed writes to the disk tier", value=s["disk_write_errors"]
+        )
+        yield GaugeMetricFamily(
+            "dss_disk_available", "1 while the disk tier accepts writes", value=1 if s["disk_available"] else 0
+        )
+        yield GaugeMetricFamily("dss_indexed_tokens", "Tokens indexed in all tries", value=s["indexed_tokens"])
+        yield GaugeMetricFamily("dss_load_leases", "Page loads in progress", value=s["leases"])

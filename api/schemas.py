@@ -1,0 +1,301 @@
+"""Request and response bodies of the REST API (pydantic), separate from the database models.
+
+Requests ignore unknown fields, as OpenAI does; that also drops anything a client might send to
+steer the cache (`tenant`, `kv_transfer_params`, ...): those are derived on the server only.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+T = TypeVar("T")
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+NAME_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# ------------------------------------------------------------------------------------------- errors
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+# --------------------------------------------------------------------------------------------- lists
+class ListResponse(BaseModel, Generic[T]):
+    object: Literal["list"] = "list"
+    data: list[T]
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None
+
+
+class Deleted(BaseModel):
+    id: str
+    object: str
+    deleted: bool = True
+
+
+# ---------------------------------------------------------------------------------------------- chat
+class TextPart(_Request):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Role
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(default=None, max_length=256)
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+    def plain(self) -> dict[str, Any]:
+        """The message as stored in a version: role and text content (and the name, if any)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name:
+            out["name"] = self.name
+        return out
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class GenerationParams(_Request):
+    """Sampling parameters shared by `/v1/chat/completions` and `/v1/sessions/{sid}/messages`."""
+
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    n: int = Field(default=1, ge=1, le=1, description="only 1 is supported")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        stops = [v] if isinstance(v, str) else list(v)
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return stops
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(GenerationParams):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    user: str | None = Field(default=None, max_length=256)
+    session_id: str | None = Field(default=None, pattern=NAME_PATTERN)
+    state_version: int | None = Field(default=None, ge=1, le=2**31 - 1)
+
+    @model_validator(mode="after")
+    def _version_needs_session(self) -> ChatCompletionRequest:
+        if self.state_version is not None and self.session_id is None:
+            raise ValueError("state_version needs a session_id")
+        return self
+
+
+class SessionMessageRequest(GenerationParams):
+    content: str | list[TextPart]
+    branch: str | None = Field(default=None, pattern=NAME_PATTERN)
+    version: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    user: str | None = Field(default=None, max_length=256)
+
+    @model_validator(mode="after")
+    def _one_base(self) -> SessionMessageRequest:
+        if self.branch is not None and self.version is not None:
+            raise ValueError("give either branch or version, not both")
+        return self
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class TierTokens(BaseModel):
+    device: int = 0
+    host: int = 0
+    disk: int = 0
+
+
+class DssInfo(BaseModel):
+    """Where the prompt's KV came from. `cached_tokens` = `engine_cached_tokens` + `loaded_tokens`."""
+
+    cached_tokens: int = Field(description="prompt tokens not recomputed (engine cache and DSS together)")
+    engine_cached_tokens: int = Field(description="prompt tokens found in the engine's own prefix cache")
+    loaded_tokens: int = Field(description="prompt tokens loaded from DSS by the connector")
+    loaded_from: TierTokens = Field(description="DSS-loaded tokens by the tier they were read from")
+    resident: TierTokens = Field(description="prompt tokens resident in each DSS tier when the request came")
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    session_id: str | None = None
+    state_version: int | None = None
+    parent_version: int | None = None
+    branch: str | None = None
+    dss: DssInfo | None = None
+
+
+# ------------------------------------------------------------------------------------------ sessions
+class SessionCreate(_Request):
+    session_id: str | None = Field(default=None, pattern=NAME_PATTERN)
+    system_prompt: str | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class BranchOut(BaseModel):
+    object: Literal["session.branch"] = "session.branch"
+    name: str
+    head_version: int = Field(description="0 while the branch has no versions")
+    created_at: datetime
+
+
+class SessionOut(BaseModel):
+    id: str
+    object: Literal["session"] = "session"
+    created_at: datetime
+    updated_at: datetime
+    system_prompt: str | None
+    metadata: dict[str, Any]
+    version_count: int
+    branches: list[BranchOut]
+
+
+class VersionOut(BaseModel):
+    object: Literal["session.version"] = "session.version"
+    number: int
+    parent: int | None
+    branch: str
+    created_at: datetime
+    n_tokens: int
+    resident: TierTokens = Field(description="tokens of this version whose KV is in each tier now")
+
+
+class VersionDetail(VersionOut):
+    messages: list[dict[str, Any]]
+
+
+class RollbackRequest(_Request):
+    to_version: int = Field(ge=1, le=2**31 - 1)
+    branch: str = Field(default="main", pattern=NAME_PATTERN)
+    expected_head: int | None = Field(default=None, ge=0, le=2**31 - 1)
+
+
+class BranchCreate(_Request):
+    from_version: int = Field(ge=1, le=2**31 - 1)
+    name: str = Field(pattern=NAME_PATTERN)
+
+
+# ------------------------------------------------------------------------------------------- erasure
+class VerificationOut(BaseModel):
+    checked_at: datetime
+    remnants: int
+    chain_ok: bool
+    details: list[str]
+
+
+class ErasureReceiptOut(BaseModel):
+    id: str
+    object: Literal["erasure.receipt"] = "erasure.receipt"
+    erased_at: datetime
+    subject: str = Field(description="salted hash of the user id, never the id itself")
+    counts: dict[str, Any]
+    verification: VerificationOut
+
+
+# ------------------------------------------------------------------------------------------ prefixes
+class PrefixCreate(_Request):
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    text: str | None = Field(default=None, min_length=1)
+    pin: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PrefixCreate:
+        if (self.messages is None) == (self.text is None):
+            raise ValueError("give exactly one of messages or text")
+        return self
+
+
+class PrefixOut(BaseModel):
+    id: str
+    object: Literal["prefix"] = "prefix"
+    n_tokens: int
+    pinned: bool
+    text: str | None
+    cached_tokens: int = Field(description="tokens of the prefix whose KV is stored now")
+    created_at: int
+
+
+# -------------------------------------------------------------------------------------------- models
+class ModelOut(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "dss"
+    max_model_len: int | None = None
+
+
+class Health(BaseModel):
+    status: str
+    store: bool | None = None
+    engine: bool | None = None
+    dev_mode: bool | None = None

@@ -1,0 +1,141 @@
+"""Server settings: pydantic-settings with the `DSS_` prefix and nested groups.
+
+Every field can come from the environment (`DSS_SERVER__PORT=9000`,
+`DSS_STORE__HOST_CAPACITY_BYTES=4294967296`, `DSS_ENGINE__MODEL=/models/x`, ...) or from the
+`dss serve` flags, which override the environment. Nothing is read at import time: call
+`Settings()` (or `load_settings`) where the values are needed.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from dss.config import GiB, StoreConfig
+
+MiB = 1 << 20
+DEFAULT_DATA_DIR = Path("~/.local/share/dss")
+
+
+class ServerSettings(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    log_level: str = "info"
+    # Whole request bodies; a chat request with a long history is still far below this.
+    max_body_bytes: int = Field(default=8 * MiB, ge=1024)
+    # Seconds a stopping server waits for streams in flight before it cuts them.
+    graceful_shutdown_s: float = Field(default=10.0, ge=0)
+
+    @property
+    def is_loopback(self) -> bool:
+        return is_loopback_host(self.host)
+
+
+class StoreSettings(BaseModel):
+    data_dir: Path = DEFAULT_DATA_DIR
+    db_url: SecretStr | None = None  # default: SQLite in data_dir; may hold a password
+    master_key_file: Path | None = None
+    host_capacity_bytes: int = Field(default=2 * GiB, ge=MiB)
+    disk_capacity_bytes: int = Field(default=20 * GiB, ge=0)
+    device_capacity_bytes: int = Field(default=0, ge=0)
+    codec: str = "zstd-byteplane"
+    eviction_policy: str = "cost"
+    write_through: bool = True
+    fsync: bool = True
+    loader_threads: int = Field(default=2, ge=1, le=64)
+
+    @property
+    def resolved_data_dir(self) -> Path:
+        return self.data_dir.expanduser().resolve()
+
+    def to_config(self) -> StoreConfig:
+        return StoreConfig(
+            data_dir=self.resolved_data_dir,
+            db_url=self.db_url.get_secret_value() if self.db_url is not None else None,
+            master_key_file=self.master_key_file.expanduser() if self.master_key_file else None,
+            host_capacity_bytes=self.host_capacity_bytes,
+            disk_capacity_bytes=self.disk_capacity_bytes,
+            device_capacity_bytes=self.device_capacity_bytes,
+            codec=self.codec,
+            eviction_policy=self.eviction_policy,
+            write_through=self.write_through,
+            fsync=self.fsync,
+            loader_threads=self.loader_threads,
+        )
+
+
+class EngineGroup(BaseModel):
+    """The embedded vLLM engine (`enabled=False` serves the store API alone: no chat)."""
+
+    enabled: bool = True
+    model: Path | None = None  # an HF folder; default: the prepared default model in data_dir
+    served_model_name: str | None = None  # default: the model folder's name
+    max_model_len: int | None = Field(default=None, ge=16)
+    kv_cache_space_gib: int = Field(default=1, ge=1)  # VLLM_CPU_KVCACHE_SPACE on CPU
+    enforce_eager: bool = True
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    seed: int = 0
+    # Generations admitted at once; more answer 503 with Retry-After instead of queueing forever.
+    max_inflight: int = Field(default=64, ge=1)
+    retry_after_s: int = Field(default=1, ge=1)
+    startup_timeout_s: float = Field(default=600.0, gt=0)
+
+
+class LimitsSettings(BaseModel):
+    max_messages: int = Field(default=512, ge=1)
+    max_message_chars: int = Field(default=1 << 20, ge=1)
+    max_output_tokens: int = Field(default=4096, ge=1)
+    default_max_tokens: int = Field(default=512, ge=1)
+    max_stop_sequences: int = Field(default=4, ge=0)
+    max_list_limit: int = Field(default=100, ge=1, le=1000)
+
+
+class AuthSettings(BaseModel):
+    # Without any API key the server runs in a development mode, and only on loopback.
+    allow_dev_mode: bool = True
+    dev_default_user: str = "local"
+    # Seconds a validated key stays cached; a revoked key stops working within this delay.
+    key_cache_ttl_s: float = Field(default=10.0, ge=0)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="DSS_",
+        env_nested_delimiter="__",
+        extra="ignore",
+        validate_default=True,
+    )
+
+    server: ServerSettings = ServerSettings()
+    store: StoreSettings = StoreSettings()
+    engine: EngineGroup = EngineGroup()
+    limits: LimitsSettings = LimitsSettings()
+    auth: AuthSettings = AuthSettings()
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Settings from the environment, with `group={field: value}` overrides (None values skipped).
+
+    `load_settings(server={"port": 9000})` keeps every other server field from the environment.
+    """
+    base = Settings()
+    updates: dict[str, Any] = {}
+    for group, values in overrides.items():
+        current = getattr(base, group)
+        given = {k: v for k, v in dict(values).items() if v is not None}
+        if given:
+            updates[group] = current.model_validate({**current.model_dump(), **given})
+    return base.model_copy(update=updates)
+
+
+def is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,149 @@
+"""Whole-page copies between vLLM's KV blocks and the store's shared-memory host arena.
+
+A page is one engine block of every KV layer, layer-major: `[num_layers, layer_block_nbytes]`.
+vLLM's per-layer cache has blocks on dim 0 (`[num_blocks, H, N, C]` on CPU, where the block
+interior is ISA-packed and only whole blocks mean anything). A copy moves runs of consecutive
+blocks whose slots are consecutive too, one strided `copy_` per layer and run, straight between
+the two memories: no stacked temporaries, no per-token work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dss.errors import InvalidInput
+from dss.tiers.host import HostArena
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """`n` consecutive engine blocks from `block` and arena slots from `slot`."""
+
+    block: int
+    slot: int
+    n: int
+
+
+def runs(block_ids: Sequence[int], slots: Sequence[int]) -> list[Run]:
+    """Split paired block ids and slot numbers into maximal runs where both step by one."""
+    if len(block_ids) != len(slots):
+        raise InvalidInput(f"{len(block_ids)} blocks but {len(slots)} slots")
+    if not block_ids:
+        return []
+    b = np.asarray(block_ids, dtype=np.int64)
+    s = np.asarray(slots, dtype=np.int64)
+    cuts = np.flatnonzero((np.diff(b) != 1) | (np.diff(s) != 1)) + 1
+    starts = np.concatenate(([0], cuts))
+    ends = np.concatenate((cuts, [len(b)]))
+    return [Run(int(b[i]), int(s[i]), int(e - i)) for i, e in zip(starts, ends, strict=True)]
+
+
+class KVBlocks:
+    """The engine's KV layers (ordered by layer index), addressed by block id."""
+
+    def __init__(self, layers: Sequence[torch.Tensor]) -> None:
+        if not layers:
+            raise InvalidInput("no KV layers")
+        first = layers[0]
+        for kv in layers:
+            if kv.shape != first.shape or kv.dtype != first.dtype:
+                raise InvalidInput("KV layers differ in shape or dtype")
+        self.layers = list(layers)
+        self.num_blocks = int(first.shape[0])
+        self.block_shape = tuple(first.shape[1:])
+        self.dtype = first.dtype
+        self.layer_block_nbytes = first[0].numel() * first.element_size()
+
+    @property
+    def page_nbytes(self) -> int:
+        return len(self.layers) * self.layer_block_nbytes
+
+    def _slot_layer(self, pages: torch.Tensor, run: Run, layer: int) -> torch.Tensor:
+        """Run `run`'s slots, layer `layer`, viewed like the engine's blocks (no copy)."""
+        raw = pages[run.slot : run.slot + run.n, layer]  # [n, layer_block_nbytes] uint8, strided
+        return raw.view(self.dtype).view(run.n, *self.block_shape)
+
+    def _check(self, pages: torch.Tensor, run_list: Sequence[Run]) -> None:
+        if pages.dim() != 3 or pages.shape[1:] != (len(self.layers), self.layer_block_nbytes):
+            raise InvalidInput(
+                f"arena pages {tuple(pages.shape)} do not hold {len(self.layers)} x {self.layer_block_nbytes}"
+            )
+        for r in run_list:
+            if r.n <= 0 or r.block < 0 or r.block + r.n > self.num_blocks:
+                raise InvalidInput(f"blocks {r.block}..{r.block + r.n} out of [0, {self.num_blocks})")
+            if r.slot < 0 or r.slot + r.n > pages.shape[0]:
+                raise InvalidInput(f"slots {r.slot}..{r.slot + r.n} out of [0, {pages.shape[0]})")
+
+    def load(self, pages: torch.Tensor, run_list: Sequence[Run]) -> None:
+        """Arena slots -> engine blocks."""
+        self._check(pages, run_list)
+        for r in run_list:
+            for layer, kv in enumerate(self.layers):
+                kv[r.block : r.block + r.n].copy_(self._slot_layer(pages, r, layer))
+
+    def save(self, pages: torch.Tensor, run_list: Sequence[Run]) -> None:
+        """Engine blocks -> arena slots."""
+        self._check(pages, run_list)
+        for r in run_list:
+            for layer, kv in enumerate(self.layers):
+                self._slot_layer(pages, r, layer).copy_(kv[r.block : r.block + r.n])
+
+
+@dataclass(slots=True)
+class _Attached:
+    arena: HostArena
+    inode: int
+    size: int
+    pages: torch.Tensor
+
+
+class ArenaViews:
+    """Arenas attached in this process, each seen as a `[n_slots, num_layers, layer_block_nbytes]`
+    uint8 tensor over the shared memory.
+
+    An arena file is re-attached when its inode changes: a restarted store recreates the file at
+    the same path, and the old mapping must never be read again.
+    """
+
+    def __init__(self, num_layers: int, layer_block_nbytes: int) -> None:
+        self.num_layers = num_layers
+        self.layer_block_nbytes = layer_block_nbytes
+        self._lock = threading.Lock()
+        self._arenas: dict[str, _Attached] = {}
+
+    def pages(self, path: str, slot_nbytes: int) -> torch.Tensor:
+        if slot_nbytes != self.num_layers * self.layer_block_nbytes:
+            raise InvalidInput(
+                f"arena slots of {slot_nbytes} bytes; pages here are {self.num_layers} x {self.layer_block_nbytes}"
+            )
+        st = os.stat(path)
+        with self._lock:
+            entry = self._arenas.get(path)
+            if entry is not None and (entry.inode, entry.size) == (st.st_ino, st.st_size):
+                return entry.pages
+            if entry is not None:
+                entry.arena.close()
+            arena = HostArena.attach(path, slot_nbytes, st.st_size // slot_nbytes)
+            # A slot is a basic slice of the arena's single array; its base is the whole mapping.
+            whole = arena.numpy(0).base
+            if not isinstance(whole, np.ndarray) or whole.size != arena.info.nbytes:
+                arena.close()
+                raise InvalidInput(f"cannot view host arena {path} as one array")
+            pages = torch.from_numpy(whole).view(arena.n_slots, self.num_layers, self.layer_block_nbytes)
+            self._arenas[path] = _Attached(arena, st.st_ino, st.st_size, pages)
+            return pages
+
+    def close(self) -> None:
+        with self._lock:
+            entries = list(self._arenas.values())
+            self._arenas.clear()
+        for e in entries:
+            with contextlib.suppress(Exception):
+                e.arena.close()

@@ -1,0 +1,145 @@
+"""The model fingerprint of a running vLLM engine: what makes its KV pages' bytes meaningful.
+
+Both halves of the connector (scheduler process and worker process) build it from the same
+`VllmConfig` + `KVCacheConfig`, so they agree on the id without talking to each other. The worker
+also checks it against the real KV tensors before it copies anything (`check_layer_tensors`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dss.namespace import ModelFingerprint
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+READY_MARKER = ".dss-ready"  # written by engine_patch.model; names the source and checksums
+_SAMPLE_BYTES = 1 << 16
+_SAMPLES_PER_FILE = 16
+
+
+class UnsupportedKVCache(ValueError):
+    """The engine's KV cache cannot be described by one `ModelFingerprint` (the connector turns off)."""
+
+
+def build_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> ModelFingerprint:
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise UnsupportedKVCache(f"{len(groups)} KV cache groups (hybrid models are not supported)")
+    spec = groups[0].kv_cache_spec
+    for attr in ("num_kv_heads", "head_size", "dtype"):
+        if not hasattr(spec, attr):
+            raise UnsupportedKVCache(f"KV cache spec {type(spec).__name__} is not an attention spec")
+    head_size_v = getattr(spec, "head_size_v", spec.head_size)
+    if head_size_v != spec.head_size:
+        raise UnsupportedKVCache(f"K head size {spec.head_size} != V head size {head_size_v}")
+    if getattr(spec, "page_size_padded", None):
+        raise UnsupportedKVCache("padded KV pages are not supported")
+    dtype = dtype_name(spec.dtype)
+    model_cfg = vllm_config.model_config
+    layout = _layout_name(vllm_config, kv_cache_config)
+    return ModelFingerprint(
+        model_id=Path(str(model_cfg.model)).name or str(model_cfg.model),
+        revision=model_revision(str(model_cfg.model), model_cfg.revision),
+        dtype=dtype,
+        num_layers=len(groups[0].layer_names),
+        num_kv_heads=int(spec.num_kv_heads),
+        head_size=int(spec.head_size),
+        block_size=int(spec.block_size),
+        kv_layout=layout,
+        isa=attention_isa(vllm_config, spec.dtype, int(spec.block_size), int(spec.head_size)),
+    )
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _layout_name(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
+    layout = getattr(kv_cache_config, "kv_cache_layout", None)
+    if not layout:
+        try:
+            layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+        except Exception:  # older vLLM: the CPU backend only knows LBHNC
+            layout = "LBHNC"
+    return str(getattr(layout, "name", layout))
+
+
+def attention_isa(vllm_config: VllmConfig, dtype: torch.dtype, block_size: int, head_size: int) -> str:
+    """What decides the packing inside a block: the CPU kernel's ISA, or the CUDA device family.
+
+    On CPU the block interior is ISA-packed (amx and vec pack K differently), so pages move only
+    between engines with the same ISA.
+    """
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return f"cpu-{_get_attn_isa(dtype, block_size, head_size, vllm_config.cache_config.cache_dtype)}"
+    if current_platform.is_cuda_alike():
+        major, minor = torch.cuda.get_device_capability()
+        backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+        return f"cuda-sm{major}{minor}-{getattr(backend, 'name', backend) or 'auto'}"
+    return str(current_platform.device_type)
+
+
+def model_revision(model: str, hub_revision: str | None = None) -> str:
+    """A content identity of a model folder, cheap enough to compute at every engine start.
+
+    A folder prepared by `engine_patch.model` carries its checksums in the ready marker. Any
+    other local folder is identified by its config.json plus, for each weight file, its size and
+    sampled byte ranges: a fine-tune of the same architecture differs in the samples, and hashing
+    gigabytes at every start would not be acceptable.
+    """
+    path = Path(model)
+    if not path.is_dir():
+        return f"hub:{hub_revision or 'main'}"
+    h = hashlib.blake2b(digest_size=12)
+    marker = path / READY_MARKER
+    if marker.is_file():
+        h.update(b"marker\x00" + marker.read_bytes())
+        return h.hexdigest()
+    config = path / "config.json"
+    if config.is_file():
+        h.update(b"config\x00" + json.dumps(json.loads(config.read_text()), sort_keys=True).encode())
+    for weights in sorted([*path.glob("*.safetensors"), *path.glob("*.bin")]):
+        _hash_samples(h, weights)
+    return h.hexdigest()
+
+
+def _hash_samples(h: Any, path: Path) -> None:
+    size = path.stat().st_size
+    h.update(f"{path.name}\x00{size}\x00".encode())
+    with path.open("rb") as f:
+        if size <= _SAMPLE_BYTES * _SAMPLES_PER_FILE:
+            h.update(f.read())
+            return
+        step = (size - _SAMPLE_BYTES) // (_SAMPLES_PER_FILE - 1)
+        for i in range(_SAMPLES_PER_FILE):
+            f.seek(i * step)
+            h.update(f.read(_SAMPLE_BYTES))
+
+
+def check_layer_tensors(fp: ModelFingerprint, layers: list[torch.Tensor], num_blocks: int) -> None:
+    """Raise `UnsupportedKVCache` unless every layer holds `num_blocks` blocks of exactly
+    `fp.layer_block_nbytes` bytes each, in the fingerprint's dtype."""
+    if len(layers) != fp.num_layers:
+        raise UnsupportedKVCache(f"{len(layers)} KV layers, fingerprint says {fp.num_layers}")
+    for i, kv in enumerate(layers):
+        if kv.shape[0] != num_blocks:
+            raise UnsupportedKVCache(f"layer {i}: dim 0 is {kv.shape[0]}, expected {num_blocks} blocks")
+        if dtype_name(kv.dtype) != fp.dtype:
+            raise UnsupportedKVCache(f"layer {i}: dtype {kv.dtype}, fingerprint says {fp.dtype}")
+        block_nbytes = kv[0].numel() * kv.element_size()
+        if block_nbytes != fp.layer_block_nbytes:
+            raise UnsupportedKVCache(
+                f"layer {i}: {block_nbytes} bytes per block, fingerprint says {fp.layer_block_nbytes}"
+            )

@@ -1,0 +1,69 @@
+"""What the scheduler half of the connector tells the worker half each step, and what comes back.
+
+Both cross a process boundary (pickled by vLLM), so they are plain frozen dataclasses of ints and
+strings; slots are named by arena path + slot number, never by pointer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class SlotSpan:
+    """Page slots of one arena, in page order."""
+
+    arena_path: str
+    slot_nbytes: int
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Copy host slots into a request's engine blocks.
+
+    Sync loads have every slot; async loads have none yet: the worker asks the store for them
+    (`wait_loaded`), which also reports pages that could not be had.
+    """
+
+    req_id: str
+    load_id: str
+    block_ids: tuple[int, ...]  # one engine block per page, in page order
+    span: SlotSpan | None
+    is_async: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSpec:
+    """Copy a finished request's engine blocks into reserved host slots, then commit them."""
+
+    req_id: str
+    save_id: str
+    page_indexes: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    span: SlotSpan
+
+
+@dataclass(slots=True)
+class DSSConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class DSSWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, merged across workers: failed load tokens per request, and whether a
+    worker turned the connector off (then the scheduler stops matching)."""
+
+    failed_tokens: dict[str, int] = field(default_factory=dict)
+    disabled: bool = False
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, DSSWorkerMetadata):
+            return self
+        merged = dict(self.failed_tokens)
+        for req_id, n in other.failed_tokens.items():
+            merged[req_id] = max(merged.get(req_id, 0), n)
+        return DSSWorkerMetadata(merged, self.disabled or other.disabled)

@@ -1,0 +1,303 @@
+"""The scheduler half of the DSS connector (runs in vLLM's engine-core process).
+
+It decides, per request, how many prompt tokens beyond vLLM's own prefix-cache hit can be
+loaded from the store, pins those pages until the worker has copied them, and when a request
+finishes asks the store which of its full pages are new and hands their copy to the worker.
+
+Only requests whose `kv_transfer_params` carry a `tenant` and a `session_id` (set by our server,
+never by an end client) are touched; every other request is left exactly to plain vLLM. Every
+store failure is a cache miss, never an error of the request.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from dss.errors import DSSError
+from dss.namespace import ModelFingerprint
+from dss.plans import LoadPlan, PageSlot
+from dss.rpc import StoreClient
+from dss.types import FingerprintId
+from engine_patch.metadata import DSSConnectorMetadata, DSSWorkerMetadata, LoadSpec, SaveSpec, SlotSpan
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger("vllm.dss_connector")
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRef:
+    tenant: str
+    session_id: str
+    state_version: Any
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.tenant, self.session_id)
+
+
+def session_of(request: Request) -> SessionRef | None:
+    """The DSS session a request belongs to, or None for a plain vLLM request."""
+    params = request.kv_transfer_params
+    if not isinstance(params, dict):
+        return None
+    tenant, session_id = params.get("tenant"), params.get("session_id")
+    if not isinstance(tenant, str) or not tenant or not isinstance(session_id, str) or not session_id:
+        return None
+    return SessionRef(tenant, session_id, params.get("state_version"))
+
+
+@dataclass(slots=True)
+class _Claim:
+    """A lookup answered for a waiting request: its pages are pinned in the store."""
+
+    plan: LoadPlan
+    start_token: int
+
+
+def _span(pages: tuple[PageSlot, ...]) -> SlotSpan | None:
+    """The pages' slots as one span, or None when some slot is not known yet (or arenas differ)."""
+    if not pages or any(p.slot is None for p in pages):
+        return None
+    first = pages[0].slot
+    assert first is not None
+    if any(p.slot is not None and (p.slot.path, p.slot.slot_nbytes) != (first.path, first.slot_nbytes) for p in pages):
+        return None
+    return SlotSpan(first.path, first.slot_nbytes, tuple(p.slot.slot for p in pages if p.slot is not None))
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        fingerprint: ModelFingerprint | None,
+        client: StoreClient | None,
+        *,
+        settle_timeout_s: float = 2.0,
+    ) -> None:
+        self.fingerprint = fingerprint
+        self.client = client
+        self.block_size = fingerprint.block_size if fingerprint is not None else 0
+        self.disabled = fingerprint is None or client is None
+        self.settle_timeout_s = settle_timeout_s
+        self._fid: FingerprintId | None = None
+        self._claims: dict[str, _Claim] = {}
+        self._loaded: dict[str, int] = {}  # tokens handed to the worker per request
+        self._failed: dict[str, int] = {}  # tokens the worker could not load
+        self._hit_sources: dict[str, dict[CacheHitSource, int]] = {}
+        self._async_inflight: set[str] = set()
+        self._saving: dict[tuple[str, str], set[str]] = {}  # session -> requests whose save is in flight
+        self._deferred_since: dict[str, float] = {}
+        self._loads: list[LoadSpec] = []
+        self._saves: list[SaveSpec] = []
+
+    # ------------------------------------------------------------------ store access
+    def _fingerprint_id(self) -> FingerprintId | None:
+        if self._fid is None and not self.disabled:
+            assert self.client is not None and self.fingerprint is not None
+            try:
+                self._fid = self.client.register_fingerprint(self.fingerprint)
+            except DSSError as exc:
+                logger.warning("DSS store unavailable, serving without it for now: %s", exc)
+                return None
+            if self._fid != self.fingerprint.id:
+                logger.error("DSS store registered fingerprint %s as %s; connector off", self.fingerprint.id, self._fid)
+                self.disabled = True
+                return None
+        return self._fid
+
+    def _release(self, load_id: str) -> None:
+        if self.client is None:
+            return
+        try:
+            self.client.release(load_id)
+        except DSSError as exc:
+            logger.warning("DSS release of load %s failed: %s", load_id, exc)
+
+    # ------------------------------------------------------------------ vLLM hooks
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        session = session_of(request)
+        if session is None or self.disabled:
+            return 0, False
+        req_id = request.request_id
+        claim = self._claims.get(req_id)
+        if claim is not None:
+            if claim.start_token == num_computed_tokens:
+                return claim.plan.n_tokens, claim.plan.is_async
+            # vLLM's own cache moved under us: the old plan no longer starts where we load.
+            self._drop_claim(req_id)
+        if self._saving.get(session.key):
+            # A previous turn of this session is still being saved (its pages are copied in the
+            # next engine step); ask again then, so the new turn sees them. Bounded, in case the
+            # save never completes.
+            since = self._deferred_since.setdefault(req_id, time.monotonic())
+            if time.monotonic() - since < self.settle_timeout_s:
+                return None, False
+        self._deferred_since.pop(req_id, None)
+        bs = self.block_size
+        # A sync hit must leave at least one token to compute (the scheduler asserts it); async
+        # hits may not, but one rule for both keeps the plan valid whichever the store answers.
+        max_tokens = ((request.num_tokens - 1) // bs) * bs
+        if max_tokens <= num_computed_tokens:
+            return 0, False
+        fid = self._fingerprint_id()
+        if fid is None:
+            return 0, False
+        try:
+            plan = self.client.lookup(  # type: ignore[union-attr]
+                fid, session.tenant, request.all_token_ids[:max_tokens], num_computed_tokens, max_tokens
+            )
+        except DSSError as exc:
+            logger.warning("DSS lookup for %s failed, recomputing: %s", req_id, exc)
+            return 0, False
+        if plan is None:
+            return 0, False
+        if not self._plan_is_sane(plan, num_computed_tokens, max_tokens):
+            self._release(plan.load_id)
+            return 0, False
+        self._claims[req_id] = _Claim(plan, num_computed_tokens)
+        return plan.n_tokens, plan.is_async
+
+    def _plan_is_sane(self, plan: LoadPlan, start: int, max_tokens: int) -> bool:
+        bs = self.block_size
+        first = start // bs
+        ok = (
+            plan.n_tokens > 0
+            and plan.n_tokens == len(plan.pages) * bs
+            and start + plan.n_tokens <= max_tokens
+            and [p.page_index for p in plan.pages] == list(range(first, first + len(plan.pages)))
+            and (plan.is_async or _span(plan.pages) is not None)
+        )
+        if not ok:
+            logger.error("DSS store answered an inconsistent load plan %s; ignoring it", plan.load_id)
+        return ok
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        req_id = request.request_id
+        claim = self._claims.pop(req_id, None)
+        if claim is None:
+            return  # not ours, or the second call after an async load
+        bs = self.block_size
+        n_pages = min(num_external_tokens // bs, len(claim.plan.pages))
+        if n_pages == 0:
+            self._release(claim.plan.load_id)
+            return
+        if num_external_tokens % bs:
+            logger.error("vLLM admitted %d external tokens, not whole pages", num_external_tokens)
+        first = claim.start_token // bs
+        block_ids = tuple(blocks.get_block_ids()[0][first : first + n_pages])
+        pages = claim.plan.pages[:n_pages]
+        span = None if claim.plan.is_async else _span(pages)
+        self._loads.append(LoadSpec(req_id, claim.plan.load_id, block_ids, span, claim.plan.is_async))
+        self._loaded[req_id] = n_pages * bs
+        if claim.plan.is_async:
+            self._async_inflight.add(req_id)
+        self._hit_sources[req_id] = self._sources(claim.plan, n_pages * bs)
+
+    @staticmethod
+    def _sources(plan: LoadPlan, n_tokens: int) -> dict[CacheHitSource, int]:
+        host = plan.tier_tokens.get("host", 0) + plan.tier_tokens.get("device", 0)
+        disk = plan.tier_tokens.get("disk", 0)
+        if host + disk != plan.n_tokens or n_tokens != plan.n_tokens:
+            return {CacheHitSource.DISK if disk else CacheHitSource.HOST: n_tokens}
+        return {k: v for k, v in ((CacheHitSource.HOST, host), (CacheHitSource.DISK, disk)) if v}
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        sources = self._hit_sources.pop(request.request_id, None)
+        if not num_external_tokens:
+            return {}
+        return sources or {CacheHitSource.HOST: num_external_tokens}
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> DSSConnectorMetadata:
+        meta = DSSConnectorMetadata(loads=self._loads, saves=self._saves)
+        self._loads, self._saves = [], []
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for req_id in output.finished_recving or ():
+            self._async_inflight.discard(req_id)
+        for req_id in output.finished_sending or ():
+            for key in [k for k, ids in self._saving.items() if req_id in ids]:
+                self._saving[key].discard(req_id)
+                if not self._saving[key]:
+                    del self._saving[key]
+        meta = output.kv_connector_worker_meta
+        if isinstance(meta, DSSWorkerMetadata):
+            for req_id, n in meta.failed_tokens.items():
+                self._failed[req_id] = self._failed.get(req_id, 0) + n
+            if meta.disabled and not self.disabled:
+                logger.error("a DSS worker turned the connector off; no more loads or saves")
+                self.disabled = True
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        claim = self._claims.pop(req_id, None)
+        if claim is not None:
+            self._release(claim.plan.load_id)
+        self._deferred_since.pop(req_id, None)
+        self._hit_sources.pop(req_id, None)
+        session = session_of(request)
+        if session is None:
+            return False, None
+        loaded = max(0, self._loaded.pop(req_id, 0) - self._failed.pop(req_id, 0))
+        params: dict[str, Any] = {
+            "session_id": session.session_id,
+            "state_version": session.state_version,
+            "loaded_tokens": loaded,
+            "stored_pages": 0,
+            "computed_tokens": int(request.num_computed_tokens),
+        }
+        if req_id in self._async_inflight:
+            # Aborted while its pages were still arriving: its blocks hold nothing to save yet.
+            return False, params
+        if self.disabled:
+            return False, params
+        bs = self.block_size
+        n_full = min(len(block_ids), request.num_computed_tokens // bs)
+        fid = self._fingerprint_id()
+        if n_full == 0 or fid is None:
+            return False, params
+        try:
+            plan = self.client.plan_save(  # type: ignore[union-attr]
+                fid, session.tenant, request.all_token_ids[: n_full * bs], n_full
+            )
+        except DSSError as exc:
+            logger.warning("DSS plan_save for %s failed; not saved: %s", req_id, exc)
+            return False, params
+        if not plan.pages:
+            return False, params  # the store has every page already
+        span = _span(plan.pages)
+        if span is None:
+            logger.error("DSS save plan %s came without usable slots; aborting it", plan.save_id)
+            self._abort(plan.save_id)
+            return False, params
+        indexes = tuple(p.page_index for p in plan.pages)
+        self._saves.append(SaveSpec(req_id, plan.save_id, indexes, tuple(block_ids[i] for i in indexes), span))
+        self._saving.setdefault(session.key, set()).add(req_id)
+        params["stored_pages"] = len(indexes)
+        return True, params
+
+    def _abort(self, save_id: str) -> None:
+        try:
+            self.client.abort_save(save_id)  # type: ignore[union-attr]
+        except DSSError as exc:
+            logger.warning("DSS abort_save %s failed: %s", save_id, exc)
+
+    def shutdown(self) -> None:
+        for req_id in list(self._claims):
+            self._drop_claim(req_id)
+        if self.client is not None:
+            self.client.close()
+
+    def _drop_claim(self, req_id: str) -> None:
+        claim = self._claims.pop(req_id, None)
+        if claim is not None:
+            self._release(claim.plan.load_id)
