@@ -106,7 +106,9 @@ class ApiKeys:
             if hit is not None and hit[0] > now:
                 return hit[1]
         with transaction(self._sf) as db:
-            row = db.scalar(select(ApiKeyRow).where(ApiKeyRow.key_hash == digest, ApiKeyRow.revoked_at.is_(None)))
+            row = db.scalar(
+                select(ApiKeyRow).where(ApiKeyRow.key_hash == digest, ApiKeyRow.revoked_at.is_(None))
+            )
             if row is None:
                 return None
             principal = Principal(UserId(row.user_id or ADMIN_USER), bool(row.is_admin), row.id)
@@ -122,7 +124,10 @@ class ApiKeys:
             if self._any is not None and self._any[0] > now:
                 return self._any[1]
         with transaction(self._sf) as db:
-            n = db.scalar(select(func.count()).select_from(ApiKeyRow).where(ApiKeyRow.revoked_at.is_(None))) or 0
+            n = (
+                db.scalar(select(func.count()).select_from(ApiKeyRow).where(ApiKeyRow.revoked_at.is_(None)))
+                or 0
+            )
         with self._lock:
             self._any = (now + _ANY_KEY_TTL_S, n > 0)
         return n > 0

@@ -154,7 +154,9 @@ def _fork(versions: VersionStore, sf: sessionmaker[Session], user: str, target: 
     raise ConflictError(f"could not find a free branch name for a fork of {stem}")
 
 
-def _create_empty_branch(versions: VersionStore, sf: sessionmaker[Session], user: str, sid: str, name: str) -> None:
+def _create_empty_branch(
+    versions: VersionStore, sf: sessionmaker[Session], user: str, sid: str, name: str
+) -> None:
     # VersionStore.branch needs an existing version; a fork of the very first turn has none.
     versions.get_session(user, sid)  # ownership check: SessionNotFound for anyone else
     try:

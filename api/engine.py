@@ -88,6 +88,7 @@ class ChatEngine:
         self.max_model_len = max_model_len
         self.fingerprint = fingerprint
         self.created = int(time.time())
+        self.model_names = {model_name}
         self._session_params = session_params
         self._admission = _Admission(max_inflight, retry_after_s)
         self.on_inflight_change: Any = None  # set by the app: a gauge setter
@@ -116,7 +117,7 @@ class ChatEngine:
             llm.shutdown()
             raise
         log.info("engine ready: model %s, context %d tokens, fingerprint %s", name, max_len, fid)
-        return cls(
+        engine = cls(
             llm,
             tokenizer,
             model_name=name,
@@ -126,6 +127,8 @@ class ChatEngine:
             retry_after_s=eng.retry_after_s,
             session_params=factory.session_params,
         )
+        engine.model_names |= {Path(model_path).name, str(model_path)}
+        return engine
 
     def shutdown(self) -> None:
         with contextlib.suppress(Exception):
@@ -167,8 +170,9 @@ class ChatEngine:
             return min(default_max, room)
         if n_prompt + max_tokens > self.max_model_len:
             raise BadRequest(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{n_prompt + max_tokens} tokens ({n_prompt} in the messages, {max_tokens} in the completion).",
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the messages, {max_tokens} in "
+                "the completion).",
                 code="context_length_exceeded",
                 param="messages",
             )
@@ -306,7 +310,9 @@ def _engine_settings(factory: Any, settings: Settings, model_path: Path) -> Any:
     return factory.EngineSettings(**kwargs)
 
 
-def _engine_fingerprint(factory: Any, llm: Any, store: Store, known_before: set[FingerprintId]) -> FingerprintId | None:
+def _engine_fingerprint(
+    factory: Any, llm: Any, store: Store, known_before: set[FingerprintId]
+) -> FingerprintId | None:
     """The model fingerprint the engine's connector writes pages under."""
     getter = getattr(factory, "engine_fingerprint", None)
     if getter is not None:
@@ -324,8 +330,8 @@ def _fingerprint_by_config(llm: Any, store: Store, candidates: list[FingerprintI
     block = cfg.cache_config.block_size
     layers = cfg.model_config.get_num_layers(cfg.parallel_config)
     matches = [
-        f for f in candidates
+        f
+        for f in candidates
         if store.fingerprints[f].block_size == block and store.fingerprints[f].num_layers == layers
     ]
     return matches[-1] if matches else None
-

@@ -167,15 +167,23 @@ async def _on_validation(_req: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = list(exc.errors())
     code = "invalid_json" if any(x.get("type") == "json_invalid" for x in errors) else "invalid_request"
-    return error_response(400, _validation_message(errors), "invalid_request_error", code, _validation_param(errors))
+    return error_response(
+        400, _validation_message(errors), "invalid_request_error", code, _validation_param(errors)
+    )
 
 
 async def _on_http(_req: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     if isinstance(exc.__cause__, ApiError):  # raised while FastAPI read the body (size limit)
         return response_for(exc.__cause__)
-    kinds = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-             404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+    kinds = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        405: "invalid_request_error",
+        413: "invalid_request_error",
+    }
     kind = kinds.get(exc.status_code, "server_error" if exc.status_code >= 500 else "invalid_request_error")
     message = exc.detail if isinstance(exc.detail, str) else "request failed"
     if exc.status_code == 404 and message == "Not Found":
@@ -195,7 +203,13 @@ def install_error_handlers(app: FastAPI) -> None:
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     from api.schemas import ErrorResponse
 
-    descriptions = {400: "Bad request", 401: "Missing or invalid API key", 403: "Not allowed for this key",
-                    404: "Not found", 409: "Conflict with the current state", 413: "Body too large",
-                    503: "Engine unavailable or overloaded (see Retry-After)"}
+    descriptions = {
+        400: "Bad request",
+        401: "Missing or invalid API key",
+        403: "Not allowed for this key",
+        404: "Not found",
+        409: "Conflict with the current state",
+        413: "Body too large",
+        503: "Engine unavailable or overloaded (see Retry-After)",
+    }
     return {s: {"model": ErrorResponse, "description": descriptions.get(s, "Error")} for s in statuses}

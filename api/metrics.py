@@ -31,12 +31,17 @@ class Metrics:
             "dss_http_requests_total", "HTTP requests answered", ["route", "method", "status"], registry=r
         )
         self.request_seconds = Histogram(
-            "dss_request_duration_seconds", "Time to answer a request (streams: until the last byte)",
-            ["route"], buckets=_LATENCY_BUCKETS, registry=r,
+            "dss_request_duration_seconds",
+            "Time to answer a request (streams: until the last byte)",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.ttft_seconds = Histogram(
-            "dss_ttft_seconds", "Time from a chat request's arrival to its first generated token",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "dss_ttft_seconds",
+            "Time from a chat request's arrival to its first generated token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.prompt_tokens = Counter("dss_prompt_tokens_total", "Prompt tokens of chat requests", registry=r)
         self.completion_tokens = Counter("dss_completion_tokens_total", "Generated tokens", registry=r)
@@ -67,8 +72,10 @@ class Metrics:
             if n > 0 and tier in HIT_SOURCES:
                 self.tokens_hit.labels(tier).inc(n)
 
-    def watch_store(self, stats: Callable[[], dict[str, Any]]) -> None:
-        self.registry.register(_StoreCollector(stats))
+    def watch_store(self, stats: Callable[[], dict[str, Any]]) -> Collector:
+        collector = _StoreCollector(stats)
+        self.registry.register(collector)
+        return collector
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -99,13 +106,19 @@ class _StoreCollector(Collector):
             evictions.add_metric([t], s["evictions"].get(t, 0))
         yield from (pages, used, cap, hits, promos, evictions)
         yield CounterMetricFamily(
-            "dss_corrupt_pages", "Pages that failed their checksum or authentication", value=s["corrupt_pages"]
+            "dss_corrupt_pages",
+            "Pages that failed their checksum or authentication",
+            value=s["corrupt_pages"],
         )
         yield CounterMetricFamily(
             "dss_disk_write_errors", "Failed writes to the disk tier", value=s["disk_write_errors"]
         )
         yield GaugeMetricFamily(
-            "dss_disk_available", "1 while the disk tier accepts writes", value=1 if s["disk_available"] else 0
+            "dss_disk_available",
+            "1 while the disk tier accepts writes",
+            value=1 if s["disk_available"] else 0,
         )
-        yield GaugeMetricFamily("dss_indexed_tokens", "Tokens indexed in all tries", value=s["indexed_tokens"])
+        yield GaugeMetricFamily(
+            "dss_indexed_tokens", "Tokens indexed in all tries", value=s["indexed_tokens"]
+        )
         yield GaugeMetricFamily("dss_load_leases", "Page loads in progress", value=s["leases"])

@@ -40,11 +40,14 @@ class SaltBook:
             # Receipts name their subject by a salted hash; accept either form the store writes.
             subjects = {tenant, self._store.subject_hash(user)}
             with transaction(self._store.sf) as db:
-                epoch = db.scalar(
-                    select(func.count())
-                    .select_from(ErasureReceiptRow)
-                    .where(ErasureReceiptRow.subject.in_(subjects))
-                ) or 0
+                epoch = (
+                    db.scalar(
+                        select(func.count())
+                        .select_from(ErasureReceiptRow)
+                        .where(ErasureReceiptRow.subject.in_(subjects))
+                    )
+                    or 0
+                )
             with self._lock:
                 epoch = self._epochs.setdefault(tenant, epoch)
         return f"{tenant}.{epoch}"

@@ -226,7 +226,10 @@ async def _stream(
     session = {"session_id": turn.target.session_id} if turn.target is not None else {}
 
     def chunk(delta: Mapping[str, Any], finish: str | None = None, **extra: Any) -> str:
-        body = {**base, "choices": [{"index": 0, "delta": dict(delta), "logprobs": None, "finish_reason": finish}]}
+        body = {
+            **base,
+            "choices": [{"index": 0, "delta": dict(delta), "logprobs": None, "finish_reason": finish}],
+        }
         return _sse({**body, **session, **extra})
 
     committed_ok = False
@@ -261,4 +264,3 @@ async def _stream(
 
 def _sse(obj: Mapping[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'), default=str)}\n\n"
-

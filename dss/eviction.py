@@ -30,7 +30,7 @@ class PageStats:
 
 @runtime_checkable
 class EvictionPolicy(Protocol):
-    name: str
+    name: ClassVar[str]
 
     def priority(self, stats: PageStats, now: float) -> float:
         """Keep-worthiness of a page at time `now`; lower is evicted first. Pure, no side effects."""

@@ -37,6 +37,7 @@ from dss.crypto import KeyManager
 from dss.db.engine import make_engine, make_session_factory, upgrade_to_head
 from dss.db.models import PageRow, PublicPrefixRow, StoreMeta
 from dss.errors import (
+    CapacityError,
     FingerprintMismatch,
     InvalidInput,
     LimitExceeded,
@@ -646,6 +647,49 @@ class Store:
             token_sets = [np.frombuffer(t, dtype="<i4") for t in rows]
         for tokens in token_sets:
             self.pages.set_pinned(self.match(fid, PUBLIC_TENANT, tokens).pages, True)
+
+    # ================================================================== deleting sessions
+    def drop_sequence_pages(
+        self,
+        fid: FingerprintId,
+        tenant: TenantId,
+        drop: Sequence[Sequence[int] | np.ndarray],
+        keep: Sequence[Sequence[int] | np.ndarray] = (),
+    ) -> int:
+        """Drop the tenant's private pages on the paths of `drop` that no path of `keep` uses.
+
+        For a deleted session: `drop` = its versions' tokens, `keep` = the user's other versions.
+        Public-prefix pages stay, and so do pages another namespace's trie still reaches.
+        Returns the number of pages dropped from every tier.
+        """
+        self._ensure_open()
+        if tenant == PUBLIC_TENANT:
+            raise InvalidInput("public pages are removed through their public prefix")
+        with self._lock:
+            trie = self._trie(self.namespace(fid, tenant), create=False)
+            if trie is None:
+                return 0
+            paths = [trie.match(as_tokens(t), touch=False).pages for t in drop]
+            kept = {h for t in keep for h in trie.match(as_tokens(t), touch=False).pages}
+            removed: list[PageHash] = []
+            for path in paths:
+                # The first private page of a path that no kept path shares: it and everything
+                # below it in the trie belong to dropped paths only.
+                for h in path:
+                    if h in kept or h not in trie:
+                        continue
+                    entry = self.pages.entries.get(h)
+                    if entry is not None and entry.meta.tenant != tenant:
+                        continue
+                    try:
+                        removed.extend(trie.remove_from(h))
+                    except CapacityError:
+                        pass  # a load holds it right now; it stays a cache entry like any other
+                    break
+            still_used = {p for t in self.tries.values() for p in removed if p in t}
+            victims = [p for p in removed if p not in still_used]
+        self.pages.drop(victims, notify=False)
+        return len(victims)
 
     # ================================================================== erasure
     def erase_user(self, user: str) -> erasure.ErasureReceipt:

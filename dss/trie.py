@@ -95,6 +95,7 @@ class RadixTrie:
         return page in self._index
 
     def is_locked(self, page: PageHash) -> bool:
+        """Whether some holder protects `page` (locks are per node, so whole nodes are protected)."""
         node = self._index.get(page)
         if node is None:
             raise NotFoundError("page is not in the trie")
@@ -204,8 +205,9 @@ class RadixTrie:
         if split is not None:
             node = self._split(*split)
         new_key = toks[pos:end].copy()
-        if node is not self.root:
+        if node is not self.root and not node.children:
             # Extending a leaf keeps a multi-turn session one node deep instead of one per turn.
+            # A holder of the leaf then protects the new pages too, which only errs on the safe side.
             node.key = np.concatenate((node.key, new_key))
             node.pages.extend(new_pages)
             leaf = node

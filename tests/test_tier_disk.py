@@ -304,3 +304,37 @@ def test_read_decodes_straight_into_a_host_arena_slot(disk: DiskTier, tmp_path: 
         assert disk.contains(meta.hash)  # a caller mistake is not corruption
     finally:
         host.close()
+
+
+def test_failed_rename_leaves_no_temp_file(disk: DiskTier) -> None:
+    raw = bf16_page(1)
+    meta = make_meta(1, raw)
+    disk.path_of(meta.hash).mkdir(parents=True)  # rename(file, directory) fails with EISDIR
+    with pytest.raises(TierUnavailable):
+        disk.write(meta, raw, KEY)
+    assert all_files(disk.root) == [] and disk.used_bytes == 0 and not disk.contains(meta.hash)
+
+
+def test_concurrent_writers_and_readers(disk: DiskTier) -> None:
+    import threading
+
+    errors: list[BaseException] = []
+    metas = [make_meta(i, bf16_page(i)) for i in range(12)]
+
+    def worker(k: int) -> None:
+        try:
+            for meta in metas[k::3]:
+                disk.write(meta, bf16_page(metas.index(meta)), KEY)
+            for meta in metas:  # pages of other threads may or may not be there yet
+                if disk.contains(meta.hash):
+                    assert bytes(disk.read(meta.hash, KEY)[2]) == bf16_page(metas.index(meta))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(disk) == 12 and disk.used_bytes == sum(p.stat().st_size for p in disk.root.rglob("*.page"))

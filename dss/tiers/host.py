@@ -60,6 +60,11 @@ class SlotRef:
     path: str
     slot_nbytes: int
     slot: int
+    n_slots: int = 0  # of the arena, so that another process can attach it from the ref alone
+
+    @property
+    def arena(self) -> ArenaInfo:
+        return ArenaInfo(self.path, self.slot_nbytes, self.n_slots)
 
 
 def _cudart(torch: Any) -> Any:
@@ -293,7 +298,7 @@ class HostTier:
                 raise CapacityError(f"host arena for {nbytes}-byte pages has no free slot")
             slots.reserved.add(slot)
             self._used += nbytes
-            return SlotRef(slots.arena.info.path, nbytes, slot)
+            return SlotRef(slots.arena.info.path, nbytes, slot, slots.arena.info.n_slots)
 
     def publish(self, page: PageHash, ref: SlotRef) -> SlotRef:
         """Make a filled reservation visible as `page`; returns the slot that now holds the page.

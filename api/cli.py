@@ -1,0 +1,168 @@
+"""The `dss` command: `serve`, `keys create|list|revoke`, `model pull`.
+
+Flags override the `DSS_*` environment (see `api.settings`). `keys` works on the database
+directly (it does not need the server, and may run while the server runs).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from api.settings import load_settings
+
+main = typer.Typer(
+    name="dss", help="DSS, the dialogue state store.", no_args_is_help=True, add_completion=False
+)
+keys_app = typer.Typer(
+    help="API keys (the secret is printed once; only its hash is stored).", no_args_is_help=True
+)
+model_app = typer.Typer(help="The default model.", no_args_is_help=True)
+main.add_typer(keys_app, name="keys")
+main.add_typer(model_app, name="model")
+
+DataDirOpt = Annotated[
+    Path | None, typer.Option("--data-dir", help="Data directory (SQLite metadata, disk tier, master key)")
+]
+DbUrlOpt = Annotated[
+    str | None, typer.Option("--db-url", help="SQLAlchemy URL, e.g. postgresql+psycopg://...")
+]
+
+
+def _db_url(data_dir: Path | None, db_url: str | None) -> str:
+    settings = load_settings(store={"data_dir": data_dir, "db_url": db_url})
+    return settings.store.to_config().resolved_db_url
+
+
+@main.command()
+def serve(
+    model: Annotated[
+        Path | None, typer.Option(help="An HF model folder (default: the prepared default model)")
+    ] = None,
+    data_dir: DataDirOpt = None,
+    db_url: DbUrlOpt = None,
+    host: Annotated[str | None, typer.Option(help="Bind address (default 127.0.0.1)")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default 8000)")] = None,
+    log_level: Annotated[str | None, typer.Option(help="debug, info, warning, error")] = None,
+    no_engine: Annotated[
+        bool, typer.Option("--no-engine", help="Serve the store API without a model")
+    ] = False,
+) -> None:
+    """Start the OpenAI-compatible, session-aware chat server."""
+    import uvicorn
+
+    from api.app import create_app
+
+    settings = load_settings(
+        server={"host": host, "port": port, "log_level": log_level},
+        store={"data_dir": data_dir, "db_url": db_url},
+        engine={"model": model, "enabled": False if no_engine else None},
+    )
+    level = settings.server.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(settings)
+    uvicorn.run(
+        app,
+        host=settings.server.host,
+        port=settings.server.port,
+        log_level=settings.server.log_level.lower(),
+        timeout_graceful_shutdown=int(settings.server.graceful_shutdown_s),
+    )
+
+
+@keys_app.command("create")
+def keys_create(
+    user: Annotated[str | None, typer.Option(help="The user this key acts as")] = None,
+    admin: Annotated[
+        bool, typer.Option("--admin", help="May erase users, manage prefixes, read metrics")
+    ] = False,
+    data_dir: DataDirOpt = None,
+    db_url: DbUrlOpt = None,
+) -> None:
+    """Create an API key and print it (once)."""
+    from api.auth import ApiKeys
+    from dss.db.engine import make_engine, make_session_factory, upgrade_to_head
+    from dss.errors import InvalidInput
+
+    if user is None and not admin:
+        raise typer.BadParameter("give --user NAME, or --admin")
+    url = _db_url(data_dir, db_url)
+    upgrade_to_head(url)
+    engine = make_engine(url)
+    try:
+        created = ApiKeys(make_session_factory(engine)).create(user, admin=admin)
+    except InvalidInput as exc:
+        raise typer.BadParameter(str(exc)) from None
+    finally:
+        engine.dispose()
+    kind = "admin key" if created.is_admin else "key"
+    typer.echo(f"created {kind} {created.id} for user {created.user!r}; it is shown only now:", err=True)
+    typer.echo(created.key)
+
+
+@keys_app.command("list")
+def keys_list(data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
+    """List keys (ids and owners; never the secrets)."""
+    from api.auth import ApiKeys
+    from dss.db.engine import make_engine, make_session_factory, upgrade_to_head
+
+    url = _db_url(data_dir, db_url)
+    upgrade_to_head(url)
+    engine = make_engine(url)
+    try:
+        for k in ApiKeys(make_session_factory(engine)).list():
+            state = f"revoked {k.revoked_at:%Y-%m-%d}" if k.revoked_at else "active"
+            typer.echo(f"{k.id}\t{k.user}\t{'admin' if k.is_admin else 'user'}\t{state}")
+    finally:
+        engine.dispose()
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: str, data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
+    """Revoke a key by id (a running server stops accepting it within its key cache TTL)."""
+    from api.auth import ApiKeys
+    from dss.db.engine import make_engine, make_session_factory, upgrade_to_head
+
+    url = _db_url(data_dir, db_url)
+    upgrade_to_head(url)
+    engine = make_engine(url)
+    try:
+        if not ApiKeys(make_session_factory(engine)).revoke(key_id):
+            typer.echo(f"no active key {key_id}", err=True)
+            raise typer.Exit(1)
+    finally:
+        engine.dispose()
+    typer.echo(f"revoked {key_id}", err=True)
+
+
+@model_app.command("pull")
+def model_pull(
+    data_dir: DataDirOpt = None,
+    verify: Annotated[
+        bool | None,
+        typer.Option("--verify/--no-verify", help="Check the model answers correctly (default: when new)"),
+    ] = None,
+) -> None:
+    """Prepare the default model (SmolLM2-135M-Instruct) under DATA_DIR/models/."""
+    from engine_patch.model import (
+        default_data_dir,
+        default_model_dir,
+        is_ready,
+        pull_default_model,
+        verify_model,
+    )
+
+    root = (data_dir or default_data_dir()).expanduser()
+    fresh = not is_ready(default_model_dir(root))
+    path = pull_default_model(root)
+    typer.echo(str(path))
+    if verify if verify is not None else fresh:
+        typer.echo(f"verified: {verify_model(path)}", err=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

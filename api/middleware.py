@@ -1,0 +1,91 @@
+"""ASGI middleware: the request body size limit and per-route request metrics."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.errors import PayloadTooLarge, response_for
+from api.metrics import Metrics
+
+
+class BodyLimit:
+    """413 for a declared Content-Length over the limit; a body that grows past it while being
+    read fails the read with `PayloadTooLarge` (413 as well, through the error handlers)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            resp = response_for(self._too_large(declared))
+            await resp(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    raise self._too_large(seen)
+            return msg
+
+        await self.app(scope, limited, send)
+
+    def _too_large(self, n: int) -> PayloadTooLarge:
+        return PayloadTooLarge(
+            f"the request body has {n} bytes, over the limit of {self.max_bytes}", code="body_too_large"
+        )
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+class RequestMetrics:
+    """Counts and times every request by route template (never by concrete path or user)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def sending(msg: Message) -> None:
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = int(msg["status"])
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            route = _route_of(scope)
+            self.metrics.http_requests.labels(route, scope.get("method", ""), str(status)).inc()
+            self.metrics.request_seconds.labels(route).observe(time.perf_counter() - start)
+
+
+def _route_of(scope: Scope) -> str:
+    route: Any = scope.get("route")
+    path = getattr(route, "path", None)
+    return str(path) if path else "unmatched"

@@ -1,0 +1,47 @@
+"""`POST /v1/chat/completions`: OpenAI-compatible chat, session-aware when `session_id` is given."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from api.deps import EngineDep, PrincipalDep, StateDep, acting_principal
+from api.dialogue import chat_target
+from api.errors import error_responses
+from api.schemas import ChatCompletion, ChatCompletionRequest
+from api.turns import Turn, check_limits, run_turn
+from dss.errors import NotFoundError
+
+router = APIRouter(tags=["chat"])
+
+
+class ModelNotFound(NotFoundError):
+    """The request names a model this server does not serve."""
+
+
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletion,
+    response_model_exclude_none=True,
+    responses={
+        **error_responses(400, 401, 404, 409, 413, 503),
+        200: {"content": {"text/event-stream": {}}, "description": "A completion, or SSE chunks with stream"},
+    },
+)
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request, state: StateDep, principal: PrincipalDep, engine: EngineDep
+) -> Any:
+    """Chat; with `session_id`, the turn is committed as a new version of that session."""
+    who = acting_principal(request, principal, body.user)
+    if body.model and body.model not in engine.model_names:
+        raise ModelNotFound(f"the model {body.model!r} does not exist on this server")
+    messages = [m.plain() for m in body.messages]
+    check_limits(state, body, messages)
+    target = None
+    if body.session_id is not None:
+        target = await asyncio.to_thread(
+            chat_target, state.store.versions, who.user, body.session_id, messages, body.state_version
+        )
+    return await run_turn(state, engine, Turn(who.user, messages, body, target), request)

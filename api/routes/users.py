@@ -1,0 +1,56 @@
+"""Erasing a user (admin, or the user themself) and reading erasure receipts."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from api.auth import check_user_id
+from api.deps import PrincipalDep, StateDep
+from api.errors import Forbidden, error_responses
+from api.schemas import ErasureReceiptOut, VerificationOut
+from api.state import AppState
+from dss.erasure import ErasureReceipt
+from dss.errors import ReceiptNotFound
+
+router = APIRouter(tags=["users"])
+
+
+def receipt_out(state: AppState, r: ErasureReceipt) -> ErasureReceiptOut:
+    v = state.store.verify_erasure(r.id)
+    return ErasureReceiptOut(
+        id=r.id,
+        erased_at=r.erased_at,
+        subject=r.subject,
+        counts=r.counts,
+        verification=VerificationOut(
+            checked_at=v.checked_at, remnants=v.remnants, chain_ok=v.chain_ok, details=list(v.details)
+        ),
+    )
+
+
+@router.delete(
+    "/v1/users/{user_id}", response_model=ErasureReceiptOut, responses=error_responses(400, 401, 403)
+)
+def erase_user(user_id: str, state: StateDep, principal: PrincipalDep) -> ErasureReceiptOut:
+    """Erase everything the server holds of a user; the receipt is verified before it is returned."""
+    check_user_id(user_id)
+    if not principal.is_admin and principal.user != user_id:
+        raise Forbidden("only an admin key or the user themself may erase a user")
+    store = state.store
+    receipt = store.erase_user(user_id)
+    state.salts.bump(store.tenant_for(user_id))
+    state.metrics.erasures.inc()
+    return receipt_out(state, receipt)
+
+
+@router.get(
+    "/v1/erasures/{receipt_id}", response_model=ErasureReceiptOut, responses=error_responses(401, 404)
+)
+def get_erasure(receipt_id: str, state: StateDep, principal: PrincipalDep) -> ErasureReceiptOut:
+    """The receipt with a fresh verification (admins: any; users: their own)."""
+    store = state.store
+    receipt = store.get_receipt(receipt_id)
+    mine = {store.tenant_for(principal.user), store.subject_hash(principal.user)}
+    if not principal.is_admin and receipt.subject not in mine:
+        raise ReceiptNotFound(f"no erasure receipt {receipt_id!r}")
+    return receipt_out(state, receipt)

@@ -1,0 +1,168 @@
+"""`DSSConnector`: vLLM's KV connector for the dialogue state store.
+
+Loaded by vLLM through `KVTransferConfig(kv_connector="DSSConnector",
+kv_connector_module_path="engine_patch.connector", kv_role="kv_both",
+kv_load_failure_policy="recompute", kv_connector_extra_config={"store_address": ..., "authkey": hex})`
+(see `engine_patch.factory`). vLLM builds one instance per role and process: the scheduler role in
+the engine-core process (`scheduler_side`), the worker role beside the KV tensors
+(`worker_side`). This class only wires vLLM's hooks to them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.logger import init_logger
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from dss.namespace import ModelFingerprint
+from dss.rpc import StoreClient
+from engine_patch.fingerprint import UnsupportedKVCache, build_fingerprint
+from engine_patch.metadata import DSSConnectorMetadata
+from engine_patch.scheduler_side import SchedulerSide
+from engine_patch.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger("vllm.dss_connector")
+
+CONNECTOR_NAME = "DSSConnector"
+CONNECTOR_MODULE = "engine_patch.connector"
+
+
+class DSSConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config
+        address = extra.get_from_extra_config("store_address", None)
+        authkey_hex = extra.get_from_extra_config("authkey", None)
+        fingerprint = self._fingerprint(vllm_config, kv_cache_config)
+
+        def client_factory() -> StoreClient:
+            return StoreClient(str(address), bytes.fromhex(str(authkey_hex)))
+
+        factory = client_factory if address and authkey_hex else None
+        if factory is None:
+            logger.error("DSS connector configured without store_address/authkey; it stays off")
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                fingerprint,
+                factory() if factory is not None else None,
+                settle_timeout_s=float(extra.get_from_extra_config("settle_timeout_s", 2.0)),
+            )
+        else:
+            self._worker = WorkerSide(
+                fingerprint,
+                factory,
+                int(kv_cache_config.num_blocks),
+                load_timeout_s=float(extra.get_from_extra_config("load_timeout_s", 30.0)),
+            )
+        if fingerprint is not None:
+            logger.info("DSS connector (%s) fingerprint %s: %s", role.name.lower(), fingerprint.id, fingerprint)
+
+    @staticmethod
+    def _fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> ModelFingerprint | None:
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
+            # Each rank holds other KV heads or layers: one page per rank would need its own hash.
+            logger.error("DSS connector supports one engine rank only; it stays off")
+            return None
+        try:
+            return build_fingerprint(vllm_config, kv_cache_config)
+        except UnsupportedKVCache as exc:
+            logger.error("DSS connector stays off: %s", exc)
+            return None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a dropped save is a future miss, never a wrong answer.
+        return False
+
+    # ================================================================== worker role
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches, extract_layer_index)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv (sync) or before the request is scheduled (async)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        return  # pages are saved whole when a request finishes (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.wait_for_save(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        assert self._worker is not None
+        return self._worker.build_worker_meta()
+
+    def _meta(self) -> DSSConnectorMetadata:
+        meta: KVConnectorMetadata = self._get_connector_metadata()
+        assert isinstance(meta, DSSConnectorMetadata)
+        return meta
+
+    # ================================================================== scheduler role
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        assert self._scheduler is not None
+        return self._scheduler.get_external_cache_hit_sources(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    # ================================================================== both
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()

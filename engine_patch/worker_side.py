@@ -1,0 +1,246 @@
+"""The worker half of the DSS connector (runs in vLLM's worker process, beside the KV tensors).
+
+Loads: sync loads are copied in `start_load_kv`, before the forward that needs them; async loads
+(pages the store promotes from disk) run on a loader thread that waits for the store, copies, and
+reports the request finished-receiving. Saves: a finished request's new pages are copied into the
+slots the store reserved, then committed. Any failure in a load reports the affected blocks, and
+vLLM recomputes them (`kv_load_failure_policy="recompute"`); any failure in a save aborts it. The
+request itself never fails because of the store.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from vllm.logger import init_logger
+
+from dss.errors import DSSError
+from dss.namespace import ModelFingerprint
+from dss.plans import PageSlot
+from dss.rpc import StoreClient
+from engine_patch.copy import ArenaViews, KVBlocks, runs
+from engine_patch.fingerprint import UnsupportedKVCache, check_layer_tensors
+from engine_patch.metadata import DSSConnectorMetadata, DSSWorkerMetadata, LoadSpec, SaveSpec, SlotSpan
+
+logger = init_logger("vllm.dss_connector")
+
+_FINISHED_MEMORY = 8192  # finished request ids remembered in case a save completes after them
+
+
+def order_layers(kv_caches: dict[str, torch.Tensor], layer_index: Callable[[str], int]) -> list[torch.Tensor]:
+    """The KV tensors in layer order: pages are layer-major by layer index."""
+    indexed = sorted((layer_index(name), name) for name in kv_caches)
+    if len({i for i, _ in indexed}) != len(indexed):
+        raise UnsupportedKVCache("two KV layers share a layer index")
+    return [kv_caches[name] for _, name in indexed]
+
+
+class WorkerSide:
+    def __init__(
+        self,
+        fingerprint: ModelFingerprint | None,
+        client_factory: Callable[[], StoreClient] | None,
+        num_blocks: int,
+        *,
+        load_timeout_s: float = 30.0,
+    ) -> None:
+        self.fingerprint = fingerprint
+        self.num_blocks = num_blocks
+        self.load_timeout_s = load_timeout_s
+        self.disabled = fingerprint is None or client_factory is None
+        self._client = client_factory() if client_factory is not None else None
+        # The loader thread blocks in `wait_loaded`; it gets its own connection so the main
+        # thread's commits and releases never queue behind it.
+        self._loader_client = client_factory() if client_factory is not None else None
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dss-async-load")
+        self._lock = threading.Lock()
+        self.blocks: KVBlocks | None = None
+        self.views: ArenaViews | None = None
+        self._async_done: list[tuple[str, list[int], int]] = []  # req id, failed blocks, failed tokens
+        self._load_errors: set[int] = set()
+        self._failed_tokens: dict[str, int] = {}
+        self._saved: set[str] = set()
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._disabled_reported = False
+        self.stats = {"loaded_pages": 0, "failed_pages": 0, "saved_pages": 0, "aborted_saves": 0}
+
+    # ------------------------------------------------------------------ setup
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layer_index: Callable[[str], int]) -> None:
+        if self.fingerprint is None:
+            return
+        try:
+            layers = order_layers(kv_caches, layer_index)
+            check_layer_tensors(self.fingerprint, layers, self.num_blocks)
+            self.blocks = KVBlocks(layers)
+        except (UnsupportedKVCache, DSSError) as exc:
+            logger.error("DSS connector off in this worker: the KV cache does not match the fingerprint (%s)", exc)
+            self.disabled = True
+            return
+        self.views = ArenaViews(self.fingerprint.num_layers, self.fingerprint.layer_block_nbytes)
+        logger.info(
+            "DSS connector ready: %d layers x %d blocks of %s, %d bytes per page",
+            len(layers), self.num_blocks, tuple(layers[0].shape[1:]), self.fingerprint.page_nbytes,
+        )
+
+    @property
+    def ready(self) -> bool:
+        return not self.disabled and self.blocks is not None and self.views is not None
+
+    # ------------------------------------------------------------------ loads
+    def start_load_kv(self, meta: DSSConnectorMetadata) -> None:
+        for spec in meta.loads:
+            if spec.is_async:
+                self._loader.submit(self._async_load, spec)
+            else:
+                self._sync_load(spec)
+
+    def _copy_in(self, span: SlotSpan, block_ids: tuple[int, ...]) -> None:
+        assert self.blocks is not None and self.views is not None
+        pages = self.views.pages(span.arena_path, span.slot_nbytes)
+        self.blocks.load(pages, runs(block_ids, span.slots))
+
+    def _sync_load(self, spec: LoadSpec) -> None:
+        n_ok = 0
+        try:
+            if not self.ready or spec.span is None or self._client is None:
+                raise DSSError("connector not ready for loads")
+            self._copy_in(spec.span, spec.block_ids)
+            # The pages were pinned by the lookup; a page erased meanwhile comes back None here,
+            # after the copy, so a copy that raced an erasure is never trusted.
+            n_ok = _usable_prefix(self._client.wait_loaded(spec.load_id, 0.0), len(spec.block_ids))
+        except Exception as exc:
+            logger.warning("DSS sync load %s for %s failed, recomputing: %s", spec.load_id, spec.req_id, exc)
+            n_ok = 0
+        finally:
+            self._release(self._client, spec.load_id)
+        self._record_load(spec, n_ok, async_done=False)
+
+    def _async_load(self, spec: LoadSpec) -> None:
+        n_ok = 0
+        try:
+            if not self.ready or self._loader_client is None:
+                raise DSSError("connector not ready for loads")
+            got = self._loader_client.wait_loaded(spec.load_id, self.load_timeout_s)
+            n_ok = _usable_prefix(got, len(spec.block_ids))
+            if n_ok:
+                span = _span_of(got[:n_ok])
+                if span is None:
+                    raise DSSError("promoted pages came back without slots in one arena")
+                self._copy_in(span, spec.block_ids[:n_ok])
+        except Exception as exc:
+            logger.warning("DSS async load %s for %s failed, recomputing: %s", spec.load_id, spec.req_id, exc)
+            n_ok = 0
+        finally:
+            self._release(self._loader_client, spec.load_id)
+        self._record_load(spec, n_ok, async_done=True)
+
+    def _record_load(self, spec: LoadSpec, n_ok: int, async_done: bool) -> None:
+        failed_blocks = list(spec.block_ids[n_ok:])
+        with self._lock:
+            self.stats["loaded_pages"] += n_ok
+            self.stats["failed_pages"] += len(failed_blocks)
+            if async_done:
+                self._async_done.append((spec.req_id, failed_blocks, len(failed_blocks)))
+            elif failed_blocks:
+                self._load_errors.update(failed_blocks)
+                self._failed_tokens[spec.req_id] = self._failed_tokens.get(spec.req_id, 0) + len(failed_blocks)
+
+    @staticmethod
+    def _release(client: StoreClient | None, load_id: str) -> None:
+        if client is None:
+            return
+        try:
+            client.release(load_id)
+        except DSSError as exc:
+            logger.warning("DSS release of load %s failed: %s", load_id, exc)
+
+    # ------------------------------------------------------------------ saves
+    def wait_for_save(self, meta: DSSConnectorMetadata) -> None:
+        for spec in meta.saves:
+            self._save(spec)
+
+    def _save(self, spec: SaveSpec) -> None:
+        try:
+            if not self.ready or self._client is None:
+                raise DSSError("connector not ready for saves")
+            assert self.blocks is not None and self.views is not None
+            pages = self.views.pages(spec.span.arena_path, spec.span.slot_nbytes)
+            self.blocks.save(pages, runs(spec.block_ids, spec.span.slots))
+            self._client.commit_save(spec.save_id, spec.page_indexes)
+            self.stats["saved_pages"] += len(spec.page_indexes)
+        except Exception as exc:
+            logger.warning("DSS save %s for %s failed; aborted: %s", spec.save_id, spec.req_id, exc)
+            self.stats["aborted_saves"] += 1
+            if self._client is not None:
+                try:
+                    self._client.abort_save(spec.save_id)
+                except DSSError as abort_exc:
+                    logger.warning("DSS abort_save %s failed: %s", spec.save_id, abort_exc)
+        self._saved.add(spec.req_id)
+
+    # ------------------------------------------------------------------ per-step reporting
+    def get_finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str] | None, set[str] | None]:
+        for req_id in finished_req_ids:
+            self._finished[req_id] = None
+        while len(self._finished) > _FINISHED_MEMORY:
+            self._finished.popitem(last=False)
+        sending = {r for r in self._saved if r in self._finished}
+        self._saved -= sending
+        for r in sending:
+            self._finished.pop(r, None)
+        with self._lock:
+            done, self._async_done = self._async_done, []
+            for req_id, failed_blocks, n_failed in done:
+                if failed_blocks:
+                    self._load_errors.update(failed_blocks)
+                    self._failed_tokens[req_id] = self._failed_tokens.get(req_id, 0) + n_failed
+        recving = {req_id for req_id, _, _ in done}
+        return (sending or None), (recving or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_worker_meta(self) -> DSSWorkerMetadata | None:
+        """Failed pages are reported in blocks; the scheduler learns them in tokens (for the response)."""
+        bs = self.fingerprint.block_size if self.fingerprint is not None else 0
+        with self._lock:
+            failed, self._failed_tokens = self._failed_tokens, {}
+        report_disabled = self.disabled and not self._disabled_reported
+        if not failed and not report_disabled:
+            return None
+        self._disabled_reported |= report_disabled
+        return DSSWorkerMetadata({r: n * bs for r, n in failed.items()}, self.disabled)
+
+    def shutdown(self) -> None:
+        self._loader.shutdown(wait=True, cancel_futures=False)
+        if self.views is not None:
+            self.views.close()
+        for client in (self._client, self._loader_client):
+            if client is not None:
+                client.close()
+
+
+def _usable_prefix(got: tuple[PageSlot | None, ...], n_wanted: int) -> int:
+    """Pages usable from the start: vLLM recomputes from the first failed block on anyway."""
+    n = 0
+    for ps in got[:n_wanted]:
+        if ps is None or ps.slot is None:
+            break
+        n += 1
+    return n
+
+
+def _span_of(pages: tuple[PageSlot | None, ...]) -> SlotSpan | None:
+    refs = [p.slot for p in pages if p is not None and p.slot is not None]
+    if len(refs) != len(pages):
+        return None
+    first = refs[0]
+    if any((r.path, r.slot_nbytes) != (first.path, first.slot_nbytes) for r in refs):
+        return None
+    return SlotSpan(first.path, first.slot_nbytes, tuple(r.slot for r in refs))
