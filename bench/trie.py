@@ -129,6 +129,20 @@ def main() -> None:
     print(f"match 32k full hit (list): {full_list_ms:.3f} ms")
     print(f"match 32k diverging at 16k: {half_ms:.3f} ms")
 
+    # A session regenerated at every turn: its path crosses a branch point every 1k tokens.
+    deep = rng.integers(0, VOCAB, size=SESSION_TOKENS, dtype=np.int32)
+    deep_hashes = chain_hashes(NS, deep, PAGE)
+    trie.insert(deep, deep_hashes)
+    for cut in range(1024, SESSION_TOKENS, 1024):
+        alt = np.concatenate((deep[:cut], rng.integers(0, VOCAB, size=16 * PAGE, dtype=np.int32)))
+        trie.insert(
+            alt,
+            deep_hashes[: cut // PAGE]
+            + chain_hashes(NS, alt, PAGE, deep_hashes[cut // PAGE - 1], cut // PAGE),
+        )
+    deep_ms = median_ms(lambda: trie.match(deep), args.reps)
+    print(f"match 32k full hit, 32 nodes deep: {deep_ms:.3f} ms")
+
     index = {h: None for h in trie.iter_pages()}
 
     def hash_chain_lookup() -> int:

@@ -54,7 +54,9 @@ class Verification:
     chain_ok: bool
 
 
-def _entry_hash(prev_hash: str, rid: str, seq: int, erased_at: datetime, subject: str, counts: dict[str, Any]) -> str:
+def _entry_hash(
+    prev_hash: str, rid: str, seq: int, erased_at: datetime, subject: str, counts: dict[str, Any]
+) -> str:
     body = json.dumps(
         {"id": rid, "seq": seq, "erased_at": _iso(erased_at), "subject": subject, "counts": counts},
         sort_keys=True,
@@ -71,7 +73,9 @@ def _iso(t: datetime) -> str:
 
 def _receipt(row: m.ErasureReceiptRow) -> ErasureReceipt:
     erased = row.erased_at if row.erased_at.tzinfo else row.erased_at.replace(tzinfo=UTC)
-    return ErasureReceipt(row.id, row.seq, erased, row.subject, dict(row.counts), row.prev_hash, row.entry_hash)
+    return ErasureReceipt(
+        row.id, row.seq, erased, row.subject, dict(row.counts), row.prev_hash, row.entry_hash
+    )
 
 
 def erase_user(store: Store, user: str) -> ErasureReceipt:
@@ -90,7 +94,9 @@ def erase_user(store: Store, user: str) -> ErasureReceipt:
             n_versions = n_branches = 0
             if sess_ids:
                 n_versions = s.execute(
-                    select(func.count()).select_from(m.VersionRow).where(m.VersionRow.session_id.in_(sess_ids))
+                    select(func.count())
+                    .select_from(m.VersionRow)
+                    .where(m.VersionRow.session_id.in_(sess_ids))
                 ).scalar_one()
                 n_branches = s.execute(
                     select(func.count()).select_from(m.BranchRow).where(m.BranchRow.session_id.in_(sess_ids))
@@ -110,12 +116,23 @@ def erase_user(store: Store, user: str) -> ErasureReceipt:
                 "bytes": {t.value: usage[t][1] for t in Tier},
             }
             with _append_lock:
-                last = s.execute(select(m.ErasureReceiptRow).order_by(m.ErasureReceiptRow.seq.desc()).limit(1)).scalar()
+                last = s.execute(
+                    select(m.ErasureReceiptRow).order_by(m.ErasureReceiptRow.seq.desc()).limit(1)
+                ).scalar()
                 seq = (last.seq + 1) if last else 1
                 prev = last.entry_hash if last else GENESIS
                 entry = _entry_hash(prev, rid, seq, erased_at, tenant, counts)
-                s.add(m.ErasureReceiptRow(id=rid, seq=seq, erased_at=erased_at, subject=tenant, counts=counts,
-                                       prev_hash=prev, entry_hash=entry))
+                s.add(
+                    m.ErasureReceiptRow(
+                        id=rid,
+                        seq=seq,
+                        erased_at=erased_at,
+                        subject=tenant,
+                        counts=counts,
+                        prev_hash=prev,
+                        entry_hash=entry,
+                    )
+                )
         # Committed: now the irreversible part.
         store.keyring.forget_cached(tenant)
         pages = store._drop_tenant_index(tenant)
@@ -148,24 +165,33 @@ def verify(store: Store, receipt_id: str) -> Verification:
     cutoff_ts = cutoff.timestamp()
     details: list[str] = []
     with store.sf() as s:
-        chain = list(s.execute(select(m.ErasureReceiptRow).where(m.ErasureReceiptRow.seq <= receipt.seq)
-                               .order_by(m.ErasureReceiptRow.seq)).scalars())
+        chain = list(
+            s.execute(
+                select(m.ErasureReceiptRow)
+                .where(m.ErasureReceiptRow.seq <= receipt.seq)
+                .order_by(m.ErasureReceiptRow.seq)
+            ).scalars()
+        )
         users = list(s.execute(select(m.SessionRow.user_id).distinct()).scalars())
         mine = [u for u in users if store.tenant_for(u) == tenant]
         if mine:
             old = s.execute(
-                select(func.count()).select_from(m.SessionRow)
+                select(func.count())
+                .select_from(m.SessionRow)
                 .where(m.SessionRow.user_id.in_(mine), m.SessionRow.created_at <= cutoff)
             ).scalar_one()
             if old:
                 details.append(f"database: {old} session(s) created before the erasure")
         rows = s.execute(
-            select(func.count()).select_from(m.PageRow).where(m.PageRow.tenant == tenant, m.PageRow.created_at <= cutoff)
+            select(func.count())
+            .select_from(m.PageRow)
+            .where(m.PageRow.tenant == tenant, m.PageRow.created_at <= cutoff)
         ).scalar_one()
         if rows:
             details.append(f"database: {rows} page row(s)")
         keys = s.execute(
-            select(func.count()).select_from(m.DataKey)
+            select(func.count())
+            .select_from(m.DataKey)
             .where(m.DataKey.tenant == tenant, m.DataKey.created_at <= cutoff)
         ).scalar_one()
         if keys:
@@ -174,7 +200,10 @@ def verify(store: Store, receipt_id: str) -> Verification:
     prev = GENESIS
     for row in chain:
         r = _receipt(row)
-        if r.prev_hash != prev or _entry_hash(prev, r.id, r.seq, r.erased_at, r.subject, r.counts) != r.entry_hash:
+        if (
+            r.prev_hash != prev
+            or _entry_hash(prev, r.id, r.seq, r.erased_at, r.subject, r.counts) != r.entry_hash
+        ):
             chain_ok = False
             details.append(f"audit chain broken at receipt #{r.seq}")
             break

@@ -169,8 +169,9 @@ class PageStore:
                 return False
             self.host.publish(meta.hash, ref)
             now = time.monotonic()
-            stats = PageStats(last_access=now, hits=0, created=now, index=meta.index, nbytes=meta.nbytes,
-                              pinned=False)
+            stats = PageStats(
+                last_access=now, hits=0, created=now, index=meta.index, nbytes=meta.nbytes, pinned=False
+            )
             self.entries[meta.hash] = PageEntry(meta=meta, stats=stats, tiers={Tier.HOST})
         if self.write_through and self.disk is not None:
             self._write_queue.put(meta.hash)
@@ -189,11 +190,13 @@ class PageStore:
     def add_disk_resident(self, meta: PageMeta, disk_bytes: int) -> None:
         """Recovery: a page known only from the disk tier."""
         now = time.monotonic()
-        stats = PageStats(last_access=0.0, hits=0, created=now, index=meta.index, nbytes=meta.nbytes,
-                          pinned=False)
+        stats = PageStats(
+            last_access=0.0, hits=0, created=now, index=meta.index, nbytes=meta.nbytes, pinned=False
+        )
         with self._lock:
-            self.entries[meta.hash] = PageEntry(meta=meta, stats=stats, tiers={Tier.DISK},
-                                                disk_bytes=disk_bytes)
+            self.entries[meta.hash] = PageEntry(
+                meta=meta, stats=stats, tiers={Tier.DISK}, disk_bytes=disk_bytes
+            )
 
     def flush(self, timeout_s: float = 60.0) -> None:
         """Wait until the write-through queue is drained (tests, clean shutdown)."""
@@ -228,7 +231,9 @@ class PageStore:
                 key = self._data_key(meta.tenant)
                 _header, _tokens, raw = self.disk.read(page, key)
             except (CorruptPage, KeyDestroyed) as exc:
-                log.warning("page %s unreadable on disk (%s); dropped, will be recomputed", page.hex()[:16], exc)
+                log.warning(
+                    "page %s unreadable on disk (%s); dropped, will be recomputed", page.hex()[:16], exc
+                )
                 with self._lock:
                     self.counters.corrupt_pages += 1
                     e.leases -= 1
@@ -274,9 +279,7 @@ class PageStore:
         if need <= 0:
             return
         now = time.monotonic()
-        candidates = [
-            (h, e.stats) for h, e in self.entries.items() if Tier.HOST in e.tiers and e.leases == 0
-        ]
+        candidates = [(h, e.stats) for h, e in self.entries.items() if Tier.HOST in e.tiers and e.leases == 0]
         victims = choose_victims(candidates, self.policy, now, need)
         if not victims:
             raise CapacityError("host tier is full of pages in use or pinned")
@@ -299,9 +302,7 @@ class PageStore:
             return
         now = time.monotonic()
         candidates = [
-            (h, e.stats)
-            for h, e in self.entries.items()
-            if e.tiers == {Tier.DISK} and e.leases == 0
+            (h, e.stats) for h, e in self.entries.items() if e.tiers == {Tier.DISK} and e.leases == 0
         ]
         victims = choose_victims(candidates, self.policy, now, need)
         if not victims:
@@ -421,11 +422,11 @@ class PageStore:
                     raise AssertionError(f"page {h.hex()[:16]} missing from disk tier")
                 if e.leases < 0:
                     raise AssertionError("negative lease count")
-            for h in self.host.keys():
+            for h in self.host:
                 if h not in self.entries or Tier.HOST not in self.entries[h].tiers:
                     raise AssertionError(f"host tier holds untracked page {h.hex()[:16]}")
             if self.disk is not None:
-                for h in self.disk.keys():
+                for h in self.disk:
                     if h not in self.entries or Tier.DISK not in self.entries[h].tiers:
                         raise AssertionError(f"disk tier holds untracked page {h.hex()[:16]}")
 

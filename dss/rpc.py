@@ -7,6 +7,7 @@ a unix socket with an HMAC challenge (`authkey`), one thread per connected clien
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -60,7 +61,9 @@ class StoreServer:
     def _register_fingerprint(self, fp_json: str) -> str:
         return self.store.register_fingerprint(ModelFingerprint.from_json(fp_json))
 
-    def _lookup(self, fid: str, tenant: str, tokens: np.ndarray, start_token: int, max_tokens: int) -> LoadPlan | None:
+    def _lookup(
+        self, fid: str, tenant: str, tokens: np.ndarray, start_token: int, max_tokens: int
+    ) -> LoadPlan | None:
         return self.store.begin_load(FingerprintId(fid), TenantId(tenant), tokens, start_token, max_tokens)
 
     def _plan_save(self, fid: str, tenant: str, tokens: np.ndarray, n_pages: int) -> SavePlan:
@@ -103,10 +106,8 @@ class StoreServer:
 
     def close(self) -> None:
         self._closed = True
-        try:
+        with contextlib.suppress(OSError):
             self._listener.close()
-        except OSError:
-            pass
         if os.path.exists(self.address):
             os.unlink(self.address)
 
@@ -146,7 +147,11 @@ class StoreClient:
         return FingerprintId(self._call("register_fingerprint", fp.to_json()))
 
     def lookup(
-        self, fingerprint: FingerprintId, tenant: str, tokens: Sequence[int] | np.ndarray, start_token: int,
+        self,
+        fingerprint: FingerprintId,
+        tenant: str,
+        tokens: Sequence[int] | np.ndarray,
+        start_token: int,
         max_tokens: int,
     ) -> LoadPlan | None:
         arr = np.asarray(tokens, dtype="<i4")
@@ -159,9 +164,12 @@ class StoreClient:
     def release(self, load_id: str) -> None:
         self._call("release", load_id)
 
-    def plan_save(self, fingerprint: FingerprintId, tenant: str, tokens: Sequence[int] | np.ndarray,
-                  n_pages: int) -> SavePlan:
-        plan: SavePlan = self._call("plan_save", fingerprint, tenant, np.asarray(tokens, dtype="<i4"), n_pages)
+    def plan_save(
+        self, fingerprint: FingerprintId, tenant: str, tokens: Sequence[int] | np.ndarray, n_pages: int
+    ) -> SavePlan:
+        plan: SavePlan = self._call(
+            "plan_save", fingerprint, tenant, np.asarray(tokens, dtype="<i4"), n_pages
+        )
         return plan
 
     def commit_save(self, save_id: str, written: Sequence[int]) -> int:

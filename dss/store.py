@@ -11,6 +11,7 @@ public prefix chain from the public pages but stay private.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import logging
@@ -50,9 +51,9 @@ from dss.eviction import make_policy
 from dss.hashing import ROOT_PARENT, as_tokens, chain_hashes
 from dss.keyring import Keyring
 from dss.namespace import ModelFingerprint, make_namespace, public_namespace, tenant_for_user
+from dss.pages import PageMeta
 from dss.pagestore import PageStore
 from dss.plans import LoadPlan, PageSlot, SavePlan
-from dss.pages import PageMeta
 from dss.tiers.device import DeviceTier
 from dss.tiers.disk import DiskTier
 from dss.tiers.host import HostTier, SlotRef
@@ -159,10 +160,14 @@ class Store:
         if shm_dir.exists():  # a previous owner died without cleaning up; we hold the lock now
             shutil.rmtree(shm_dir, ignore_errors=True)
         self.host = HostTier(cfg.host_capacity_bytes, directory=shm_dir)
-        self.disk: DiskTier | None = DiskTier(cfg.disk_dir, cfg.disk_capacity_bytes, make_codec(cfg.codec),
-                                              fsync=cfg.fsync)
-        self.device = DeviceTier(cfg.device_capacity_bytes, device=cfg.device) if (
-            cfg.device_capacity_bytes > 0) else None
+        self.disk: DiskTier | None = DiskTier(
+            cfg.disk_dir, cfg.disk_capacity_bytes, make_codec(cfg.codec), fsync=cfg.fsync
+        )
+        self.device = (
+            DeviceTier(cfg.device_capacity_bytes, device=cfg.device)
+            if (cfg.device_capacity_bytes > 0)
+            else None
+        )
         self.pages = PageStore(
             host=self.host,
             disk=self.disk,
@@ -235,8 +240,10 @@ class Store:
     def _load_master_key(self) -> KeyManager:
         verifier = self._meta_get(_VERIFIER_KEY)
         # A store that already holds data must never silently get a fresh master key.
-        keys = KeyManager.load(self.config.resolved_key_file,
-                               create_if_missing=self.config.create_master_key and verifier is None)
+        keys = KeyManager.load(
+            self.config.resolved_key_file,
+            create_if_missing=self.config.create_master_key and verifier is None,
+        )
         if getattr(keys, "generated", False):
             log.warning(
                 "generated a new master key at %s: back it up; without it the disk tier is unreadable",
@@ -267,8 +274,9 @@ class Store:
 
     def subject_hash(self, user: str) -> str:
         """The salted hash of a user id written into erasure receipts (never the id itself)."""
-        return hashlib.blake2b(b"dss-subject\x00" + user.encode(), key=self._server_secret[:32],
-                               digest_size=20).hexdigest()
+        return hashlib.blake2b(
+            b"dss-subject\x00" + user.encode(), key=self._server_secret[:32], digest_size=20
+        ).hexdigest()
 
     def register_fingerprint(self, fp: ModelFingerprint) -> FingerprintId:
         fid = fp.id
@@ -313,12 +321,16 @@ class Store:
         self._ensure_open()
         arr = as_tokens(tokens)
         if len(arr) > self.config.max_tokens_per_sequence:
-            raise LimitExceeded(f"{len(arr)} tokens exceed the limit of {self.config.max_tokens_per_sequence}")
+            raise LimitExceeded(
+                f"{len(arr)} tokens exceed the limit of {self.config.max_tokens_per_sequence}"
+            )
         self.fingerprint(fid)
         with self._lock:
             pub_trie = self._trie(public_namespace(fid), create=False)
             pub = pub_trie.match(arr) if pub_trie is not None else None
-            own_trie = self._trie(self.namespace(fid, tenant), create=False) if tenant != PUBLIC_TENANT else None
+            own_trie = (
+                self._trie(self.namespace(fid, tenant), create=False) if tenant != PUBLIC_TENANT else None
+            )
             own = own_trie.match(arr) if own_trie is not None else None
             best = own if own is not None and (pub is None or own.n_tokens >= pub.n_tokens) else pub
             if best is None:
@@ -333,7 +345,9 @@ class Store:
             pub_tokens = min(pub.n_tokens if pub is not None else 0, n_ok * bs)
             return MatchInfo(n_ok * bs, tuple(pages[:n_ok]), pub_tokens)
 
-    def residency(self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray) -> dict[str, int]:
+    def residency(
+        self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray
+    ) -> dict[str, int]:
         """Tokens of `tokens` whose KV is resident in each tier now (fastest copy counts)."""
         m = self.match(fid, tenant, tokens)
         bs = self.fingerprint(fid).block_size
@@ -384,8 +398,9 @@ class Store:
                 plan_pages.append(PageSlot(i, h, ref))
             lease.plan_pages = plan_pages
             self._leases[load_id] = lease
-        return LoadPlan(load_id, (last - first) * bs, start_token, tuple(plan_pages), bool(lease.futures),
-                        tier_tokens)
+        return LoadPlan(
+            load_id, (last - first) * bs, start_token, tuple(plan_pages), bool(lease.futures), tier_tokens
+        )
 
     def wait_loaded(self, load_id: str, timeout_s: float = 30.0) -> tuple[PageSlot | None, ...]:
         """Every page of the plan with its host slot, or None where the page could not be had."""
@@ -426,7 +441,9 @@ class Store:
         bs = fp.block_size
         arr = as_tokens(tokens)
         if len(arr) > self.config.max_tokens_per_sequence:
-            raise LimitExceeded(f"{len(arr)} tokens exceed the limit of {self.config.max_tokens_per_sequence}")
+            raise LimitExceeded(
+                f"{len(arr)} tokens exceed the limit of {self.config.max_tokens_per_sequence}"
+            )
         n_pages = min(n_pages, len(arr) // bs)
         arr = arr[: n_pages * bs]
         own_ns = self.namespace(fid, tenant)
@@ -595,17 +612,36 @@ class Store:
             )
         pid = "pfx_" + uuid.uuid4().hex[:24]
         with self.sf() as s, s.begin():
-            s.add(PublicPrefixRow(id=pid, fingerprint=fid, n_tokens=len(arr), tokens=arr.tobytes(), text=text,
-                               messages=messages, pinned=pin))
+            s.add(
+                PublicPrefixRow(
+                    id=pid,
+                    fingerprint=fid,
+                    n_tokens=len(arr),
+                    tokens=arr.tobytes(),
+                    text=text,
+                    messages=messages,
+                    pinned=pin,
+                )
+            )
         self._apply_pins(fid)
         return self.get_public_prefix(pid)
 
     def _prefix_info(self, row: PublicPrefixRow) -> PrefixInfo:
         tokens = np.frombuffer(row.tokens, dtype="<i4")
-        cached = self.match(FingerprintId(row.fingerprint), PUBLIC_TENANT, tokens).n_tokens if (
-            row.fingerprint in self.fingerprints) else 0
-        return PrefixInfo(row.id, FingerprintId(row.fingerprint), row.n_tokens, bool(row.pinned), row.text,
-                          row.created_at.timestamp(), cached)
+        cached = (
+            self.match(FingerprintId(row.fingerprint), PUBLIC_TENANT, tokens).n_tokens
+            if (row.fingerprint in self.fingerprints)
+            else 0
+        )
+        return PrefixInfo(
+            row.id,
+            FingerprintId(row.fingerprint),
+            row.n_tokens,
+            bool(row.pinned),
+            row.text,
+            row.created_at.timestamp(),
+            cached,
+        )
 
     def get_public_prefix(self, pid: str) -> PrefixInfo:
         with self.sf() as s:
@@ -623,7 +659,9 @@ class Store:
 
     def list_public_prefixes(self) -> list[PrefixInfo]:
         with self.sf() as s:
-            rows = s.execute(select(PublicPrefixRow).order_by(PublicPrefixRow.created_at, PublicPrefixRow.id)).scalars()
+            rows = s.execute(
+                select(PublicPrefixRow).order_by(PublicPrefixRow.created_at, PublicPrefixRow.id)
+            ).scalars()
             return [self._prefix_info(r) for r in rows]
 
     def delete_public_prefix(self, pid: str) -> None:
@@ -642,7 +680,9 @@ class Store:
     def _apply_pins(self, fid: FingerprintId) -> None:
         with self.sf() as s:
             rows = s.execute(
-                select(PublicPrefixRow.tokens).where(PublicPrefixRow.fingerprint == fid, PublicPrefixRow.pinned.is_(True))
+                select(PublicPrefixRow.tokens).where(
+                    PublicPrefixRow.fingerprint == fid, PublicPrefixRow.pinned.is_(True)
+                )
             ).scalars()
             token_sets = [np.frombuffer(t, dtype="<i4") for t in rows]
         for tokens in token_sets:
@@ -681,10 +721,9 @@ class Store:
                     entry = self.pages.entries.get(h)
                     if entry is not None and entry.meta.tenant != tenant:
                         continue
-                    try:
+                    # A load may hold it right now; then it stays a cache entry like any other.
+                    with contextlib.suppress(CapacityError):
                         removed.extend(trie.remove_from(h))
-                    except CapacityError:
-                        pass  # a load holds it right now; it stays a cache entry like any other
                     break
             still_used = {p for t in self.tries.values() for p in removed if p in t}
             victims = [p for p in removed if p not in still_used]
@@ -714,10 +753,22 @@ class Store:
     def _record_disk_page(self, meta: PageMeta, disk_bytes: int) -> None:
         with self.sf() as s, s.begin():
             if s.get(PageRow, meta.hash) is None:
-                s.add(PageRow(hash=meta.hash, namespace=meta.namespace, tenant=meta.tenant,
-                           fingerprint=meta.fingerprint, parent=meta.parent, page_index=meta.index,
-                           n_tokens=meta.n_tokens, tokens=meta.tokens.tobytes(), nbytes=meta.nbytes,
-                           disk_bytes=disk_bytes, codec=self.config.codec, checksum=meta.checksum or b""))
+                s.add(
+                    PageRow(
+                        hash=meta.hash,
+                        namespace=meta.namespace,
+                        tenant=meta.tenant,
+                        fingerprint=meta.fingerprint,
+                        parent=meta.parent,
+                        page_index=meta.index,
+                        n_tokens=meta.n_tokens,
+                        tokens=meta.tokens.tobytes(),
+                        nbytes=meta.nbytes,
+                        disk_bytes=disk_bytes,
+                        codec=self.config.codec,
+                        checksum=meta.checksum or b"",
+                    )
+                )
 
     def _forget_disk_pages(self, pages: list[PageHash]) -> None:
         with self.sf() as s, s.begin():
@@ -732,7 +783,9 @@ class Store:
                 for trie in list(self.tries.values()):
                     if h in trie:
                         orphans.extend(p for p in trie.remove_from(h) if p != h)
-        orphans = [p for p in orphans if self.pages.contains(p) and not any(p in t for t in self.tries.values())]
+        orphans = [
+            p for p in orphans if self.pages.contains(p) and not any(p in t for t in self.tries.values())
+        ]
         if orphans:
             self.pages.drop(orphans)
 

@@ -404,7 +404,7 @@ class VersionStore:
             if took_number != 1:
                 raise _LostRace
             self._move_head(db, sid, branch, head, number)
-            parent = head if head > 1 else None
+            parent = head if head != EMPTY_HEAD else None
             db.add(
                 VersionRow(
                     session_id=sid,

@@ -12,7 +12,12 @@ from dss.namespace import ModelFingerprint
 from dss.store import Store
 
 SMALL_FP = ModelFingerprint(
-    model_id="tiny-test", revision="r1", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_size=8,
+    model_id="tiny-test",
+    revision="r1",
+    dtype="bfloat16",
+    num_layers=2,
+    num_kv_heads=2,
+    head_size=8,
     block_size=4,
 )
 

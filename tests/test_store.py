@@ -92,7 +92,7 @@ def test_wrong_master_key_refuses_to_start(tmp_path):
     store = open_store(tmp_path)
     store.close()
     (tmp_path / "master.key").write_text("00" * 32)
-    with pytest.raises(WrongMasterKey, match="master.key"):
+    with pytest.raises(WrongMasterKey, match=r"master\.key"):
         open_store(tmp_path)
 
 

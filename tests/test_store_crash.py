@@ -26,8 +26,10 @@ WRITER = textwrap.dedent(
     store.versions.ensure_session("writer", sid)
     tokens = np.array([], dtype=np.int32)
     for v in range(1, 10_000):
-        tokens = np.concatenate([tokens, np.arange(v * 8, v * 8 + 8, dtype=np.int32) + round_no * 100_000])
-        info = store.versions.commit("writer", sid, tokens=tokens, messages=[{"role": "user", "content": str(v)}])
+        fresh = np.arange(v * 8, v * 8 + 8, dtype=np.int32) + round_no * 100_000
+        tokens = np.concatenate([tokens, fresh])
+        msgs = [{"role": "user", "content": str(v)}]
+        info = store.versions.commit("writer", sid, tokens=tokens, messages=msgs)
         print(f"COMMITTED {sid} {info.number} {len(tokens)}", flush=True)
         store.put_sequence(fid, tenant, tokens, pages_for(SMALL_FP, tokens))
     """
@@ -68,7 +70,7 @@ def test_kill_9_during_commits_recovers(tmp_path):
             assert numbers[:last] == list(range(1, last + 1)), f"{sid}: committed version lost"
             info = store.versions.get_version("writer", sid, last)
             tokens = info.tokens
-            n, got = store.load_sequence(fid, tenant, tokens)
+            _n, got = store.load_sequence(fid, tenant, tokens)
             # whatever KV survived must be byte-exact; the rest is recomputed
             assert got == pages_for(SMALL_FP, np.asarray(tokens))[: len(got)]
         assert not list(data.rglob("*.tmp-*")), "half-written temp files must be collected"

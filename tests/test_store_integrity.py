@@ -62,7 +62,7 @@ def test_missing_page_file_is_a_miss_after_restart(tmp_path):
     files[0].unlink()  # some page vanished (operator error, fs damage)
     store = open_store(tmp_path)
     fid = store.register_fingerprint(SMALL_FP)
-    n, got = store.load_sequence(fid, store.tenant_for("alice"), tokens)
+    _n, got = store.load_sequence(fid, store.tenant_for("alice"), tokens)
     assert got == pages[: len(got)]
     assert store.recovery_report.rows_without_file == 1
     store.check()
