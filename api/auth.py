@@ -19,8 +19,9 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from typing import Any, cast
 
-from sqlalchemy import func, select, update
+from sqlalchemy import CursorResult, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.db.engine import transaction
@@ -134,11 +135,12 @@ class ApiKeys:
 
     def revoke(self, key_id: str) -> bool:
         with transaction(self._sf) as db:
-            n = db.execute(
+            result = db.execute(
                 update(ApiKeyRow)
                 .where(ApiKeyRow.id == key_id, ApiKeyRow.revoked_at.is_(None))
                 .values(revoked_at=datetime.now(UTC))
-            ).rowcount
+            )
+            n = cast(CursorResult[Any], result).rowcount
         with self._lock:
             self._cache.clear()
             self._any = None

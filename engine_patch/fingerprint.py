@@ -42,19 +42,59 @@ def build_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -
         raise UnsupportedKVCache(f"K head size {spec.head_size} != V head size {head_size_v}")
     if getattr(spec, "page_size_padded", None):
         raise UnsupportedKVCache("padded KV pages are not supported")
-    dtype = dtype_name(spec.dtype)
-    model_cfg = vllm_config.model_config
-    layout = _layout_name(vllm_config, kv_cache_config)
-    return ModelFingerprint(
-        model_id=Path(str(model_cfg.model)).name or str(model_cfg.model),
-        revision=model_revision(str(model_cfg.model), model_cfg.revision),
-        dtype=dtype,
+    return _make(
+        vllm_config,
         num_layers=len(groups[0].layer_names),
         num_kv_heads=int(spec.num_kv_heads),
         head_size=int(spec.head_size),
+        dtype=spec.dtype,
         block_size=int(spec.block_size),
+        layout=_layout_name(vllm_config, kv_cache_config),
+    )
+
+
+def frontend_fingerprint(vllm_config: VllmConfig) -> ModelFingerprint:
+    """The same fingerprint, computed in the API process from the config alone (before the engine
+    core has sized its KV cache); `build_fingerprint` in the engine must agree, and a test checks it."""
+    model_cfg, parallel = vllm_config.model_config, vllm_config.parallel_config
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype != "auto":
+        raise UnsupportedKVCache(f"KV cache dtype {cache_dtype!r} is not supported")
+    block_size = vllm_config.cache_config.block_size
+    if block_size is None:
+        raise UnsupportedKVCache("the block size is not resolved yet")
+    return _make(
+        vllm_config,
+        num_layers=model_cfg.get_num_layers(parallel),
+        num_kv_heads=model_cfg.get_num_kv_heads(parallel),
+        head_size=model_cfg.get_head_size(),
+        dtype=model_cfg.dtype,
+        block_size=int(block_size),
+        layout=_layout_name(vllm_config, None),
+    )
+
+
+def _make(
+    vllm_config: VllmConfig,
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    block_size: int,
+    layout: str,
+) -> ModelFingerprint:
+    model_cfg = vllm_config.model_config
+    return ModelFingerprint(
+        model_id=Path(str(model_cfg.model)).name or str(model_cfg.model),
+        revision=model_revision(str(model_cfg.model), model_cfg.revision),
+        dtype=dtype_name(dtype),
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        block_size=block_size,
         kv_layout=layout,
-        isa=attention_isa(vllm_config, spec.dtype, int(spec.block_size), int(spec.head_size)),
+        isa=attention_isa(vllm_config, dtype, block_size, head_size),
     )
 
 
@@ -62,12 +102,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _layout_name(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
+def _layout_name(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str:
     layout = getattr(kv_cache_config, "kv_cache_layout", None)
     if not layout:
         try:
             layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
-        except Exception:  # older vLLM: the CPU backend only knows LBHNC
+        except ValueError:
+            # Not resolved yet (the API process): the CPU backend supports LBHNC only, and on
+            # CUDA the engine's registered fingerprint is authoritative.
             layout = "LBHNC"
     return str(getattr(layout, "name", layout))
 

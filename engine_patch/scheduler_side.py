@@ -98,6 +98,9 @@ class SchedulerSide:
         self._deferred_since: dict[str, float] = {}
         self._loads: list[LoadSpec] = []
         self._saves: list[SaveSpec] = []
+        # Registered at start so the store (and the API beside it) knows this engine's pages; a
+        # store that is down now is retried at the first session request.
+        self._fingerprint_id()
 
     # ------------------------------------------------------------------ store access
     def _fingerprint_id(self) -> FingerprintId | None:
@@ -254,6 +257,7 @@ class SchedulerSide:
             "loaded_tokens": loaded,
             "stored_pages": 0,
             "computed_tokens": int(request.num_computed_tokens),
+            "fingerprint": self.fingerprint.id if self.fingerprint is not None else None,
         }
         if req_id in self._async_inflight:
             # Aborted while its pages were still arriving: its blocks hold nothing to save yet.

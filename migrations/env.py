@@ -10,7 +10,7 @@ import os
 from logging.config import fileConfig
 
 from alembic import context
-from sqlalchemy import Connection
+from sqlalchemy import Connection, text
 
 from dss.db.engine import make_engine
 from dss.db.models import Base
@@ -22,6 +22,8 @@ if config.config_file_name is not None:
     fileConfig(config.config_file_name, disable_existing_loggers=False)
 
 target_metadata = Base.metadata
+# Arbitrary constant naming the advisory lock that serialises concurrent migrations.
+_MIGRATION_LOCK_KEY = 0x44535301
 
 
 def _url() -> str:
@@ -45,6 +47,10 @@ def run_migrations_offline() -> None:
 def _run_on(connection: Connection) -> None:
     _configure(connection=connection, render_as_batch=connection.dialect.name == "sqlite")
     with context.begin_transaction():
+        if connection.dialect.name == "postgresql":
+            # Servers sharing one database may start together; one migrates, the others wait and
+            # then find the schema at head. (SQLite serialises DDL by its own write lock.)
+            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK_KEY})
         context.run_migrations()
 
 

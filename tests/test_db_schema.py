@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,21 @@ def test_transaction_rolls_back_on_error(sqlite_url: str) -> None:
             assert row is not None and row.value == "v2"
     finally:
         engine.dispose()
+
+
+def test_concurrent_upgrades_agree(db_url: str) -> None:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            upgrade_to_head(db_url)
+        except BaseException as exc:  # collected and asserted on below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == [] and current_revision(db_url) == "0001"
+    assert _diff(db_url) == []

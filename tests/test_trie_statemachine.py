@@ -125,7 +125,7 @@ class TrieMachinePage4(TrieMachine):
     page_size = 4
 
 
-_SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None)
+_SETTINGS = settings(max_examples=120, stateful_step_count=40, deadline=None)
 TestTriePage2 = TrieMachine.TestCase
 TestTriePage2.settings = _SETTINGS
 TestTriePage4 = TrieMachinePage4.TestCase

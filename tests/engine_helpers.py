@@ -1,0 +1,173 @@
+"""Builders shared by the engine tests: the prepared default model, a store serving RPC, a vLLM
+engine wired to it, and multi-turn conversations built on token ids.
+
+Conversations are kept as token ids: turn k+1's prompt is turn k's prompt + its output + the
+next user message's template tokens, exactly what a server that remembers token ids sends.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dss.config import StoreConfig
+from dss.store import Store
+from engine_patch.factory import EngineSettings, build_llm, session_params
+from engine_patch.model import default_data_dir, pull_default_model, resolve_model
+
+IM_END = "<|im_end|>"
+
+WORDS = (
+    "river stone garden lamp winter orange market story engine cloud paper window silver forest "
+    "harbor violin candle mountain letter bridge meadow clock thunder pepper circle anchor velvet "
+    "museum planet ribbon cactus falcon glacier lantern marble nectar orchid pebble quartz saddle "
+    "tunnel umbrella vessel walnut yogurt zephyr canyon dolphin ember fjord grotto hazel island"
+).split()
+
+
+def model_path() -> Path:
+    """`$DSS_MODEL_DIR` when set (any HF folder), else the default model prepared in the data dir."""
+    env = os.environ.get("DSS_MODEL_DIR")
+    if env:
+        return resolve_model(env, default_data_dir())
+    return pull_default_model(default_data_dir(), progress=False)
+
+
+def open_store(data_dir: Path, host_gib: float = 1.0) -> Store:
+    return Store.open(StoreConfig(data_dir=data_dir, fsync=False, host_capacity_bytes=int(host_gib * (1 << 30))))
+
+
+def settings(**overrides: Any) -> EngineSettings:
+    base: dict[str, Any] = {"model": model_path(), "max_model_len": 4096, "kv_cache_space_gib": 1}
+    base.update(overrides)
+    return EngineSettings(**base)
+
+
+def words(rng: np.random.Generator, n: int) -> str:
+    return " ".join(rng.choice(WORDS, size=n))
+
+
+@dataclass
+class Result:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    params: dict[str, Any] | None
+    num_cached_tokens: int
+
+    @property
+    def loaded_tokens(self) -> int:
+        return int((self.params or {}).get("loaded_tokens", 0))
+
+
+class Engine:
+    """A vLLM `LLM` wired to a store, with batch helpers on token-id prompts."""
+
+    def __init__(self, address: str | None, authkey: bytes | None, **overrides: Any) -> None:
+        self.settings = settings(**overrides)
+        self.llm = build_llm(address, authkey, self.settings)
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sessions: Sequence[dict[str, Any] | None],
+        max_tokens: int | Sequence[int] = 24,
+    ) -> list[Result]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+        params = [
+            SamplingParams(max_tokens=m, temperature=0.0, extra_args=s or None) for s, m in zip(sessions, limits, strict=True)
+        ]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        return [
+            Result(list(o.prompt_token_ids or []), list(o.outputs[0].token_ids), o.outputs[0].text,
+                   o.kv_transfer_params, int(o.num_cached_tokens or 0))
+            for o in outs
+        ]
+
+    def reset_prefix_cache(self, timeout_s: float = 30.0) -> None:
+        """Empty vLLM's own prefix cache (retrying while delayed-free saves still hold blocks)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.llm.reset_prefix_cache():
+            if time.monotonic() > deadline:
+                raise TimeoutError("vLLM's prefix cache could not be reset")
+            time.sleep(0.05)
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def user_turn_ids(self, text: str) -> list[int]:
+        """Template tokens that close the assistant's turn and open the next user turn."""
+        return list(self.tokenizer(f"\n<|im_start|>user\n{text}{IM_END}\n<|im_start|>assistant\n",
+                                   add_special_tokens=False)["input_ids"])
+
+    def continue_ids(self, prompt: Sequence[int], output: Sequence[int], user_text: str) -> list[int]:
+        im_end = self.tokenizer.convert_tokens_to_ids(IM_END)
+        tail = list(output) if output and output[-1] == im_end else [*output, im_end]
+        return [*prompt, *tail, *self.user_turn_ids(user_text)]
+
+    def close(self) -> None:
+        """Shut the engine's processes down (so the next engine gets the CPU and memory)."""
+        engine = getattr(self.llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None:
+            core.shutdown()
+        del self.llm
+        gc.collect()
+
+
+@dataclass
+class Conversation:
+    """A scripted dialogue: a first message set and the user texts of the later turns."""
+
+    name: str
+    first: list[dict[str, str]]
+    followups: list[str]
+    max_tokens: int = 24
+    session_id: str = field(default_factory=lambda: "s-" + uuid.uuid4().hex[:12])
+
+
+def make_conversations(n: int, seed: int = 7) -> list[Conversation]:
+    """`n` conversations of 3+ turns with mixed lengths; a third are longer than 3 blocks at turn 1."""
+    rng = np.random.default_rng(seed)
+    convs = []
+    for i in range(n):
+        long = i % 3 == 0
+        first_len = int(rng.integers(350, 520)) if long else int(rng.integers(15, 160))
+        first = [{"role": "user", "content": f"Conversation {i}. Read these words and list three of them: "
+                  f"{words(rng, first_len)}"}]
+        if i % 4 == 1:
+            first.insert(0, {"role": "system", "content": f"You are assistant number {i}. {words(rng, 40)}"})
+        followups = [
+            f"Now say something about {rng.choice(WORDS)} and {words(rng, int(rng.integers(5, 120)))}"
+            for _ in range(2 + (i % 2))
+        ]
+        convs.append(Conversation(f"c{i}", first, followups, max_tokens=int(rng.integers(12, 40))))
+    return convs
+
+
+def session(tenant: str, session_id: str, version: int = 1) -> dict[str, Any]:
+    return session_params(tenant, session_id, version)
+
+
+def wait_until(predicate: Any, timeout_s: float = 10.0, interval_s: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return bool(predicate())
