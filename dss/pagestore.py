@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from dss.errors import CapacityError, CorruptPage, KeyDestroyed, TierUnavailable
+from dss.errors import CapacityError, CorruptPage, KeyDestroyed, StorageError, TierUnavailable
 from dss.eviction import EvictionPolicy, PageStats, choose_victims
 from dss.pages import PageMeta
 from dss.tiers.device import DeviceTier
@@ -215,7 +215,8 @@ class PageStore:
 
     def promote_to_host(self, page: PageHash) -> SlotRef | None:
         """Bring a page into the host arena (from disk if needed). None when it cannot be had:
-        unknown, corrupt (then deleted and counted), key destroyed, or the disk tier failed."""
+        unknown, corrupt (then deleted and counted), key destroyed, the disk tier failed, or no
+        host room (everything leased)."""
         with self._lock:
             e = self.entries.get(page)
             if e is None:
@@ -226,41 +227,38 @@ class PageStore:
                 return None
             e.leases += 1  # keep it from being dropped while we read outside the lock
             meta = e.meta
-        try:
             try:
-                key = self._data_key(meta.tenant)
-                _header, _tokens, raw = self.disk.read(page, key)
-            except (CorruptPage, KeyDestroyed) as exc:
-                log.warning(
-                    "page %s unreadable on disk (%s); dropped, will be recomputed", page.hex()[:16], exc
-                )
-                with self._lock:
-                    self.counters.corrupt_pages += 1
-                    e.leases -= 1
-                self.drop([page])
-                return None
-            except (TierUnavailable, FileNotFoundError, OSError) as exc:
-                log.warning("disk tier read failed for %s: %s", page.hex()[:16], exc)
-                with self._lock:
-                    e.leases -= 1
-                return None
-            ref = self.reserve_host(len(raw))
-            self.host.arena_view(ref)[:] = raw
-            with self._lock:
+                ref = self.reserve_host(meta.nbytes)
+            except CapacityError:
                 e.leases -= 1
-                if page not in self.entries:  # erased while we were reading
-                    self.host.release(ref)
-                    return None
-                self.host.publish(page, ref)
-                e.tiers.add(Tier.HOST)
-                self.counters.promotions[Tier.HOST] += 1
-                self.counters.hits_pages[Tier.DISK] += 1
-            return ref
-        except CapacityError:
+                return None
+        published = False
+        try:
+            key = self._data_key(meta.tenant)
+            # decode straight into the reserved slot: no intermediate copy
+            self.disk.read(page, key, out=self.host.slot_array(ref))
             with self._lock:
-                if e.leases > 0 and Tier.HOST not in e.tiers:
-                    e.leases -= 1
+                if page in self.entries:  # not erased while we were reading
+                    self.host.publish(page, ref)
+                    e.tiers.add(Tier.HOST)
+                    self.counters.promotions[Tier.HOST] += 1
+                    self.counters.hits_pages[Tier.DISK] += 1
+                    published = True
+            return ref if published else None
+        except (CorruptPage, KeyDestroyed) as exc:
+            log.warning("page %s unreadable on disk (%s); dropped, will be recomputed", page.hex()[:16], exc)
+            with self._lock:
+                self.counters.corrupt_pages += 1
+            self.drop([page])
             return None
+        except (StorageError, OSError) as exc:  # tier unavailable, page file gone
+            log.warning("disk tier read failed for %s: %s", page.hex()[:16], exc)
+            return None
+        finally:
+            with self._lock:
+                e.leases = max(0, e.leases - 1)
+                if not published:
+                    self.host.release(ref)
 
     def read_bytes(self, page: PageHash) -> bytes | None:
         """A copy of the page bytes from the fastest tier (tests, tools, verification)."""
@@ -422,11 +420,11 @@ class PageStore:
                     raise AssertionError(f"page {h.hex()[:16]} missing from disk tier")
                 if e.leases < 0:
                     raise AssertionError("negative lease count")
-            for h in self.host:
+            for h in self.host.keys():  # noqa: SIM118 - a tier, not a dict
                 if h not in self.entries or Tier.HOST not in self.entries[h].tiers:
                     raise AssertionError(f"host tier holds untracked page {h.hex()[:16]}")
             if self.disk is not None:
-                for h in self.disk:
+                for h in self.disk.keys():  # noqa: SIM118 - a tier, not a dict
                     if h not in self.entries or Tier.DISK not in self.entries[h].tiers:
                         raise AssertionError(f"disk tier holds untracked page {h.hex()[:16]}")
 

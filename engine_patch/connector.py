@@ -26,7 +26,10 @@ from engine_patch.worker_side import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -44,7 +47,9 @@ CONNECTOR_MODULE = "engine_patch.connector"
 class DSSConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.HOST
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config
         address = extra.get_from_extra_config("store_address", None)
@@ -73,7 +78,9 @@ class DSSConnector(KVConnectorBase_V1):
                 load_timeout_s=float(extra.get_from_extra_config("load_timeout_s", 30.0)),
             )
         if fingerprint is not None:
-            logger.info("DSS connector (%s) fingerprint %s: %s", role.name.lower(), fingerprint.id, fingerprint)
+            logger.info(
+                "DSS connector (%s) fingerprint %s: %s", role.name.lower(), fingerprint.id, fingerprint
+            )
 
     @staticmethod
     def _fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> ModelFingerprint | None:
@@ -134,11 +141,15 @@ class DSSConnector(KVConnectorBase_V1):
         return meta
 
     # ================================================================== scheduler role
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 

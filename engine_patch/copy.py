@@ -121,7 +121,8 @@ class ArenaViews:
     def pages(self, path: str, slot_nbytes: int) -> torch.Tensor:
         if slot_nbytes != self.num_layers * self.layer_block_nbytes:
             raise InvalidInput(
-                f"arena slots of {slot_nbytes} bytes; pages here are {self.num_layers} x {self.layer_block_nbytes}"
+                f"arena slots of {slot_nbytes} bytes; pages here are "
+                f"{self.num_layers} x {self.layer_block_nbytes}"
             )
         st = os.stat(path)
         with self._lock:

@@ -58,7 +58,9 @@ def kv_transfer_config(store_address: str, authkey: bytes, settings: EngineSetti
     )
 
 
-def engine_kwargs(store_address: str | None, authkey: bytes | None, settings: EngineSettings) -> dict[str, Any]:
+def engine_kwargs(
+    store_address: str | None, authkey: bytes | None, settings: EngineSettings
+) -> dict[str, Any]:
     """Keyword arguments shared by `LLM(...)` and `AsyncEngineArgs(...)`."""
     kwargs: dict[str, Any] = {
         "model": str(settings.model),
@@ -102,14 +104,18 @@ def build_llm(store_address: str | None, authkey: bytes | None, settings: Engine
     return LLM(**engine_kwargs(store_address, authkey, settings))
 
 
-def async_engine_args(store_address: str | None, authkey: bytes | None, settings: EngineSettings) -> AsyncEngineArgs:
+def async_engine_args(
+    store_address: str | None, authkey: bytes | None, settings: EngineSettings
+) -> AsyncEngineArgs:
     _prepare_environment(settings)
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     return AsyncEngineArgs(**engine_kwargs(store_address, authkey, settings))
 
 
-def build_async_engine(store_address: str | None, authkey: bytes | None, settings: EngineSettings) -> AsyncLLM:
+def build_async_engine(
+    store_address: str | None, authkey: bytes | None, settings: EngineSettings
+) -> AsyncLLM:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     return AsyncLLM.from_engine_args(async_engine_args(store_address, authkey, settings))
@@ -117,4 +123,6 @@ def build_async_engine(store_address: str | None, authkey: bytes | None, setting
 
 def session_params(tenant: str, session_id: str, state_version: int | str | None = None) -> dict[str, Any]:
     """`SamplingParams(extra_args=session_params(...))`: what the connector reads per request."""
-    return {"kv_transfer_params": {"tenant": tenant, "session_id": session_id, "state_version": state_version}}
+    return {
+        "kv_transfer_params": {"tenant": tenant, "session_id": session_id, "state_version": state_version}
+    }

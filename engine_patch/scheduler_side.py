@@ -70,7 +70,10 @@ def _span(pages: tuple[PageSlot, ...]) -> SlotSpan | None:
         return None
     first = pages[0].slot
     assert first is not None
-    if any(p.slot is not None and (p.slot.path, p.slot.slot_nbytes) != (first.path, first.slot_nbytes) for p in pages):
+    if any(
+        p.slot is not None and (p.slot.path, p.slot.slot_nbytes) != (first.path, first.slot_nbytes)
+        for p in pages
+    ):
         return None
     return SlotSpan(first.path, first.slot_nbytes, tuple(p.slot.slot for p in pages if p.slot is not None))
 
@@ -112,7 +115,9 @@ class SchedulerSide:
                 logger.warning("DSS store unavailable, serving without it for now: %s", exc)
                 return None
             if self._fid != self.fingerprint.id:
-                logger.error("DSS store registered fingerprint %s as %s; connector off", self.fingerprint.id, self._fid)
+                logger.error(
+                    "DSS store registered fingerprint %s as %s; connector off", self.fingerprint.id, self._fid
+                )
                 self.disabled = True
                 return None
         return self._fid
@@ -126,7 +131,9 @@ class SchedulerSide:
             logger.warning("DSS release of load %s failed: %s", load_id, exc)
 
     # ------------------------------------------------------------------ vLLM hooks
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         session = session_of(request)
         if session is None or self.disabled:
             return 0, False
@@ -183,7 +190,9 @@ class SchedulerSide:
             logger.error("DSS store answered an inconsistent load plan %s; ignoring it", plan.load_id)
         return ok
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         req_id = request.request_id
         claim = self._claims.pop(req_id, None)
         if claim is None:
@@ -213,7 +222,9 @@ class SchedulerSide:
             return {CacheHitSource.DISK if disk else CacheHitSource.HOST: n_tokens}
         return {k: v for k, v in ((CacheHitSource.HOST, host), (CacheHitSource.DISK, disk)) if v}
 
-    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
         sources = self._hit_sources.pop(request.request_id, None)
         if not num_external_tokens:
             return {}
@@ -284,7 +295,9 @@ class SchedulerSide:
             self._abort(plan.save_id)
             return False, params
         indexes = tuple(p.page_index for p in plan.pages)
-        self._saves.append(SaveSpec(req_id, plan.save_id, indexes, tuple(block_ids[i] for i in indexes), span))
+        self._saves.append(
+            SaveSpec(req_id, plan.save_id, indexes, tuple(block_ids[i] for i in indexes), span)
+        )
         self._saving.setdefault(session.key, set()).add(req_id)
         params["stored_pages"] = len(indexes)
         return True, params

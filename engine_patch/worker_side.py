@@ -69,7 +69,9 @@ class WorkerSide:
         self.stats = {"loaded_pages": 0, "failed_pages": 0, "saved_pages": 0, "aborted_saves": 0}
 
     # ------------------------------------------------------------------ setup
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], layer_index: Callable[[str], int]) -> None:
+    def register_kv_caches(
+        self, kv_caches: dict[str, torch.Tensor], layer_index: Callable[[str], int]
+    ) -> None:
         if self.fingerprint is None:
             return
         try:
@@ -77,13 +79,18 @@ class WorkerSide:
             check_layer_tensors(self.fingerprint, layers, self.num_blocks)
             self.blocks = KVBlocks(layers)
         except (UnsupportedKVCache, DSSError) as exc:
-            logger.error("DSS connector off in this worker: the KV cache does not match the fingerprint (%s)", exc)
+            logger.error(
+                "DSS connector off in this worker: the KV cache does not match the fingerprint (%s)", exc
+            )
             self.disabled = True
             return
         self.views = ArenaViews(self.fingerprint.num_layers, self.fingerprint.layer_block_nbytes)
         logger.info(
             "DSS connector ready: %d layers x %d blocks of %s, %d bytes per page",
-            len(layers), self.num_blocks, tuple(layers[0].shape[1:]), self.fingerprint.page_nbytes,
+            len(layers),
+            self.num_blocks,
+            tuple(layers[0].shape[1:]),
+            self.fingerprint.page_nbytes,
         )
 
     @property
@@ -147,7 +154,9 @@ class WorkerSide:
                 self._async_done.append((spec.req_id, failed_blocks, len(failed_blocks)))
             elif failed_blocks:
                 self._load_errors.update(failed_blocks)
-                self._failed_tokens[spec.req_id] = self._failed_tokens.get(spec.req_id, 0) + len(failed_blocks)
+                self._failed_tokens[spec.req_id] = self._failed_tokens.get(spec.req_id, 0) + len(
+                    failed_blocks
+                )
 
     @staticmethod
     def _release(client: StoreClient | None, load_id: str) -> None:

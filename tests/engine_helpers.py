@@ -25,12 +25,61 @@ from engine_patch.model import default_data_dir, pull_default_model, resolve_mod
 
 IM_END = "<|im_end|>"
 
-WORDS = (
-    "river stone garden lamp winter orange market story engine cloud paper window silver forest "
-    "harbor violin candle mountain letter bridge meadow clock thunder pepper circle anchor velvet "
-    "museum planet ribbon cactus falcon glacier lantern marble nectar orchid pebble quartz saddle "
-    "tunnel umbrella vessel walnut yogurt zephyr canyon dolphin ember fjord grotto hazel island"
-).split()
+WORDS = [
+    "river",
+    "stone",
+    "garden",
+    "lamp",
+    "winter",
+    "orange",
+    "market",
+    "story",
+    "engine",
+    "cloud",
+    "paper",
+    "window",
+    "silver",
+    "forest",
+    "harbor",
+    "violin",
+    "candle",
+    "mountain",
+    "letter",
+    "bridge",
+    "meadow",
+    "clock",
+    "thunder",
+    "pepper",
+    "circle",
+    "anchor",
+    "velvet",
+    "museum",
+    "planet",
+    "ribbon",
+    "cactus",
+    "falcon",
+    "glacier",
+    "lantern",
+    "marble",
+    "nectar",
+    "orchid",
+    "pebble",
+    "quartz",
+    "saddle",
+    "tunnel",
+    "umbrella",
+    "vessel",
+    "walnut",
+    "yogurt",
+    "zephyr",
+    "canyon",
+    "dolphin",
+    "ember",
+    "fjord",
+    "grotto",
+    "hazel",
+    "island",
+]
 
 
 def model_path() -> Path:
@@ -42,7 +91,9 @@ def model_path() -> Path:
 
 
 def open_store(data_dir: Path, host_gib: float = 1.0) -> Store:
-    return Store.open(StoreConfig(data_dir=data_dir, fsync=False, host_capacity_bytes=int(host_gib * (1 << 30))))
+    return Store.open(
+        StoreConfig(data_dir=data_dir, fsync=False, host_capacity_bytes=int(host_gib * (1 << 30)))
+    )
 
 
 def settings(**overrides: Any) -> EngineSettings:
@@ -87,12 +138,20 @@ class Engine:
 
         limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
         params = [
-            SamplingParams(max_tokens=m, temperature=0.0, extra_args=s or None) for s, m in zip(sessions, limits, strict=True)
+            SamplingParams(max_tokens=m, temperature=0.0, extra_args=s or None)
+            for s, m in zip(sessions, limits, strict=True)
         ]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
+        )
         return [
-            Result(list(o.prompt_token_ids or []), list(o.outputs[0].token_ids), o.outputs[0].text,
-                   o.kv_transfer_params, int(o.num_cached_tokens or 0))
+            Result(
+                list(o.prompt_token_ids or []),
+                list(o.outputs[0].token_ids),
+                o.outputs[0].text,
+                o.kv_transfer_params,
+                int(o.num_cached_tokens or 0),
+            )
             for o in outs
         ]
 
@@ -112,8 +171,11 @@ class Engine:
 
     def user_turn_ids(self, text: str) -> list[int]:
         """Template tokens that close the assistant's turn and open the next user turn."""
-        return list(self.tokenizer(f"\n<|im_start|>user\n{text}{IM_END}\n<|im_start|>assistant\n",
-                                   add_special_tokens=False)["input_ids"])
+        return list(
+            self.tokenizer(
+                f"\n<|im_start|>user\n{text}{IM_END}\n<|im_start|>assistant\n", add_special_tokens=False
+            )["input_ids"]
+        )
 
     def continue_ids(self, prompt: Sequence[int], output: Sequence[int], user_text: str) -> list[int]:
         im_end = self.tokenizer.convert_tokens_to_ids(IM_END)
@@ -148,8 +210,13 @@ def make_conversations(n: int, seed: int = 7) -> list[Conversation]:
     for i in range(n):
         long = i % 3 == 0
         first_len = int(rng.integers(350, 520)) if long else int(rng.integers(15, 160))
-        first = [{"role": "user", "content": f"Conversation {i}. Read these words and list three of them: "
-                  f"{words(rng, first_len)}"}]
+        first = [
+            {
+                "role": "user",
+                "content": f"Conversation {i}. Read these words and list three of them: "
+                f"{words(rng, first_len)}",
+            }
+        ]
         if i % 4 == 1:
             first.insert(0, {"role": "system", "content": f"You are assistant number {i}. {words(rng, 40)}"})
         followups = [

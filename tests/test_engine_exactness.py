@@ -85,11 +85,15 @@ def test_multiturn_conversations_are_token_identical(rig: Rig) -> None:
             p = prev[i]
             want = expected_loaded(p[0], p[1], prompts[i]) if p is not None else 0
             if d.loaded_tokens != want:
-                loaded_wrong.append(f"{convs[i].name} turn {turn + 1}: loaded {d.loaded_tokens}, expected {want}")
+                loaded_wrong.append(
+                    f"{convs[i].name} turn {turn + 1}: loaded {d.loaded_tokens}, expected {want}"
+                )
             if turn < len(convs[i].followups):
                 prev[i] = (prompts[i], c.output_ids)
                 prompts[i] = engine.continue_ids(prompts[i], c.output_ids, convs[i].followups[turn])
-    print(f"\nexactness: {len(convs)} conversations, {compared} turns compared, {len(divergences)} divergences")
+    print(
+        f"\nexactness: {len(convs)} conversations, {compared} turns compared, {len(divergences)} divergences"
+    )
     assert not divergences, "\n".join(divergences)
     assert not loaded_wrong, "\n".join(loaded_wrong)
 
@@ -116,7 +120,9 @@ def test_rollback_and_branch_then_continue(rig: Rig) -> None:
     # Branch: a new session forked at turn 1 of the same user's dialogue.
     p1, o1 = states[0]
     branched = engine.continue_ids(p1, o1, f"Let us talk about {words(rng, 40)} instead")
-    cases.append(("branch", branched, session(tenant, "branch-session", 1), expected_loaded(p1, o1, branched)))
+    cases.append(
+        ("branch", branched, session(tenant, "branch-session", 1), expected_loaded(p1, o1, branched))
+    )
 
     for name, ids, sess, want in cases:
         (d,), (c,) = dss_then_cold(engine, [ids], [sess], [24])
@@ -170,7 +176,9 @@ def test_tenants_are_isolated_and_public_prefix_is_shared(rig: Rig) -> None:
     (warm,) = engine.generate([public], [session(PUBLIC_TENANT, "admin-warmup")], [1])
     assert warm.params is not None and warm.params["stored_pages"] == len(public) // BS
 
-    (carol,), (carol_cold,) = dss_then_cold(engine, [carol_ids], [session(store.tenant_for("carol"), "c1")], [16])
+    (carol,), (carol_cold,) = dss_then_cold(
+        engine, [carol_ids], [session(store.tenant_for("carol"), "c1")], [16]
+    )
     assert carol.loaded_tokens == len(public)
     assert carol.output_ids == carol_cold.output_ids
     # Dave sends Carol's exact prompt: he gets the public pages, never Carol's private ones.

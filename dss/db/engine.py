@@ -6,7 +6,9 @@ ever created by the Alembic migrations in the repository's `migrations/` folder.
 
 from __future__ import annotations
 
+import fcntl
 import sqlite3
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +25,7 @@ from sqlalchemy.pool import StaticPool
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MIGRATIONS_DIR = REPO_ROOT / "migrations"
 SQLITE_FILENAME = "dss.sqlite3"
+_MIGRATE_LOCK = threading.Lock()
 
 _SQLITE_PRAGMAS = (
     "PRAGMA journal_mode=WAL",
@@ -94,19 +97,36 @@ def upgrade_to_head(url: str, engine: Engine | None = None) -> None:
     """Create or upgrade the schema; a no-op when it is already at head.
 
     Pass `engine` to migrate through it (needed for in-memory SQLite, whose data lives in the
-    engine's one connection); otherwise the migration opens and closes its own engine.
+    engine's one connection); otherwise the migration opens and closes its own engine. Safe to
+    call from several processes at once: SQLite migrations hold a lock file next to the database,
+    PostgreSQL ones an advisory lock (taken in `migrations/env.py`).
     """
     cfg = alembic_config(url)
-    if engine is not None:
-        with engine.begin() as conn:
-            cfg.attributes["connection"] = conn
+    # Alembic's `context`/`op` are process-global proxies: one migration per process at a time.
+    with _MIGRATE_LOCK, _sqlite_migration_lock(url if engine is None else None):
+        if engine is not None:
+            with engine.begin() as conn:
+                cfg.attributes["connection"] = conn
+                command.upgrade(cfg, "head")
+        else:
             command.upgrade(cfg, "head")
+
+
+@contextmanager
+def _sqlite_migration_lock(url: str | None) -> Iterator[None]:
+    """An exclusive lock file beside a SQLite database file (created with its folder if needed)."""
+    database = make_url(url).database if url is not None and _is_sqlite(url) else None
+    if not database or database == ":memory:" or database.startswith("file:"):
+        yield
         return
-    if _is_sqlite(url):
-        database = make_url(url).database or ""
-        if database and database != ":memory:":
-            Path(database).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
-    command.upgrade(cfg, "head")
+    path = Path(database).expanduser().resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".migrate.lock"), "a+b") as lock_file:
+        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file.fileno(), fcntl.LOCK_UN)
 
 
 def current_revision(url: str) -> str | None:

@@ -1,0 +1,139 @@
+"""Page copies between KV blocks shaped like vLLM's CPU cache and a real shared-memory arena."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dss.errors import InvalidInput
+from dss.namespace import ModelFingerprint
+from dss.tiers.host import HostArena
+from engine_patch.copy import ArenaViews, KVBlocks, Run, runs
+from engine_patch.fingerprint import UnsupportedKVCache, check_layer_tensors, model_revision
+from engine_patch.worker_side import order_layers
+
+L, NB, H, BS, HD = 4, 16, 3, 32, 16
+FP = ModelFingerprint("tiny", "r", "bfloat16", num_layers=L, num_kv_heads=H, head_size=HD, block_size=BS)
+
+
+def make_layers(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(NB, H, BS, 2 * HD, generator=g).to(torch.bfloat16) for _ in range(L)]
+
+
+@pytest.fixture
+def arena(tmp_path: Path) -> Iterator[HostArena]:
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    a = HostArena.create(shm / f"dss-test-copy-{os.getpid()}-{time.monotonic_ns()}.shm", FP.page_nbytes, 12)
+    yield a
+    a.close()
+    a.unlink()
+
+
+def test_runs_split_where_blocks_or_slots_jump() -> None:
+    assert runs([], []) == []
+    assert runs([5, 6, 7, 9, 10, 3], [0, 1, 2, 3, 4, 8]) == [Run(5, 0, 3), Run(9, 3, 2), Run(3, 8, 1)]
+    assert runs([1, 2, 3], [4, 6, 7]) == [Run(1, 4, 1), Run(2, 6, 2)]
+    with pytest.raises(InvalidInput):
+        runs([1, 2], [1])
+
+
+def test_save_writes_layer_major_pages_and_load_restores_them(arena: HostArena) -> None:
+    src = make_layers(1)
+    views = ArenaViews(L, FP.layer_block_nbytes)
+    pages = views.pages(str(arena.path), arena.slot_nbytes)
+    assert pages.shape == (12, L, FP.layer_block_nbytes)
+    blocks, slots = [3, 4, 5, 11, 0], [7, 8, 9, 1, 2]
+    KVBlocks(src).save(pages, runs(blocks, slots))
+    # Page bytes = block b of layer 0, then layer 1, ...: exactly the engine's block bytes.
+    for b, s in zip(blocks, slots, strict=True):
+        page = arena.numpy(s)
+        for layer in range(L):
+            want = src[layer][b].contiguous().view(torch.uint8).numpy().reshape(-1)
+            got = page[layer * FP.layer_block_nbytes : (layer + 1) * FP.layer_block_nbytes]
+            assert np.array_equal(got, want)
+    # Loading into other blocks of a fresh cache restores exactly those blocks, nothing else.
+    dst = [torch.zeros_like(t) for t in src]
+    targets = [8, 9, 10, 2, 15]
+    KVBlocks(dst).load(pages, runs(targets, slots))
+    for layer in range(L):
+        for b, t in zip(blocks, targets, strict=True):
+            assert torch.equal(dst[layer][t], src[layer][b])
+        untouched = [i for i in range(NB) if i not in targets]
+        assert not dst[layer][untouched].any()
+    views.close()
+
+
+def test_copies_reject_out_of_range_blocks_and_slots(arena: HostArena) -> None:
+    views = ArenaViews(L, FP.layer_block_nbytes)
+    pages = views.pages(str(arena.path), arena.slot_nbytes)
+    kv = KVBlocks(make_layers(2))
+    with pytest.raises(InvalidInput):
+        kv.load(pages, [Run(NB - 1, 0, 2)])
+    with pytest.raises(InvalidInput):
+        kv.save(pages, [Run(0, 11, 2)])
+    with pytest.raises(InvalidInput):
+        views.pages(str(arena.path), arena.slot_nbytes + 2)
+    views.close()
+
+
+def test_arena_views_reattach_when_the_file_is_recreated(tmp_path: Path) -> None:
+    path = Path("/dev/shm") / f"dss-test-reattach-{os.getpid()}-{time.monotonic_ns()}.shm"
+    first = HostArena.create(path, FP.page_nbytes, 2)
+    views = ArenaViews(L, FP.layer_block_nbytes)
+    try:
+        first.numpy(0)[:] = 1
+        assert int(views.pages(str(path), FP.page_nbytes)[0, 0, 0]) == 1
+        first.close()
+        first.unlink()
+        # A restarted store recreates the arena at the same path: the old mapping must not be used.
+        second = HostArena.create(path, FP.page_nbytes, 3)
+        second.numpy(0)[:] = 7
+        pages = views.pages(str(path), FP.page_nbytes)
+        assert pages.shape[0] == 3 and int(pages[0, 0, 0]) == 7
+        second.close()
+    finally:
+        views.close()
+        path.unlink(missing_ok=True)
+
+
+def test_check_layer_tensors_accepts_only_the_fingerprinted_shape() -> None:
+    layers = make_layers(3)
+    check_layer_tensors(FP, layers, NB)
+    with pytest.raises(UnsupportedKVCache):
+        check_layer_tensors(FP, layers[:-1], NB)
+    with pytest.raises(UnsupportedKVCache):
+        check_layer_tensors(FP, [t.float() for t in layers], NB)
+    with pytest.raises(UnsupportedKVCache):
+        check_layer_tensors(FP, [t[:, :2] for t in layers], NB)
+    with pytest.raises(UnsupportedKVCache):
+        check_layer_tensors(FP, layers, NB + 1)
+
+
+def test_layers_are_ordered_by_layer_index() -> None:
+    names = {f"model.layers.{i}.self_attn.attn": torch.full((1,), float(i)) for i in (10, 2, 0, 1)}
+    ordered = order_layers(names, lambda n: int(n.split(".")[2]))
+    assert [int(t.item()) for t in ordered] == [0, 1, 2, 10]
+    with pytest.raises(UnsupportedKVCache):
+        order_layers({"a.1": torch.zeros(1), "b.1": torch.zeros(1)}, lambda n: int(n.split(".")[1]))
+
+
+def test_model_revision_follows_content(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"a": 1, "b": 2}')
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(bytes(range(256)) * 8192)
+    r1 = model_revision(str(tmp_path))
+    assert model_revision(str(tmp_path)) == r1
+    (tmp_path / "config.json").write_text('{"b": 2, "a": 1}')  # same config, other key order
+    assert model_revision(str(tmp_path)) == r1
+    data = bytearray(weights.read_bytes())
+    data[0] ^= 1  # a fine-tune: same size, other bytes
+    weights.write_bytes(bytes(data))
+    assert model_revision(str(tmp_path)) != r1
+    assert model_revision("org/some-hub-model", "abc").startswith("hub:")
