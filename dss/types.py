@@ -24,7 +24,7 @@ SessionId = NewType("SessionId", str)
 PUBLIC_TENANT = TenantId("public")
 
 
-class Tier(str, enum.Enum):
+class Tier(enum.StrEnum):
     DEVICE = "device"
     HOST = "host"
     DISK = "disk"
