@@ -226,7 +226,10 @@ class ChatEngine:
         from vllm.exceptions import GracefulHTTPError, VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
-        extra = self._session_params(tenant, session_id, state_version)
+        # The connector acts only on requests that name a session; a plain chat gets a one-off
+        # id so that it is still cached in (and served from) the user's namespace.
+        sid = session_id if session_id is not None else f"anon-{uuid.uuid4().hex}"
+        extra = self._session_params(tenant, sid, state_version)
         params = SamplingParams(
             max_tokens=sampling.max_tokens,
             temperature=1.0 if sampling.temperature is None else sampling.temperature,
@@ -271,6 +274,14 @@ class ChatEngine:
             if getattr(self.llm, "errored", False):
                 raise EngineUnavailable("the engine died; the server needs a restart") from exc
             raise
+        reported = kv_params.get("fingerprint")
+        if reported and reported != self.fingerprint:
+            log.warning(
+                "the connector writes pages under fingerprint %s, not %s; following it",
+                reported,
+                self.fingerprint,
+            )
+            self.fingerprint = FingerprintId(str(reported))
         yield Finished("".join(text_parts), tuple(output_ids), finish_reason, cached, kv_params, ttft)
 
 
@@ -292,7 +303,7 @@ def _int(v: object) -> int:
 def _engine_settings(factory: Any, settings: Settings, model_path: Path) -> Any:
     eng = settings.engine
     kwargs: dict[str, Any] = {
-        "model": str(model_path),
+        "model": Path(model_path),
         "kv_cache_space_gib": eng.kv_cache_space_gib,
         "enforce_eager": eng.enforce_eager,
         "seed": eng.seed,
@@ -313,25 +324,16 @@ def _engine_settings(factory: Any, settings: Settings, model_path: Path) -> Any:
 def _engine_fingerprint(
     factory: Any, llm: Any, store: Store, known_before: set[FingerprintId]
 ) -> FingerprintId | None:
-    """The model fingerprint the engine's connector writes pages under."""
-    getter = getattr(factory, "engine_fingerprint", None)
-    if getter is not None:
-        fid = getter(llm)
-        if fid is not None:
-            return FingerprintId(str(fid))
+    """The model fingerprint the engine's connector writes pages under, registered in the store.
+
+    The connector registers the same id from the engine process and reports it with every
+    session request's result (`kv_params["fingerprint"]`), which `generate` checks.
+    """
+    try:
+        from engine_patch.fingerprint import frontend_fingerprint
+
+        return store.register_fingerprint(frontend_fingerprint(llm.vllm_config))
+    except Exception as exc:  # a config the connector cannot describe: it is off as well
+        log.warning("cannot compute the engine's model fingerprint here (%s); guessing from the store", exc)
     fresh = [f for f in store.fingerprints if f not in known_before]
-    if len(fresh) == 1:
-        return fresh[0]
-    return _fingerprint_by_config(llm, store, fresh or list(store.fingerprints))
-
-
-def _fingerprint_by_config(llm: Any, store: Store, candidates: list[FingerprintId]) -> FingerprintId | None:
-    cfg = llm.vllm_config
-    block = cfg.cache_config.block_size
-    layers = cfg.model_config.get_num_layers(cfg.parallel_config)
-    matches = [
-        f
-        for f in candidates
-        if store.fingerprints[f].block_size == block and store.fingerprints[f].num_layers == layers
-    ]
-    return matches[-1] if matches else None
+    return fresh[0] if len(fresh) == 1 else None

@@ -166,7 +166,9 @@ async def _on_api_error(_req: Request, exc: Exception) -> JSONResponse:
 async def _on_validation(_req: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = list(exc.errors())
-    code = "invalid_json" if any(x.get("type") == "json_invalid" for x in errors) else "invalid_request"
+    if any(x.get("type") == "json_invalid" for x in errors):
+        return error_response(400, _validation_message(errors), "invalid_request_error", "invalid_json")
+    code = "invalid_request"
     return error_response(
         400, _validation_message(errors), "invalid_request_error", code, _validation_param(errors)
     )

@@ -11,7 +11,7 @@ from api.schemas import Health
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz", response_model=Health)
+@router.get("/healthz", response_model=Health, response_model_exclude_none=True)
 def healthz() -> Health:
     return Health(status="ok")
 

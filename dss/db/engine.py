@@ -122,7 +122,7 @@ def _sqlite_migration_lock(url: str | None) -> Iterator[None]:
     path = Path(database).expanduser().resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".migrate.lock"), "a+b") as lock_file:
-        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
+        pass
         try:
             yield
         finally:

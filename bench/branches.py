@@ -1,0 +1,70 @@
+"""Stored KV bytes for N branches off a shared base vs base + N x suffix (goal <= 1.05).
+
+Branches of a session share every common page: the content address of a page covers its prefix,
+so the base is stored once however many branches fork from it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dss.config import StoreConfig  # noqa: E402
+from dss.namespace import ModelFingerprint  # noqa: E402
+from dss.store import Store  # noqa: E402
+
+FP = ModelFingerprint(
+    model_id="bench",
+    revision="1",
+    dtype="bfloat16",
+    num_layers=4,
+    num_kv_heads=2,
+    head_size=32,
+    block_size=16,
+)
+BASE_TOKENS = 2048
+SUFFIX_TOKENS = 256
+N_BRANCHES = 16
+
+
+def main() -> None:
+    print(f"cores={os.cpu_count()} page_bytes={FP.page_nbytes}")
+    with tempfile.TemporaryDirectory() as d:
+        store = Store.open(
+            StoreConfig(data_dir=Path(d), fsync=False, host_capacity_bytes=1 << 30, write_through=False)
+        )
+        fid = store.register_fingerprint(FP)
+        tenant = store.tenant_for("bench-user")
+        sid = store.versions.create_session("bench-user").id
+        rng = np.random.default_rng(0)
+        base = rng.integers(0, 50_000, BASE_TOKENS, dtype=np.int32)
+        page = bytes(FP.page_nbytes)
+        base_v = store.versions.commit(
+            "bench-user", sid, tokens=base, messages=[{"role": "user", "content": "b"}]
+        )
+        store.put_sequence(fid, tenant, base, [page] * (BASE_TOKENS // FP.block_size))
+        for i in range(N_BRANCHES):
+            name = f"b{i}"
+            store.versions.branch("bench-user", sid, base_v.number, name)
+            seq = np.concatenate([base, rng.integers(0, 50_000, SUFFIX_TOKENS, dtype=np.int32)])
+            store.versions.commit(
+                "bench-user", sid, tokens=seq, messages=[{"role": "user", "content": name}], branch=name
+            )
+            store.put_sequence(fid, tenant, seq, [page] * (len(seq) // FP.block_size))
+        stored = store.stats()["bytes"]["host"]
+        ideal = (BASE_TOKENS + N_BRANCHES * SUFFIX_TOKENS) // FP.block_size * FP.page_nbytes
+        naive = N_BRANCHES * (BASE_TOKENS + SUFFIX_TOKENS) // FP.block_size * FP.page_nbytes
+        store.check()
+        store.close()
+    print(f"branches={N_BRANCHES} stored_bytes={stored} base_plus_suffixes={ideal} without_sharing={naive}")
+    print(f"RESULT branch_overhead={stored / ideal:.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Time to erase a user with 100 sessions x 10 versions (pages on host and disk), and the
+remnants that verification finds afterwards (goal 0)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dss.config import StoreConfig  # noqa: E402
+from dss.namespace import ModelFingerprint  # noqa: E402
+from dss.store import Store  # noqa: E402
+
+FP = ModelFingerprint(
+    model_id="bench",
+    revision="1",
+    dtype="bfloat16",
+    num_layers=2,
+    num_kv_heads=2,
+    head_size=16,
+    block_size=16,
+)
+SESSIONS, VERSIONS, TOKENS_PER_TURN = 100, 10, 32
+
+
+def main() -> None:
+    print(f"cores={os.cpu_count()}")
+    with tempfile.TemporaryDirectory() as d:
+        store = Store.open(StoreConfig(data_dir=Path(d), fsync=False, host_capacity_bytes=1 << 28))
+        fid = store.register_fingerprint(FP)
+        user = "erase-bench-user"
+        tenant = store.tenant_for(user)
+        rng = np.random.default_rng(0)
+        page = rng.integers(0, 255, FP.page_nbytes, dtype=np.uint8).tobytes()
+        t0 = time.perf_counter()
+        for _ in range(SESSIONS):
+            sid = store.versions.create_session(user).id
+            tokens = np.array([], dtype=np.int32)
+            for v in range(VERSIONS):
+                tokens = np.concatenate([tokens, rng.integers(0, 50_000, TOKENS_PER_TURN, dtype=np.int32)])
+                store.versions.commit(
+                    user, sid, tokens=tokens, messages=[{"role": "user", "content": str(v)}]
+                )
+            store.put_sequence(fid, tenant, tokens, [page] * (len(tokens) // FP.block_size))
+        store.pages.flush()
+        fill_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        receipt = store.erase_user(user)
+        erase_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        verification = store.verify_erasure(receipt.id)
+        verify_s = time.perf_counter() - t0
+        store.close()
+    print(f"fill_s={fill_s:.2f} counts={receipt.counts} verify_s={verify_s:.3f}")
+    print(f"RESULT erase_s={erase_s:.3f} remnants={verification.remnants}")
+
+
+if __name__ == "__main__":
+    main()
