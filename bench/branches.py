@@ -15,9 +15,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dss.config import StoreConfig  # noqa: E402
-from dss.namespace import ModelFingerprint  # noqa: E402
-from dss.store import Store  # noqa: E402
+from dss.config import StoreConfig
+from dss.namespace import ModelFingerprint
+from dss.store import Store
 
 FP = ModelFingerprint(
     model_id="bench",
