@@ -50,7 +50,7 @@ def _run_on(connection: Connection) -> None:
         if connection.dialect.name == "postgresql":
             # Servers sharing one database may start together; one migrates, the others wait and
             # then find the schema at head. (SQLite serialises DDL by its own write lock.)
-            0 and connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK_KEY})
+            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK_KEY})
         context.run_migrations()
 
 

@@ -32,6 +32,8 @@ _SQLITE_PRAGMAS = (
     "PRAGMA foreign_keys=ON",
     "PRAGMA busy_timeout=5000",
     "PRAGMA synchronous=NORMAL",
+    # erased rows must not linger in free pages of the database file
+    "PRAGMA secure_delete=ON",
 )
 
 
@@ -122,7 +124,7 @@ def _sqlite_migration_lock(url: str | None) -> Iterator[None]:
     path = Path(database).expanduser().resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".migrate.lock"), "a+b") as lock_file:
-        pass
+        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
         try:
             yield
         finally:

@@ -1,0 +1,234 @@
+"""The real DSS server for API tests: `dss serve` in a subprocess on a free loopback port.
+
+One server per test session (a vLLM engine takes ~40 s to start): every `tests/test_api_*.py`
+module uses the `api_server` fixture, which returns the same process-wide `ApiServer`; it is
+stopped when the test process exits. The model comes from `DSS_MODEL_DIR`, else the default
+model prepared under `<repo>/.dss` (`dss model pull`); without either, engine tests skip.
+
+Keys are real: `server.key(user)` creates an API key for `user` directly in the server's
+database (as `dss keys create` does), so requests are authenticated like in production.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 60.0
+# Small enough that a fuzzer's max_tokens cannot keep the CPU engine busy for minutes.
+MAX_OUTPUT_TOKENS = 64
+
+
+def model_dir() -> Path | None:
+    env = os.environ.get("DSS_MODEL_DIR")
+    candidates = [Path(env)] if env else []
+    candidates.append(REPO / ".dss" / "models" / "SmolLM2-135M-Instruct")
+    for c in candidates:
+        if (c / "config.json").is_file() and (c / ".dss-ready").is_file():
+            return c
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ApiServer:
+    def __init__(self, model: Path, root: Path) -> None:
+        self.model = model
+        self.root = root
+        self.data_dir = root / "data"
+        self.log_path = root / "server.log"
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._keys: dict[tuple[str, bool], str] = {}
+        self.starts = 0
+
+    # ------------------------------------------------------------------------------ lifecycle
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            {
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "DSS_ENGINE__MAX_MODEL_LEN": "2048",
+                "DSS_ENGINE__KV_CACHE_SPACE_GIB": "1",
+                "DSS_LIMITS__MAX_OUTPUT_TOKENS": str(MAX_OUTPUT_TOKENS),
+                "DSS_LIMITS__DEFAULT_MAX_TOKENS": "32",
+                "DSS_STORE__HOST_CAPACITY_BYTES": str(256 << 20),
+                "DSS_STORE__DISK_CAPACITY_BYTES": str(2 << 30),
+                "DSS_STORE__FSYNC": "false",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        return env
+
+    def start(self) -> None:
+        if self.proc is not None:
+            raise RuntimeError("the server is running")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if not self._keys:
+            self.key("admin", admin=True)  # keys exist before the start: no development mode
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the subprocess
+        cmd = [
+            sys.executable, "-m", "api.cli", "serve",
+            "--model", str(self.model),
+            "--data-dir", str(self.data_dir),
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--log-level", "warning",
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=self.env(), stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self.starts += 1
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.proc = None
+                raise RuntimeError(f"the server exited during start-up:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.base_url + "/readyz", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"the server was not ready after {START_TIMEOUT_S} s:\n{self.log_tail()}")
+
+    def stop(self) -> int | None:
+        """Graceful stop (SIGINT, as Ctrl-C): the store flushes and closes. Returns the exit code."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        proc.send_signal(signal.SIGINT)
+        try:
+            return proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait(10)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    # ---------------------------------------------------------------------------------- clients
+    def key(self, user: str, admin: bool = False) -> str:
+        """An API key for `user` (created once, straight in the server's database)."""
+        cached = self._keys.get((user, admin))
+        if cached is not None:
+            return cached
+        from api.auth import ApiKeys
+        from dss.db.engine import make_engine, make_session_factory, sqlite_url_for, upgrade_to_head
+
+        url = sqlite_url_for(self.data_dir)
+        upgrade_to_head(url)
+        engine = make_engine(url)
+        try:
+            created = ApiKeys(make_session_factory(engine)).create(None if admin else user, admin=admin)
+        finally:
+            engine.dispose()
+        self._keys[(user, admin)] = created.key
+        return created.key
+
+    @property
+    def admin_key(self) -> str:
+        return self.key("admin", admin=True)
+
+    def headers(self, user: str, admin: bool = False) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key(user, admin)}"}
+
+    def client(self, user: str, admin: bool = False, timeout: float = 180.0) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, headers=self.headers(user, admin), timeout=timeout)
+
+    def async_client(self, user: str, timeout: float = 300.0) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.base_url, headers=self.headers(user), timeout=timeout)
+
+    def openai(self, user: str) -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=self.key(user), timeout=180.0, max_retries=0)
+
+
+_SERVER: ApiServer | None = None
+_FAILED: str | None = None
+
+
+def _shutdown() -> None:
+    global _SERVER
+    if _SERVER is not None:
+        _SERVER.stop()
+        shutil.rmtree(_SERVER.root, ignore_errors=True)
+        _SERVER = None
+
+
+def get_server() -> ApiServer:
+    """The process-wide server, started on first use."""
+    global _SERVER, _FAILED
+    if _FAILED is not None:
+        pytest.fail(_FAILED)
+    if _SERVER is None:
+        model = model_dir()
+        if model is None:
+            pytest.skip("the default model is not prepared (run `make model` or set DSS_MODEL_DIR)")
+        server = ApiServer(model, Path(tempfile.mkdtemp(prefix="dss-api-test-")))
+        try:
+            server.start()
+        except RuntimeError as exc:
+            _FAILED = str(exc)
+            raise
+        _SERVER = server
+        atexit.register(_shutdown)
+    if _SERVER.proc is None:
+        _SERVER.start()
+    return _SERVER
+
+
+@pytest.fixture(scope="session")
+def api_server() -> Iterator[ApiServer]:
+    yield get_server()
+
+
+def chat(client: httpx.Client, messages: list[dict[str, str]], **extra: Any) -> dict[str, Any]:
+    """POST /v1/chat/completions (greedy, short) and return the JSON; fails on a non-200."""
+    body = {"messages": messages, "max_tokens": 16, "temperature": 0, **extra}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    data: dict[str, Any] = r.json()
+    return data
+
+
+def user_msg(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[dict[str, Any] | str]:
+    """Parsed `data:` events of an SSE stream (`"[DONE]"` as the string)."""
+    import json
+
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        payload = line[len("data: ") :]
+        yield payload if payload == "[DONE]" else json.loads(payload)
