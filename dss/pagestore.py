@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from dss.errors import CapacityError, CorruptPage, KeyDestroyed, StorageError, TierUnavailable
 from dss.eviction import EvictionPolicy, PageStats, choose_victims
@@ -260,6 +261,56 @@ class PageStore:
                 if not published:
                     self.host.release(ref)
 
+    def promote_to_device(self, page: PageHash) -> Any | None:
+        """The page as a tensor in the device tier (a hot page about to be copied into engine
+        blocks on the same device). None when there is no device tier or the page cannot be had."""
+        if self.device is None:
+            return None
+        with self._lock:
+            e = self.entries.get(page)
+            if e is None:
+                return None
+            if Tier.DEVICE in e.tiers:
+                e.stats.hits += 1
+                self.counters.hits_pages[Tier.DEVICE] += 1
+                return self.device.get(page)
+        if self.promote_to_host(page) is None:
+            return None
+        with self._lock:
+            if page not in self.entries or Tier.HOST not in e.tiers:
+                return None
+            try:
+                try:
+                    self.device.put(page, self.host.get(page))
+                except CapacityError:
+                    self._make_room_device(e.meta.nbytes)
+                    self.device.put(page, self.host.get(page))
+            except CapacityError:
+                return None
+            e.tiers.add(Tier.DEVICE)
+            self.counters.promotions[Tier.DEVICE] += 1
+            return self.device.get(page)
+
+    def _make_room_device(self, nbytes: int) -> None:
+        """Demote device pages to the host tier (copying down first when only the device has it)."""
+        assert self.device is not None
+        need = nbytes - (self.device.capacity_bytes - self.device.used_bytes)
+        if need <= 0:
+            return
+        candidates = [
+            (h, e.stats) for h, e in self.entries.items() if Tier.DEVICE in e.tiers and e.leases == 0
+        ]
+        for h in choose_victims(candidates, self.policy, time.monotonic(), need):
+            e = self.entries[h]
+            if Tier.HOST not in e.tiers:
+                ref = self.reserve_host(e.meta.nbytes)
+                self.host.arena_view(ref)[:] = self.device.get(h).cpu().numpy().tobytes()
+                self.host.publish(h, ref)
+                e.tiers.add(Tier.HOST)
+            self.device.delete(h)
+            e.tiers.discard(Tier.DEVICE)
+            self.counters.evictions[Tier.DEVICE] += 1
+
     def read_bytes(self, page: PageHash) -> bytes | None:
         """A copy of the page bytes from the fastest tier (tests, tools, verification)."""
         ref = self.promote_to_host(page)
@@ -416,6 +467,8 @@ class PageStore:
                     raise AssertionError(f"page {h.hex()[:16]} is in no tier")
                 if Tier.HOST in e.tiers and not self.host.contains(h):
                     raise AssertionError(f"page {h.hex()[:16]} missing from host tier")
+                if Tier.DEVICE in e.tiers and (self.device is None or not self.device.contains(h)):
+                    raise AssertionError(f"page {h.hex()[:16]} missing from device tier")
                 if Tier.DISK in e.tiers and (self.disk is None or not self.disk.contains(h)):
                     raise AssertionError(f"page {h.hex()[:16]} missing from disk tier")
                 if e.leases < 0:
