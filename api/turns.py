@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from api.dialogue import Committed, TurnTarget, commit_turn
 from api.engine import ChatEngine, Finished, Sampling, loaded_split
@@ -39,6 +39,7 @@ from dss.types import Tier, UserId
 
 log = logging.getLogger("dss.api.turns")
 
+_SESSION_KEYS = ("session_id", "state_version", "parent_version", "branch")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -117,7 +118,11 @@ async def run_turn(state: AppState, engine: ChatEngine, turn: Turn, request: Req
         state.metrics.aborted.inc()
         raise BadRequest("the client went away before the turn was committed", code="client_disconnected")
     committed = await _commit(state, engine, turn, prep, fin)
-    return _completion(state, engine, turn, prep, fin, committed, arrived)
+    body = _completion(state, engine, turn, prep, fin, committed, arrived).model_dump(mode="json")
+    if turn.target is None:  # a plain OpenAI answer: no session fields at all
+        for key in _SESSION_KEYS:
+            body.pop(key, None)
+    return JSONResponse(body)
 
 
 def _events(engine: ChatEngine, turn: Turn, prep: _Prepared, arrived: float) -> AsyncIterator[Any]:
@@ -176,6 +181,8 @@ def _usage(prep: _Prepared, fin: Finished) -> Usage:
 
 def _dss_info(prep: _Prepared, fin: Finished) -> DssInfo:
     loaded, split = loaded_split(fin.kv_params)
+    if loaded and not split:
+        split = _split_by_residency(loaded, prep.resident)
     cached = min(fin.num_cached_tokens, len(prep.prompt_ids))
     return DssInfo(
         cached_tokens=cached,
@@ -184,6 +191,20 @@ def _dss_info(prep: _Prepared, fin: Finished) -> DssInfo:
         loaded_from=TierTokens(**{k: v for k, v in split.items() if k in TierTokens.model_fields}),
         resident=TierTokens(**prep.resident),
     )
+
+
+def _split_by_residency(loaded: int, resident: Mapping[str, int]) -> dict[str, int]:
+    """The tiers the loaded tokens came from, when the connector does not report them: the
+    residency measured just before the request, fastest tier first. Exact whenever the loaded
+    pages sat in one tier (a warm host arena, or a fresh start reading everything from disk)."""
+    out: dict[str, int] = {}
+    left = loaded
+    for tier in (Tier.DEVICE.value, Tier.HOST.value, Tier.DISK.value):
+        take = min(left, resident.get(tier, 0))
+        out[tier] = take
+        left -= take
+    out[Tier.DISK.value] += left  # loaded beyond the measured residency: promoted meanwhile
+    return out
 
 
 def _session_fields(turn: Turn, committed: Committed | None) -> dict[str, Any]:

@@ -168,7 +168,9 @@ class ApiServer:
     def openai(self, user: str) -> Any:
         import openai
 
-        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=self.key(user), timeout=180.0, max_retries=0)
+        return openai.OpenAI(
+            base_url=self.base_url + "/v1", api_key=self.key(user), timeout=180.0, max_retries=0
+        )
 
 
 _SERVER: ApiServer | None = None

@@ -141,9 +141,8 @@ class Engine:
             SamplingParams(max_tokens=m, temperature=0.0, extra_args=s or None)
             for s, m in zip(sessions, limits, strict=True)
         ]
-        outs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
-        )
+        inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        outs = self._generate_as_one_batch(inputs, params)
         return [
             Result(
                 list(o.prompt_token_ids or []),
@@ -154,6 +153,44 @@ class Engine:
             )
             for o in outs
         ]
+
+    def _generate_as_one_batch(self, inputs: list[Any], params: list[Any]) -> list[Any]:
+        """`LLM.generate`, but every request reaches the scheduler before its first step.
+
+        vLLM's CPU kernels are not batch-invariant, and requests trickle into the engine-core
+        process while it already steps, so two runs of one batch could be scheduled differently
+        and differ in the last bits. Pausing the scheduler while the requests are queued makes
+        the schedule (and so the arithmetic) a function of the inputs alone.
+        """
+        import threading
+
+        engine = self.llm.llm_engine
+        core = engine.engine_core
+        core.call_utility("pause_scheduler", "keep", False)
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                result["outs"] = self.llm.generate(inputs, params, use_tqdm=False)
+            except BaseException as exc:  # re-raised in the caller's thread
+                result["error"] = exc
+
+        worker = threading.Thread(target=run, name="generate")
+        worker.start()
+        try:
+            deadline = time.monotonic() + 60
+            while engine.get_num_unfinished_requests() < len(inputs) and worker.is_alive():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("requests did not reach the engine")
+                time.sleep(0.002)
+        finally:
+            # Requests and this call share one ordered socket: every add lands before the resume.
+            core.call_utility("resume_scheduler")
+            worker.join()
+        if "error" in result:
+            raise result["error"]
+        outs: list[Any] = result["outs"]
+        return outs
 
     def reset_prefix_cache(self, timeout_s: float = 30.0) -> None:
         """Empty vLLM's own prefix cache (retrying while delayed-free saves still hold blocks)."""

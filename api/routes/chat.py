@@ -24,7 +24,6 @@ class ModelNotFound(NotFoundError):
 @router.post(
     "/v1/chat/completions",
     response_model=ChatCompletion,
-    response_model_exclude_none=True,
     responses={
         **error_responses(400, 401, 404, 409, 413, 503),
         200: {"content": {"text/event-stream": {}}, "description": "A completion, or SSE chunks with stream"},

@@ -89,7 +89,6 @@ def delete_session(session_id: str, state: StateDep, principal: PrincipalDep) ->
 @router.post(
     "/v1/sessions/{session_id}/messages",
     response_model=ChatCompletion,
-    response_model_exclude_none=True,
     responses={
         **error_responses(400, 401, 404, 409, 413, 503),
         200: {"content": {"text/event-stream": {}}, "description": "A completion, or SSE chunks with stream"},
