@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Mapping
 from typing import Protocol, runtime_checkable
 
 from dss.types import PageHash, Tier
@@ -29,3 +30,31 @@ class PageTier(Protocol):
     def delete(self, page: PageHash) -> int:
         """Remove the page; return the bytes freed (0 if absent)."""
         ...
+
+
+class IndexedTier:
+    """The membership queries every backend answers the same way from its own page index.
+
+    A backend sets `self._lock` and returns its page → location mapping from `_page_index()`.
+    """
+
+    _lock: threading.Lock | threading.RLock
+
+    def _page_index(self) -> Mapping[PageHash, object]:
+        raise NotImplementedError
+
+    def contains(self, page: PageHash) -> bool:
+        with self._lock:
+            return page in self._page_index()
+
+    def __contains__(self, page: PageHash) -> bool:
+        return self.contains(page)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._page_index())
+
+    def keys(self) -> Iterator[PageHash]:
+        with self._lock:
+            snapshot = list(self._page_index())
+        return iter(snapshot)

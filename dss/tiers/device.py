@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 
 from dss.codec import Buffer
 from dss.errors import CapacityError, InvalidInput, PageMissing
+from dss.tiers.base import IndexedTier
 from dss.types import PageHash, Tier
 
 
@@ -35,7 +36,7 @@ def _as_uint8_tensor(data: Buffer | np.ndarray | torch.Tensor) -> torch.Tensor:
         return torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
 
 
-class DeviceTier:
+class DeviceTier(IndexedTier):
     tier = Tier.DEVICE
 
     def __init__(self, capacity_bytes: int, device: str | None = None) -> None:
@@ -97,21 +98,8 @@ class DeviceTier:
         tensor.zero_()
         return int(tensor.numel())
 
-    def contains(self, page: PageHash) -> bool:
-        with self._lock:
-            return page in self._pages
-
-    def __contains__(self, page: PageHash) -> bool:
-        return self.contains(page)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._pages)
-
-    def keys(self) -> Iterator[PageHash]:
-        with self._lock:
-            snapshot = list(self._pages)
-        return iter(snapshot)
+    def _page_index(self) -> Mapping[PageHash, object]:
+        return self._pages
 
     @property
     def used_bytes(self) -> int:

@@ -15,7 +15,7 @@ import contextlib
 import os
 import secrets
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +25,7 @@ from dss.errors import CapacityError, CorruptPage, PageMissing, TierUnavailable
 from dss.hashing import HASH_BYTES
 from dss.pagefile import HEADER_LEN, PageFileHeader, decode_page, encode_page, read_header
 from dss.pages import PageMeta
+from dss.tiers.base import IndexedTier
 from dss.types import PageHash, Tier
 
 PAGE_SUFFIX = ".page"
@@ -50,7 +51,7 @@ def _page_from_name(name: str) -> PageHash | None:
         return None
 
 
-class DiskTier:
+class DiskTier(IndexedTier):
     tier = Tier.DISK
 
     def __init__(self, root: Path, capacity_bytes: int, codec: Codec, fsync: bool = True) -> None:
@@ -257,21 +258,8 @@ class DiskTier:
             self.path_of(page).unlink()
         return size
 
-    def contains(self, page: PageHash) -> bool:
-        with self._lock:
-            return page in self._sizes
-
-    def __contains__(self, page: PageHash) -> bool:
-        return self.contains(page)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._sizes)
-
-    def keys(self) -> Iterator[PageHash]:
-        with self._lock:
-            snapshot = list(self._sizes)
-        return iter(snapshot)
+    def _page_index(self) -> Mapping[PageHash, object]:
+        return self._sizes
 
     def size_of(self, page: PageHash) -> int | None:
         with self._lock:

@@ -18,7 +18,7 @@ import os
 import secrets
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +27,7 @@ import numpy as np
 
 from dss.codec import Buffer
 from dss.errors import CapacityError, InvalidInput, PageMissing, StoreClosed, TierUnavailable
+from dss.tiers.base import IndexedTier
 from dss.types import PageHash, Tier
 
 if TYPE_CHECKING:
@@ -214,7 +215,7 @@ class _ArenaSlots:
         return None
 
 
-class HostTier:
+class HostTier(IndexedTier):
     """Pages in shared-memory arenas, one arena per page size, within a global byte capacity."""
 
     tier = Tier.HOST
@@ -391,21 +392,8 @@ class HostTier:
             self._used -= ref.slot_nbytes
         return ref.slot_nbytes
 
-    def contains(self, page: PageHash) -> bool:
-        with self._lock:
-            return page in self._pages
-
-    def __contains__(self, page: PageHash) -> bool:
-        return self.contains(page)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._pages)
-
-    def keys(self) -> Iterator[PageHash]:
-        with self._lock:
-            snapshot = list(self._pages)
-        return iter(snapshot)
+    def _page_index(self) -> Mapping[PageHash, object]:
+        return self._pages
 
     @property
     def used_bytes(self) -> int:
