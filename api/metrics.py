@@ -27,7 +27,24 @@ from dss.types import Tier
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Where a prompt token's KV came from: the engine's own prefix cache, or a DSS tier.
 HIT_SOURCES = ("engine", *(t.value for t in Tier))
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
 
 
 class Metrics:

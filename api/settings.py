@@ -82,6 +82,8 @@ class EngineGroup(BaseModel):
     # Generations admitted at once; more answer 503 with Retry-After instead of queueing forever.
     max_inflight: int = Field(default=64, ge=1)
     retry_after_s: int = Field(default=1, ge=1)
+    # Nice value of the engine's processes (0: unchanged); keeps API latency low under load.
+    nice: int = Field(default=10, ge=0, le=19)
     startup_timeout_s: float = Field(default=600.0, gt=0)
 
 

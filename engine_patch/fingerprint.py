@@ -33,15 +33,15 @@ def build_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise UnsupportedKVCache(f"{len(groups)} KV cache groups (hybrid models are not supported)")
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
     spec = groups[0].kv_cache_spec
-    for attr in ("num_kv_heads", "head_size", "dtype"):
-        if not hasattr(spec, attr):
-            raise UnsupportedKVCache(f"KV cache spec {type(spec).__name__} is not an attention spec")
-    head_size_v = getattr(spec, "head_size_v", spec.head_size)
-    if head_size_v != spec.head_size:
-        raise UnsupportedKVCache(f"K head size {spec.head_size} != V head size {head_size_v}")
-    if getattr(spec, "page_size_padded", None):
-        raise UnsupportedKVCache("padded KV pages are not supported")
+    if not isinstance(spec, AttentionSpec):
+        raise UnsupportedKVCache(f"KV cache spec {type(spec).__name__} is not an attention spec")
+    if spec.head_size_v != spec.head_size:
+        raise UnsupportedKVCache(f"K head size {spec.head_size} != V head size {spec.head_size_v}")
+    if spec.page_size_padded or spec.num_head_slots is not None or spec.state_content_bytes is not None:
+        raise UnsupportedKVCache("padded or repacked KV pages are not supported")
     return _make(
         vllm_config,
         num_layers=len(groups[0].layer_names),
@@ -63,6 +63,8 @@ def frontend_fingerprint(vllm_config: VllmConfig) -> ModelFingerprint:
     block_size = vllm_config.cache_config.block_size
     if block_size is None:
         raise UnsupportedKVCache("the block size is not resolved yet")
+    if not isinstance(model_cfg.dtype, torch.dtype):
+        raise UnsupportedKVCache(f"the model dtype {model_cfg.dtype!r} is not resolved yet")
     return _make(
         vllm_config,
         num_layers=model_cfg.get_num_layers(parallel),

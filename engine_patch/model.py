@@ -124,13 +124,13 @@ def verify_model(path: Path, max_new_tokens: int = 24) -> str:
         tok = AutoTokenizer.from_pretrained(str(path))
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
     model.eval()
-    ids = tok.apply_chat_template(
+    ids: Any = tok.apply_chat_template(
         [{"role": "user", "content": VERIFY_QUESTION}], add_generation_prompt=True, return_tensors="pt"
     )
     if not isinstance(ids, torch.Tensor):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     with torch.inference_mode():
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)  # type: ignore[misc]
     answer = str(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)).strip()
     if "paris" not in answer.lower():
         raise ModelVerificationFailed(f"model at {path} answered {answer!r} to {VERIFY_QUESTION!r}")

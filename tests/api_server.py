@@ -112,11 +112,11 @@ class ApiServer:
         raise RuntimeError(f"the server was not ready after {START_TIMEOUT_S} s:\n{self.log_tail()}")
 
     def stop(self) -> int | None:
-        """Graceful stop (SIGINT, as Ctrl-C): the store flushes and closes. Returns the exit code."""
+        """Graceful stop (SIGTERM): the store flushes and closes. Returns the exit code."""
         proc, self.proc = self.proc, None
         if proc is None:
             return None
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)
         try:
             return proc.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:

@@ -120,11 +120,36 @@ class Result:
 
 
 class Engine:
-    """A vLLM `LLM` wired to a store, with batch helpers on token-id prompts."""
+    """A vLLM `LLM` wired to a store, with batch helpers on token-id prompts.
 
-    def __init__(self, address: str | None, authkey: bytes | None, **overrides: Any) -> None:
+    `deterministic_batches=True` runs vLLM's engine core in this process. vLLM's CPU kernels are
+    not batch-invariant, and with the engine core in its own process the requests of one
+    `generate` call trickle in while it already steps, so two runs of one batch can be scheduled
+    differently and differ in the last bits. In-process, every request is queued before the
+    first step and the schedule is a function of the inputs alone. (The worker is still its own
+    process, so the connector's two halves still talk across processes.)
+    """
+
+    def __init__(
+        self,
+        address: str | None,
+        authkey: bytes | None,
+        deterministic_batches: bool = False,
+        **overrides: Any,
+    ) -> None:
         self.settings = settings(**overrides)
-        self.llm = build_llm(address, authkey, self.settings)
+        key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+        old = os.environ.get(key)
+        self.in_process = deterministic_batches
+        if deterministic_batches:
+            os.environ[key] = "0"
+        try:
+            self.llm = build_llm(address, authkey, self.settings)
+        finally:
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
         self.tokenizer = self.llm.get_tokenizer()
 
     def generate(
@@ -142,7 +167,7 @@ class Engine:
             for s, m in zip(sessions, limits, strict=True)
         ]
         inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        outs = self._generate_as_one_batch(inputs, params)
+        outs = self.llm.generate(inputs, params, use_tqdm=False)
         return [
             Result(
                 list(o.prompt_token_ids or []),
@@ -154,51 +179,20 @@ class Engine:
             for o in outs
         ]
 
-    def _generate_as_one_batch(self, inputs: list[Any], params: list[Any]) -> list[Any]:
-        """`LLM.generate`, but every request reaches the scheduler before its first step.
-
-        vLLM's CPU kernels are not batch-invariant, and requests trickle into the engine-core
-        process while it already steps, so two runs of one batch could be scheduled differently
-        and differ in the last bits. Pausing the scheduler while the requests are queued makes
-        the schedule (and so the arithmetic) a function of the inputs alone.
-        """
-        import threading
-
-        engine = self.llm.llm_engine
-        core = engine.engine_core
-        core.call_utility("pause_scheduler", "keep", False)
-        result: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                result["outs"] = self.llm.generate(inputs, params, use_tqdm=False)
-            except BaseException as exc:  # re-raised in the caller's thread
-                result["error"] = exc
-
-        worker = threading.Thread(target=run, name="generate")
-        worker.start()
-        try:
-            deadline = time.monotonic() + 60
-            while engine.get_num_unfinished_requests() < len(inputs) and worker.is_alive():
-                if time.monotonic() > deadline:
-                    raise TimeoutError("requests did not reach the engine")
-                time.sleep(0.002)
-        finally:
-            # Requests and this call share one ordered socket: every add lands before the resume.
-            core.call_utility("resume_scheduler")
-            worker.join()
-        if "error" in result:
-            raise result["error"]
-        outs: list[Any] = result["outs"]
-        return outs
-
     def reset_prefix_cache(self, timeout_s: float = 30.0) -> None:
         """Empty vLLM's own prefix cache (retrying while delayed-free saves still hold blocks)."""
         deadline = time.monotonic() + timeout_s
         while not self.llm.reset_prefix_cache():
             if time.monotonic() > deadline:
                 raise TimeoutError("vLLM's prefix cache could not be reset")
-            time.sleep(0.05)
+            self.settle()
+            time.sleep(0.01)
+
+    def settle(self) -> None:
+        """Let the engine finish pending saves. An in-process engine core steps only inside
+        `generate`; one idle step runs the worker's save copies and frees their blocks."""
+        if self.in_process:
+            self.llm.llm_engine.step()
 
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

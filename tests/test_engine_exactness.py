@@ -41,7 +41,7 @@ class Rig:
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     store = open_store(Path(tmp_path_factory.mktemp("dss-exact")), host_gib=2.0)
     address, authkey = store.serve_rpc()
-    engine = Engine(address, authkey)
+    engine = Engine(address, authkey, deterministic_batches=True)
     try:
         yield Rig(store, engine)
     finally:
@@ -143,43 +143,51 @@ def test_multiturn_conversations_are_token_identical(rig: Rig) -> None:
     assert not failures, "\n".join(failures)
 
 
-def test_rollback_and_branch_then_continue(rig: Rig) -> None:
-    engine, store = rig.engine, rig.store
-    tenant = store.tenant_for("rollback-user")
-    rng = np.random.default_rng(11)
-    sid = "rollback-session"
-    # A 4-turn history through DSS, each turn saving its pages.
+def build_history(
+    engine: Engine, tenant: str, sid: str, rng: np.random.Generator, turns: int
+) -> list[tuple[list[int], list[int]]]:
+    """A dialogue of `turns` turns through DSS, each turn saving its pages: (prompt, output) per turn."""
     prompt = engine.chat_ids([{"role": "user", "content": f"Remember these words: {words(rng, 260)}"}])
     states: list[tuple[list[int], list[int]]] = []
-    for turn in range(4):
+    for turn in range(turns):
         engine.reset_prefix_cache()
         (r,) = engine.generate([prompt], [session(tenant, sid, turn + 1)], 20)
         assert r.loaded_tokens == (expected_loaded(*states[-1], prompt) if states else 0)
         states.append((prompt, r.output_ids))
         prompt = engine.continue_ids(prompt, r.output_ids, f"Tell me more about {words(rng, 30)}")
-    # Rollback: back to the state after turn 2, a different question, same session.
-    p2, o2 = states[1]
-    rolled = engine.continue_ids(p2, o2, f"Instead, describe {words(rng, 25)}")
-    # Branch: a new session of the same user forked after turn 1.
-    p1, o1 = states[0]
-    branched = engine.continue_ids(p1, o1, f"Let us talk about {words(rng, 40)} instead")
-    prompts = [rolled, branched]
-    sessions = [session(tenant, sid, 5), session(tenant, "branch-session", 1)]
-    want = [expected_loaded(p2, o2, rolled), expected_loaded(p1, o1, branched)]
-    names = ["rollback", "branch"]
+    return states
+
+
+@pytest.mark.parametrize("case", ["rollback", "branch"])
+def test_rollback_or_branch_then_continue(rig: Rig, case: str) -> None:
+    engine, store = rig.engine, rig.store
+    tenant = store.tenant_for(f"{case}-user")
+    rng = np.random.default_rng(11 if case == "rollback" else 12)
+    sid = f"{case}-session"
+    if case == "rollback":
+        # Six turns, then back to the state after turn 3 and a different question, same session.
+        states = build_history(engine, tenant, sid, rng, 6)
+        base_prompt, base_output = states[2]
+        sess = session(tenant, sid, 7)
+    else:
+        # Three turns, then a new session of the same user forked after turn 1.
+        states = build_history(engine, tenant, sid, rng, 3)
+        base_prompt, base_output = states[0]
+        sess = session(tenant, f"{sid}-fork", 1)
+    prompt = engine.continue_ids(base_prompt, base_output, f"Instead, describe {words(rng, 25)}")
+    want = expected_loaded(base_prompt, base_output, prompt)
+    assert want > 0
     cold_divergences: list[str] = []
-    res = run_turn(engine, prompts, sessions, [24, 24])
-    failures = check_turn(engine, names, res, want, cold_divergences)
-    assert min(want) > 0
-    # ...and one more turn on each new path.
-    nxt = [
-        engine.continue_ids(p, d.output_ids, f"And finally {words(rng, 20)}")
-        for p, d in zip(prompts, res.dss, strict=True)
-    ]
-    want = [expected_loaded(p, d.output_ids, n) for p, d, n in zip(prompts, res.dss, nxt, strict=True)]
-    res = run_turn(engine, nxt, sessions, [24, 24])
-    failures += check_turn(engine, [f"{n} + 1" for n in names], res, want, cold_divergences)
-    print(f"\nrollback/branch: {len(failures)} failures, {len(cold_divergences)} cold divergences")
+    first = run_turn(engine, [prompt], [sess], [24])
+    failures = check_turn(engine, [case], first, [want], cold_divergences)
+    # ...and one more turn on the new path.
+    out = first.dss[0].output_ids
+    nxt = engine.continue_ids(prompt, out, f"And finally {words(rng, 20)}")
+    res = run_turn(engine, [nxt], [sess], [24])
+    failures += check_turn(
+        engine, [f"{case} + 1"], res, [expected_loaded(prompt, out, nxt)], cold_divergences
+    )
+    print(f"\n{case}: {len(failures)} failures, {len(cold_divergences)} cold divergences")
     assert not failures, "\n".join(failures)
 
 

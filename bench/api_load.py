@@ -1,0 +1,293 @@
+"""A bounded load on the real server over loopback: chat turns, rollbacks, branches and reads.
+
+Starts `dss serve` (real vLLM CPU engine, default model) in a temp data directory, then runs
+N clients (default 32) for T seconds (default 60), each on its own session with its own API key:
+about half the operations are streamed chat turns through `/messages`, the rest rollbacks to an
+ancestor of the branch head, new branches at a random version, and version-tree reads. Reports
+requests/s, p50/p99 of each operation, TTFT of first (cold) vs later (cached) turns side by side,
+and errors (goal: 0; rollback/branch p99 <= 20 ms).
+
+Env: DSS_BENCH_CLIENTS, DSS_BENCH_SECONDS, DSS_BENCH_URL + DSS_BENCH_KEYS (comma-separated keys,
+one per client) to load an already running server instead of starting one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+CLIENTS = int(os.environ.get("DSS_BENCH_CLIENTS", "32"))
+SECONDS = float(os.environ.get("DSS_BENCH_SECONDS", "60"))
+MAX_TOKENS = 8
+SYSTEM = "You are a concise assistant of a hardware store. " + " ".join(
+    f"Aisle {i} holds {item}; answer in one short sentence." for i, item in enumerate(
+        ["nails", "screws", "paint", "glue", "rope", "tape", "hinges", "brushes", "ladders", "hammers",
+         "saws", "drills", "bolts", "washers", "chains", "locks", "pipes", "valves", "wire", "fuses"] * 2
+    )
+)  # fmt: skip
+QUESTIONS = ["Where are the nails?", "Do you sell paint?", "What about rope?", "Any ladders?", "And glue?"]
+
+
+@dataclass
+class Stats:
+    latency: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    ttft_cold: list[float] = field(default_factory=list)
+    ttft_warm: list[float] = field(default_factory=list)
+    cached_warm: list[int] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    requests: int = 0
+
+
+def model_dir() -> Path:
+    env = os.environ.get("DSS_MODEL_DIR")
+    for c in ([Path(env)] if env else []) + [REPO / ".dss" / "models" / "SmolLM2-135M-Instruct"]:
+        if (c / ".dss-ready").is_file():
+            return c
+    raise SystemExit("the default model is not prepared: run `make model` (or set DSS_MODEL_DIR)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_keys(data_dir: Path, n: int) -> list[str]:
+    from api.auth import ApiKeys
+    from dss.db.engine import make_engine, make_session_factory, sqlite_url_for, upgrade_to_head
+
+    url = sqlite_url_for(data_dir)
+    upgrade_to_head(url)
+    engine = make_engine(url)
+    try:
+        keys = ApiKeys(make_session_factory(engine))
+        return [keys.create(f"bench-{i}").key for i in range(n)]
+    finally:
+        engine.dispose()
+
+
+def start_server(root: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "DSS_ENGINE__MAX_MODEL_LEN": "2048",
+        "DSS_ENGINE__MAX_INFLIGHT": str(max(64, CLIENTS * 2)),
+        "DSS_STORE__HOST_CAPACITY_BYTES": str(1 << 30),
+        "DSS_STORE__FSYNC": "false",
+    }
+    cmd = [sys.executable, "-m", "api.cli", "serve", "--model", str(model_dir()), "--data-dir",
+           str(root / "data"), "--port", str(port), "--log-level", "warning"]  # fmt: skip
+    log = open(root / "server.log", "wb")  # noqa: SIM115 - owned by the subprocess
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit("server exited:\n" + (root / "server.log").read_text(errors="replace")[-4000:])
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                return proc, url
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("server not ready after 300 s")
+
+
+class Client:
+    """One user on one session; it knows its version tree, so every call it makes is valid."""
+
+    def __init__(self, i: int, http: httpx.AsyncClient, stats: Stats) -> None:
+        self.i, self.http, self.stats = i, http, stats
+        self.sid = f"load-{i}"
+        self.parents: dict[int, int | None] = {}
+        self.head = 0
+        self.rng = random.Random(i)
+        self.n_branches = 0
+
+    async def timed(
+        self, kind: str, method: str, path: str, body: object | None = None
+    ) -> httpx.Response | None:
+        t0 = time.perf_counter()
+        try:
+            r = await self.http.request(method, path, json=body)
+        except httpx.HTTPError as exc:
+            self.stats.errors[f"{kind}:{type(exc).__name__}"] += 1
+            return None
+        self.stats.latency[kind].append(time.perf_counter() - t0)
+        self.stats.requests += 1
+        if r.status_code >= 400:
+            self.stats.errors[f"{kind}:{r.status_code}"] += 1
+            return None
+        return r
+
+    async def setup(self) -> None:
+        body = {"session_id": self.sid, "system_prompt": f"{SYSTEM} You serve customer {self.i}."}
+        await self.timed("create_session", "POST", "/v1/sessions", body)
+
+    async def turn(self) -> None:
+        body = {
+            "content": self.rng.choice(QUESTIONS),
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        cold = self.head == 0
+        t0 = time.perf_counter()
+        ttft = None
+        final: dict[str, object] = {}
+        try:
+            async with self.http.stream("POST", f"/v1/sessions/{self.sid}/messages", json=body) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    self.stats.errors[f"chat:{r.status_code}"] += 1
+                    return
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        self.stats.errors[f"chat:{event['error'].get('code')}"] += 1
+                        return
+                    if ttft is None and event["choices"] and event["choices"][0]["delta"].get("content"):
+                        ttft = time.perf_counter() - t0
+                    if "usage" in event:
+                        final = event
+        except httpx.HTTPError as exc:
+            self.stats.errors[f"chat:{type(exc).__name__}"] += 1
+            return
+        self.stats.requests += 1
+        self.stats.latency["chat"].append(time.perf_counter() - t0)
+        version = final.get("state_version")
+        if not isinstance(version, int):
+            self.stats.errors["chat:no_version"] += 1
+            return
+        self.parents[version] = self.head or None
+        self.head = version
+        if ttft is not None:
+            (self.stats.ttft_cold if cold else self.stats.ttft_warm).append(ttft)
+        if not cold:
+            usage = final["usage"]
+            assert isinstance(usage, dict)
+            self.stats.cached_warm.append(int(usage["prompt_tokens_details"]["cached_tokens"]))
+
+    async def rollback(self) -> None:
+        chain, v = [], self.head
+        while v:
+            chain.append(v)
+            v = self.parents[v] or 0
+        target = self.rng.choice(chain)
+        r = await self.timed("rollback", "POST", f"/v1/sessions/{self.sid}/rollback", {"to_version": target})
+        if r is not None:
+            self.head = target
+
+    async def branch(self) -> None:
+        self.n_branches += 1
+        body = {"from_version": self.rng.choice(list(self.parents)), "name": f"b{self.n_branches}"}
+        await self.timed("branch", "POST", f"/v1/sessions/{self.sid}/branches", body)
+
+    async def read(self) -> None:
+        await self.timed("get_session", "GET", f"/v1/sessions/{self.sid}")
+
+    async def run(self, until: float) -> None:
+        await self.setup()
+        while time.monotonic() < until:
+            roll = self.rng.random()
+            if self.head == 0 or roll < 0.5:
+                await self.turn()
+            elif roll < 0.75:
+                await self.rollback()
+            elif roll < 0.9:
+                await self.branch()
+            else:
+                await self.read()
+
+
+async def load(url: str, keys: list[str]) -> tuple[Stats, float]:
+    stats = Stats()
+    limits = httpx.Limits(max_connections=len(keys) + 4, max_keepalive_connections=len(keys) + 4)
+    clients = [
+        httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {k}"}, timeout=300, limits=limits)
+        for k in keys
+    ]
+    try:
+        t0 = time.monotonic()
+        until = t0 + SECONDS
+        await asyncio.gather(*(Client(i, c, stats).run(until) for i, c in enumerate(clients)))
+        return stats, time.monotonic() - t0
+    finally:
+        for c in clients:
+            await c.aclose()
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) * 1000 if values else float("nan")
+
+
+def main() -> None:
+    import vllm
+
+    print(f"cores={os.cpu_count()} vllm={vllm.__version__} clients={CLIENTS} seconds={SECONDS:g}")
+    root = Path(tempfile.mkdtemp(prefix="dss-bench-api-"))
+    proc = None
+    try:
+        if os.environ.get("DSS_BENCH_URL"):
+            url, keys = os.environ["DSS_BENCH_URL"], os.environ["DSS_BENCH_KEYS"].split(",")[:CLIENTS]
+        else:
+            keys = make_keys(root / "data", CLIENTS)
+            t0 = time.monotonic()
+            proc, url = start_server(root)
+            print(f"server ready in {time.monotonic() - t0:.1f} s")
+        stats, elapsed = asyncio.run(load(url, keys))
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        shutil.rmtree(root, ignore_errors=True)
+
+    errors = sum(stats.errors.values())
+    rps = stats.requests / elapsed
+    print(f"requests={stats.requests} in {elapsed:.1f} s -> {rps:.1f} requests/s")
+    print(f"errors={errors} {dict(stats.errors)}")
+    print(f"{'operation':<16}{'count':>7}{'p50 ms':>10}{'p99 ms':>10}")
+    for kind in sorted(stats.latency):
+        lat = stats.latency[kind]
+        print(f"{kind:<16}{len(lat):>7}{pct(lat, 50):>10.1f}{pct(lat, 99):>10.1f}")
+    cold50, warm50 = pct(stats.ttft_cold, 50), pct(stats.ttft_warm, 50)
+    print(f"ttft first turn (cold) p50={cold50:.1f} ms | later turns (cached) p50={warm50:.1f} ms | "
+          f"cached/cold={warm50 / cold50:.2f}")  # fmt: skip
+    if stats.cached_warm:
+        print(f"cached prompt tokens on later turns: mean {np.mean(stats.cached_warm):.0f}")
+    all_ttft = stats.ttft_cold + stats.ttft_warm
+    rollback_p99 = pct(stats.latency["rollback"], 99)
+    print(
+        f"RESULT requests_per_s={rps:.1f} errors={errors} rollback_p99_ms={rollback_p99:.1f} "
+        f"ttft_p50_ms={pct(all_ttft, 50):.1f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Pages outlive the engine that wrote them, never cross model fingerprints, and a failed load is
+recomputed, never served wrong.
+
+One store, three engines started one after another (each start costs ~30 s on 2 cores):
+A (block size 128) writes a session; C (block size 64, another fingerprint) must not load it;
+B (block size 128, a fresh engine) loads it, then survives a lost arena file, a whole-store
+restart (pages only on disk: async loads) and a corrupted page file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dss.hashing import chain_hashes
+from dss.namespace import make_namespace
+from dss.rpc import StoreServer
+from dss.store import Store
+from dss.types import FingerprintId
+from tests.engine_helpers import Engine, Result, open_store, session, words
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+BS = 128
+
+
+class ClosingStoreServer(StoreServer):
+    """Also hangs up on connected clients at close, so they reconnect to the next server at the
+    same address (a closed store must not keep answering "store closed" on old connections)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._conns: list[Connection] = []
+        super().__init__(*args, **kwargs)
+
+    def _serve(self, conn: Connection) -> None:
+        self._conns.append(conn)
+        super()._serve(conn)
+
+    def close(self) -> None:
+        super().close()
+        for conn in self._conns:
+            with contextlib.suppress(OSError), socket.socket(fileno=os.dup(conn.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+class ServedStore:
+    """A store whose RPC address and authkey survive a close/reopen of the store, as a running
+    engine's connector config needs across a whole-store restart."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.address = str(data_dir.parent / f"{data_dir.name}-rpc.sock")
+        self.authkey = os.urandom(32)
+        self.store: Store = open_store(data_dir)
+        self.server = ClosingStoreServer(self.store, self.address, self.authkey)
+
+    def restart(self) -> None:
+        self.close()
+        self.store = open_store(self.data_dir)
+        self.server = ClosingStoreServer(self.store, self.address, self.authkey)
+
+    def close(self) -> None:
+        self.store.pages.flush()
+        self.server.close()
+        self.store.close()
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[ServedStore]:
+    s = ServedStore(tmp_path / "store")
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def one(engine: Engine, prompt: list[int], sess: dict[str, object] | None, reset: bool = True) -> Result:
+    if reset:
+        engine.reset_prefix_cache()
+    (r,) = engine.generate([prompt], [sess], 24)
+    return r
+
+
+def test_restart_fingerprints_and_failed_loads(served: ServedStore) -> None:
+    rng = np.random.default_rng(21)
+    tenant = served.store.tenant_for("restart-user")
+    sid = "restart-session"
+
+    # --- engine A writes turn 1 of a session; its own prefix cache gives the reference turn 2.
+    a = Engine(served.address, served.authkey)
+    try:
+        p1 = a.chat_ids([{"role": "user", "content": f"Keep these words in mind: {words(rng, 1500)}"}])
+        assert len(p1) > 12 * BS
+        t1 = one(a, p1, session(tenant, sid, 1))
+        assert t1.params is not None and t1.params["stored_pages"] == (len(p1) + len(t1.output_ids) - 1) // BS
+        fid = FingerprintId(t1.params["fingerprint"])
+        p2 = a.continue_ids(p1, t1.output_ids, f"Which of them relate to {words(rng, 12)}?")
+        a.settle()
+        warm_a = one(a, p2, None, reset=False)  # vLLM's cache holds exactly the saved bytes
+        saved_pages = (len(p1) + len(t1.output_ids) - 1) // BS
+        want_loaded = min(saved_pages, (len(p2) - 1) // BS) * BS
+        assert warm_a.num_cached_tokens == want_loaded
+    finally:
+        a.close()
+
+    # --- engine C: another block size is another fingerprint; nothing of A's may load.
+    c = Engine(served.address, served.authkey, block_size=64)
+    try:
+        r = one(c, p2, session(tenant, sid, 2))
+        assert r.loaded_tokens == 0 and r.num_cached_tokens == 0
+        assert r.params is not None and r.params["fingerprint"] != fid
+        cold_c = one(c, p2, None)
+        assert r.output_ids == cold_c.output_ids
+    finally:
+        c.close()
+    assert len(served.store.fingerprints) == 2
+
+    # --- engine B: a new engine on the same store loads A's pages and answers like A.
+    b = Engine(served.address, served.authkey)
+    try:
+        cold_b = one(b, p2, None)
+        r = one(b, p2, session(tenant, sid, 2))
+        assert r.loaded_tokens == want_loaded
+        assert r.output_ids == warm_a.output_ids
+        if r.output_ids != cold_b.output_ids:
+            print(f"\nrestart: cached {r.text!r} != cold {cold_b.text!r} (numerics of KV reuse)")
+
+        # The arena file vanishes under the worker: the sync load fails, vLLM recomputes.
+        page_nbytes = served.store.fingerprints[fid].page_nbytes
+        arena = Path(served.store.host.directory) / f"arena-{page_nbytes}.shm"
+        hidden = arena.with_suffix(".hidden")
+        os.rename(arena, hidden)
+        try:
+            r = one(b, p2, session(tenant, sid, 3))
+        finally:
+            os.rename(hidden, arena)
+        assert r.params is not None and r.params["loaded_tokens"] == 0
+        assert r.output_ids == cold_b.output_ids
+
+        # Whole-store restart: the arena is gone, pages are on disk only -> async loads.
+        served.restart()
+        assert served.store.stats()["pages"]["host"] == 0
+        r = one(b, p2, session(tenant, sid, 4))
+        assert r.loaded_tokens == want_loaded
+        assert r.output_ids == warm_a.output_ids
+        assert served.store.stats()["promotions"]["host"] >= want_loaded // BS
+
+        # A corrupted page file: the promotion fails its check, vLLM recomputes from there.
+        served.restart()
+        first_page = chain_hashes(make_namespace(fid, tenant).id, p2[:BS], BS)[0]
+        path = served.store.disk.path_of(first_page)
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+        r = one(b, p2, session(tenant, sid, 5))
+        assert r.params is not None and r.params["loaded_tokens"] == 0
+        assert r.output_ids == cold_b.output_ids
+        assert served.store.stats()["corrupt_pages"] >= 1
+        served.store.check()
+    finally:
+        b.close()
