@@ -88,7 +88,8 @@ class ChatEngine:
         self.max_model_len = max_model_len
         self.fingerprint = fingerprint
         self.created = int(time.time())
-        self.model_names = {model_name}
+        # Accepted in a request's `model`: the served name, "default", or the model folder.
+        self.model_names = {model_name, "default"}
         self._session_params = session_params
         self._admission = _Admission(max_inflight, retry_after_s)
         self.on_inflight_change: Any = None  # set by the app: a gauge setter
@@ -293,7 +294,9 @@ def _lower_engine_priority(nice: int) -> None:
     The engine computes for long stretches on every core it gets; the API answers in a few
     milliseconds of CPU. With equal priority a rollback waits behind the engine's time slices
     (tens of milliseconds on a 2-core machine); with the engine niced, the kernel runs the API's
-    short bursts at once and the engine loses only what the API actually uses.
+    short bursts at once and the engine loses only what the API actually uses. Linux keeps a
+    nice value per thread, so every thread of every engine process is reniced (threads created
+    later inherit it from their creator).
     """
     try:
         import psutil
@@ -301,8 +304,10 @@ def _lower_engine_priority(nice: int) -> None:
         return
     for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
-            if child.nice() < nice:
-                child.nice(nice)
+            for thread in child.threads():
+                with contextlib.suppress(OSError):
+                    if os.getpriority(os.PRIO_PROCESS, thread.id) < nice:
+                        os.setpriority(os.PRIO_PROCESS, thread.id, nice)
 
 
 def loaded_split(kv_params: Mapping[str, Any]) -> tuple[int, dict[str, int]]:

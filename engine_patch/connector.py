@@ -69,6 +69,8 @@ class DSSConnector(KVConnectorBase_V1):
                 fingerprint,
                 factory() if factory is not None else None,
                 settle_timeout_s=float(extra.get_from_extra_config("settle_timeout_s", 2.0)),
+                save_after_prefill=bool(extra.get_from_extra_config("save_after_prefill", True)),
+                block_ids_of=self._block_ids_of,
             )
         else:
             self._worker = WorkerSide(
@@ -141,6 +143,12 @@ class DSSConnector(KVConnectorBase_V1):
         return meta
 
     # ================================================================== scheduler role
+    def _block_ids_of(self, req_id: str) -> list[int]:
+        """A running request's KV block ids (single KV cache group)."""
+        if self._kv_cache_manager is None:
+            raise RuntimeError("vLLM did not bind its KV cache manager to the connector")
+        return list(self._kv_cache_manager.get_block_ids(req_id)[0])
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

@@ -38,6 +38,7 @@ class EngineSettings:
     connector: bool = True  # False: plain vLLM (benchmarks' baselines)
     load_timeout_s: float = 30.0
     settle_timeout_s: float = 2.0
+    save_after_prefill: bool = True
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -54,6 +55,7 @@ def kv_transfer_config(store_address: str, authkey: bytes, settings: EngineSetti
             "authkey": authkey.hex(),
             "load_timeout_s": settings.load_timeout_s,
             "settle_timeout_s": settings.settle_timeout_s,
+            "save_after_prefill": settings.save_after_prefill,
         },
     )
 

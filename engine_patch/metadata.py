@@ -37,13 +37,19 @@ class LoadSpec:
 
 @dataclass(frozen=True, slots=True)
 class SaveSpec:
-    """Copy a finished request's engine blocks into reserved host slots, then commit them."""
+    """Copy engine blocks into reserved host slots, then commit them.
+
+    `on_finish`: the request has finished and its blocks are held for this copy; the worker
+    reports it finished-sending afterwards so vLLM frees them. Prompt pages saved right after
+    prefill belong to a running request and need no such report.
+    """
 
     req_id: str
     save_id: str
     page_indexes: tuple[int, ...]
     block_ids: tuple[int, ...]
     span: SlotSpan
+    on_finish: bool = True
 
 
 @dataclass(slots=True)

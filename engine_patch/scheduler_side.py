@@ -12,6 +12,7 @@ store failure is a cache miss, never an error of the request.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -85,12 +86,18 @@ class SchedulerSide:
         client: StoreClient | None,
         *,
         settle_timeout_s: float = 2.0,
+        save_after_prefill: bool = True,
+        block_ids_of: Callable[[str], list[int]] | None = None,
     ) -> None:
         self.fingerprint = fingerprint
         self.client = client
         self.block_size = fingerprint.block_size if fingerprint is not None else 0
         self.disabled = fingerprint is None or client is None
         self.settle_timeout_s = settle_timeout_s
+        self.save_after_prefill = save_after_prefill and block_ids_of is not None
+        self._block_ids_of = block_ids_of
+        self._prefilling: dict[str, Request] = {}  # session requests whose prompt is not saved yet
+        self._stored: dict[str, int] = {}  # pages saved after prefill, per request
         self._fid: FingerprintId | None = None
         self._claims: dict[str, _Claim] = {}
         self._loaded: dict[str, int] = {}  # tokens handed to the worker per request
@@ -138,6 +145,8 @@ class SchedulerSide:
         if session is None or self.disabled:
             return 0, False
         req_id = request.request_id
+        if self.save_after_prefill and request.num_output_tokens == 0:
+            self._prefilling[req_id] = request
         claim = self._claims.get(req_id)
         if claim is not None:
             if claim.start_token == num_computed_tokens:
@@ -231,9 +240,60 @@ class SchedulerSide:
         return sources or {CacheHitSource.HOST: num_external_tokens}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> DSSConnectorMetadata:
+        if self._prefilling:
+            self._save_finished_prefills(scheduler_output.num_scheduled_tokens)
         meta = DSSConnectorMetadata(loads=self._loads, saves=self._saves)
         self._loads, self._saves = [], []
         return meta
+
+    def _save_finished_prefills(self, scheduled: dict[str, int]) -> None:
+        """Save the prompt pages of requests whose prefill completes in this step.
+
+        The worker copies them after this step's forward, so the next turn, a branch or a
+        concurrent request of the session can use them before the answer is complete (and they
+        survive an abort). At finish only the decode pages are left to save.
+        """
+        for req_id in [r for r in self._prefilling if r in scheduled]:
+            request = self._prefilling[req_id]
+            if request.num_computed_tokens + scheduled[req_id] < request.num_prompt_tokens:
+                continue  # chunked prefill: not the last chunk yet
+            del self._prefilling[req_id]
+            session = session_of(request)
+            assert session is not None and self._block_ids_of is not None
+            n_pages = request.num_prompt_tokens // self.block_size
+            block_ids = self._block_ids_of(req_id)
+            spec = self._plan_save(request, session, n_pages, block_ids, on_finish=False)
+            if spec is not None:
+                self._saves.append(spec)
+                self._stored[req_id] = len(spec.page_indexes)
+
+    def _plan_save(
+        self, request: Request, session: SessionRef, n_pages: int, block_ids: list[int], on_finish: bool
+    ) -> SaveSpec | None:
+        """Ask the store which of the first `n_pages` pages it lacks; None when there is nothing to copy."""
+        fid = self._fingerprint_id()
+        n_pages = min(n_pages, len(block_ids))
+        if n_pages <= 0 or fid is None or self.disabled:
+            return None
+        bs = self.block_size
+        try:
+            plan = self.client.plan_save(  # type: ignore[union-attr]
+                fid, session.tenant, request.all_token_ids[: n_pages * bs], n_pages
+            )
+        except DSSError as exc:
+            logger.warning("DSS plan_save for %s failed; not saved: %s", request.request_id, exc)
+            return None
+        if not plan.pages:
+            return None  # the store has every page already
+        span = _span(plan.pages)
+        if span is None:
+            logger.error("DSS save plan %s came without usable slots; aborting it", plan.save_id)
+            self._abort(plan.save_id)
+            return None
+        indexes = tuple(p.page_index for p in plan.pages)
+        return SaveSpec(
+            request.request_id, plan.save_id, indexes, tuple(block_ids[i] for i in indexes), span, on_finish
+        )
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id in output.finished_recving or ():
@@ -256,6 +316,8 @@ class SchedulerSide:
         claim = self._claims.pop(req_id, None)
         if claim is not None:
             self._release(claim.plan.load_id)
+        self._prefilling.pop(req_id, None)
+        stored_after_prefill = self._stored.pop(req_id, 0)
         self._deferred_since.pop(req_id, None)
         self._hit_sources.pop(req_id, None)
         session = session_of(request)
@@ -266,7 +328,7 @@ class SchedulerSide:
             "session_id": session.session_id,
             "state_version": session.state_version,
             "loaded_tokens": loaded,
-            "stored_pages": 0,
+            "stored_pages": stored_after_prefill,
             "computed_tokens": int(request.num_computed_tokens),
             "fingerprint": self.fingerprint.id if self.fingerprint is not None else None,
         }
@@ -275,31 +337,13 @@ class SchedulerSide:
             return False, params
         if self.disabled:
             return False, params
-        bs = self.block_size
-        n_full = min(len(block_ids), request.num_computed_tokens // bs)
-        fid = self._fingerprint_id()
-        if n_full == 0 or fid is None:
+        n_full = request.num_computed_tokens // self.block_size
+        spec = self._plan_save(request, session, n_full, block_ids, on_finish=True)
+        if spec is None:
             return False, params
-        try:
-            plan = self.client.plan_save(  # type: ignore[union-attr]
-                fid, session.tenant, request.all_token_ids[: n_full * bs], n_full
-            )
-        except DSSError as exc:
-            logger.warning("DSS plan_save for %s failed; not saved: %s", req_id, exc)
-            return False, params
-        if not plan.pages:
-            return False, params  # the store has every page already
-        span = _span(plan.pages)
-        if span is None:
-            logger.error("DSS save plan %s came without usable slots; aborting it", plan.save_id)
-            self._abort(plan.save_id)
-            return False, params
-        indexes = tuple(p.page_index for p in plan.pages)
-        self._saves.append(
-            SaveSpec(req_id, plan.save_id, indexes, tuple(block_ids[i] for i in indexes), span)
-        )
+        self._saves.append(spec)
         self._saving.setdefault(session.key, set()).add(req_id)
-        params["stored_pages"] = len(indexes)
+        params["stored_pages"] += len(spec.page_indexes)
         return True, params
 
     def _abort(self, save_id: str) -> None:

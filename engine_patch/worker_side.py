@@ -133,6 +133,15 @@ class WorkerSide:
                 raise DSSError("connector not ready for loads")
             got = self._loader_client.wait_loaded(spec.load_id, self.load_timeout_s)
             n_ok = _usable_prefix(got, len(spec.block_ids))
+            if n_ok < len(spec.block_ids):
+                logger.warning(
+                    "DSS async load %s for %s: %d of %d pages could not be had, recomputing from page %d",
+                    spec.load_id,
+                    spec.req_id,
+                    len(spec.block_ids) - n_ok,
+                    len(spec.block_ids),
+                    n_ok,
+                )
             if n_ok:
                 span = _span_of(got[:n_ok])
                 if span is None:
@@ -189,7 +198,8 @@ class WorkerSide:
                     self._client.abort_save(spec.save_id)
                 except DSSError as abort_exc:
                     logger.warning("DSS abort_save %s failed: %s", spec.save_id, abort_exc)
-        self._saved.add(spec.req_id)
+        if spec.on_finish:
+            self._saved.add(spec.req_id)
 
     # ------------------------------------------------------------------ per-step reporting
     def get_finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str] | None, set[str] | None]:

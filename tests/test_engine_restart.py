@@ -130,28 +130,34 @@ def test_restart_fingerprints_and_failed_loads(served: ServedStore) -> None:
         r = one(b, p2, session(tenant, sid, 2))
         assert r.loaded_tokens == want_loaded
         assert r.output_ids == warm_a.output_ids
+        # That turn saved the rest of p2's pages; B's own prefix cache now holds all of them.
+        warm_b = one(b, p2, None, reset=False)
+        assert warm_b.num_cached_tokens == ((len(p2) - 1) // BS) * BS
         if r.output_ids != cold_b.output_ids:
             print(f"\nrestart: cached {r.text!r} != cold {cold_b.text!r} (numerics of KV reuse)")
 
-        # The arena file vanishes under the worker: the sync load fails, vLLM recomputes.
+        # The arena file vanishes under the worker: the sync load fails, vLLM recomputes. (The
+        # prompt ends inside the last saved page, so its own save adds no page to the store.)
+        q = [*p1, *t1.output_ids][: saved_pages * BS + 5]
+        cold_q = one(b, q, None)
         page_nbytes = served.store.fingerprints[fid].page_nbytes
         arena = Path(served.store.host.directory) / f"arena-{page_nbytes}.shm"
         hidden = arena.with_suffix(".hidden")
         os.rename(arena, hidden)
         try:
-            r = one(b, p2, session(tenant, sid, 3))
+            r = one(b, q, session(tenant, sid, 3))
         finally:
             os.rename(hidden, arena)
         assert r.params is not None and r.params["loaded_tokens"] == 0
-        assert r.output_ids == cold_b.output_ids
+        assert r.output_ids == cold_q.output_ids
 
         # Whole-store restart: the arena is gone, pages are on disk only -> async loads.
         served.restart()
         assert served.store.stats()["pages"]["host"] == 0
         r = one(b, p2, session(tenant, sid, 4))
-        assert r.loaded_tokens == want_loaded
-        assert r.output_ids == warm_a.output_ids
-        assert served.store.stats()["promotions"]["host"] >= want_loaded // BS
+        assert r.loaded_tokens == warm_b.num_cached_tokens
+        assert r.output_ids == warm_b.output_ids
+        assert served.store.stats()["promotions"]["host"] >= warm_b.num_cached_tokens // BS
 
         # A corrupted page file: the promotion fails its check, vLLM recomputes from there.
         served.restart()

@@ -1,0 +1,192 @@
+"""Shared pieces of the engine benchmarks: the header line, a timed engine, prompts of a target
+length, a store that serves RPC, and the statistics every script prints.
+
+TTFT is read from `RequestOutput.metrics.first_token_latency` (vLLM's own arrival-to-first-token
+clock, on when `disable_log_stats=False`); the wall time of the `generate` call is kept beside it
+as a cross-check. Every engine runs with `enforce_eager=True` (the factory's default) and its
+engine core in its own process, as a server runs it, so saves finish between requests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dss.store import Store
+from engine_patch.factory import session_params
+from tests.engine_helpers import Engine, Result, make_conversations, open_store, session, wait_until, words
+
+BS = 128  # the CPU backend's default block size
+TOKENS_PER_WORD = 1.15  # measured for `words()` with the SmolLM2 tokenizer
+
+__all__ = [
+    "BS",
+    "Engine",
+    "Result",
+    "ServedStore",
+    "Timed",
+    "TimedEngine",
+    "capture_fd2",
+    "header",
+    "install_sigterm_exit",
+    "make_conversations",
+    "median",
+    "ms",
+    "ratio",
+    "root_cause",
+    "session",
+    "session_params",
+    "text_of_tokens",
+    "wait_until",
+    "words",
+]
+
+
+def install_sigterm_exit() -> None:
+    """SIGTERM runs `finally:` blocks (engines shut down) instead of orphaning engine processes."""
+
+    def _exit(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
+
+
+def header(name: str) -> None:
+    import vllm
+
+    install_sigterm_exit()
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"{name}: cores={os.cpu_count()} vllm={vllm.__version__} loadavg={load}", flush=True)
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("nan")
+
+
+def ms(xs: Sequence[float]) -> str:
+    return "[" + ", ".join(f"{1000 * x:.0f}" for x in xs) + "] ms"
+
+
+def text_of_tokens(rng: np.random.Generator, n_tokens: int) -> str:
+    """About `n_tokens` tokens of random words (exact lengths are printed by the callers)."""
+    return words(rng, max(1, int(n_tokens / TOKENS_PER_WORD)))
+
+
+@dataclass(frozen=True, slots=True)
+class Timed:
+    ttft_s: float
+    wall_s: float
+    result: Result
+
+
+class TimedEngine(Engine):
+    """The tests' `Engine`, with vLLM's per-request stats on and one timed request at a time."""
+
+    def __init__(self, address: str | None, authkey: bytes | None, **overrides: Any) -> None:
+        extra = dict(overrides.pop("extra_engine_args", {}))
+        extra.setdefault("disable_log_stats", False)
+        super().__init__(address, authkey, extra_engine_args=extra, **overrides)
+
+    def timed(
+        self, prompt: Sequence[int], sess: dict[str, Any] | None, max_tokens: int = 1, reset: bool = False
+    ) -> Timed:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if reset:
+            self.reset_prefix_cache()
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=sess or None)
+        t0 = time.perf_counter()
+        (o,) = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt))], [params], use_tqdm=False)
+        wall = time.perf_counter() - t0
+        metrics = getattr(o, "metrics", None)
+        ttft = getattr(metrics, "first_token_latency", 0.0) or 0.0
+        if ttft <= 0.0:
+            if max_tokens != 1:
+                raise RuntimeError("vLLM reported no first-token latency; run with max_tokens=1")
+            ttft = wall
+        res = Result(
+            list(o.prompt_token_ids or []),
+            list(o.outputs[0].token_ids),
+            o.outputs[0].text,
+            o.kv_transfer_params,
+            int(o.num_cached_tokens or 0),
+        )
+        return Timed(ttft, wall, res)
+
+    def warm_up(self) -> None:
+        """One short request, so one-time start-up costs stay out of the measured ones."""
+        self.timed(self.chat_ids([{"role": "user", "content": "Hello there."}]), None, 4)
+
+
+class ServedStore:
+    """A store in a temporary data directory, serving RPC to engine processes; `reopen()` closes
+    it and opens the same directory again (the host arena is lost, disk pages and the index stay)."""
+
+    def __init__(self, host_gib: float = 2.0) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="dss-bench-")
+        self.data_dir = Path(self._tmp.name) / "store"
+        self.host_gib = host_gib
+        self.store: Store = open_store(self.data_dir, host_gib=host_gib)
+        self.address, self.authkey = self.store.serve_rpc()
+
+    def reopen(self) -> None:
+        self.store.close()
+        self.store = open_store(self.data_dir, host_gib=self.host_gib)
+        self.address, self.authkey = self.store.serve_rpc()
+
+    def host_pages(self) -> int:
+        pages = self.store.stats()["pages"]
+        assert isinstance(pages, dict)
+        return int(pages["host"])
+
+    def close(self) -> None:
+        self.store.close()
+        self._tmp.cleanup()
+
+
+_ERROR_LINE = re.compile(r"^\s*(?:[\w.]+\.)?\w*(?:Error|Exception|Unsupported\w*)\b.*$")
+
+
+@contextlib.contextmanager
+def capture_fd2() -> Iterator[list[str]]:
+    """Capture file descriptor 2 (this process and the engine processes it starts inherit it)
+    into a list of lines, so a failed engine start can be summed up in one line."""
+    lines: list[str] = []
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as f:
+        sys.stderr.flush()
+        os.dup2(f.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            f.seek(0)
+            lines.extend(f.read().decode(errors="replace").splitlines())
+
+
+def root_cause(lines: Sequence[str], exc: BaseException) -> str:
+    """The last exception line in captured engine output, else the exception itself."""
+    found = [ln.strip() for ln in lines if _ERROR_LINE.match(ln) and "Traceback" not in ln]
+    text = found[-1] if found else f"{type(exc).__name__}: {exc}"
+    return text[:300]

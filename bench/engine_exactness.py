@@ -1,0 +1,207 @@
+"""Exactness as a script: greedy answers through DSS vs cold recomputation, token for token, over
+20 multi-turn conversations plus rollback-then-continue and branch-then-continue cases.
+
+One engine (the engine core in this process, so a batch is scheduled the same way every run)
+serves every turn three ways: "warm" (plain vLLM right after the previous turn's DSS run: its own
+prefix cache holds exactly the bytes the store saved), "cold" (caches emptied, everything
+recomputed) and "DSS" (vLLM's cache emptied, the session's pages loaded from the store).
+
+`divergences` counts turns whose DSS answer differs from the cold one (goal 0). Beside it:
+`apc_divergences`, the same count for vLLM's own prefix cache (warm vs cold: KV reuse on this
+bf16 CPU backend is not bit-identical to a one-shot prefill), and `dss_apc_mismatches`, turns
+where DSS and vLLM's cache reused the same number of tokens and still answered differently,
+which would mean a wrong page (must be 0).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _engine_common import BS, Engine, Result, ServedStore, header, make_conversations, session, words
+
+N_CONVERSATIONS = 20
+CASES = [("rollback", 11), ("rollback", 13), ("branch", 12), ("branch", 14)]
+
+
+@dataclass
+class Tally:
+    conversations: int = 0
+    turns: int = 0
+    divergences: int = 0
+    apc_divergences: int = 0
+    apc_compared: int = 0
+    dss_apc_mismatches: int = 0
+    load_misses: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def add(
+        self,
+        names: list[str],
+        warm: list[Result] | None,
+        cold: list[Result],
+        dss: list[Result],
+        want: list[int],
+    ) -> None:
+        for k, name in enumerate(names):
+            d, c = dss[k], cold[k]
+            self.turns += 1
+            if c.num_cached_tokens != 0 or c.params is not None:
+                raise RuntimeError(f"{name}: the cold run reused a cache")
+            if d.loaded_tokens != want[k]:
+                self.load_misses += 1
+                self.notes.append(f"{name}: loaded {d.loaded_tokens} tokens, expected {want[k]}")
+            if d.output_ids != c.output_ids:
+                self.divergences += 1
+                self.notes.append(f"{name}: DSS {d.text!r} != cold {c.text!r}")
+            if warm is not None:
+                w = warm[k]
+                self.apc_compared += 1
+                self.apc_divergences += int(w.output_ids != c.output_ids)
+                if w.num_cached_tokens == d.num_cached_tokens and w.output_ids != d.output_ids:
+                    self.dss_apc_mismatches += 1
+                    self.notes.append(f"{name}: DSS {d.text!r} != vLLM prefix cache {w.text!r}")
+
+
+def three_ways(
+    engine: Engine,
+    prompts: list[list[int]],
+    sessions: list[dict[str, Any]],
+    max_tokens: list[int],
+    warm: bool,
+) -> tuple[list[Result] | None, list[Result], list[Result]]:
+    """(warm, cold, DSS) of one turn; call it right after the previous turn's DSS run."""
+    warm_results = engine.generate(prompts, [None] * len(prompts), max_tokens) if warm else None
+    engine.reset_prefix_cache()
+    cold = engine.generate(prompts, [None] * len(prompts), max_tokens)
+    engine.reset_prefix_cache()
+    dss = engine.generate(prompts, sessions, max_tokens)
+    return warm_results, cold, dss
+
+
+def expected_loaded(prev_prompt: list[int], prev_output: list[int], prompt: list[int]) -> int:
+    """The previous turn saved its computed tokens' full pages (all but the last sampled token);
+    a load leaves at least one prompt token to compute."""
+    return min((len(prev_prompt) + len(prev_output) - 1) // BS, (len(prompt) - 1) // BS) * BS
+
+
+def conversations(engine: Engine, served: ServedStore, tally: Tally) -> None:
+    tenant = served.store.tenant_for("exactness-user")
+    convs = make_conversations(N_CONVERSATIONS)
+    prompts = [engine.chat_ids(c.first) for c in convs]
+    print(
+        f"{len(convs)} conversations, turn-1 prompts of {min(map(len, prompts))}-"
+        f"{max(map(len, prompts))} tokens"
+    )
+    prev: list[tuple[list[int], list[int]] | None] = [None] * len(convs)
+    engine.reset_prefix_cache()
+    for turn in range(max(len(c.followups) for c in convs) + 1):
+        active = [i for i, c in enumerate(convs) if turn <= len(c.followups)]
+        warm, cold, dss = three_ways(
+            engine,
+            [prompts[i] for i in active],
+            [session(tenant, convs[i].session_id, turn + 1) for i in active],
+            [convs[i].max_tokens for i in active],
+            warm=turn > 0,
+        )
+        want = []
+        for i in active:
+            p = prev[i]
+            want.append(expected_loaded(*p, prompts[i]) if p is not None else 0)
+        tally.add([f"{convs[i].name} turn {turn + 1}" for i in active], warm, cold, dss, want)
+        for i, d in zip(active, dss, strict=True):
+            if turn < len(convs[i].followups):
+                prev[i] = (prompts[i], d.output_ids)
+                prompts[i] = engine.continue_ids(prompts[i], d.output_ids, convs[i].followups[turn])
+        print(
+            f"  turn {turn + 1}: {len(active)} conversations, divergences so far {tally.divergences}",
+            flush=True,
+        )
+    tally.conversations += len(convs)
+
+
+def case(engine: Engine, served: ServedStore, kind: str, seed: int, tally: Tally) -> None:
+    """Six turns then back to version 3 (rollback), or three turns then a branch from version 1;
+    then two turns on the new path, each compared three ways."""
+    store = served.store
+    user = f"{kind}-user-{seed}"
+    tenant = store.tenant_for(user)
+    sid = store.versions.create_session(user, f"{kind}-{seed}").id
+    rng = np.random.default_rng(seed)
+    turns, back_to = (6, 3) if kind == "rollback" else (3, 1)
+    prompt = engine.chat_ids([{"role": "user", "content": f"Remember these words: {words(rng, 260)}"}])
+    states: list[tuple[list[int], list[int]]] = []
+    for turn in range(1, turns + 1):
+        engine.reset_prefix_cache()
+        (r,) = engine.generate([prompt], [session(tenant, sid, turn)], 20)
+        want = expected_loaded(*states[-1], prompt) if states else 0
+        if r.loaded_tokens != want:
+            tally.notes.append(
+                f"{kind}-{seed} history turn {turn}: loaded {r.loaded_tokens}, expected {want}"
+            )
+        store.versions.commit(
+            user, sid, tokens=[*prompt, *r.output_ids], messages=[{"role": "user", "content": "."}]
+        )
+        states.append((prompt, r.output_ids))
+        prompt = engine.continue_ids(prompt, r.output_ids, f"Tell me more about {words(rng, 30)}")
+    if kind == "rollback":
+        store.versions.rollback(user, sid, "main", back_to, expected_head=turns)
+        branch = "main"
+    else:
+        branch = "alt"
+        store.versions.branch(user, sid, back_to, branch)
+    base = store.versions.get_version(user, sid, back_to).tokens.tolist()
+    if base != [*states[back_to - 1][0], *states[back_to - 1][1]]:
+        raise RuntimeError(f"{kind}-{seed}: version {back_to} does not hold its turn's tokens")
+    prev = states[back_to - 1]
+    prompt = engine.continue_ids(*prev, f"Instead, describe {words(rng, 25)}")
+    for step in range(2):
+        sess = session(tenant, sid, turns + step + 1)
+        warm, cold, dss = three_ways(engine, [prompt], [sess], [24], warm=True)
+        tally.add([f"{kind}-{seed} +{step + 1}"], warm, cold, dss, [expected_loaded(*prev, prompt)])
+        out = dss[0].output_ids
+        store.versions.commit(
+            user, sid, tokens=[*prompt, *out], messages=[{"role": "user", "content": "."}], branch=branch
+        )
+        prev = (prompt, out)
+        prompt = engine.continue_ids(prompt, out, f"And finally {words(rng, 20)}")
+    tally.conversations += 1
+
+
+def main() -> None:
+    header("engine_exactness")
+    served = ServedStore(host_gib=2.0)
+    engine = Engine(served.address, served.authkey, deterministic_batches=True)
+    tally = Tally()
+    try:
+        conversations(engine, served, tally)
+        for kind, seed in CASES:
+            case(engine, served, kind, seed, tally)
+        served.store.check()
+    finally:
+        engine.close()
+        served.close()
+    for note in tally.notes:
+        print("  ", note)
+    print(
+        f"{tally.conversations} conversations, {tally.turns} turns compared; "
+        f"DSS vs cold: {tally.divergences} divergences; "
+        f"vLLM prefix cache vs cold: {tally.apc_divergences} of {tally.apc_compared}; "
+        f"DSS vs vLLM prefix cache on equal reuse: {tally.dss_apc_mismatches} mismatches; "
+        f"short loads: {tally.load_misses}"
+    )
+    print(
+        f"RESULT conversations={tally.conversations} divergences={tally.divergences} turns={tally.turns} "
+        f"apc_divergences={tally.apc_divergences} dss_apc_mismatches={tally.dss_apc_mismatches} "
+        f"load_misses={tally.load_misses}"
+    )
+
+
+if __name__ == "__main__":
+    main()

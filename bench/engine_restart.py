@@ -1,0 +1,113 @@
+"""Restart: TTFT of a 3k-token session's next turn in a freshly started engine vs a cold prefill
+(goal <= 0.15).
+
+Engine A serves turn 1 of a few ~3k-token sessions through DSS and is shut down. Engine B starts
+on the same live store (its host arena survives the engine): each session's turn 2 loads from the
+host tier. Then the store is closed and reopened from its data directory too (a whole-server
+restart: the arena is gone, pages come back from the disk tier through asynchronous loads) and a
+third engine C serves the same turns again. Cold prefills of the same prompts are measured in B
+and in C beside the loads they are compared with.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _engine_common import (
+    BS,
+    ServedStore,
+    TimedEngine,
+    header,
+    median,
+    ms,
+    ratio,
+    session_params,
+    text_of_tokens,
+    wait_until,
+)
+
+SESSIONS = 4
+TURN1_TOKENS = 2850
+FOLLOWUP_TOKENS = 120
+ANSWER_TOKENS = 16
+
+
+def measure(
+    engine: TimedEngine, prompts: list[list[int]], tenant: str, version: int, want: list[int], label: str
+) -> tuple[list[float], list[float]]:
+    """(cold TTFTs, DSS TTFTs) of each session's turn-2 prompt, with vLLM's cache emptied before each."""
+    engine.warm_up()
+    cold, loaded = [], []
+    for k, prompt in enumerate(prompts):
+        c = engine.timed(prompt, None, reset=True)
+        d = engine.timed(prompt, session_params(tenant, f"restart-{k}", version), reset=True)
+        if c.result.num_cached_tokens != 0:
+            raise RuntimeError(f"{label}: the cold run reused {c.result.num_cached_tokens} tokens")
+        if d.result.loaded_tokens != want[k]:
+            raise RuntimeError(f"{label}: session {k} loaded {d.result.loaded_tokens}, expected {want[k]}")
+        cold.append(c.ttft_s)
+        loaded.append(d.ttft_s)
+    print(f"  {label}: cold {ms(cold)}, DSS {ms(loaded)}", flush=True)
+    return cold, loaded
+
+
+def main() -> None:
+    header("engine_restart")
+    served = ServedStore(host_gib=1.0)
+    try:
+        tenant = served.store.tenant_for("restart-user")
+        rng = np.random.default_rng(5)
+
+        a = TimedEngine(served.address, served.authkey)
+        try:
+            a.warm_up()
+            turn2, want, saved_pages = [], [], 0
+            for k in range(SESSIONS):
+                p1 = a.chat_ids([{"role": "user", "content": text_of_tokens(rng, TURN1_TOKENS)}])
+                t = a.timed(p1, session_params(tenant, f"restart-{k}", 1), ANSWER_TOKENS, reset=True)
+                p2 = a.continue_ids(p1, t.result.output_ids, text_of_tokens(rng, FOLLOWUP_TOKENS))
+                saved = (len(p1) + len(t.result.output_ids) - 1) // BS
+                saved_pages += saved
+                turn2.append(p2)
+                want.append(min(saved, (len(p2) - 1) // BS) * BS)
+            if not wait_until(lambda: served.host_pages() >= saved_pages, timeout_s=30):
+                raise RuntimeError("engine A's pages never reached the store")
+        finally:
+            a.close()
+        print(f"turn-2 contexts {[len(p) for p in turn2]} tokens, loadable {want}", flush=True)
+
+        b = TimedEngine(served.address, served.authkey)
+        try:
+            cold_b, host_b = measure(b, turn2, tenant, 2, want, "engine restart (store alive, host tier)")
+        finally:
+            b.close()
+
+        served.reopen()
+        if served.host_pages() != 0:
+            raise RuntimeError("a reopened store should start with an empty host arena")
+        c = TimedEngine(served.address, served.authkey)
+        try:
+            cold_c, disk_c = measure(c, turn2, tenant, 3, want, "whole restart (store reopened, disk tier)")
+        finally:
+            c.close()
+        served.store.check()
+    finally:
+        served.close()
+
+    restart = ratio(median(host_b), median(cold_b))
+    full = ratio(median(disk_c), median(cold_c))
+    print(
+        f"median TTFT: engine restart {1000 * median(host_b):.0f} ms vs cold {1000 * median(cold_b):.0f} ms;"
+        f" whole restart {1000 * median(disk_c):.0f} ms vs cold {1000 * median(cold_c):.0f} ms;"
+        f" full_restart_vs_cold={full:.3f}"
+    )
+    print(f"RESULT restart_vs_cold={restart:.4f}")
+
+
+if __name__ == "__main__":
+    main()

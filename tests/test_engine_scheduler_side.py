@@ -1,0 +1,153 @@
+"""The scheduler half of the connector against a real store over its RPC, with real vLLM `Request`
+objects (no engine): claims, caps, plan caching and release, saves and the same-session settle."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from vllm import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request
+
+from dss.rpc import StoreClient
+from dss.store import Store
+from engine_patch.metadata import DSSConnectorMetadata, DSSWorkerMetadata
+from engine_patch.scheduler_side import SchedulerSide
+from tests.store_helpers import SMALL_FP, open_store, pages_for
+
+BS = SMALL_FP.block_size
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    s = open_store(tmp_path / "store")
+    s.register_fingerprint(SMALL_FP)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture
+def side(store: Store) -> Iterator[SchedulerSide]:
+    address, authkey = store.serve_rpc()
+    blocks: dict[str, list[int]] = {}
+    sched = SchedulerSide(
+        SMALL_FP, StoreClient(address, authkey), settle_timeout_s=5.0, block_ids_of=blocks.__getitem__
+    )
+    sched.test_blocks = blocks  # type: ignore[attr-defined]
+    try:
+        yield sched
+    finally:
+        sched.shutdown()
+
+
+def request(req_id: str, tokens: list[int], tenant: str | None, session_id: str = "s1") -> Request:
+    extra = (
+        {"kv_transfer_params": {"tenant": tenant, "session_id": session_id, "state_version": 1}}
+        if tenant
+        else None
+    )
+    return Request(req_id, tokens, SamplingParams(max_tokens=4, extra_args=extra), None)
+
+
+def step(side: SchedulerSide, scheduled: dict[str, int] | None = None) -> DSSConnectorMetadata:
+    """`build_connector_meta` for a step that schedules `scheduled` tokens per request."""
+    out = SchedulerOutput.make_empty()
+    out.num_scheduled_tokens = dict(scheduled or {})
+    return side.build_connector_meta(out)
+
+
+def blocks_of(ids: list[int]) -> KVCacheBlocks:
+    return KVCacheBlocks(([KVCacheBlock(i) for i in ids],))
+
+
+def stored(store: Store, tenant: str, n_tokens: int, seed: int = 0) -> list[int]:
+    tokens = np.arange(seed, seed + n_tokens, dtype=np.int32)
+    store.put_sequence(SMALL_FP.id, tenant, tokens, pages_for(SMALL_FP, tokens))
+    return [int(t) for t in tokens]
+
+
+def test_request_without_session_is_left_alone(store: Store, side: SchedulerSide) -> None:
+    tokens = stored(store, store.tenant_for("u"), 5 * BS)
+    assert side.get_num_new_matched_tokens(request("r", tokens, None), 0) == (0, False)
+    assert side.request_finished(request("r", tokens, None), [0, 1, 2, 3, 4]) == (False, None)
+    assert store.stats()["leases"] == 0
+
+
+def test_claims_are_capped_cached_and_released(store: Store, side: SchedulerSide) -> None:
+    tenant = store.tenant_for("u")
+    tokens = stored(store, tenant, 5 * BS)
+    # A block-aligned prompt: a sync hit must leave the last token, so one page is not claimed.
+    r = request("r1", tokens, tenant)
+    assert side.get_num_new_matched_tokens(r, 0) == (4 * BS, False)
+    assert side.get_num_new_matched_tokens(r, 0) == (4 * BS, False)  # cached: no second lease
+    assert store.stats()["leases"] == 1
+    # vLLM's own cache now covers a page: the old plan is released, a new one starts after it.
+    assert side.get_num_new_matched_tokens(r, BS) == (3 * BS, False)
+    assert store.stats()["leases"] == 1
+    side.update_state_after_alloc(r, blocks_of([9, 8, 7, 6, 5]), 3 * BS)
+    meta = step(side)
+    (load,) = meta.loads
+    assert load.block_ids == (8, 7, 6) and not load.is_async
+    assert load.span is not None and len(load.span.slots) == 3
+    assert step(side).loads == []
+    # A claim that vLLM never allocated is released when the request goes away.
+    r2 = request("r2", [*tokens, 1, 2], tenant)
+    assert side.get_num_new_matched_tokens(r2, 0) == (5 * BS, False)
+    assert store.stats()["leases"] == 2
+    side.request_finished(r2, [])
+    assert store.stats()["leases"] == 1  # r1's lease stays until its worker releases it
+
+
+def test_other_tenants_match_nothing(store: Store, side: SchedulerSide) -> None:
+    tokens = stored(store, store.tenant_for("alice"), 4 * BS)
+    bob = request("r", [*tokens, 1], store.tenant_for("bob"))
+    assert side.get_num_new_matched_tokens(bob, 0) == (0, False)
+
+
+def test_finish_saves_only_new_pages_and_settles_the_next_turn(store: Store, side: SchedulerSide) -> None:
+    tenant = store.tenant_for("u")
+    tokens = stored(store, tenant, 2 * BS)
+    r = request("r1", [*tokens, *range(500, 500 + 2 * BS + 1)], tenant)
+    r.num_computed_tokens = 4 * BS + 1
+    done, params = side.request_finished(r, [10, 11, 12, 13, 14])
+    assert done and params is not None
+    assert (
+        params["stored_pages"] == 2 and params["session_id"] == "s1" and params["fingerprint"] == SMALL_FP.id
+    )
+    (save,) = step(side).saves
+    assert save.page_indexes == (2, 3) and save.block_ids == (12, 13) and save.on_finish
+    # The session's next turn waits until the worker reports the save done...
+    nxt = request("r2", [*r.all_token_ids, 7, 7], tenant)
+    assert side.get_num_new_matched_tokens(nxt, 0) == (None, False)
+    store.abort_save(save.save_id)
+    side.update_connector_output(KVConnectorOutput(finished_sending={"r1"}))
+    # ...then matches what the store has (the aborted pages are simply not there).
+    assert side.get_num_new_matched_tokens(nxt, 0) == (2 * BS, False)
+    # A worker that reports failed pages lowers the loaded count in the response.
+    side.update_state_after_alloc(nxt, blocks_of([1, 2, 3, 4, 5]), 2 * BS)
+    side.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=DSSWorkerMetadata({"r2": BS})))
+    nxt.num_computed_tokens = 0
+    _, params = side.request_finished(nxt, [])
+    assert params is not None and params["loaded_tokens"] == BS
+
+
+def test_prompt_pages_are_saved_when_prefill_completes(store: Store, side: SchedulerSide) -> None:
+    tenant = store.tenant_for("u")
+    r = request("r1", list(range(100, 100 + 3 * BS + 2)), tenant)
+    assert side.get_num_new_matched_tokens(r, 0) == (0, False)
+    side.test_blocks["r1"] = [4, 5, 6, 7]  # type: ignore[attr-defined]
+    # A first prefill chunk does not finish the prompt: nothing to save yet.
+    assert step(side, {"r1": 2 * BS}).saves == []
+    r.num_computed_tokens = 2 * BS
+    (save,) = step(side, {"r1": BS + 2}).saves
+    assert save.page_indexes == (0, 1, 2) and save.block_ids == (4, 5, 6) and not save.on_finish
+    assert step(side, {"r1": 1}).saves == []
+    store.abort_save(save.save_id)
