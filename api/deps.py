@@ -81,11 +81,8 @@ def acting_principal(request: Request, principal: Principal, body_user: str | No
 
 def get_engine(state: StateDep) -> ChatEngine:
     if state.engine is None:
-        reason = state.engine_error or (
-            "the engine is disabled on this server"
-            if not state.settings.engine.enabled
-            else "the engine is starting"
-        )
+        enabled = state.settings.engine.enabled
+        reason = "the engine is starting" if enabled else "the engine is disabled on this server"
         raise EngineUnavailable(reason, headers={"Retry-After": "5"})
     return state.engine
 

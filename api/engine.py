@@ -18,7 +18,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -220,7 +220,7 @@ class ChatEngine:
         session_id: str | None,
         state_version: int | None,
         arrived: float,
-    ) -> AsyncIterator[Delta | Finished]:
+    ) -> AsyncGenerator[Delta | Finished, None]:
         """Stream the generation: `Delta`s as text arrives, then one `Finished`.
 
         Cancelling the iteration aborts the request in the engine (vLLM does it on cancellation).
@@ -253,20 +253,22 @@ class ChatEngine:
         kv_params: Mapping[str, Any] = {}
         finish_reason: str | None = None
         try:
-            async for out in self.llm.generate(prompt, params, request_id):
-                if out.num_cached_tokens is not None:
-                    cached = int(out.num_cached_tokens)
-                if out.kv_transfer_params:
-                    kv_params = dict(out.kv_transfer_params)
-                for comp in out.outputs:
-                    if comp.token_ids and ttft is None:
-                        ttft = time.perf_counter() - arrived
-                    output_ids.extend(comp.token_ids)
-                    if comp.finish_reason is not None:
-                        finish_reason = comp.finish_reason
-                    if comp.text:
-                        text_parts.append(comp.text)
-                        yield Delta(comp.text)
+            # aclosing: a consumer that stops early (client gone) aborts the request at once.
+            async with contextlib.aclosing(self.llm.generate(prompt, params, request_id)) as outputs:
+                async for out in outputs:
+                    if out.num_cached_tokens is not None:
+                        cached = int(out.num_cached_tokens)
+                    if out.kv_transfer_params:
+                        kv_params = dict(out.kv_transfer_params)
+                    for comp in out.outputs:
+                        if comp.token_ids and ttft is None:
+                            ttft = time.perf_counter() - arrived
+                        output_ids.extend(comp.token_ids)
+                        if comp.finish_reason is not None:
+                            finish_reason = comp.finish_reason
+                        if comp.text:
+                            text_parts.append(comp.text)
+                            yield Delta(comp.text)
         except GracefulHTTPError as exc:
             raise EngineOverloaded(exc.message, self._admission.retry_after_s) from exc
         except VLLMClientError as exc:

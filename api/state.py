@@ -66,7 +66,6 @@ class AppState:
     metrics: Metrics
     salts: SaltBook
     engine: ChatEngine | None = None
-    engine_error: str | None = None
     started: bool = field(default=False)
 
     @property

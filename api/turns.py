@@ -8,11 +8,12 @@ goes away earlier cancels the generation and nothing is committed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import logging
 import time
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,9 +36,7 @@ from api.schemas import (
 from api.state import AppState
 from dss.errors import DSSError, LimitExceeded
 from dss.hashing import TOKEN_DTYPE
-from dss.types import Tier, UserId
-
-log = logging.getLogger("dss.api.turns")
+from dss.types import TenantId, Tier, UserId
 
 _SESSION_KEYS = ("session_id", "state_version", "parent_version", "branch")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -55,9 +54,10 @@ class Turn:
 class _Prepared:
     prompt_ids: list[int]
     sampling: Sampling
-    tenant: Any
+    tenant: TenantId
     salt: str
     resident: dict[str, int]
+    completion_id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
 
 
 def check_limits(state: AppState, params: GenerationParams, messages: list[dict[str, Any]]) -> None:
@@ -109,8 +109,8 @@ async def run_turn(state: AppState, engine: ChatEngine, turn: Turn, request: Req
             _stream(state, engine, turn, prep, arrived), media_type="text/event-stream", headers=SSE_HEADERS
         )
     fin: Finished | None = None
-    async with engine.admitted():
-        async for ev in _events(engine, turn, prep, arrived):
+    async with engine.admitted(), contextlib.aclosing(_events(engine, turn, prep, arrived)) as events:
+        async for ev in events:
             if isinstance(ev, Finished):
                 fin = ev
     assert fin is not None
@@ -118,14 +118,14 @@ async def run_turn(state: AppState, engine: ChatEngine, turn: Turn, request: Req
         state.metrics.aborted.inc()
         raise BadRequest("the client went away before the turn was committed", code="client_disconnected")
     committed = await _commit(state, engine, turn, prep, fin)
-    body = _completion(state, engine, turn, prep, fin, committed, arrived).model_dump(mode="json")
+    body = _completion(engine, turn, prep, fin, committed).model_dump(mode="json")
     if turn.target is None:  # a plain OpenAI answer: no session fields at all
         for key in _SESSION_KEYS:
             body.pop(key, None)
     return JSONResponse(body)
 
 
-def _events(engine: ChatEngine, turn: Turn, prep: _Prepared, arrived: float) -> AsyncIterator[Any]:
+def _events(engine: ChatEngine, turn: Turn, prep: _Prepared, arrived: float) -> AsyncGenerator[Any, None]:
     target = turn.target
     return engine.generate(
         prep.prompt_ids,
@@ -161,9 +161,9 @@ async def _commit(
 
 
 def _observe(state: AppState, prep: _Prepared, fin: Finished) -> None:
-    loaded, split = loaded_split(fin.kv_params)
+    info = _dss_info(prep, fin)
     m = state.metrics
-    m.observe_prompt(len(prep.prompt_ids), max(0, fin.num_cached_tokens - loaded), split)
+    m.observe_prompt(len(prep.prompt_ids), info.engine_cached_tokens, info.loaded_from.model_dump())
     m.completion_tokens.inc(len(fin.output_ids))
     if fin.ttft_s is not None:
         m.ttft_seconds.observe(fin.ttft_s)
@@ -219,16 +219,10 @@ def _session_fields(turn: Turn, committed: Committed | None) -> dict[str, Any]:
 
 
 def _completion(
-    state: AppState,
-    engine: ChatEngine,
-    turn: Turn,
-    prep: _Prepared,
-    fin: Finished,
-    committed: Committed | None,
-    arrived: float,
+    engine: ChatEngine, turn: Turn, prep: _Prepared, fin: Finished, committed: Committed | None
 ) -> ChatCompletion:
     return ChatCompletion(
-        id=f"chatcmpl-{int(arrived * 1e6):x}",
+        id=prep.completion_id,
         created=int(time.time()),
         model=engine.model_name,
         choices=[Choice(message=AssistantMessage(content=fin.text), finish_reason=fin.finish_reason)],
@@ -241,7 +235,7 @@ def _completion(
 async def _stream(
     state: AppState, engine: ChatEngine, turn: Turn, prep: _Prepared, arrived: float
 ) -> AsyncIterator[str]:
-    cid = f"chatcmpl-{int(arrived * 1e6):x}"
+    cid = prep.completion_id
     created = int(time.time())
     base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": engine.model_name}
     session = {"session_id": turn.target.session_id} if turn.target is not None else {}
@@ -255,10 +249,13 @@ async def _stream(
 
     committed_ok = False
     try:
-        async with engine.admitted(strict=False):
+        async with (
+            engine.admitted(strict=False),
+            contextlib.aclosing(_events(engine, turn, prep, arrived)) as events,
+        ):
             yield chunk({"role": "assistant", "content": ""})
             fin: Finished | None = None
-            async for ev in _events(engine, turn, prep, arrived):
+            async for ev in events:
                 if isinstance(ev, Finished):
                     fin = ev
                 else:

@@ -40,7 +40,7 @@ __all__ = [
     "ServedStore",
     "Timed",
     "TimedEngine",
-    "capture_fd2",
+    "capture_output",
     "header",
     "install_sigterm_exit",
     "make_conversations",
@@ -163,30 +163,41 @@ class ServedStore:
         self._tmp.cleanup()
 
 
-_ERROR_LINE = re.compile(r"^\s*(?:[\w.]+\.)?\w*(?:Error|Exception|Unsupported\w*)\b.*$")
+_ERROR = re.compile(r"\b(\w*(?:Error|Exception)): (.+)$")
+_FRAME = re.compile(r'File "(?:[^"]*/site-packages/)?([^"]+)", line (\d+), in (\w+)')
 
 
 @contextlib.contextmanager
-def capture_fd2() -> Iterator[list[str]]:
-    """Capture file descriptor 2 (this process and the engine processes it starts inherit it)
-    into a list of lines, so a failed engine start can be summed up in one line."""
+def capture_output() -> Iterator[list[str]]:
+    """Capture file descriptors 1 and 2 (this process and the engine processes it starts inherit
+    them; vLLM logs to stdout) into a list of lines, so a failed engine start can be summed up in
+    one line instead of a page of tracebacks."""
     lines: list[str] = []
-    saved = os.dup(2)
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
     with tempfile.TemporaryFile(mode="w+b") as f:
+        sys.stdout.flush()
         sys.stderr.flush()
-        os.dup2(f.fileno(), 2)
+        for fd in saved:
+            os.dup2(f.fileno(), fd)
         try:
             yield lines
         finally:
+            sys.stdout.flush()
             sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
+            for fd, copy in saved.items():
+                os.dup2(copy, fd)
+                os.close(copy)
             f.seek(0)
             lines.extend(f.read().decode(errors="replace").splitlines())
 
 
 def root_cause(lines: Sequence[str], exc: BaseException) -> str:
-    """The last exception line in captured engine output, else the exception itself."""
-    found = [ln.strip() for ln in lines if _ERROR_LINE.match(ln) and "Traceback" not in ln]
-    text = found[-1] if found else f"{type(exc).__name__}: {exc}"
-    return text[:300]
+    """The first exception raised in the captured engine output, with the frame that raised it;
+    else the exception the caller saw."""
+    frame = ""
+    for line in lines:
+        if m := _FRAME.search(line):
+            frame = f" (at {m.group(1)}:{m.group(2)} in {m.group(3)})"
+        elif m := _ERROR.search(line):
+            return f"{m.group(1)}: {m.group(2).strip()}{frame}"[:300]
+    return f"{type(exc).__name__}: {exc}"[:300]

@@ -27,7 +27,7 @@ from _engine_common import (
     BS,
     ServedStore,
     TimedEngine,
-    capture_fd2,
+    capture_output,
     header,
     ms,
     ratio,
@@ -131,7 +131,7 @@ def start_offload() -> TimedEngine | str:
     """vLLM's native CPU offloading, or one line saying why it does not start on this build."""
     t0 = time.monotonic()
     try:
-        with capture_fd2() as lines:
+        with capture_output() as lines:
             return TimedEngine(
                 None,
                 None,

@@ -104,7 +104,8 @@ class SchedulerSide:
         self._failed: dict[str, int] = {}  # tokens the worker could not load
         self._hit_sources: dict[str, dict[CacheHitSource, int]] = {}
         self._async_inflight: set[str] = set()
-        self._saving: dict[tuple[str, str], set[str]] = {}  # session -> requests whose save is in flight
+        # session -> {request id: when its finish-time save was handed to the worker}
+        self._saving: dict[tuple[str, str], dict[str, float]] = {}
         self._deferred_since: dict[str, float] = {}
         self._loads: list[LoadSpec] = []
         self._saves: list[SaveSpec] = []
@@ -153,7 +154,7 @@ class SchedulerSide:
                 return claim.plan.n_tokens, claim.plan.is_async
             # vLLM's own cache moved under us: the old plan no longer starts where we load.
             self._drop_claim(req_id)
-        if self._saving.get(session.key):
+        if self._save_in_flight(session.key):
             # A previous turn of this session is still being saved (its pages are copied in the
             # next engine step); ask again then, so the new turn sees them. Bounded, in case the
             # save never completes.
@@ -184,6 +185,20 @@ class SchedulerSide:
             return 0, False
         self._claims[req_id] = _Claim(plan, num_computed_tokens)
         return plan.n_tokens, plan.is_async
+
+    def _save_in_flight(self, key: tuple[str, str]) -> bool:
+        """Whether a recent save of this session is still being copied. A save not reported done
+        within `settle_timeout_s` (a worker that died, say) stops holding the session back."""
+        saves = self._saving.get(key)
+        if not saves:
+            return False
+        horizon = time.monotonic() - self.settle_timeout_s
+        for req_id in [r for r, t in saves.items() if t < horizon]:
+            del saves[req_id]
+        if not saves:
+            del self._saving[key]
+            return False
+        return True
 
     def _plan_is_sane(self, plan: LoadPlan, start: int, max_tokens: int) -> bool:
         bs = self.block_size
@@ -300,7 +315,7 @@ class SchedulerSide:
             self._async_inflight.discard(req_id)
         for req_id in output.finished_sending or ():
             for key in [k for k, ids in self._saving.items() if req_id in ids]:
-                self._saving[key].discard(req_id)
+                del self._saving[key][req_id]
                 if not self._saving[key]:
                     del self._saving[key]
         meta = output.kv_connector_worker_meta
@@ -342,7 +357,7 @@ class SchedulerSide:
         if spec is None:
             return False, params
         self._saves.append(spec)
-        self._saving.setdefault(session.key, set()).add(req_id)
+        self._saving.setdefault(session.key, {})[req_id] = time.monotonic()
         params["stored_pages"] += len(spec.page_indexes)
         return True, params
 
