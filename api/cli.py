@@ -62,6 +62,13 @@ def serve(
         store={"data_dir": data_dir, "db_url": db_url},
         engine={"model": model, "enabled": False if no_engine else None},
     )
+    if not settings.server.is_loopback and not _any_key(settings.store.to_config().resolved_db_url):
+        typer.echo(
+            f"refusing to serve on {settings.server.host} without API keys: create one with "
+            "`dss keys create --user NAME` (or bind to 127.0.0.1 for local development)",
+            err=True,
+        )
+        raise typer.Exit(2)
     level = settings.server.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)
@@ -72,6 +79,18 @@ def serve(
         log_level=settings.server.log_level.lower(),
         timeout_graceful_shutdown=int(settings.server.graceful_shutdown_s),
     )
+
+
+def _any_key(url: str) -> bool:
+    from api.auth import ApiKeys
+    from dss.db.engine import make_engine, make_session_factory, upgrade_to_head
+
+    upgrade_to_head(url)
+    engine = make_engine(url)
+    try:
+        return ApiKeys(make_session_factory(engine)).any_active()
+    finally:
+        engine.dispose()
 
 
 @keys_app.command("create")

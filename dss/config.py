@@ -25,6 +25,7 @@ class StoreConfig:
     fsync: bool = True
     loader_threads: int = 2
     max_tokens_per_sequence: int = 1 << 20
+    lease_timeout_s: float = 600.0  # a load or save not finished by then is presumed dead
 
     @property
     def resolved_db_url(self) -> str:

@@ -8,6 +8,7 @@ a unix socket with an HMAC challenge (`authkey`), one thread per connected clien
 from __future__ import annotations
 
 import contextlib
+import contextlib
 import logging
 import os
 import threading
@@ -44,6 +45,8 @@ class StoreServer:
         self._listener = Listener(address, family="AF_UNIX", authkey=authkey)
         os.chmod(address, 0o600)
         self._closed = False
+        self._conns: set[Connection] = set()
+        self._conns_lock = threading.Lock()
         self._methods: dict[str, Callable[..., Any]] = {
             "ping": lambda: "pong",
             "register_fingerprint": self._register_fingerprint,
@@ -83,6 +86,15 @@ class StoreServer:
             threading.Thread(target=self._serve, args=(conn,), name="dss-rpc-conn", daemon=True).start()
 
     def _serve(self, conn: Connection) -> None:
+        with self._conns_lock:
+            self._conns.add(conn)
+        try:
+            self._serve_loop(conn)
+        finally:
+            with self._conns_lock:
+                self._conns.discard(conn)
+
+    def _serve_loop(self, conn: Connection) -> None:
         with conn:
             while not self._closed:
                 try:
@@ -114,7 +126,10 @@ class StoreServer:
 
 class StoreClient:
     """Thread-safe client used in vLLM's scheduler and worker processes. Every failure raises
-    `StoreUnavailable` or another `DSSError`; callers treat both as a miss."""
+    `StoreUnavailable` or another `DSSError`; callers treat both as a miss.
+
+    Calls are serialised on one connection: a blocking `wait_loaded` holds it until it returns,
+    so a thread that waits for loads should use a client of its own."""
 
     def __init__(self, address: str, authkey: bytes) -> None:
         self.address = address

@@ -380,6 +380,7 @@ class Store:
         if last <= first:
             return None
         load_id = uuid.uuid4().hex
+        self._expire_stale()
         with self._lock:
             pinned = list(m.pages[:last])
             self.pages.lease(pinned)
@@ -428,6 +429,20 @@ class Store:
         if lease is not None:
             self.pages.unlease(lease.pages)
 
+    def _expire_stale(self) -> None:
+        """Free leases and reserved save slots whose engine never came back (it died mid-load or
+        mid-save): otherwise their pages could never be evicted."""
+        limit = time.monotonic() - self.config.lease_timeout_s
+        with self._lock:
+            stale_loads = [k for k, v in self._leases.items() if v.created < limit]
+            stale_saves = [k for k, v in self._saves.items() if v.created < limit]
+        for k in stale_loads:
+            log.warning("releasing load %s: not released within %ss", k, self.config.lease_timeout_s)
+            self.release(k)
+        for k in stale_saves:
+            log.warning("aborting save %s: not committed within %ss", k, self.config.lease_timeout_s)
+            self.abort_save(k)
+
     def read_page(self, page: PageHash) -> bytes | None:
         return self.pages.read_bytes(page)
 
@@ -437,6 +452,7 @@ class Store:
     ) -> SavePlan:
         """Reserve host slots for the pages of `tokens[: n_pages * block_size]` that the store lacks."""
         self._ensure_open()
+        self._expire_stale()
         fp = self.fingerprint(fid)
         bs = fp.block_size
         arr = as_tokens(tokens)

@@ -174,6 +174,13 @@ def test_cli_creates_keys(tmp_path: Path) -> None:
         engine.dispose()
 
 
+@pytest.mark.timeout(60)
+def test_cli_serve_refuses_a_public_bind_without_keys(tmp_path: Path) -> None:
+    args = ["serve", "--no-engine", "--data-dir", str(tmp_path), "--host", "0.0.0.0", "--port", "0"]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 2 and "without API keys" in res.output
+
+
 # ---------------------------------------------------------------------------------------- auth modes
 def test_keys_required_once_any_exists(tmp_path: Path) -> None:
     data = tmp_path / "data"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
+import time
 
 import numpy as np
 import pytest
@@ -167,4 +168,38 @@ def test_rpc_rejects_wrong_authkey(tmp_path):
     with pytest.raises((StoreUnavailable, Exception)):
         client.ping()
     assert StoreClient(address, store.serve_rpc()[1]).ping()
+    store.close()
+
+
+def test_abandoned_leases_and_saves_expire(tmp_path):
+    store = open_store(tmp_path, lease_timeout_s=0.5)
+    fid = store.register_fingerprint(SMALL_FP)
+    tenant = store.tenant_for("alice")
+    tokens = np.arange(1, 9, dtype=np.int32)
+    store.put_sequence(fid, tenant, tokens, pages_for(SMALL_FP, tokens))
+    store.begin_load(fid, tenant, tokens)  # an engine that died before releasing
+    store.plan_save(fid, tenant, np.arange(100, 108, dtype=np.int32), 2)  # ... or before committing
+    assert store.stats()["leases"] == 1 and len(store._saves) == 1
+    time.sleep(0.6)
+    store.begin_load(fid, tenant, tokens)  # the next request sweeps the stale ones
+    assert store.stats()["leases"] == 1 and len(store._saves) == 0
+    assert all(e.leases <= 1 for e in store.pages.entries.values())
+    store.close()
+
+
+def test_closing_the_rpc_server_hangs_up_clients(tmp_path):
+    from dss.rpc import StoreClient, StoreUnavailable
+
+    store = open_store(tmp_path)
+    address, authkey = store.serve_rpc()
+    client = StoreClient(address, authkey)
+    assert client.ping()
+    store.close()
+    with pytest.raises(StoreUnavailable):
+        client.ping()
+    store = open_store(tmp_path)  # a new owner at the same address: the client reconnects
+    store._rpc_server = None
+    address2, authkey2 = store.serve_rpc()
+    client2 = StoreClient(address2, authkey2)
+    assert client2.ping()
     store.close()
