@@ -8,7 +8,6 @@ a unix socket with an HMAC challenge (`authkey`), one thread per connected clien
 from __future__ import annotations
 
 import contextlib
-import contextlib
 import logging
 import os
 import threading

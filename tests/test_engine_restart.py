@@ -9,13 +9,9 @@ restart (pages only on disk: async loads) and a corrupted page file.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
 from collections.abc import Iterator
-from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -32,25 +28,6 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 BS = 128
 
 
-class ClosingStoreServer(StoreServer):
-    """Also hangs up on connected clients at close, so they reconnect to the next server at the
-    same address (a closed store must not keep answering "store closed" on old connections)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._conns: list[Connection] = []
-        super().__init__(*args, **kwargs)
-
-    def _serve(self, conn: Connection) -> None:
-        self._conns.append(conn)
-        super()._serve(conn)
-
-    def close(self) -> None:
-        super().close()
-        for conn in self._conns:
-            with contextlib.suppress(OSError), socket.socket(fileno=os.dup(conn.fileno())) as sock:
-                sock.shutdown(socket.SHUT_RDWR)
-
-
 class ServedStore:
     """A store whose RPC address and authkey survive a close/reopen of the store, as a running
     engine's connector config needs across a whole-store restart."""
@@ -60,12 +37,12 @@ class ServedStore:
         self.address = str(data_dir.parent / f"{data_dir.name}-rpc.sock")
         self.authkey = os.urandom(32)
         self.store: Store = open_store(data_dir)
-        self.server = ClosingStoreServer(self.store, self.address, self.authkey)
+        self.server = StoreServer(self.store, self.address, self.authkey)
 
     def restart(self) -> None:
         self.close()
         self.store = open_store(self.data_dir)
-        self.server = ClosingStoreServer(self.store, self.address, self.authkey)
+        self.server = StoreServer(self.store, self.address, self.authkey)
 
     def close(self) -> None:
         self.store.pages.flush()
