@@ -65,6 +65,15 @@ def model_dir() -> Path:
     raise SystemExit("the default model is not prepared: run `make model` (or set DSS_MODEL_DIR)")
 
 
+def die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the process that started it dies, however it
+    dies (a killed test run or benchmark must not leave a server and its engine behind)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -98,7 +107,9 @@ def start_server(root: Path) -> tuple[subprocess.Popen[bytes], str]:
     cmd = [sys.executable, "-m", "api.cli", "serve", "--model", str(model_dir()), "--data-dir",
            str(root / "data"), "--port", str(port), "--log-level", "warning"]  # fmt: skip
     log = open(root / "server.log", "wb")  # noqa: SIM115 - owned by the subprocess
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+    )
     log.close()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300

@@ -31,7 +31,7 @@ from _engine_common import (
     wait_until,
 )
 
-SESSIONS = 4
+SESSIONS = 6
 TURN1_TOKENS = 2850
 FOLLOWUP_TOKENS = 120
 ANSWER_TOKENS = 16
@@ -90,6 +90,8 @@ def main() -> None:
         served.reopen()
         if served.host_pages() != 0:
             raise RuntimeError("a reopened store should start with an empty host arena")
+        # Engine B's turn-2 requests saved their prompts' last full pages too.
+        want = [((len(p) - 1) // BS) * BS for p in turn2]
         c = TimedEngine(served.address, served.authkey)
         try:
             cold_c, disk_c = measure(c, turn2, tenant, 3, want, "whole restart (store reopened, disk tier)")

@@ -45,6 +45,15 @@ def model_dir() -> Path | None:
     return None
 
 
+def die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the process that started it dies, however it
+    dies (a killed test run or benchmark must not leave a server and its engine behind)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -96,7 +105,9 @@ class ApiServer:
             "--port", str(self.port),
             "--log-level", "warning",
         ]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=self.env(), stdout=log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env=self.env(), stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+        )
         log.close()
         self.starts += 1
         deadline = time.monotonic() + START_TIMEOUT_S
