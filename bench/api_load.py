@@ -80,7 +80,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def make_keys(data_dir: Path, n: int) -> list[str]:
+def make_keys(data_dir: Path, n: int, admin: bool = False) -> list[str]:
     from api.auth import ApiKeys
     from dss.db.engine import make_engine, make_session_factory, sqlite_url_for, upgrade_to_head
 
@@ -89,6 +89,8 @@ def make_keys(data_dir: Path, n: int) -> list[str]:
     engine = make_engine(url)
     try:
         keys = ApiKeys(make_session_factory(engine))
+        if admin:
+            return [keys.create(None, admin=True).key]
         return [keys.create(f"bench-{i}").key for i in range(n)]
     finally:
         engine.dispose()
@@ -234,6 +236,25 @@ class Client:
                 await self.read()
 
 
+def server_side(url: str, admin_key: str | None) -> dict[str, tuple[int, float]]:
+    """Per route: (requests, share answered within 20 ms), from the server's own histogram."""
+    if admin_key is None:
+        return {}
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {admin_key}"}, timeout=30).text
+    buckets: dict[str, dict[str, float]] = defaultdict(dict)
+    for line in text.splitlines():
+        if line.startswith("dss_request_duration_seconds_bucket{"):
+            labels, value = line[len("dss_request_duration_seconds_bucket{") :].split("} ")
+            parts = dict(p.split("=", 1) for p in labels.split(","))
+            buckets[parts["route"].strip('"')][parts["le"].strip('"')] = float(value)
+    out = {}
+    for route, b in buckets.items():
+        total = b.get("+Inf", 0.0)
+        if total:
+            out[route] = (int(total), b.get("0.02", 0.0) / total)
+    return out
+
+
 async def load(url: str, keys: list[str]) -> tuple[Stats, float]:
     stats = Stats()
     limits = httpx.Limits(max_connections=len(keys) + 4, max_keepalive_connections=len(keys) + 4)
@@ -251,6 +272,16 @@ async def load(url: str, keys: list[str]) -> tuple[Stats, float]:
             await c.aclose()
 
 
+def _log_summary(path: Path) -> None:
+    """Warnings and errors the server logged during the run (the log itself is deleted)."""
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    bad = [ln for ln in lines if " WARNING " in ln or " ERROR " in ln or "Traceback" in ln]
+    bad = [ln for ln in bad if "deprecated" not in ln and "[shutdown]" not in ln]
+    print(f"server log: {len(bad)} warning/error lines")
+    for ln in bad[-int(os.environ.get("DSS_BENCH_LOG_LINES", "8")) :]:
+        print("  " + ln[:240])
+
+
 def pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) * 1000 if values else float("nan")
 
@@ -261,15 +292,18 @@ def main() -> None:
     print(f"cores={os.cpu_count()} vllm={vllm.__version__} clients={CLIENTS} seconds={SECONDS:g}")
     root = Path(tempfile.mkdtemp(prefix="dss-bench-api-"))
     proc = None
+    admin: str | None = os.environ.get("DSS_BENCH_ADMIN_KEY")
     try:
         if os.environ.get("DSS_BENCH_URL"):
             url, keys = os.environ["DSS_BENCH_URL"], os.environ["DSS_BENCH_KEYS"].split(",")[:CLIENTS]
         else:
             keys = make_keys(root / "data", CLIENTS)
+            admin = make_keys(root / "data", 1, admin=True)[0]
             t0 = time.monotonic()
             proc, url = start_server(root)
             print(f"server ready in {time.monotonic() - t0:.1f} s")
         stats, elapsed = asyncio.run(load(url, keys))
+        served = server_side(url, admin)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -277,6 +311,7 @@ def main() -> None:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+            _log_summary(root / "server.log")
         shutil.rmtree(root, ignore_errors=True)
 
     errors = sum(stats.errors.values())
@@ -287,6 +322,10 @@ def main() -> None:
     for kind in sorted(stats.latency):
         lat = stats.latency[kind]
         print(f"{kind:<16}{len(lat):>7}{pct(lat, 50):>10.1f}{pct(lat, 99):>10.1f}")
+    for route in ("/v1/sessions/{session_id}/rollback", "/v1/sessions/{session_id}/branches"):
+        if route in served:
+            n, share = served[route]
+            print(f"server side {route}: {n} requests, {share:.1%} answered within 20 ms")
     cold50, warm50 = pct(stats.ttft_cold, 50), pct(stats.ttft_warm, 50)
     print(f"ttft first turn (cold) p50={cold50:.1f} ms | later turns (cached) p50={warm50:.1f} ms | "
           f"cached/cold={warm50 / cold50:.2f}")  # fmt: skip

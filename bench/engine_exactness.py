@@ -38,6 +38,7 @@ class Tally:
     apc_divergences: int = 0
     apc_compared: int = 0
     dss_apc_mismatches: int = 0
+    dss_only_divergences: int = 0  # DSS differs from cold where vLLM's own cache does not
     load_misses: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -63,7 +64,11 @@ class Tally:
             if warm is not None:
                 w = warm[k]
                 self.apc_compared += 1
-                self.apc_divergences += int(w.output_ids != c.output_ids)
+                if w.output_ids != c.output_ids:
+                    self.apc_divergences += 1
+                    self.notes.append(f"{name}: vLLM prefix cache {w.text!r} != cold {c.text!r}")
+                elif d.output_ids != c.output_ids:
+                    self.dss_only_divergences += 1
                 if w.num_cached_tokens == d.num_cached_tokens and w.output_ids != d.output_ids:
                     self.dss_apc_mismatches += 1
                     self.notes.append(f"{name}: DSS {d.text!r} != vLLM prefix cache {w.text!r}")
@@ -193,12 +198,14 @@ def main() -> None:
         f"{tally.conversations} conversations, {tally.turns} turns compared; "
         f"DSS vs cold: {tally.divergences} divergences; "
         f"vLLM prefix cache vs cold: {tally.apc_divergences} of {tally.apc_compared}; "
+        f"DSS-only divergences: {tally.dss_only_divergences}; "
         f"DSS vs vLLM prefix cache on equal reuse: {tally.dss_apc_mismatches} mismatches; "
         f"short loads: {tally.load_misses}"
     )
     print(
         f"RESULT conversations={tally.conversations} divergences={tally.divergences} turns={tally.turns} "
-        f"apc_divergences={tally.apc_divergences} dss_apc_mismatches={tally.dss_apc_mismatches} "
+        f"apc_divergences={tally.apc_divergences} dss_only_divergences={tally.dss_only_divergences} "
+        f"dss_apc_mismatches={tally.dss_apc_mismatches} "
         f"load_misses={tally.load_misses}"
     )
 

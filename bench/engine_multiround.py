@@ -29,6 +29,7 @@ from _engine_common import (
     TimedEngine,
     capture_output,
     header,
+    median,
     ms,
     ratio,
     root_cause,
@@ -190,8 +191,8 @@ def main() -> None:
     for c in cols:
         r1 = sum(c.ttft[1]) / len(c.ttft[1])
         print(
-            f"  {c.name:13s} {1000 * c.mean_later():7.0f} ms  (round 1: {1000 * r1:.0f} ms)"
-            f"  mean reused tokens {c.mean_reused_later():.0f}"
+            f"  {c.name:13s} {1000 * c.mean_later():7.0f} ms (median {1000 * median(c.later_rounds()):.0f})"
+            f"  round 1: {1000 * r1:.0f} ms  mean reused tokens {c.mean_reused_later():.0f}"
         )
     if isinstance(offload, str):
         print(f"vllm+offload (kv_offloading_size={OFFLOAD_GIB} GiB, native) did not run: {offload}")

@@ -31,16 +31,21 @@ from _engine_common import (
     wait_until,
 )
 
-SESSIONS = 6
+SESSIONS = 8
 TURN1_TOKENS = 2850
 FOLLOWUP_TOKENS = 120
 ANSWER_TOKENS = 16
 
 
 def measure(
-    engine: TimedEngine, prompts: list[list[int]], tenant: str, version: int, want: list[int], label: str
+    engine: TimedEngine,
+    prompts: list[list[int]],
+    tenant: str,
+    version: int,
+    want: list[int],
+    label: str,
 ) -> tuple[list[float], list[float]]:
-    """(cold TTFTs, DSS TTFTs) of each session's turn-2 prompt, with vLLM's cache emptied before each."""
+    """(cold TTFTs, DSS TTFTs) of each session's turn-2 prompt, vLLM's cache emptied before each."""
     engine.warm_up()
     cold, loaded = [], []
     for k, prompt in enumerate(prompts):
