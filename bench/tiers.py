@@ -29,7 +29,15 @@ from dss.tiers.disk import DiskTier
 from dss.tiers.host import HostTier
 from dss.types import FingerprintId, NamespaceId, PageHash, TenantId
 
-SAMPLE = Path("/work/shared/data/kv_sample.bin")
+# shared/ sits beside the checkout (../shared); /work/shared is where our machines keep it
+SAMPLE = (
+    next(
+        (p for p in (Path(__file__).resolve().parents[2] / "shared", Path("/work/shared")) if p.exists()),
+        Path("/work/shared"),
+    )
+    / "data"
+    / "kv_sample.bin"
+)
 NS = NamespaceId(b"b" * 16)
 TENANT = TenantId("0123456789abcdef0123456789abcdef")
 DATA_KEY = bytes(range(32))
