@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Client, Connection, Listener
@@ -116,9 +117,17 @@ class StoreServer:
                     return
 
     def close(self) -> None:
+        """Stop accepting and hang up every client, so that engines reconnect (and find the
+        store that replaces this one) instead of talking to a closed store."""
         self._closed = True
         with contextlib.suppress(OSError):
             self._listener.close()
+        with self._conns_lock:
+            conns = list(self._conns)
+        for conn in conns:
+            # shutdown (not just close) wakes the serving thread blocked in recv on this socket
+            with contextlib.suppress(OSError), socket.socket(fileno=os.dup(conn.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
         if os.path.exists(self.address):
             os.unlink(self.address)
 
