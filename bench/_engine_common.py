@@ -2,9 +2,10 @@
 length, a store that serves RPC, and the statistics every script prints.
 
 TTFT is read from `RequestOutput.metrics.first_token_latency` (vLLM's own arrival-to-first-token
-clock, on when `disable_log_stats=False`); the wall time of the `generate` call is kept beside it
-as a cross-check. Every engine runs with `enforce_eager=True` (the factory's default) and its
-engine core in its own process, as a server runs it, so saves finish between requests.
+clock, on when `disable_log_stats=False`), so a turn can generate a real answer and still be
+timed to its first token; for `max_tokens=1` the wall time of `generate` is the fallback. Timed
+engines run with `enforce_eager=True` (the factory's default) and the engine core and worker in
+processes of their own, as a server runs them, so pages are saved between requests.
 """
 
 from __future__ import annotations

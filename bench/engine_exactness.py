@@ -1,16 +1,19 @@
 """Exactness as a script: greedy answers through DSS vs cold recomputation, token for token, over
 20 multi-turn conversations plus rollback-then-continue and branch-then-continue cases.
 
-One engine (the engine core in this process, so a batch is scheduled the same way every run)
-serves every turn three ways: "warm" (plain vLLM right after the previous turn's DSS run: its own
-prefix cache holds exactly the bytes the store saved), "cold" (caches emptied, everything
-recomputed) and "DSS" (vLLM's cache emptied, the session's pages loaded from the store).
+The 20 conversations run in batches on an engine whose core runs in this process (so a batch is
+scheduled the same way every run); the rollback and branch cases run one request at a time on an
+engine split into processes as a server runs it. Every turn runs three ways: "warm" (plain vLLM
+right after the previous turn's DSS run: its own prefix cache holds exactly the bytes the store
+saved), "cold" (caches emptied, everything recomputed) and "DSS" (vLLM's cache emptied, the
+session's pages loaded from the store).
 
 `divergences` counts turns whose DSS answer differs from the cold one (goal 0). Beside it:
 `apc_divergences`, the same count for vLLM's own prefix cache (warm vs cold: KV reuse on this
 bf16 CPU backend is not bit-identical to a one-shot prefill), and `dss_apc_mismatches`, turns
 where DSS and vLLM's cache reused the same number of tokens and still answered differently,
-which would mean a wrong page (must be 0).
+which would mean a wrong page (must be 0); `dss_only_divergences` counts DSS-vs-cold divergences
+on turns where vLLM's own cache agreed with cold.
 """
 
 from __future__ import annotations
@@ -182,15 +185,26 @@ def case(engine: Engine, served: ServedStore, kind: str, seed: int, tally: Tally
 def main() -> None:
     header("engine_exactness")
     served = ServedStore(host_gib=2.0)
-    engine = Engine(served.address, served.authkey, deterministic_batches=True)
     tally = Tally()
     try:
-        conversations(engine, served, tally)
-        for kind, seed in CASES:
-            case(engine, served, kind, seed, tally)
+        # Batches of 20: the engine core in this process, so cold and DSS batches are scheduled
+        # alike (vLLM's engine is not batch-invariant). vLLM then runs the worker in this process
+        # too, so both connector halves share it.
+        engine = Engine(served.address, served.authkey, deterministic_batches=True)
+        try:
+            conversations(engine, served, tally)
+        finally:
+            engine.close()
+        # One request at a time, as a server runs it: engine core and worker in processes of their
+        # own, the store in this one.
+        engine = Engine(served.address, served.authkey)
+        try:
+            for kind, seed in CASES:
+                case(engine, served, kind, seed, tally)
+        finally:
+            engine.close()
         served.store.check()
     finally:
-        engine.close()
         served.close()
     for note in tally.notes:
         print("  ", note)

@@ -6,7 +6,10 @@ on the same live store (its host arena survives the engine): each session's turn
 host tier. Then the store is closed and reopened from its data directory too (a whole-server
 restart: the arena is gone, pages come back from the disk tier through asynchronous loads) and a
 third engine C serves the same turns again. Cold prefills of the same prompts are measured in B
-and in C beside the loads they are compared with.
+and in C beside the loads they are compared with; in B, a run with vLLM's own cache warm with the
+session's turn 1 (as if there had been no restart) shows how much of the DSS time is the restart's
+and how much is the new turn's own prefill (the tail of turn 1 past its last full page, plus the
+new user message).
 """
 
 from __future__ import annotations
@@ -44,10 +47,14 @@ def measure(
     version: int,
     want: list[int],
     label: str,
-) -> tuple[list[float], list[float]]:
-    """(cold TTFTs, DSS TTFTs) of each session's turn-2 prompt, vLLM's cache emptied before each."""
+    primers: list[list[int]] | None = None,
+) -> tuple[list[float], list[float], list[float]]:
+    """(cold, DSS, APC) TTFTs of each session's turn-2 prompt, vLLM's cache emptied before the
+    cold and DSS runs. With `primers` (the turn-1 sequences), vLLM's cache is then warmed with the
+    session's turn 1, as if the engine had never restarted, and the prompt is run once more: the
+    part of the DSS time that a restart costs at all."""
     engine.warm_up()
-    cold, loaded = [], []
+    cold, loaded, apc = [], [], []
     for k, prompt in enumerate(prompts):
         c = engine.timed(prompt, None, reset=True)
         d = engine.timed(prompt, session_params(tenant, f"restart-{k}", version), reset=True)
@@ -57,8 +64,18 @@ def measure(
             raise RuntimeError(f"{label}: session {k} loaded {d.result.loaded_tokens}, expected {want[k]}")
         cold.append(c.ttft_s)
         loaded.append(d.ttft_s)
-    print(f"  {label}: cold {ms(cold)}, DSS {ms(loaded)}", flush=True)
-    return cold, loaded
+        if primers is not None:
+            engine.timed(primers[k], None, reset=True)
+            a = engine.timed(prompt, None)
+            if a.result.num_cached_tokens != want[k]:
+                raise RuntimeError(
+                    f"{label}: vLLM's warm cache reused {a.result.num_cached_tokens}, not {want[k]}"
+                )
+            apc.append(a.ttft_s)
+    print(
+        f"  {label}: cold {ms(cold)}, DSS {ms(loaded)}" + (f", warm APC {ms(apc)}" if apc else ""), flush=True
+    )
+    return cold, loaded, apc
 
 
 def main() -> None:
@@ -71,13 +88,14 @@ def main() -> None:
         a = TimedEngine(served.address, served.authkey)
         try:
             a.warm_up()
-            turn2, want, saved_pages = [], [], 0
+            turn1, turn2, want, saved_pages = [], [], [], 0
             for k in range(SESSIONS):
                 p1 = a.chat_ids([{"role": "user", "content": text_of_tokens(rng, TURN1_TOKENS)}])
                 t = a.timed(p1, session_params(tenant, f"restart-{k}", 1), ANSWER_TOKENS, reset=True)
                 p2 = a.continue_ids(p1, t.result.output_ids, text_of_tokens(rng, FOLLOWUP_TOKENS))
                 saved = (len(p1) + len(t.result.output_ids) - 1) // BS
                 saved_pages += saved
+                turn1.append([*p1, *t.result.output_ids])
                 turn2.append(p2)
                 want.append(min(saved, (len(p2) - 1) // BS) * BS)
             if not wait_until(lambda: served.host_pages() >= saved_pages, timeout_s=30):
@@ -88,7 +106,8 @@ def main() -> None:
 
         b = TimedEngine(served.address, served.authkey)
         try:
-            cold_b, host_b = measure(b, turn2, tenant, 2, want, "engine restart (store alive, host tier)")
+            label = "engine restart (store alive, host tier)"
+            cold_b, host_b, apc_b = measure(b, turn2, tenant, 2, want, label, primers=turn1)
         finally:
             b.close()
 
@@ -99,7 +118,9 @@ def main() -> None:
         want = [((len(p) - 1) // BS) * BS for p in turn2]
         c = TimedEngine(served.address, served.authkey)
         try:
-            cold_c, disk_c = measure(c, turn2, tenant, 3, want, "whole restart (store reopened, disk tier)")
+            cold_c, disk_c, _ = measure(
+                c, turn2, tenant, 3, want, "whole restart (store reopened, disk tier)"
+            )
         finally:
             c.close()
         served.store.check()
@@ -112,6 +133,11 @@ def main() -> None:
         f"median TTFT: engine restart {1000 * median(host_b):.0f} ms vs cold {1000 * median(cold_b):.0f} ms;"
         f" whole restart {1000 * median(disk_c):.0f} ms vs cold {1000 * median(cold_c):.0f} ms;"
         f" full_restart_vs_cold={full:.3f}"
+    )
+    print(
+        f"no-restart reference (vLLM's cache warm with turn 1): {1000 * median(apc_b):.0f} ms, "
+        f"apc_vs_cold={ratio(median(apc_b), median(cold_b)):.3f} "
+        f"restart_vs_apc={ratio(median(host_b), median(apc_b)):.3f}"
     )
     print(f"RESULT restart_vs_cold={restart:.4f}")
 
