@@ -47,6 +47,7 @@ __all__ = [
     "make_conversations",
     "median",
     "ms",
+    "pin_cpu_reservation",
     "ratio",
     "root_cause",
     "session",
@@ -66,12 +67,27 @@ def install_sigterm_exit() -> None:
     signal.signal(signal.SIGTERM, _exit)
 
 
+def pin_cpu_reservation() -> None:
+    """Give every engine the same CPU binding. vLLM's CPU worker reserves one core per rank for the
+    engine core, plus one more whenever a KV connector is configured (meant for NIXL P/D); on a
+    2-core machine that leaves an engine with the DSS connector no reserved core, so its worker
+    binds both cores while plain vLLM's binds one. Plain vLLM's reservation (one core) for all, so
+    the comparisons measure caching, not thread counts. An explicit setting wins."""
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+
+
 def header(name: str) -> None:
     import vllm
 
     install_sigterm_exit()
+    pin_cpu_reservation()
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"{name}: cores={os.cpu_count()} vllm={vllm.__version__} loadavg={load}", flush=True)
+    reserved = os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"]
+    print(
+        f"{name}: cores={os.cpu_count()} vllm={vllm.__version__} loadavg={load} "
+        f"VLLM_CPU_NUM_OF_RESERVED_CPU={reserved}",
+        flush=True,
+    )
 
 
 def median(xs: Sequence[float]) -> float:

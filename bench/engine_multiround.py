@@ -45,6 +45,11 @@ ANSWER_TOKENS = 16
 MAX_MODEL_LEN = 3072
 GPU_BLOCKS = 32  # 4,096 tokens: less than two sessions' contexts, against a working set of ~6 x 2.3k
 OFFLOAD_GIB = 1.0
+# vLLM's worker busy-polls its input queue for 1 s after its last message (shm_broadcast
+# `busy_loop_s`), and every CPU worker here is pinned to the same core: without a pause, the engine
+# that just answered steals that core from the next engine's request, which penalises short
+# (cached) requests most.
+IDLE_GAP_S = 1.2
 
 SessionFn = Callable[[int, int], dict[str, Any] | None]
 
@@ -111,6 +116,7 @@ def run_rounds(cols: list[Column], script: Script) -> None:
         for s in range(N_SESSIONS):
             shift = (s + rnd) % len(cols)
             for col in cols[shift:] + cols[:shift]:
+                time.sleep(IDLE_GAP_S)
                 t = col.engine.timed(col.prompts[s], col.session_fn(s, rnd), ANSWER_TOKENS)
                 col.ttft[rnd].append(t.ttft_s)
                 col.reused[rnd].append(t.result.num_cached_tokens)
