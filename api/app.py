@@ -20,7 +20,7 @@ from api.metrics import Metrics
 from api.middleware import BodyLimit, RequestMetrics
 from api.routes import branches, chat, health, metrics, models, prefixes, sessions, users, versions
 from api.settings import Settings
-from api.state import AppState, SaltBook
+from api.state import AppState
 from dss.errors import DSSError
 from dss.store import Store
 
@@ -80,7 +80,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         keys = ApiKeys(store.sf, settings.auth.key_cache_ttl_s)
         check_auth_mode(settings, keys)
-        state = AppState(settings=settings, store=store, keys=keys, metrics=metrics, salts=SaltBook(store))
+        state = AppState(settings=settings, store=store, keys=keys, metrics=metrics)
         collector = metrics.watch_store(store.stats)
         app.state.dss = state
         if settings.engine.enabled:

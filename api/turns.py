@@ -20,7 +20,6 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from api.dialogue import Committed, TurnTarget, commit_turn
 from api.engine import ChatEngine, Finished, Sampling, loaded_split
 from api.errors import ApiError, BadRequest, response_for
 from api.schemas import (
@@ -34,8 +33,9 @@ from api.schemas import (
     Usage,
 )
 from api.state import AppState
+from dss.dialogue.turns import Committed, TurnTarget, commit_turn
 from dss.errors import DSSError, LimitExceeded
-from dss.hashing import TOKEN_DTYPE
+from dss.index.hashing import TOKEN_DTYPE
 from dss.types import TenantId, Tier, UserId
 
 _SESSION_KEYS = ("session_id", "state_version", "parent_version", "branch")
@@ -93,7 +93,7 @@ async def _prepare(state: AppState, engine: ChatEngine, turn: Turn) -> _Prepared
     )
     store = state.store
     tenant = store.tenant_for(turn.user)
-    salt = await asyncio.to_thread(state.salts.salt, turn.user, tenant)
+    salt = await asyncio.to_thread(store.cache_salt, turn.user)
     resident = {t.value: 0 for t in Tier}
     if engine.fingerprint is not None:
         resident = await asyncio.to_thread(store.residency, engine.fingerprint, tenant, prompt_ids)

@@ -48,7 +48,7 @@ def main() -> None:
                     user, sid, tokens=tokens, messages=[{"role": "user", "content": str(v)}]
                 )
             store.put_sequence(fid, tenant, tokens, [page] * (len(tokens) // FP.block_size))
-        store.pages.flush()
+        store.flush()
         fill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         receipt = store.erase_user(user)

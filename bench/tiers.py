@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from dss.codec import BytePlaneZstdCodec
-from dss.hashing import ROOT_PARENT, page_hash
-from dss.pages import PageMeta
-from dss.tiers.disk import DiskTier
-from dss.tiers.host import HostTier
+from dss.pages.codec import BytePlaneZstdCodec
+from dss.index.hashing import ROOT_PARENT, page_hash
+from dss.pages.meta import PageMeta
+from dss.pages.tiers.disk import DiskTier
+from dss.pages.tiers.host import HostTier
 from dss.types import FingerprintId, NamespaceId, PageHash, TenantId
 
 # shared/ sits beside the checkout (../shared); /work/shared is where our machines keep it

@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from dss.hashing import chain_hashes
-from dss.trie import RadixTrie
+from dss.index.hashing import chain_hashes
+from dss.index.trie import RadixTrie
 from dss.types import NamespaceId, PageHash
 
 PAGE = 16

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import NewType
 
 PageHash = NewType("PageHash", bytes)
-"""32-byte chained content address of one page (see `dss.hashing`)."""
+"""32-byte chained content address of one page (see `dss.index.hashing`)."""
 
 NamespaceId = NewType("NamespaceId", bytes)
 """16-byte id of a (model fingerprint, tenant) pair."""
@@ -50,3 +50,7 @@ class Namespace:
     @property
     def is_public(self) -> bool:
         return self.tenant == PUBLIC_TENANT
+
+
+Buffer = bytes | bytearray | memoryview
+"""Raw bytes as callers hand them in."""

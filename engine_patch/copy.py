@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from dss.errors import InvalidInput
-from dss.tiers.host import HostArena
+from dss.pages.tiers.host import HostArena
 
 
 @dataclass(frozen=True, slots=True)

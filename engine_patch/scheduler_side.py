@@ -21,7 +21,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from dss.errors import DSSError
 from dss.namespace import ModelFingerprint
-from dss.plans import LoadPlan, PageSlot
+from dss.wire import LoadPlan, PageSlot
 from dss.rpc import StoreClient
 from dss.types import FingerprintId
 from engine_patch.metadata import DSSConnectorMetadata, DSSWorkerMetadata, LoadSpec, SaveSpec, SlotSpan

@@ -20,7 +20,7 @@ from vllm.logger import init_logger
 
 from dss.errors import DSSError
 from dss.namespace import ModelFingerprint
-from dss.plans import PageSlot
+from dss.wire import PageSlot
 from dss.rpc import StoreClient
 from engine_patch.copy import ArenaViews, KVBlocks, runs
 from engine_patch.fingerprint import UnsupportedKVCache, check_layer_tensors

@@ -1,4 +1,4 @@
-"""Where a chat turn attaches and how it is committed (api.dialogue), on a real version store."""
+"""Where a chat turn attaches and how it is committed (dss.dialogue.turns), on a real version store."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.dialogue import TurnTarget, chat_target, commit_turn, message_target
+from dss.dialogue.turns import TurnTarget, chat_target, commit_turn, message_target
+from dss.dialogue.versions import VersionStore
 from dss.errors import ConflictError, SessionNotFound, StaleHead, VersionNotFound
 from dss.types import SessionId
-from dss.versions import VersionStore
 
 
 @pytest.fixture

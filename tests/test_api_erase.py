@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dss.errors import DSSError
-from dss.pagefile import HEADER_LEN, read_header
+from dss.pages.pagefile import HEADER_LEN, read_header
 from tests.api_server import ApiServer, api_server, chat, user_msg
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]

@@ -21,7 +21,9 @@ from api.settings import Settings, is_loopback_host, load_settings
 from api.state import AppState
 from dss import errors as e
 from dss.db.engine import make_engine, make_session_factory, sqlite_url_for, upgrade_to_head
+from dss.namespace import make_namespace
 from dss.store import Store
+from dss.types import FingerprintId, TenantId
 from tests.store_helpers import SMALL_FP, pages_for
 
 
@@ -351,24 +353,29 @@ def _host_pages(store: Store) -> int:
     return int(pages["host"])
 
 
+def _drop_paths(store: Store, fid: FingerprintId, tenant: str, seqs: list[np.ndarray]) -> int:
+    """What deleting a session does with its paths: cut them from the index, drop the pages."""
+    cut = store.index.remove_paths(make_namespace(fid, TenantId(tenant)), seqs, [])
+    return len(store.pages.drop(cut).gone)
+
+
 def test_dropping_a_sequence_keeps_public_prefix_pages(tmp_path: Path) -> None:
     from tests.store_helpers import open_store
 
     with open_store(tmp_path / "s") as store:
         fid = store.register_fingerprint(SMALL_FP)
         public = np.arange(1, 9, dtype=np.int32)  # two pages
-        store.register_public_prefix(fid, public)
+        store.prefixes.register(fid, public)
         store.put_sequence(fid, "public", public, pages_for(SMALL_FP, public))  # type: ignore[arg-type]
         tenant = store.tenant_for("pat")
         mine = np.concatenate([public, np.arange(50, 58, dtype=np.int32)])
         store.put_sequence(fid, tenant, mine, pages_for(SMALL_FP, mine))
         assert store.match(fid, tenant, mine).n_tokens == 16
-        with pytest.raises(e.InvalidInput):
-            store.drop_sequence_pages(fid, "public", [public])  # type: ignore[arg-type]
-        assert store.drop_sequence_pages(fid, tenant, [mine]) == 2
+        assert _drop_paths(store, fid, "public", [public]) == 0  # public pages go with their prefix
+        assert _drop_paths(store, fid, tenant, [mine]) == 2
         assert store.match(fid, tenant, mine).n_tokens == 8  # the public pages still serve her
         assert store.match(fid, store.tenant_for("quinn"), public).n_tokens == 8
-        assert store.drop_sequence_pages(fid, store.tenant_for("nobody"), [mine]) == 0
+        assert _drop_paths(store, fid, store.tenant_for("nobody"), [mine]) == 0
         store.check()
 
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from dss.codec import (
+from dss.errors import CorruptPage, InvalidInput
+from dss.pages.codec import (
     CODECS,
     DEFAULT_CODEC,
     BytePlaneZstdCodec,
@@ -19,7 +20,6 @@ from dss.codec import (
     codec_by_id,
     make_codec,
 )
-from dss.errors import CorruptPage, InvalidInput
 
 # shared/ sits beside the checkout (../shared); /work/shared is where our machines keep it
 KV_SAMPLE = (

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from dss import crypto
-from dss.crypto import KeyManager
 from dss.errors import CorruptPage, WrongMasterKey
+from dss.keys import crypto
+from dss.keys.crypto import KeyManager
 
 ENV = "DSS_TEST_MASTER_KEY"  # a private env var name, so the real one never leaks into tests
 

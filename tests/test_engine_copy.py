@@ -13,7 +13,7 @@ import torch
 
 from dss.errors import InvalidInput
 from dss.namespace import ModelFingerprint
-from dss.tiers.host import HostArena
+from dss.pages.tiers.host import HostArena
 from engine_patch.copy import ArenaViews, KVBlocks, Run, runs
 from engine_patch.fingerprint import UnsupportedKVCache, check_layer_tensors, model_revision
 from engine_patch.worker_side import order_layers

@@ -229,7 +229,7 @@ def test_tenants_are_isolated_and_public_prefix_is_shared(rig: Rig) -> None:
     common = next(i for i, (a, b) in enumerate(zip(system_only, carol_ids, strict=False)) if a != b)
     public = carol_ids[: (common // BS) * BS]
     assert len(public) >= 2 * BS
-    store.register_public_prefix(fid, public, text="policy", pin=True)
+    store.prefixes.register(fid, public, text="policy", pin=True)
     engine.reset_prefix_cache()
     (warm_up,) = engine.generate([public], [session(PUBLIC_TENANT, "admin-warmup")], [1])
     assert warm_up.params is not None and warm_up.params["stored_pages"] == len(public) // BS

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dss.hashing import chain_hashes
+from dss.index.hashing import chain_hashes
 from dss.namespace import make_namespace
 from dss.rpc import StoreServer
 from dss.store import Store
@@ -45,7 +45,7 @@ class ServedStore:
         self.server = StoreServer(self.store, self.address, self.authkey)
 
     def close(self) -> None:
-        self.store.pages.flush()
+        self.store.flush()
         self.server.close()
         self.store.close()
 

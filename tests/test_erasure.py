@@ -51,7 +51,7 @@ def test_erase_user_leaves_no_remnants(tmp_path):
     seqs = _fill_user(store, fid, "alice")
     bob_tokens = np.arange(9000, 9016, dtype=np.int32)
     store.put_sequence(fid, store.tenant_for("bob"), bob_tokens, pages_for(SMALL_FP, bob_tokens))
-    store.pages.flush()
+    store.flush()
     alice_page = pages_for(SMALL_FP, seqs[0])[0]
     assert _grep(tmp_path / "shm", alice_page[:64]), "the test must see the page in shared memory first"
     assert _grep(tmp_path / "data", MARKER.encode()), "and the messages in the database"
@@ -81,7 +81,7 @@ def test_verification_finds_planted_remnants(tmp_path):
     store = open_store(tmp_path / "data", shm_dir=tmp_path / "shm")
     fid = store.register_fingerprint(SMALL_FP)
     _fill_user(store, fid, "carol", n_sessions=1, n_versions=2)
-    store.pages.flush()
+    store.flush()
     # an operator's "backup" of one page file, taken before the erase
     some_file = next(p for p in (tmp_path / "data" / "pages").rglob("*.page"))
     backup = tmp_path / "backup.page"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dss.errors import InvalidInput
-from dss.eviction import (
+from dss.pages.eviction import (
     POLICIES,
     CostAwarePolicy,
     EvictionPolicy,

@@ -22,7 +22,7 @@ def test_put_load_reopen_from_disk(tmp_path):
     assert store.put_sequence(fid, alice, tokens, pages) == 0  # dedup by content address
     n, got = store.load_sequence(fid, alice, tokens)
     assert n == 20 and got == pages
-    store.pages.flush()
+    store.flush()
     assert store.residency(fid, alice, tokens) == {"device": 0, "host": 20, "disk": 0}
     store.check()
     store.close()
@@ -54,7 +54,7 @@ def test_public_prefix_shared_rest_private(tmp_path):
     store = open_store(tmp_path)
     fid = store.register_fingerprint(SMALL_FP)
     system = np.arange(500, 508, dtype=np.int32)  # two pages
-    store.register_public_prefix(fid, system, text="system prompt", pin=True)
+    store.prefixes.register(fid, system, text="system prompt", pin=True)
     store.put_sequence(fid, PUBLIC_TENANT, system, pages_for(SMALL_FP, system))
     alice, bob = store.tenant_for("alice"), store.tenant_for("bob")
     a_tokens = np.concatenate([system, np.arange(1, 9, dtype=np.int32)])
@@ -117,7 +117,7 @@ def test_device_tier_promotes_on_hit_and_demotes_under_pressure(tmp_path):
     store.put_sequence(fid, t, tokens, pages)
     hashes = store.match(fid, t, tokens).pages
     for h, expected in zip(hashes, pages, strict=True):
-        tensor = store.pages.promote_to_device(h)
+        tensor = store.pages.promote_to_device(h, [])
         assert tensor is not None and bytes(tensor.cpu().numpy().tobytes()) == expected
     counts = store.pages.page_counts()
     assert counts[Tier.DEVICE] == 2 and counts[Tier.HOST] == 3

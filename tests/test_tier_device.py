@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from dss.errors import CapacityError, InvalidInput, PageMissing
-from dss.tiers.base import PageTier
-from dss.tiers.device import DeviceTier
-from dss.tiers.host import HostTier
+from dss.pages.tiers.base import PageTier
+from dss.pages.tiers.device import DeviceTier
+from dss.pages.tiers.host import HostTier
 from dss.types import PageHash, Tier
 
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

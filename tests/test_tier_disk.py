@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from dss.codec import BytePlaneZstdCodec, Int8Codec, NoneCodec, make_codec
 from dss.errors import (
     CapacityError,
     CorruptPage,
@@ -19,10 +18,11 @@ from dss.errors import (
     PageShapeMismatch,
     TierUnavailable,
 )
-from dss.hashing import ROOT_PARENT, page_hash
-from dss.pagefile import HEADER_LEN, checksum, decode_page, encode_page, read_header
-from dss.pages import PageMeta
-from dss.tiers.disk import DiskTier
+from dss.index.hashing import ROOT_PARENT, page_hash
+from dss.pages.codec import BytePlaneZstdCodec, Int8Codec, NoneCodec, make_codec
+from dss.pages.meta import PageMeta
+from dss.pages.pagefile import HEADER_LEN, checksum, decode_page, encode_page, read_header
+from dss.pages.tiers.disk import DiskTier
 from dss.types import PUBLIC_TENANT, FingerprintId, NamespaceId, TenantId
 
 NS = NamespaceId(b"n" * 16)
@@ -289,7 +289,7 @@ def test_write_without_fsync_and_without_key(tmp_path: Path) -> None:
 
 
 def test_read_decodes_straight_into_a_host_arena_slot(disk: DiskTier, tmp_path: Path) -> None:
-    from dss.tiers.host import HostTier
+    from dss.pages.tiers.host import HostTier
 
     meta = stored(disk, 1)
     host = HostTier(4 * PAGE_NBYTES, directory=tmp_path / "shm", pin_memory=False)

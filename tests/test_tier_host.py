@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from dss.errors import CapacityError, InvalidInput, PageMissing, StoreClosed
-from dss.tiers.base import PageTier
-from dss.tiers.host import ArenaInfo, HostArena, HostTier, SlotRef
+from dss.pages.tiers.base import PageTier
+from dss.pages.tiers.host import ArenaInfo, HostArena, HostTier, SlotRef
 from dss.types import PageHash, Tier
 
 SLOT = 4096

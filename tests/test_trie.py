@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from dss.errors import CapacityError, InvalidInput, NotFoundError
-from dss.hashing import chain_hashes
-from dss.trie import RadixTrie
+from dss.index.hashing import chain_hashes
+from dss.index.trie import RadixTrie
 from dss.types import NamespaceId, PageHash
 
 NS = NamespaceId(b"n" * 16)

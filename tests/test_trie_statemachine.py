@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from dss.errors import CapacityError
-from dss.hashing import chain_hashes
-from dss.trie import Node, RadixTrie
+from dss.index.hashing import chain_hashes
+from dss.index.trie import Node, RadixTrie
 from dss.types import NamespaceId, PageHash
 
 NS = NamespaceId(b"s" * 16)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
+from dss.dialogue.versions import MAX_TOKENS, VersionInfo, VersionStore
 from dss.errors import (
     BranchExists,
     BranchNotFound,
@@ -21,7 +22,6 @@ from dss.errors import (
     StaleHead,
     VersionNotFound,
 )
-from dss.versions import MAX_TOKENS, VersionInfo, VersionStore
 
 T = TypeVar("T")
 ALICE = "alice"

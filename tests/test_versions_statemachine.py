@@ -14,6 +14,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule, 
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.db.engine import make_engine, make_session_factory, upgrade_to_head
+from dss.dialogue.versions import VersionStore
 from dss.errors import (
     BranchExists,
     BranchNotFound,
@@ -22,7 +23,6 @@ from dss.errors import (
     StaleHead,
     VersionNotFound,
 )
-from dss.versions import VersionStore
 
 USERS = ("u1", "u2")
 BRANCH_NAMES = ("main", "b1", "b2", "b3")

@@ -7,7 +7,7 @@ from fastapi import APIRouter, status
 from api.deps import PrincipalDep, StateDep
 from api.errors import error_responses
 from api.schemas import BranchCreate, BranchOut, ListResponse
-from dss.versions import BranchInfo
+from dss.dialogue.versions import BranchInfo
 
 router = APIRouter(tags=["branches"])
 

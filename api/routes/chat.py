@@ -8,10 +8,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from api.deps import EngineDep, PrincipalDep, StateDep, acting_principal
-from api.dialogue import chat_target
 from api.errors import error_responses
 from api.schemas import ChatCompletion, ChatCompletionRequest
 from api.turns import Turn, check_limits, run_turn
+from dss.dialogue.turns import chat_target
 from dss.errors import NotFoundError
 
 router = APIRouter(tags=["chat"])

@@ -13,7 +13,7 @@ from api.engine import ChatEngine, Finished, Sampling
 from api.errors import EngineUnavailable, error_responses
 from api.schemas import Deleted, ListResponse, PrefixCreate, PrefixOut
 from api.state import AppState
-from dss.store import PrefixInfo
+from dss.ops.prefixes import PrefixInfo
 from dss.types import PUBLIC_TENANT
 
 router = APIRouter(tags=["prefixes"])
@@ -80,7 +80,7 @@ async def create_prefix(
         tokens = await asyncio.to_thread(engine.encode, body.text)
     engine.check_length(len(tokens), 1, 1)
     info = await asyncio.to_thread(
-        state.store.register_public_prefix,
+        state.store.prefixes.register,
         engine.fingerprint,
         tokens,
         text=body.text,
@@ -88,12 +88,12 @@ async def create_prefix(
         pin=body.pin,
     )
     await _warm(state, engine, tokens, info.id)
-    return _out(await asyncio.to_thread(state.store.get_public_prefix, info.id))
+    return _out(await asyncio.to_thread(state.store.prefixes.get, info.id))
 
 
 @router.get("/v1/prefixes", response_model=ListResponse[PrefixOut], responses=error_responses(401))
 def list_prefixes(state: StateDep, _principal: PrincipalDep) -> ListResponse[PrefixOut]:
-    data = [_out(p) for p in state.store.list_public_prefixes()]
+    data = [_out(p) for p in state.store.prefixes.list()]
     return ListResponse[PrefixOut](
         data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None
     )
@@ -101,5 +101,5 @@ def list_prefixes(state: StateDep, _principal: PrincipalDep) -> ListResponse[Pre
 
 @router.delete("/v1/prefixes/{prefix_id}", response_model=Deleted, responses=error_responses(401, 403, 404))
 def delete_prefix(prefix_id: str, state: StateDep, _admin: AdminDep) -> Deleted:
-    state.store.delete_public_prefix(prefix_id)
+    state.store.prefixes.delete(prefix_id)
     return Deleted(id=prefix_id, object="prefix.deleted")

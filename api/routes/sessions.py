@@ -8,7 +8,6 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request, status
 
 from api.deps import EngineDep, PrincipalDep, StateDep, acting_principal
-from api.dialogue import message_target
 from api.errors import error_responses
 from api.schemas import (
     BranchOut,
@@ -20,7 +19,8 @@ from api.schemas import (
     SessionOut,
 )
 from api.turns import Turn, run_turn
-from dss.versions import SessionInfo
+from dss.dialogue.turns import message_target
+from dss.dialogue.versions import SessionInfo
 
 router = APIRouter(tags=["sessions"])
 
@@ -80,9 +80,7 @@ def get_session(session_id: str, state: StateDep, principal: PrincipalDep) -> Se
 @router.delete("/v1/sessions/{session_id}", response_model=Deleted, responses=error_responses(401, 404))
 def delete_session(session_id: str, state: StateDep, principal: PrincipalDep) -> Deleted:
     """Delete the session, its branches and versions (see docs/privacy.md for its cached pages)."""
-    from api.pages import drop_session_pages
-
-    drop_session_pages(state, principal.user, session_id)
+    state.store.delete_session(principal.user, session_id)
     return Deleted(id=session_id, object="session.deleted")
 
 

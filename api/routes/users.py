@@ -9,8 +9,8 @@ from api.deps import PrincipalDep, StateDep
 from api.errors import Forbidden, error_responses
 from api.schemas import ErasureReceiptOut, VerificationOut
 from api.state import AppState
-from dss.erasure import ErasureReceipt
 from dss.errors import ReceiptNotFound
+from dss.ops.erasure import ErasureReceipt
 
 router = APIRouter(tags=["users"])
 
@@ -38,7 +38,6 @@ def erase_user(user_id: str, state: StateDep, principal: PrincipalDep) -> Erasur
         raise Forbidden("only an admin key or the user themself may erase a user")
     store = state.store
     receipt = store.erase_user(user_id)
-    state.salts.bump(store.tenant_for(user_id))
     state.metrics.erasures.inc()
     return receipt_out(state, receipt)
 

@@ -8,8 +8,8 @@ from api.deps import PrincipalDep, StateDep
 from api.errors import error_responses
 from api.schemas import BranchOut, ListResponse, RollbackRequest, TierTokens, VersionDetail, VersionOut
 from api.state import AppState
+from dss.dialogue.versions import VersionInfo
 from dss.types import FingerprintId, Tier
-from dss.versions import VersionInfo
 
 router = APIRouter(tags=["versions"])
 

@@ -1,7 +1,7 @@
 """The metadata database: table models, engines, transactions and migrations.
 
 Import rules: depends only on SQLAlchemy/Alembic and `dss.types`/`dss.errors`; services such as
-`dss.versions` build on it, never the other way round.
+`dss.dialogue.versions` build on it, never the other way round.
 """
 
 from dss.db.engine import (

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dss.errors import CapacityError, InvalidInput, NotFoundError
-from dss.hashing import HASH_BYTES, TOKEN_DTYPE, as_tokens
+from dss.index.hashing import HASH_BYTES, TOKEN_DTYPE, as_tokens
 from dss.types import PageHash
 
 _EMPTY_KEY = np.empty(0, dtype=TOKEN_DTYPE)

@@ -6,8 +6,13 @@ mapped with `mmap`. The owner (`HostTier`) decides which slot holds which page; 
 to and from KV blocks directly, so page bytes never travel through a socket.
 
 Slots are handed out in two steps so a writer in another process can fill one before anybody
-can read it: `reserve` gives a slot nobody else uses, the writer fills it, `publish` makes the
-page visible. Deleting a page zeroes its slot first: erased data must not linger in shared memory.
+can read it: `reserve` gives a slot nobody else uses and the writer fills it. The page store
+(`dss.pages.manager`) keeps its pages in reserved slots and names them by `SlotRef` in its own
+page table; `publish`/`get`/`delete` by page hash are a small keyed layer for tools and tests.
+A slot is zeroed before it is free again: erased data must not linger in shared memory.
+
+Lock: `HostTier._lock` is a leaf guarding slot bookkeeping only; zeroing and copying run outside
+it, on slots that are reserved (so nobody else can take them).
 """
 
 from __future__ import annotations
@@ -25,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dss.codec import Buffer
 from dss.errors import CapacityError, InvalidInput, PageMissing, StoreClosed, TierUnavailable
-from dss.tiers.base import IndexedTier
-from dss.types import PageHash, Tier
+from dss.pages.tiers.base import IndexedTier
+from dss.types import Buffer, PageHash, Tier
+from dss.wire import ArenaInfo, SlotRef
 
 if TYPE_CHECKING:
     import torch
@@ -39,33 +44,6 @@ SHM_DIR = Path("/dev/shm")
 def default_directory() -> Path:
     base = SHM_DIR if SHM_DIR.is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
     return base / f"dss-{os.getpid()}-{secrets.token_hex(4)}"
-
-
-@dataclass(frozen=True, slots=True)
-class ArenaInfo:
-    """Everything another process needs to attach an arena."""
-
-    path: str
-    slot_nbytes: int
-    n_slots: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.slot_nbytes * self.n_slots
-
-
-@dataclass(frozen=True, slots=True)
-class SlotRef:
-    """One slot of one arena; picklable, so it can name a slot to another process."""
-
-    path: str
-    slot_nbytes: int
-    slot: int
-    n_slots: int = 0  # of the arena, so that another process can attach it from the ref alone
-
-    @property
-    def arena(self) -> ArenaInfo:
-        return ArenaInfo(self.path, self.slot_nbytes, self.n_slots)
 
 
 def _cudart(torch: Any) -> Any:
@@ -312,25 +290,28 @@ class HostTier(IndexedTier):
             if ref.slot not in slots.reserved:
                 raise InvalidInput(f"slot {ref.slot} is not reserved")
             existing = self._pages.get(page)
-            if existing is not None:
-                self._release_locked(slots, ref)
-                return existing
-            slots.reserved.discard(ref.slot)
-            self._pages[page] = ref
-            return ref
+            if existing is None:
+                slots.reserved.discard(ref.slot)
+                self._pages[page] = ref
+                return ref
+        self.release(ref)
+        return existing
 
     def release(self, ref: SlotRef) -> None:
-        """Give back a reservation that was never published."""
+        """Give back a reserved slot (the page store keeps its pages in reserved slots and frees
+        them here). It may hold a page or a partial copy of one: it is zeroed like a deleted page,
+        outside the lock: the slot is still reserved, so it is the caller's alone until freed."""
         with self._lock:
             slots = self._arena_of(ref)
             if ref.slot not in slots.reserved:
                 raise InvalidInput(f"slot {ref.slot} is not reserved")
+        slots.arena.numpy(ref.slot).fill(0)
+        with self._lock:
             self._release_locked(slots, ref)
 
     def _release_locked(self, slots: _ArenaSlots, ref: SlotRef) -> None:
+        """Caller holds the lock and has zeroed the slot (outside the lock)."""
         slots.reserved.discard(ref.slot)
-        # A released reservation may hold a partial copy of a page: zero it like a deleted one.
-        slots.arena.numpy(ref.slot).fill(0)
         slots.free.append(ref.slot)
         self._used -= ref.slot_nbytes
 
@@ -404,6 +385,15 @@ class HostTier(IndexedTier):
     def free_bytes(self) -> int:
         with self._lock:
             return self.capacity_bytes - self._used
+
+    def reserved_slots(self) -> set[SlotRef]:
+        """Every reserved slot (the page store's pages live there), for `check()`."""
+        with self._lock:
+            return {
+                SlotRef(s.arena.info.path, size, slot, s.arena.info.n_slots)
+                for size, s in self._arenas.items()
+                for slot in s.reserved
+            }
 
     def check(self) -> None:
         """Assert the allocation invariants (for tests and post-mortems)."""

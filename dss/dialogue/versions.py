@@ -42,7 +42,7 @@ from dss.errors import (
     StaleHead,
     VersionNotFound,
 )
-from dss.hashing import TOKEN_DTYPE
+from dss.index.hashing import TOKEN_DTYPE
 from dss.types import SessionId, UserId
 
 MAIN_BRANCH = "main"

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from dss import crypto
-from dss.codec import Buffer, Codec, codec_by_id
 from dss.errors import CorruptPage, InvalidInput, PageShapeMismatch
-from dss.hashing import HASH_BYTES, TOKEN_DTYPE, as_tokens
-from dss.pages import PageMeta
-from dss.types import NamespaceId, PageHash, TenantId
+from dss.index.hashing import HASH_BYTES, TOKEN_DTYPE, as_tokens
+from dss.keys import crypto
+from dss.pages.codec import Codec, codec_by_id
+from dss.pages.meta import PageMeta
+from dss.types import Buffer, NamespaceId, PageHash, TenantId
 
 MAGIC = b"DSSP"
 FORMAT_VERSION = 1

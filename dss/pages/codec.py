@@ -27,8 +27,7 @@ import numpy as np
 import zstandard
 
 from dss.errors import CorruptPage, InvalidInput
-
-Buffer = bytes | bytearray | memoryview
+from dss.types import Buffer
 
 
 @runtime_checkable

@@ -20,25 +20,18 @@ from pathlib import Path
 
 import numpy as np
 
-from dss.codec import Buffer, Codec
 from dss.errors import CapacityError, CorruptPage, PageMissing, TierUnavailable
-from dss.hashing import HASH_BYTES
-from dss.pagefile import HEADER_LEN, PageFileHeader, decode_page, encode_page, read_header
-from dss.pages import PageMeta
-from dss.tiers.base import IndexedTier
-from dss.types import PageHash, Tier
+from dss.files import fsync_dir
+from dss.index.hashing import HASH_BYTES
+from dss.pages.codec import Codec
+from dss.pages.meta import PageMeta
+from dss.pages.pagefile import HEADER_LEN, PageFileHeader, decode_page, encode_page, read_header
+from dss.pages.tiers.base import IndexedTier
+from dss.types import Buffer, PageHash, Tier
 
 PAGE_SUFFIX = ".page"
 TEMP_MARK = ".tmp-"
 _PROBE_NAME = ".probe"
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _page_from_name(name: str) -> PageHash | None:
@@ -137,7 +130,7 @@ class DiskTier(IndexedTier):
         if subdir.name not in self._known_dirs:
             subdir.mkdir(exist_ok=True)
             if self.fsync:
-                _fsync_dir(self.root)
+                fsync_dir(self.root)
             self._known_dirs.add(subdir.name)
         with self._lock:
             self._writing.add(tmp.name)
@@ -153,7 +146,7 @@ class DiskTier(IndexedTier):
             os.close(fd)
         os.rename(tmp, final)
         if self.fsync:
-            _fsync_dir(subdir)
+            fsync_dir(subdir)
 
     # --- reading ------------------------------------------------------------------------------
     def _read_bytes(self, page: PageHash, limit: int | None = None) -> bytes:

@@ -14,10 +14,9 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from dss.codec import Buffer
 from dss.errors import CapacityError, InvalidInput, PageMissing
-from dss.tiers.base import IndexedTier
-from dss.types import PageHash, Tier
+from dss.pages.tiers.base import IndexedTier
+from dss.types import Buffer, PageHash, Tier
 
 
 def default_device() -> str:

@@ -21,6 +21,8 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from dss.errors import CorruptPage, WrongMasterKey
+from dss.files import fsync_dir
+from dss.types import Buffer
 
 KEY_BYTES = 32
 NONCE_BYTES = 12
@@ -30,8 +32,6 @@ DEFAULT_ENV_VAR = "DSS_MASTER_KEY"
 _WRAP_AAD = b"dss-data-key\x00"
 _VERIFIER_AAD = b"dss-master-key-verifier\x00"
 _VERIFIER_PLAINTEXT = b"DSS master key verifier v1"
-
-Buffer = bytes | bytearray | memoryview
 
 
 def _parse_hex_key(text: str, source: str) -> bytes:
@@ -45,14 +45,6 @@ def _parse_hex_key(text: str, source: str) -> bytes:
             f"malformed master key in {source}: expected {2 * KEY_BYTES} hex characters, got {len(text)}"
         )
     return key
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class KeyManager:
@@ -159,7 +151,7 @@ def _create_key_file(path: Path) -> bytes:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except OSError as exc:
         raise WrongMasterKey(f"cannot create master key file {path}: {exc.strerror or exc}") from exc
     return key

@@ -18,9 +18,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from dss.db.engine import transaction
 from dss.db.models import BranchRow, utcnow
+from dss.dialogue.versions import EMPTY_HEAD, MAIN_BRANCH, SessionInfo, VersionInfo, VersionStore
 from dss.errors import BranchExists, ConflictError, SessionExists, SessionNotFound, StaleHead
 from dss.types import SessionId
-from dss.versions import EMPTY_HEAD, MAIN_BRANCH, SessionInfo, VersionInfo, VersionStore
 
 _MAX_FORK_NAMES = 64
 _MAX_COMMIT_TRIES = 4

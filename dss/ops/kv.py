@@ -1,0 +1,463 @@
+"""KV loads and saves: the prefix index and the tiered pages used together, for engines.
+
+The named primitives follow vLLM's offloading connector: `match` (how much is stored),
+`begin_load` / `wait_loaded` / `release` (pin pages, promote them into the host arena, validate
+the engine's copies, unpin), and `plan_save` / `commit_save` / `abort_save` (reserve host slots
+for the pages the store lacks, publish them once the engine copied them).
+
+Lock: `KVCache._lock` is a leaf around the registries of leases, pending saves and tenants being
+erased. The index and the page table are called with no lock held; a page one of them drops is
+handed to `forget`, which unlinks it from the index afterwards. The order of calls between the
+parts, never nested: index → page table → tiers (inside `TieredPages`) → index again (`forget`).
+
+Erasure cooperates through `erasing(tenant)`: while it is held, saves of the tenant are refused
+and the saves already in flight have finished, so nothing of the tenant is published behind the
+erasure's back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dss.config import StoreConfig
+from dss.errors import InvalidInput, LimitExceeded, PageShapeMismatch, StorageError
+from dss.index.fingerprints import FingerprintRegistry
+from dss.index.hashing import ROOT_PARENT, as_tokens, chain_hashes
+from dss.index.prefix_index import PrefixIndex
+from dss.namespace import make_namespace, public_namespace
+from dss.ops.writeback import DiskWriter
+from dss.pages.manager import TieredPages
+from dss.pages.meta import PageMeta
+from dss.pages.table import Held
+from dss.types import PUBLIC_TENANT, FingerprintId, Namespace, PageHash, TenantId, Tier
+from dss.wire import LoadPlan, PageSlot, SavePlan, SlotRef
+
+log = logging.getLogger("dss.kv")
+
+_ERASE_WAIT_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class MatchInfo:
+    n_tokens: int
+    pages: tuple[PageHash, ...]
+    public_tokens: int
+
+
+@dataclass
+class _Lease:
+    held: list[Held]  # every page pinned by the lease (from page 0)
+    plan_pages: tuple[PageSlot, ...]
+    futures: dict[int, Future[SlotRef | None]]
+    created: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _PendingSave:
+    fingerprint: FingerprintId
+    namespace: Namespace
+    tokens: np.ndarray
+    hashes: list[PageHash]
+    namespaces: list[Namespace]
+    slots: dict[int, SlotRef]
+    created: float = field(default_factory=time.monotonic)
+
+
+class KVCache:
+    def __init__(
+        self,
+        config: StoreConfig,
+        fingerprints: FingerprintRegistry,
+        index: PrefixIndex,
+        pages: TieredPages,
+    ) -> None:
+        self.config = config
+        self.fingerprints = fingerprints
+        self.index = index
+        self.pages = pages
+        self._lock = threading.Lock()
+        self._quiet = threading.Condition(self._lock)  # notified when a tenant's save finishes
+        self._leases: dict[str, _Lease] = {}
+        self._saves: dict[str, _PendingSave] = {}
+        self._erasing: set[TenantId] = set()
+        self._active: dict[TenantId, int] = {}  # saves of each tenant being published now
+        self._pins: dict[FingerprintId, list[np.ndarray]] = {}
+        self._loader = ThreadPoolExecutor(max_workers=config.loader_threads, thread_name_prefix="dss-loader")
+        self.writer = DiskWriter(pages, self.forget) if (config.write_through and pages.disk is not None) else None
+
+    def close(self) -> None:
+        self._loader.shutdown(wait=True, cancel_futures=True)
+        if self.writer is not None:
+            self.writer.close()
+
+    # ------------------------------------------------------------------ matching
+    def _tokens(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        arr = as_tokens(tokens)
+        if len(arr) > self.config.max_tokens_per_sequence:
+            raise LimitExceeded(
+                f"{len(arr)} tokens exceed the limit of {self.config.max_tokens_per_sequence}"
+            )
+        return arr
+
+    def match(self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray) -> MatchInfo:
+        """Longest stored prefix (whole pages) for `tokens` in the tenant's namespace, public
+        prefixes included. Pages that left every tier end the match."""
+        bs = self.fingerprints.get(fid).block_size
+        m = self.index.match(fid, tenant, self._tokens(tokens))
+        n_ok = self.pages.table.present_prefix(m.pages)
+        return MatchInfo(n_ok * bs, m.pages[:n_ok], min(m.public_pages, n_ok) * bs)
+
+    def residency(
+        self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray
+    ) -> dict[str, int]:
+        """Tokens of `tokens` whose KV is resident in each tier now (fastest copy counts)."""
+        m = self.match(fid, tenant, tokens)
+        bs = self.fingerprints.get(fid).block_size
+        out = {t.value: 0 for t in Tier}
+        for h in m.pages:
+            t = self.pages.fastest_tier(h)
+            if t is not None:
+                out[t.value] += bs
+        return out
+
+    def forget(self, gone: Sequence[PageHash]) -> None:
+        """Pages that left the page table: unlink them from the index, and drop the pages below
+        them that became unreachable."""
+        if gone:
+            orphans = self.index.unlink(gone)
+            if orphans:
+                self.pages.drop(orphans)
+
+    # ------------------------------------------------------------------ loading
+    def begin_load(
+        self,
+        fid: FingerprintId,
+        tenant: TenantId,
+        tokens: Sequence[int] | np.ndarray,
+        start_token: int = 0,
+        max_tokens: int | None = None,
+    ) -> LoadPlan | None:
+        """Match and pin the pages after `start_token` (a multiple of the block size). Pages only
+        on disk are promoted into the host arena by loader threads (the plan is then async)."""
+        bs = self.fingerprints.get(fid).block_size
+        if start_token % bs:
+            raise InvalidInput(f"start_token {start_token} is not a multiple of the block size {bs}")
+        self._expire_stale()
+        m = self.index.match(fid, tenant, self._tokens(tokens))
+        first = start_token // bs
+        last = len(m.pages) if max_tokens is None else min(len(m.pages), max_tokens // bs)
+        if last <= first:
+            return None
+        held = self.pages.lease_prefix(m.pages[:last])
+        if len(held) <= first:
+            self.pages.unlease(held)
+            return None
+        futures: dict[int, Future[SlotRef | None]] = {}
+        tier_tokens = {t.value: 0 for t in Tier}
+        plan_pages: list[PageSlot] = []
+        for i in range(first, len(held)):
+            ref = held[i].host_ref
+            if ref is None:
+                futures[i] = self._loader.submit(self._promote, held[i].hash)
+                tier_tokens[Tier.DISK.value] += bs
+            else:
+                tier_tokens[Tier.HOST.value] += bs
+            plan_pages.append(PageSlot(i, held[i].hash, ref))
+        load_id = uuid.uuid4().hex
+        with self._lock:
+            self._leases[load_id] = _Lease(held, tuple(plan_pages), futures)
+        n_tokens = (len(held) - first) * bs
+        return LoadPlan(load_id, n_tokens, start_token, tuple(plan_pages), bool(futures), tier_tokens)
+
+    def _promote(self, page: PageHash) -> SlotRef | None:
+        gone: list[PageHash] = []
+        try:
+            return self.pages.promote_to_host(page, gone)
+        finally:
+            self.forget(gone)
+
+    def wait_loaded(
+        self, load_id: str, timeout_s: float = 30.0, release: bool = False
+    ) -> tuple[PageSlot | None, ...]:
+        """Every page of the plan with its host slot, or None where the page cannot be had (not
+        promoted in time, or erased since it was pinned). An engine calls it again with
+        `release=True` after copying: a copy that raced an erasure comes back None, never
+        trusted."""
+        with self._lock:
+            lease = self._leases.get(load_id)
+        if lease is None:
+            return ()
+        deadline = time.monotonic() + timeout_s
+        out: list[PageSlot | None] = []
+        for ps in lease.plan_pages:
+            ref = ps.slot
+            fut = lease.futures.get(ps.page_index)
+            if fut is not None:
+                try:
+                    ref = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                except FutureTimeout:
+                    ref = None
+            ok = ref is not None and self.pages.valid(lease.held[ps.page_index], ref)
+            out.append(PageSlot(ps.page_index, ps.hash, ref) if ok else None)
+        if release:
+            self.release(load_id)
+        return tuple(out)
+
+    def release(self, load_id: str) -> None:
+        with self._lock:
+            lease = self._leases.pop(load_id, None)
+        if lease is not None:
+            self.pages.unlease(lease.held)
+
+    def _expire_stale(self) -> None:
+        """Free leases and reserved save slots whose engine never came back (it died mid-load or
+        mid-save): otherwise their pages could never be evicted."""
+        limit = time.monotonic() - self.config.lease_timeout_s
+        with self._lock:
+            stale_loads = [k for k, v in self._leases.items() if v.created < limit]
+            stale_saves = [k for k, v in self._saves.items() if v.created < limit]
+        for k in stale_loads:
+            log.warning("releasing load %s: not released within %ss", k, self.config.lease_timeout_s)
+            self.release(k)
+        for k in stale_saves:
+            log.warning("aborting save %s: not committed within %ss", k, self.config.lease_timeout_s)
+            self.abort_save(k)
+
+    # ------------------------------------------------------------------ saving
+    def plan_save(
+        self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray, n_pages: int
+    ) -> SavePlan:
+        """Reserve host slots for the pages of `tokens[: n_pages * block_size]` that the store lacks."""
+        self._expire_stale()
+        fp = self.fingerprints.get(fid)
+        bs = fp.block_size
+        arr = self._tokens(tokens)
+        n_pages = max(0, min(n_pages, len(arr) // bs))
+        arr = arr[: n_pages * bs]
+        own_ns = make_namespace(fid, tenant)
+        pub_ns = public_namespace(fid)
+        pub_pages = self.index.public_match(fid, arr) if tenant != PUBLIC_TENANT else ()
+        k_pub = len(pub_pages)
+        parent = pub_pages[-1] if k_pub else ROOT_PARENT
+        hashes = list(pub_pages) + chain_hashes(own_ns.id, arr, bs, parent=parent, start_page=k_pub)
+        namespaces = [pub_ns] * k_pub + [own_ns] * (n_pages - k_pub)
+        save_id = uuid.uuid4().hex
+        with self._tenant_save(tenant) as allowed:
+            if not allowed:
+                return SavePlan(save_id, ())
+            missing = set(self.pages.table.missing(hashes))
+            slots: dict[int, SlotRef] = {}
+            gone: list[PageHash] = []
+            try:
+                for i, h in enumerate(hashes):
+                    if h in missing:
+                        slots[i] = self.pages.reserve_host(fp.page_nbytes, gone)
+            except BaseException:
+                for ref in slots.values():
+                    self.pages.release_host(ref)
+                raise
+            finally:
+                self.forget(gone)
+            pending = _PendingSave(fid, own_ns, arr, hashes, namespaces, slots)
+            if slots:
+                with self._lock:
+                    self._saves[save_id] = pending
+            else:
+                # Pages we already hold still need linking into this namespace's trie (e.g. the
+                # user reached a page through a public prefix for the first time).
+                self._link(pending)
+        return SavePlan(save_id, tuple(PageSlot(i, hashes[i], ref) for i, ref in sorted(slots.items())))
+
+    def commit_save(self, save_id: str, written: Sequence[int]) -> int:
+        """Publish the pages the engine copied into their slots; returns how many were new."""
+        with self._lock:
+            pending = self._saves.pop(save_id, None)
+        if pending is None:
+            return 0
+        with self._tenant_save(pending.namespace.tenant) as allowed:
+            if not allowed:  # erased meanwhile (its pending saves were aborted): nothing lands
+                self._free(pending)
+                return 0
+            return self._publish(pending, set(written))
+
+    def _publish(self, pending: _PendingSave, done: set[int]) -> int:
+        fp = self.fingerprints.get(pending.fingerprint)
+        bs = fp.block_size
+        # Pages must be contiguous from 0 to be reachable: stop at the first missing one.
+        upto = 0
+        for i in range(len(pending.hashes)):
+            if i in pending.slots and i not in done:
+                break
+            upto = i + 1
+        new = 0
+        for i, ref in sorted(pending.slots.items()):
+            if i >= upto:
+                self.pages.release_host(ref)
+                continue
+            ns = pending.namespaces[i]
+            meta = PageMeta(
+                hash=pending.hashes[i],
+                namespace=ns.id,
+                tenant=ns.tenant,
+                fingerprint=pending.fingerprint,
+                parent=pending.hashes[i - 1] if i else ROOT_PARENT,
+                index=i,
+                nbytes=fp.page_nbytes,
+                tokens=pending.tokens[i * bs : (i + 1) * bs].copy(),
+            )
+            if self.pages.publish(meta, ref):
+                new += 1
+                if self.writer is not None:
+                    self.writer.enqueue(meta.hash)
+        pending.hashes = pending.hashes[:upto]
+        pending.tokens = pending.tokens[: upto * bs]
+        self._link(pending)
+        if pending.namespace.is_public:
+            self._apply_pins(pending.fingerprint)
+        return new
+
+    def abort_save(self, save_id: str) -> None:
+        with self._lock:
+            pending = self._saves.pop(save_id, None)
+        if pending is not None:
+            self._free(pending)
+
+    def _free(self, pending: _PendingSave) -> None:
+        for ref in pending.slots.values():
+            self.pages.release_host(ref)
+
+    def _link(self, pending: _PendingSave) -> None:
+        """Index a saved sequence in its namespace (its leading public pages included)."""
+        n = self.pages.table.present_prefix(pending.hashes)
+        if n == 0:
+            return
+        bs = self.fingerprints.get(pending.fingerprint).block_size
+        held = self.pages.lease_prefix(pending.hashes[:n])  # no eviction while we index them
+        try:
+            hashes = pending.hashes[: len(held)]
+            cut = self.index.insert(pending.namespace, bs, pending.tokens[: len(held) * bs], hashes)
+            # Leases do not stop an erasure or a corrupt-page drop: a page that left the table
+            # between the lease and the insert must not stay indexed.
+            self.forget(self.pages.table.missing(hashes))
+        finally:
+            self.pages.unlease(held)
+        if cut:
+            self.pages.drop(cut)
+
+    def pending_slots(self) -> list[SlotRef]:
+        with self._lock:
+            return [ref for p in self._saves.values() for ref in p.slots.values()]
+
+    # ------------------------------------------------------------------ erasure and pins
+    @contextlib.contextmanager
+    def _tenant_save(self, tenant: TenantId) -> Iterator[bool]:
+        """Count a save of `tenant` as in flight; yields False (and counts nothing) while the
+        tenant is being erased."""
+        with self._lock:
+            if tenant in self._erasing:
+                allowed = False
+            else:
+                allowed = True
+                self._active[tenant] = self._active.get(tenant, 0) + 1
+        try:
+            yield allowed
+        finally:
+            if allowed:
+                with self._lock:
+                    self._active[tenant] -= 1
+                    if not self._active[tenant]:
+                        del self._active[tenant]
+                    self._quiet.notify_all()
+
+    @contextlib.contextmanager
+    def erasing(self, tenant: TenantId) -> Iterator[None]:
+        """Refuse the tenant's saves, abort the ones planned, wait for the ones publishing now."""
+        deadline = time.monotonic() + _ERASE_WAIT_S
+        with self._lock:
+            self._erasing.add(tenant)
+            aborted = [k for k, p in self._saves.items() if p.namespace.tenant == tenant]
+            pending = [self._saves.pop(k) for k in aborted]
+        try:
+            for p in pending:
+                self._free(p)
+            with self._lock:
+                while self._active.get(tenant):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise StorageError("saves of the user did not finish in time; erase again")
+                    self._quiet.wait(left)
+            yield
+        finally:
+            with self._lock:
+                self._erasing.discard(tenant)
+
+    def set_pins(self, fid: FingerprintId, token_lists: list[np.ndarray]) -> None:
+        """The public prefixes of `fid` to keep pinned (their pages are never evicted)."""
+        with self._lock:
+            old = self._pins.get(fid, [])
+            self._pins[fid] = list(token_lists)
+        for tokens in old:
+            self.pages.set_pinned(self.match(fid, PUBLIC_TENANT, tokens).pages, False)
+        self._apply_pins(fid)
+
+    def _apply_pins(self, fid: FingerprintId) -> None:
+        with self._lock:
+            token_lists = list(self._pins.get(fid, []))
+        for tokens in token_lists:
+            self.pages.set_pinned(self.match(fid, PUBLIC_TENANT, tokens).pages, True)
+
+    # ------------------------------------------------------------------ in-process convenience
+    def put_sequence(
+        self,
+        fid: FingerprintId,
+        tenant: TenantId,
+        tokens: Sequence[int] | np.ndarray,
+        pages: Sequence[bytes | memoryview],
+    ) -> int:
+        """Store whole pages for `tokens` (page i = bytes of block i). Returns new pages stored."""
+        fp = self.fingerprints.get(fid)
+        for p in pages:
+            if len(p) != fp.page_nbytes:
+                raise PageShapeMismatch(f"page of {len(p)} bytes; fingerprint {fid} needs {fp.page_nbytes}")
+        plan = self.plan_save(fid, tenant, tokens, len(pages))
+        for ps in plan.pages:
+            assert ps.slot is not None
+            self.pages.host.slot_array(ps.slot)[:] = np.frombuffer(pages[ps.page_index], dtype=np.uint8)
+        return self.commit_save(plan.save_id, [ps.page_index for ps in plan.pages])
+
+    def load_sequence(
+        self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray
+    ) -> tuple[int, list[bytes]]:
+        """Tokens matched and a copy of each matched page's bytes (stops at a failed page). The
+        copies are validated after they are taken, like an engine's."""
+        plan = self.begin_load(fid, tenant, tokens)
+        if plan is None:
+            return 0, []
+        copies: list[bytes] = []
+        try:
+            for ps in self.wait_loaded(plan.load_id):
+                if ps is None or ps.slot is None:
+                    break
+                copies.append(self.pages.host.slot_array(ps.slot).tobytes())
+        finally:
+            valid = self.wait_loaded(plan.load_id, 0.0, release=True)
+        n = 0
+        for ps in valid[: len(copies)]:
+            if ps is None:
+                break
+            n += 1
+        return n * self.fingerprints.get(fid).block_size, copies[:n]
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"leases": len(self._leases), "pending_saves": len(self._saves)}

@@ -1,0 +1,123 @@
+"""Public prefixes: admin-registered token prefixes (a shared system prompt) whose KV every user
+of the model may load. Their rows live in `public_prefixes`; their pages in the fingerprint's
+public namespace, optionally pinned (never evicted) through `KVCache.set_pins`."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from dss.db.engine import transaction
+from dss.db.models import PublicPrefixRow
+from dss.errors import InvalidInput, PrefixNotFound
+from dss.index.fingerprints import FingerprintRegistry
+from dss.index.hashing import as_tokens
+from dss.ops.kv import KVCache
+from dss.types import PUBLIC_TENANT, FingerprintId
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixInfo:
+    id: str
+    fingerprint: FingerprintId
+    n_tokens: int
+    pinned: bool
+    text: str | None
+    created_at: float
+    cached_tokens: int
+
+
+class PublicPrefixes:
+    def __init__(
+        self, session_factory: sessionmaker[Session], fingerprints: FingerprintRegistry, kv: KVCache
+    ) -> None:
+        self._sf = session_factory
+        self._fingerprints = fingerprints
+        self._kv = kv
+        for fid in list(fingerprints):
+            self._refresh_pins(fid)
+
+    def register(
+        self,
+        fid: FingerprintId,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        text: str | None = None,
+        messages: list[dict[str, object]] | None = None,
+        pin: bool = False,
+    ) -> PrefixInfo:
+        fp = self._fingerprints.get(fid)
+        arr = as_tokens(tokens)
+        if len(arr) < fp.block_size:
+            raise InvalidInput(
+                f"a public prefix must cover at least one full page ({fp.block_size} tokens); got {len(arr)}"
+            )
+        pid = "pfx_" + uuid.uuid4().hex[:24]
+        with transaction(self._sf) as s:
+            s.add(
+                PublicPrefixRow(
+                    id=pid,
+                    fingerprint=fid,
+                    n_tokens=len(arr),
+                    tokens=arr.tobytes(),
+                    text=text,
+                    messages=messages,
+                    pinned=pin,
+                )
+            )
+        self._refresh_pins(fid)
+        return self.get(pid)
+
+    def get(self, pid: str) -> PrefixInfo:
+        with self._sf() as s:
+            row = s.get(PublicPrefixRow, pid)
+            if row is None:
+                raise PrefixNotFound(f"no public prefix {pid!r}")
+            return self._info(row)
+
+    def tokens(self, pid: str) -> np.ndarray:
+        with self._sf() as s:
+            row = s.get(PublicPrefixRow, pid)
+            if row is None:
+                raise PrefixNotFound(f"no public prefix {pid!r}")
+            return np.frombuffer(row.tokens, dtype="<i4").copy()
+
+    def list(self) -> list[PrefixInfo]:
+        with self._sf() as s:
+            rows = s.execute(
+                select(PublicPrefixRow).order_by(PublicPrefixRow.created_at, PublicPrefixRow.id)
+            ).scalars()
+            return [self._info(r) for r in rows]
+
+    def delete(self, pid: str) -> None:
+        with transaction(self._sf) as s:
+            row = s.get(PublicPrefixRow, pid)
+            if row is None:
+                raise PrefixNotFound(f"no public prefix {pid!r}")
+            fid = FingerprintId(row.fingerprint)
+            s.delete(row)
+        self._refresh_pins(fid)
+
+    def _info(self, row: PublicPrefixRow) -> PrefixInfo:
+        fid = FingerprintId(row.fingerprint)
+        tokens = np.frombuffer(row.tokens, dtype="<i4")
+        cached = self._kv.match(fid, PUBLIC_TENANT, tokens).n_tokens if fid in self._fingerprints else 0
+        return PrefixInfo(
+            row.id, fid, row.n_tokens, bool(row.pinned), row.text, row.created_at.timestamp(), cached
+        )
+
+    def _refresh_pins(self, fid: FingerprintId) -> None:
+        with self._sf() as s:
+            rows = s.execute(
+                select(PublicPrefixRow.tokens).where(
+                    PublicPrefixRow.fingerprint == fid, PublicPrefixRow.pinned.is_(True)
+                )
+            ).scalars()
+            pinned = [np.frombuffer(t, dtype="<i4").copy() for t in rows]
+        if fid in self._fingerprints:
+            self._kv.set_pins(fid, pinned)

@@ -1,0 +1,507 @@
+"""The tier manager: moving page bytes between the tiers, without holding a lock while doing it.
+
+Policy across the tier backends (which know nothing of each other): promotion on hit
+(disk → host → device), demotion under pressure (host → disk first: write-back), write-through
+of committed pages (called by `dss.ops.writeback`), pins for hot public prefixes, and dropping
+pages everywhere (eviction from the last tier, erasure, corruption).
+
+Every move follows one pattern: claim the page in the `PageTable` (a short critical section),
+copy / compress / encrypt / write / fsync with no lock held, then settle the result in another
+short critical section. The table's lock is a leaf; the tier backends' locks are leaves too and
+are never taken while the table's is held. So the lock order is simply: none is nested.
+
+Nothing here knows about the index. A page that leaves every tier (evicted from the last one,
+dropped as corrupt) is appended to the `gone` list the caller passes in; the caller unlinks it
+from the index after the call returns. No callback runs upward.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dss.errors import CapacityError, CorruptPage, KeyDestroyed, StorageError, TierUnavailable
+from dss.pages.eviction import EvictionPolicy, PageStats
+from dss.pages.meta import PageMeta
+from dss.pages.rows import PageRows
+from dss.pages.table import Held, PageEntry, PageTable
+from dss.pages.tiers.device import DeviceTier
+from dss.pages.tiers.disk import DiskTier
+from dss.pages.tiers.host import HostTier
+from dss.types import PageHash, TenantId, Tier
+from dss.wire import SlotRef
+
+log = logging.getLogger("dss.pages")
+
+DataKeyLookup = Callable[[TenantId], bytes]
+"""Returns the tenant's data key (creating it on first use); raises KeyDestroyed after an erasure."""
+
+_WAIT_BUSY_S = 10.0  # how long a promotion waits for another thread's move of the same page
+
+
+@dataclass
+class TierCounters:
+    """Monotonic counters per tier, read by the metrics exporter. Own leaf lock."""
+
+    hits_pages: dict[Tier, int] = field(default_factory=lambda: dict.fromkeys(Tier, 0))
+    promotions: dict[Tier, int] = field(default_factory=lambda: dict.fromkeys(Tier, 0))
+    evictions: dict[Tier, int] = field(default_factory=lambda: dict.fromkeys(Tier, 0))
+    corrupt_pages: int = 0
+    disk_write_errors: int = 0
+    pages_dropped: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def count(self, name: str, tier: Tier | None = None, n: int = 1) -> None:
+        with self._lock:
+            if tier is None:
+                setattr(self, name, getattr(self, name) + n)
+            else:
+                getattr(self, name)[tier] += n
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    gone: list[PageHash]  # pages no reader can have any more
+    removed: dict[Tier, tuple[int, int]]  # {tier: (pages, bytes)} deleted now
+
+
+class TieredPages:
+    def __init__(
+        self,
+        table: PageTable,
+        host: HostTier,
+        disk: DiskTier | None,
+        device: DeviceTier | None,
+        policy: EvictionPolicy,
+        rows: PageRows,
+        data_key: DataKeyLookup,
+    ) -> None:
+        self.table = table
+        self.host = host
+        self.disk = disk
+        self.device = device
+        self.policy = policy
+        self.rows = rows
+        self._data_key = data_key
+        self.counters = TierCounters()
+
+    # ------------------------------------------------------------------ queries
+    def contains(self, page: PageHash) -> bool:
+        return self.table.contains(page)
+
+    def tiers_of(self, page: PageHash) -> frozenset[Tier]:
+        e = self.table.get(page)
+        return frozenset(e.tiers) if e is not None else frozenset()
+
+    def fastest_tier(self, page: PageHash) -> Tier | None:
+        tiers = self.tiers_of(page)
+        return min(tiers, key=lambda t: t.rank) if tiers else None
+
+    def used_bytes(self) -> dict[Tier, int]:
+        return {
+            Tier.HOST: self.host.used_bytes,
+            Tier.DISK: self.disk.used_bytes if self.disk else 0,
+            Tier.DEVICE: self.device.used_bytes if self.device else 0,
+        }
+
+    def page_counts(self) -> dict[Tier, int]:
+        counts = dict.fromkeys(Tier, 0)
+        for e in self.table.snapshot():
+            for t in e.tiers:
+                counts[t] += 1
+        return counts
+
+    def tenant_usage(self, tenant: TenantId) -> dict[Tier, tuple[int, int]]:
+        """{tier: (pages, bytes)} held for one tenant (disk bytes are bytes on disk)."""
+        return _usage(self.table.snapshot(tenant))
+
+    @property
+    def disk_available(self) -> bool:
+        return self.disk is not None and self.disk.available
+
+    # ------------------------------------------------------------------ readers
+    def lease_prefix(self, pages: Iterable[PageHash]) -> list[Held]:
+        held = self.table.lease_prefix(pages)
+        hits = sum(1 for h in held if h.host_ref is not None)
+        if hits:
+            self.counters.count("hits_pages", Tier.HOST, hits)
+        return held
+
+    def unlease(self, held: Iterable[Held]) -> None:
+        self.table.unlease(held)
+
+    def valid(self, held: Held, ref: SlotRef | None) -> bool:
+        return self.table.valid(held, ref)
+
+    def set_pinned(self, pages: Iterable[PageHash], pinned: bool) -> None:
+        self.table.set_pinned(pages, pinned)
+
+    # ------------------------------------------------------------------ writing
+    def reserve_host(self, nbytes: int, gone: list[PageHash]) -> SlotRef:
+        """A free host slot for a page about to be written, evicting (and writing back) if needed."""
+        for _ in range(3):
+            try:
+                return self.host.reserve(nbytes)
+            except CapacityError:
+                self._make_room_host(nbytes, gone)
+        return self.host.reserve(nbytes)  # another thread took the room we made thrice: give up
+
+    def release_host(self, ref: SlotRef) -> None:
+        self.host.release(ref)
+
+    def publish(self, meta: PageMeta, ref: SlotRef) -> bool:
+        """Make a page written into a reserved host slot visible. False if it already existed
+        (the slot is then freed)."""
+        now = time.monotonic()
+        stats = PageStats(last_access=now, hits=0, created=now, index=meta.index, nbytes=meta.nbytes)
+        if self.table.insert(PageEntry(meta, stats, {Tier.HOST}, host_ref=ref)):
+            return True
+        self.host.release(ref)
+        return False
+
+    def add_disk_resident(self, meta: PageMeta, disk_bytes: int) -> None:
+        """Recovery: a page known only from the disk tier."""
+        stats = PageStats(
+            last_access=0.0, hits=0, created=time.monotonic(), index=meta.index, nbytes=meta.nbytes
+        )
+        self.table.insert(PageEntry(meta, stats, {Tier.DISK}, disk_bytes=disk_bytes))
+
+    def write_to_disk(self, page: PageHash, gone: list[PageHash]) -> bool:
+        """Write-through of one host page (the background writer). False when it was not written
+        (gone, already on disk, being moved, disk unavailable or full of pages in use)."""
+        claimed = self.table.claim(page, lambda e: Tier.HOST in e.tiers and Tier.DISK not in e.tiers)
+        if claimed is None:
+            return False
+        written = self._write_claimed(claimed, gone)
+
+        def add_disk(e: PageEntry) -> None:
+            e.tiers.add(Tier.DISK)
+            e.disk_bytes = written
+
+        doomed = self.table.settle(page, add_disk if written else None)
+        if doomed is not None:  # erased or dropped while we wrote: our copies go too
+            self._destroy([doomed], extra_disk=bool(written))
+            return False
+        return written > 0
+
+    def _write_claimed(self, entry: PageEntry, gone: list[PageHash]) -> int:
+        """Encrypt, compress and write a page we claimed (no lock held); bytes on disk, or 0."""
+        disk, meta, ref = self.disk, entry.meta, entry.host_ref
+        if disk is None or ref is None:
+            return 0
+        if not disk.available and not disk.probe():
+            return 0
+        try:
+            key = self._data_key(meta.tenant)
+        except KeyDestroyed:
+            return 0
+        raw = self.host.slot_array(ref).data
+        try:
+            try:
+                written = disk.write(meta, raw, key)
+            except CapacityError:
+                self._make_room_disk(meta.nbytes, gone)
+                written = disk.write(meta, raw, key)
+        except (TierUnavailable, CapacityError) as exc:
+            self.counters.count("disk_write_errors")
+            log.error("disk tier unavailable, serving from memory only: %s", exc)
+            return 0
+        try:
+            self.rows.add(meta, written)
+        except Exception:
+            log.exception("could not record page %s on disk; file removed", meta.hash.hex()[:16])
+            disk.delete(meta.hash)
+            return 0
+        return written
+
+    # ------------------------------------------------------------------ promotion
+    def promote_to_host(self, page: PageHash, gone: list[PageHash]) -> SlotRef | None:
+        """Bring a page into the host arena (from disk if needed). None when it cannot be had:
+        unknown, corrupt (then dropped and counted), key destroyed, the disk tier failed, or no
+        host room (everything leased). The caller holds a lease on the page."""
+        claimed: PageEntry | None = None
+        for _ in range(3):
+            e = self.table.get(page)
+            if e is None:
+                return None
+            if Tier.HOST in e.tiers:
+                return e.host_ref
+            if Tier.DISK not in e.tiers or self.disk is None:
+                return None
+            claimed = self.table.claim(page, lambda x: Tier.HOST not in x.tiers and Tier.DISK in x.tiers)
+            if claimed is not None:
+                break
+            self.table.wait_unbusy(page, _WAIT_BUSY_S)  # another thread is moving it
+        if claimed is None:
+            return None
+        ref, ok, corrupt = self._read_claimed(claimed, gone)
+
+        def add_host(e: PageEntry) -> None:
+            e.tiers.add(Tier.HOST)
+            e.host_ref = ref
+
+        doomed = self.table.settle(page, add_host if ok else None)
+        if doomed is not None:
+            if ref is not None:
+                self.host.release(ref)
+            self._destroy([doomed])
+            return None
+        if not ok:
+            if ref is not None:
+                self.host.release(ref)
+            if corrupt:
+                self.counters.count("corrupt_pages")
+                gone.extend(self.drop([page]).gone)
+            return None
+        self.counters.count("promotions", Tier.HOST)
+        self.counters.count("hits_pages", Tier.DISK)
+        return ref
+
+    def _read_claimed(self, entry: PageEntry, gone: list[PageHash]) -> tuple[SlotRef | None, bool, bool]:
+        """Decode a claimed disk page straight into a new host slot: (slot, ok, corrupt)."""
+        assert self.disk is not None
+        page = entry.meta.hash
+        try:
+            ref = self.reserve_host(entry.meta.nbytes, gone)
+        except CapacityError:
+            return None, False, False
+        try:
+            key = self._data_key(entry.meta.tenant)
+            self.disk.read(page, key, out=self.host.slot_array(ref))
+            return ref, True, False
+        except (CorruptPage, KeyDestroyed) as exc:
+            log.warning("page %s unreadable on disk (%s); dropped, will be recomputed", page.hex()[:16], exc)
+            return ref, False, True
+        except (StorageError, OSError) as exc:  # tier unavailable, page file gone
+            log.warning("disk tier read failed for %s: %s", page.hex()[:16], exc)
+            return ref, False, False
+
+    def promote_to_device(self, page: PageHash, gone: list[PageHash]) -> Any | None:
+        """The page as a tensor in the device tier. None when there is no device tier or the
+        page cannot be had."""
+        if self.device is None:
+            return None
+        e = self.table.get(page)
+        if e is not None and Tier.DEVICE in e.tiers:
+            self.counters.count("hits_pages", Tier.DEVICE)
+            return self.device.get(page)
+        if self.promote_to_host(page, gone) is None:
+            return None
+        claimed = self.table.claim(page, lambda x: Tier.HOST in x.tiers and Tier.DEVICE not in x.tiers)
+        if claimed is None or claimed.host_ref is None:
+            e = self.table.get(page)
+            return self.device.get(page) if e is not None and Tier.DEVICE in e.tiers else None
+        data = self.host.slot_array(claimed.host_ref)
+        ok = False
+        try:
+            try:
+                self.device.put(page, data)
+            except CapacityError:
+                self._make_room_device(claimed.meta.nbytes, gone)
+                self.device.put(page, data)
+            ok = True
+        except CapacityError:
+            pass
+        doomed = self.table.settle(page, (lambda x: x.tiers.add(Tier.DEVICE)) if ok else None)
+        if doomed is not None:
+            self._destroy([doomed], extra_device=ok)
+            return None
+        if not ok:
+            return None
+        self.counters.count("promotions", Tier.DEVICE)
+        return self.device.get(page)
+
+    # ------------------------------------------------------------------ eviction
+    def _make_room_host(self, nbytes: int, gone: list[PageHash]) -> None:
+        """Demote host pages until `nbytes` fit: pages already on disk first, then others after
+        writing them back; a page that cannot be written back is dropped (appended to `gone`)."""
+        need = nbytes - self.host.free_bytes
+        if need <= 0:
+            return
+        victims = self.table.pick_victims(
+            lambda e: Tier.HOST in e.tiers and len(e.tiers) > 1, self.policy, need, _raw_size
+        )
+        freed = sum(v.meta.nbytes for v in victims)
+        if freed < need:
+            victims += self.table.pick_victims(
+                lambda e: Tier.HOST in e.tiers, self.policy, need - freed, _raw_size
+            )
+        if not victims:
+            raise CapacityError("host tier is full of pages in use or pinned")
+        for v in victims:
+            self._demote_host(v, gone)
+
+    def _demote_host(self, victim: PageEntry, gone: list[PageHash]) -> None:
+        """Take a claimed page off the host tier, writing it back to disk first when only the host
+        has it (then it keeps its bytes; otherwise it leaves every tier)."""
+        written = 0
+        if len(victim.tiers) == 1:
+            written = self._write_claimed(victim, gone)
+
+        def off_host(e: PageEntry) -> None:
+            if written:
+                e.tiers.add(Tier.DISK)
+                e.disk_bytes = written
+            e.tiers.discard(Tier.HOST)
+            e.host_ref = None
+
+        ended = self.table.settle(victim.meta.hash, off_host)
+        if victim.host_ref is not None:
+            self.host.release(victim.host_ref)  # in every case: demoted, dropped or doomed
+        self.counters.count("evictions", Tier.HOST)
+        if ended is not None:  # left every tier (or was doomed meanwhile)
+            ended.host_ref = None
+            self._destroy([ended], extra_disk=bool(written))
+            gone.append(victim.meta.hash)
+
+    def _make_room_disk(self, nbytes: int, gone: list[PageHash]) -> None:
+        """Drop pages that only the disk holds until `nbytes` fit (appended to `gone`)."""
+        disk = self.disk
+        assert disk is not None
+        need = nbytes - disk.free_bytes
+        if need <= 0:
+            return
+        victims = self.table.pick_victims(lambda e: e.tiers == {Tier.DISK}, self.policy, need, _disk_size)
+        if not victims:
+            raise CapacityError("disk tier is full of pages in use or pinned")
+        ended = [e for v in victims if (e := self.table.settle(v.meta.hash, _off_disk)) is not None]
+        for e in ended:
+            e.tiers.add(Tier.DISK)  # settled without tiers; its file is ours to delete
+        self._destroy(ended)
+        self.counters.count("evictions", Tier.DISK, len(victims))
+        gone.extend(v.meta.hash for v in victims)
+
+    def _make_room_device(self, nbytes: int, gone: list[PageHash]) -> None:
+        """Demote device pages to the host tier (copying down first when only the device has it)."""
+        device = self.device
+        assert device is not None
+        need = nbytes - (device.capacity_bytes - device.used_bytes)
+        if need <= 0:
+            return
+        victims = self.table.pick_victims(lambda e: Tier.DEVICE in e.tiers, self.policy, need, _raw_size)
+        for v in victims:
+            ref: SlotRef | None = None
+            if Tier.HOST not in v.tiers:
+                try:
+                    ref = self.reserve_host(v.meta.nbytes, gone)
+                    self.host.slot_array(ref)[:] = device.get(v.meta.hash).cpu().numpy().reshape(-1)
+                except CapacityError:
+                    ref = None
+
+            def off_device(e: PageEntry, ref: SlotRef | None = ref) -> None:
+                e.tiers.discard(Tier.DEVICE)
+                if ref is not None:
+                    e.tiers.add(Tier.HOST)
+                    e.host_ref = ref
+
+            ended = self.table.settle(v.meta.hash, off_device)
+            device.delete(v.meta.hash)
+            self.counters.count("evictions", Tier.DEVICE)
+            if ended is not None:
+                if ref is not None and ended.host_ref != ref:
+                    self.host.release(ref)
+                ended.tiers.discard(Tier.DEVICE)
+                self._destroy([ended])
+                gone.append(v.meta.hash)
+
+    # ------------------------------------------------------------------ dropping
+    def drop(self, pages: Iterable[PageHash]) -> Dropped:
+        """Remove pages from every tier now (pages being moved go when their move settles)."""
+        removed, gone = self.table.remove(pages)
+        counts = _usage(removed)
+        self._destroy(removed)
+        self.counters.count("pages_dropped", n=len(gone))
+        return Dropped(gone, counts)
+
+    def detach(self, pages: Iterable[PageHash]) -> tuple[list[PageEntry], list[PageHash]]:
+        """The first half of a drop (erasure): out of the table, copies still in place until
+        `destroy` (after the caller's metadata commit)."""
+        removed, gone = self.table.remove(pages)
+        self.counters.count("pages_dropped", n=len(gone))
+        return removed, gone
+
+    def destroy(self, entries: list[PageEntry], rows_deleted: bool = False) -> None:
+        self._destroy(entries, rows_deleted=rows_deleted)
+
+    def _destroy(
+        self,
+        entries: list[PageEntry],
+        extra_disk: bool = False,
+        extra_device: bool = False,
+        rows_deleted: bool = False,
+    ) -> None:
+        """Delete the copies of entries that are out of the table: database rows first, then
+        the irreversible part (zeroing slots, unlinking files)."""
+        on_disk = [e.meta.hash for e in entries if extra_disk or Tier.DISK in e.tiers]
+        if on_disk and not rows_deleted:
+            self.rows.delete(on_disk)
+        for e in entries:
+            if e.host_ref is not None:
+                self.host.release(e.host_ref)
+            if self.disk is not None and (extra_disk or Tier.DISK in e.tiers):
+                self.disk.delete(e.meta.hash)
+            if self.device is not None and (extra_device or Tier.DEVICE in e.tiers):
+                self.device.delete(e.meta.hash)
+
+    def wait_settled(self, pages: Iterable[PageHash], timeout_s: float) -> bool:
+        return self.table.wait_settled(pages, timeout_s)
+
+    # ------------------------------------------------------------------ checks
+    def check(self, reserved_elsewhere: Iterable[SlotRef] = ()) -> None:
+        """Invariants at rest: every entry is in a tier and each tier agrees with the table.
+        `reserved_elsewhere`: host slots reserved for saves not committed yet."""
+        entries = self.table.snapshot()
+        refs: set[SlotRef] = set()
+        for e in entries:
+            h = e.meta.hash.hex()[:16]
+            if not e.tiers:
+                raise AssertionError(f"page {h} is in no tier")
+            if e.busy or e.leases < 0:
+                raise AssertionError(f"page {h} is busy or has a negative lease count at rest")
+            if (Tier.HOST in e.tiers) != (e.host_ref is not None):
+                raise AssertionError(f"page {h}: host tier flag and slot disagree")
+            if e.host_ref is not None:
+                if e.host_ref in refs:
+                    raise AssertionError(f"page {h} shares its host slot")
+                refs.add(e.host_ref)
+            if Tier.DEVICE in e.tiers and (self.device is None or not self.device.contains(e.meta.hash)):
+                raise AssertionError(f"page {h} missing from device tier")
+            if Tier.DISK in e.tiers and (self.disk is None or not self.disk.contains(e.meta.hash)):
+                raise AssertionError(f"page {h} missing from disk tier")
+        expected = refs | set(reserved_elsewhere)
+        actual = self.host.reserved_slots()
+        if actual != expected:
+            raise AssertionError(
+                f"host slots disagree with the page table: {len(actual - expected)} untracked, "
+                f"{len(expected - actual)} missing"
+            )
+        if self.disk is not None:
+            on_disk = {e.meta.hash for e in entries if Tier.DISK in e.tiers}
+            for h in self.disk.keys():  # noqa: SIM118 - a tier, not a dict
+                if h not in on_disk:
+                    raise AssertionError(f"disk tier holds untracked page {h.hex()[:16]}")
+
+
+def _raw_size(e: PageEntry) -> int:
+    return e.meta.nbytes
+
+
+def _disk_size(e: PageEntry) -> int:
+    return e.disk_bytes or e.meta.nbytes
+
+
+def _off_disk(e: PageEntry) -> None:
+    e.tiers.discard(Tier.DISK)
+
+
+def _usage(entries: Iterable[PageEntry]) -> dict[Tier, tuple[int, int]]:
+    out: dict[Tier, tuple[int, int]] = dict.fromkeys(Tier, (0, 0))
+    for e in entries:
+        for t in e.tiers:
+            n, b = out[t]
+            out[t] = (n + 1, b + (e.disk_bytes if t is Tier.DISK else e.meta.nbytes))
+    return out

@@ -1,0 +1,78 @@
+"""The `pages` table: one durable row per page on the disk tier (the index is rebuilt from them).
+
+A row is written after its page file is durable and deleted before the file is unlinked, so a
+crash leaves at worst a file without a row (an orphan that recovery removes), never a row that
+names bytes we cannot read. No lock here: each call is its own short transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+from sqlalchemy import delete, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from dss.db.engine import transaction
+from dss.db.models import PageRow
+from dss.pages.meta import PageMeta
+from dss.types import FingerprintId, NamespaceId, PageHash, TenantId
+
+_CHUNK = 500
+
+
+class PageRows:
+    def __init__(self, session_factory: sessionmaker[Session], codec: str) -> None:
+        self._sf = session_factory
+        self._codec = codec
+
+    def add(self, meta: PageMeta, disk_bytes: int) -> None:
+        row = PageRow(
+            hash=meta.hash,
+            namespace=meta.namespace,
+            tenant=meta.tenant,
+            fingerprint=meta.fingerprint,
+            parent=meta.parent,
+            page_index=meta.index,
+            n_tokens=meta.n_tokens,
+            tokens=meta.tokens.tobytes(),
+            nbytes=meta.nbytes,
+            disk_bytes=disk_bytes,
+            codec=self._codec,
+            checksum=meta.checksum or b"",
+        )
+        try:
+            with transaction(self._sf) as s:
+                if s.get(PageRow, meta.hash) is None:
+                    s.add(row)
+        except IntegrityError:
+            pass  # written meanwhile by a previous owner's recovery path: the same page
+
+    def delete(self, pages: Iterable[PageHash]) -> None:
+        items = list(pages)
+        if not items:
+            return
+        with transaction(self._sf) as s:
+            for i in range(0, len(items), _CHUNK):
+                s.execute(delete(PageRow).where(PageRow.hash.in_(items[i : i + _CHUNK])))
+
+    def all(self) -> list[tuple[PageMeta, int]]:
+        """Every row as (page metadata, bytes on disk), for recovery."""
+        with self._sf() as s:
+            rows = list(s.execute(select(PageRow)).scalars())
+        return [(meta_of(r), int(r.disk_bytes)) for r in rows]
+
+
+def meta_of(row: PageRow) -> PageMeta:
+    return PageMeta(
+        hash=PageHash(bytes(row.hash)),
+        namespace=NamespaceId(bytes(row.namespace)),
+        tenant=TenantId(row.tenant),
+        fingerprint=FingerprintId(row.fingerprint),
+        parent=PageHash(bytes(row.parent)),
+        index=row.page_index,
+        nbytes=row.nbytes,
+        tokens=np.frombuffer(row.tokens, dtype="<i4").copy(),
+        checksum=bytes(row.checksum or b""),
+    )

@@ -1,0 +1,301 @@
+"""The page table: what the store knows about each page and which tiers hold its bytes.
+
+Lock: `PageTable._lock` is a **leaf**. Every method takes it for a few dictionary operations and
+returns; nothing called under it takes another lock, touches a tier, does I/O or calls back into
+a caller. Tier work (copies, compression, encryption, files, database rows) is done by
+`dss.pages.manager` outside the lock, on pages it has claimed here first.
+
+Per page, two counters keep that work safe without holding the lock:
+- `leases`: readers in flight (a load being copied by an engine, a save being linked into the
+  index). A leased page is never evicted or demoted, so its host slot stays put.
+- `busy`: one tier transition in flight (write-back to disk, promotion, demotion), owned by the
+  thread that set it. Only the owner changes the page's tiers; eviction skips busy pages.
+
+`remove` (erasure, eviction, corrupt pages) takes a page out of the table at once, whatever its
+leases: a reader validates its copy afterwards (`valid`) and never trusts one that raced a
+removal. A busy page is only marked `doomed`; its transition owner sees that when it finishes and
+deletes the copies itself. Either way the caller gets back the entries whose copies it must
+delete (irreversible steps, done after the table and any database rows are updated).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from dss.pages.eviction import EvictionPolicy, PageStats, choose_victims
+from dss.pages.meta import PageMeta
+from dss.types import PageHash, TenantId, Tier
+from dss.wire import SlotRef
+
+_serials = itertools.count(1)
+
+
+@dataclass(slots=True)
+class PageEntry:
+    meta: PageMeta
+    stats: PageStats
+    tiers: set[Tier] = field(default_factory=set)
+    host_ref: SlotRef | None = None
+    disk_bytes: int = 0
+    leases: int = 0
+    busy: bool = False
+    doomed: bool = False
+    serial: int = field(default_factory=lambda: next(_serials))  # tells a re-created page apart
+    created_wall: float = field(default_factory=time.time)
+
+    def copy(self) -> PageEntry:
+        """A snapshot for use outside the lock (tiers copied; meta is immutable in practice)."""
+        return PageEntry(
+            self.meta,
+            self.stats,
+            set(self.tiers),
+            self.host_ref,
+            self.disk_bytes,
+            self.leases,
+            self.busy,
+            self.doomed,
+            self.serial,
+            self.created_wall,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A page leased by a reader: what it must find unchanged when it validates its copy."""
+
+    hash: PageHash
+    serial: int
+    host_ref: SlotRef | None
+
+
+class PageTable:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)  # notified when a busy page settles
+        self._entries: dict[PageHash, PageEntry] = {}
+
+    # ------------------------------------------------------------------ queries
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def contains(self, page: PageHash) -> bool:
+        with self._lock:
+            e = self._entries.get(page)
+            return e is not None and not e.doomed
+
+    def present_prefix(self, pages: Iterable[PageHash]) -> int:
+        """How many of `pages`, from the first, are present."""
+        n = 0
+        with self._lock:
+            for h in pages:
+                e = self._entries.get(h)
+                if e is None or e.doomed:
+                    break
+                n += 1
+        return n
+
+    def missing(self, pages: Iterable[PageHash]) -> list[PageHash]:
+        with self._lock:
+            return [h for h in pages if h not in self._entries or self._entries[h].doomed]
+
+    def get(self, page: PageHash) -> PageEntry | None:
+        """A snapshot of the entry (None when absent or doomed)."""
+        with self._lock:
+            e = self._entries.get(page)
+            return e.copy() if e is not None and not e.doomed else None
+
+    def snapshot(self, tenant: TenantId | None = None) -> list[PageEntry]:
+        with self._lock:
+            return [
+                e.copy()
+                for e in self._entries.values()
+                if not e.doomed and (tenant is None or e.meta.tenant == tenant)
+            ]
+
+    # ------------------------------------------------------------------ readers
+    def lease_prefix(self, pages: Iterable[PageHash]) -> list[Held]:
+        """Lease the present pages from the first on; stops at the first absent one."""
+        out: list[Held] = []
+        now = time.monotonic()
+        with self._lock:
+            for h in pages:
+                e = self._entries.get(h)
+                if e is None or e.doomed:
+                    break
+                e.leases += 1
+                e.stats.last_access = now
+                e.stats.hits += 1
+                out.append(Held(h, e.serial, e.host_ref if Tier.HOST in e.tiers else None))
+        return out
+
+    def unlease(self, held: Iterable[Held]) -> None:
+        with self._lock:
+            for h in held:
+                e = self._entries.get(h.hash)
+                if e is not None and e.serial == h.serial and e.leases > 0:
+                    e.leases -= 1
+
+    def valid(self, held: Held, ref: SlotRef | None) -> bool:
+        """Whether a reader's copy from `ref` is of the page it leased (not erased, not moved)."""
+        with self._lock:
+            e = self._entries.get(held.hash)
+            return (
+                e is not None
+                and not e.doomed
+                and e.serial == held.serial
+                and ref is not None
+                and e.host_ref == ref
+                and Tier.HOST in e.tiers
+            )
+
+    def host_ref(self, held: Held) -> SlotRef | None:
+        with self._lock:
+            e = self._entries.get(held.hash)
+            if e is None or e.doomed or e.serial != held.serial or Tier.HOST not in e.tiers:
+                return None
+            return e.host_ref
+
+    def set_pinned(self, pages: Iterable[PageHash], pinned: bool) -> None:
+        with self._lock:
+            for h in pages:
+                e = self._entries.get(h)
+                if e is not None:
+                    e.stats.pinned = pinned
+
+    # ------------------------------------------------------------------ adding
+    def insert(self, entry: PageEntry) -> bool:
+        """Add a page; False when it is already present (then the caller frees its copies)."""
+        with self._lock:
+            if entry.meta.hash in self._entries:
+                return False
+            self._entries[entry.meta.hash] = entry
+            return True
+
+    # ------------------------------------------------------------------ transitions
+    def claim(
+        self, page: PageHash, want: Callable[[PageEntry], bool], lease: bool = False
+    ) -> PageEntry | None:
+        """Mark the page busy for a transition when `want(entry)` holds; returns a snapshot.
+        `want` is a pure predicate over the entry (it runs under the lock)."""
+        with self._lock:
+            e = self._entries.get(page)
+            if e is None or e.doomed or e.busy or not want(e):
+                return None
+            e.busy = True
+            if lease:
+                e.leases += 1
+            return e.copy()
+
+    def wait_unbusy(self, page: PageHash, timeout_s: float) -> None:
+        """Wait (bounded) until another thread's transition of `page` settles."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                e = self._entries.get(page)
+                left = deadline - time.monotonic()
+                if e is None or not e.busy or left <= 0:
+                    return
+                self._settled.wait(left)
+
+    def settle(
+        self, page: PageHash, update: Callable[[PageEntry], None] | None = None, unlease: bool = False
+    ) -> PageEntry | None:
+        """End the caller's transition. Applies `update` (a pure mutation of the entry) unless the
+        page was doomed meanwhile; then the entry is removed and returned, and the caller deletes
+        the copies it holds. Returns None when the page stays."""
+        with self._lock:
+            e = self._entries.get(page)
+            if e is None:
+                return None
+            e.busy = False
+            if unlease and e.leases > 0:
+                e.leases -= 1
+            self._settled.notify_all()
+            if e.doomed:
+                del self._entries[page]
+                return e
+            if update is not None:
+                update(e)
+            if not e.tiers:
+                del self._entries[page]
+                return e
+            return None
+
+    def pick_victims(
+        self,
+        in_tier: Callable[[PageEntry], bool],
+        policy: EvictionPolicy,
+        need_bytes: int,
+        size_of: Callable[[PageEntry], int],
+    ) -> list[PageEntry]:
+        """Claim (mark busy) the pages to evict to free `need_bytes`: unleased, unpinned, idle
+        pages for which `in_tier` holds, in the policy's order. Returns snapshots."""
+        with self._lock:
+            now = time.monotonic()
+            candidates = [
+                (h, _sized(e.stats, size_of(e)))
+                for h, e in self._entries.items()
+                if e.leases == 0 and not e.busy and not e.doomed and in_tier(e)
+            ]
+            victims = choose_victims(candidates, policy, now, need_bytes)
+            out = []
+            for h in victims:
+                e = self._entries[h]
+                e.busy = True
+                out.append(e.copy())
+            return out
+
+    # ------------------------------------------------------------------ removing
+    def remove(self, pages: Iterable[PageHash]) -> tuple[list[PageEntry], list[PageHash]]:
+        """Take pages out of the table at once. Returns (entries whose copies the caller deletes,
+        hashes of every page that was present: gone for every reader from now on)."""
+        removed: list[PageEntry] = []
+        gone: list[PageHash] = []
+        with self._lock:
+            for h in pages:
+                e = self._entries.get(h)
+                if e is None or e.doomed:
+                    continue
+                gone.append(h)
+                if e.busy:
+                    e.doomed = True  # the transition owner deletes the copies
+                else:
+                    del self._entries[h]
+                    removed.append(e)
+        return removed, gone
+
+    def wait_settled(self, pages: Iterable[PageHash], timeout_s: float) -> bool:
+        """Wait until none of `pages` is still in the table (doomed pages whose transition has
+        not finished yet). True when all are gone."""
+        want = set(pages)
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                if not any(h in self._entries for h in want):
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._settled.wait(left)
+
+    def pages_of_tenant(self, tenant: TenantId) -> list[PageHash]:
+        with self._lock:
+            return [h for h, e in self._entries.items() if e.meta.tenant == tenant and not e.doomed]
+
+    def clear(self) -> list[PageEntry]:
+        with self._lock:
+            out = list(self._entries.values())
+            self._entries.clear()
+            return out
+
+
+def _sized(stats: PageStats, nbytes: int) -> PageStats:
+    """Eviction counts the bytes a page frees in the tier at hand (disk pages are compressed)."""
+    if stats.nbytes == nbytes:
+        return stats
+    return PageStats(stats.last_access, stats.hits, stats.created, stats.index, nbytes, stats.pinned)

@@ -1,0 +1,188 @@
+"""The typed contract between the API process, the store's RPC and vLLM's connector processes.
+
+Everything here crosses a process boundary, so it is a small frozen dataclass of ints, strings
+and tuples, defined once and imported by every side:
+
+- `SlotRef`, `PageSlot`, `LoadPlan`, `SavePlan`: what the store tells an engine process to copy,
+  and where (page bytes travel through the shared-memory host arena, never through a socket);
+- `SessionTag`: what the API attaches to a session request (`SamplingParams.extra_args`);
+- `TurnReport`: what the connector returns for that request (`RequestOutput.kv_transfer_params`):
+  where its prompt tokens came from, per tier.
+
+Kept free of heavy imports: the engine processes import this without the database or the tiers.
+vLLM carries `kv_transfer_params` as plain JSON-like dicts, so the two request-level types have a
+`to_params`/`from_params` pair; nothing else builds or parses those dicts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dss.types import PageHash, TenantId, Tier
+
+KV_TRANSFER_PARAMS = "kv_transfer_params"
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaInfo:
+    """Everything another process needs to attach a host arena."""
+
+    path: str
+    slot_nbytes: int
+    n_slots: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot_nbytes * self.n_slots
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRef:
+    """One slot of one host arena; names a slot to another process."""
+
+    path: str
+    slot_nbytes: int
+    slot: int
+    n_slots: int = 0  # of the arena, so that another process can attach it from the ref alone
+
+    @property
+    def arena(self) -> ArenaInfo:
+        return ArenaInfo(self.path, self.slot_nbytes, self.n_slots)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotSpan:
+    """Page slots of one arena, in page order (what a worker copies in one pass)."""
+
+    arena_path: str
+    slot_nbytes: int
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PageSlot:
+    """One page of a load or save plan, with the host-arena slot that holds (or will hold) it."""
+
+    page_index: int
+    hash: PageHash
+    slot: SlotRef | None
+
+
+def span_of(pages: tuple[PageSlot | None, ...] | tuple[PageSlot, ...]) -> SlotSpan | None:
+    """The pages' slots as one span, or None when a page or slot is missing or arenas differ."""
+    refs = [p.slot for p in pages if p is not None and p.slot is not None]
+    if not refs or len(refs) != len(pages):
+        return None
+    first = refs[0]
+    if any((r.path, r.slot_nbytes) != (first.path, first.slot_nbytes) for r in refs):
+        return None
+    return SlotSpan(first.path, first.slot_nbytes, tuple(r.slot for r in refs))
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    load_id: str
+    n_tokens: int  # tokens covered by `pages`, counted from `start_token`
+    start_token: int
+    pages: tuple[PageSlot, ...]
+    is_async: bool
+    tier_tokens: dict[str, int]  # tokens of `pages` by the tier they are read from
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlan:
+    save_id: str
+    pages: tuple[PageSlot, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionTag:
+    """What the API tells the connector about one session request. The tenant is derived on the
+    server from the authenticated user, never taken from a client."""
+
+    tenant: TenantId
+    session_id: str
+    state_version: int | None = None
+
+    def to_params(self) -> dict[str, Any]:
+        return {"tenant": self.tenant, "session_id": self.session_id, "state_version": self.state_version}
+
+    def extra_args(self) -> dict[str, Any]:
+        """`SamplingParams(extra_args=...)`: vLLM hands `kv_transfer_params` to the connector."""
+        return {KV_TRANSFER_PARAMS: self.to_params()}
+
+    @classmethod
+    def from_params(cls, params: object) -> SessionTag | None:
+        """The tag in a request's `kv_transfer_params`, or None for a plain vLLM request."""
+        if not isinstance(params, Mapping):
+            return None
+        tenant, session_id = params.get("tenant"), params.get("session_id")
+        if not isinstance(tenant, str) or not tenant or not isinstance(session_id, str) or not session_id:
+            return None
+        version = params.get("state_version")
+        return cls(TenantId(tenant), session_id, version if isinstance(version, int) else None)
+
+
+@dataclass(frozen=True, slots=True)
+class TurnReport:
+    """What the connector did for one finished session request.
+
+    `engine_cached_tokens` came from vLLM's own prefix cache; `loaded_from` from each DSS tier
+    (tokens that failed to load and were recomputed are not in it); `store_errors` counts store
+    calls for this request that failed or missed their deadline (each one was a cache miss).
+    """
+
+    session_id: str
+    state_version: int | None
+    fingerprint: str | None
+    engine_cached_tokens: int = 0
+    loaded_from: dict[str, int] = field(default_factory=dict)
+    failed_tokens: int = 0
+    stored_pages: int = 0
+    computed_tokens: int = 0
+    store_errors: int = 0
+
+    @property
+    def loaded_tokens(self) -> int:
+        return sum(self.loaded_from.values())
+
+    def to_params(self) -> dict[str, Any]:
+        return {
+            "session_id": self.session_id,
+            "state_version": self.state_version,
+            "fingerprint": self.fingerprint,
+            "engine_cached_tokens": self.engine_cached_tokens,
+            "loaded_from": dict(self.loaded_from),
+            "loaded_tokens": self.loaded_tokens,
+            "failed_tokens": self.failed_tokens,
+            "stored_pages": self.stored_pages,
+            "computed_tokens": self.computed_tokens,
+            "store_errors": self.store_errors,
+        }
+
+    @classmethod
+    def from_params(cls, params: object) -> TurnReport | None:
+        if not isinstance(params, Mapping) or not isinstance(params.get("session_id"), str):
+            return None
+        raw = params.get("loaded_from")
+        tiers = {t.value for t in Tier}
+        loaded = {str(k): _count(v) for k, v in raw.items() if k in tiers} if isinstance(raw, Mapping) else {}
+        version = params.get("state_version")
+        fingerprint = params.get("fingerprint")
+        return cls(
+            session_id=str(params["session_id"]),
+            state_version=version if isinstance(version, int) else None,
+            fingerprint=fingerprint if isinstance(fingerprint, str) else None,
+            engine_cached_tokens=_count(params.get("engine_cached_tokens")),
+            loaded_from={k: v for k, v in loaded.items() if v},
+            failed_tokens=_count(params.get("failed_tokens")),
+            stored_pages=_count(params.get("stored_pages")),
+            computed_tokens=_count(params.get("computed_tokens")),
+            store_errors=_count(params.get("store_errors")),
+        )
+
+
+def _count(v: object) -> int:
+    return v if isinstance(v, int) and v > 0 else 0

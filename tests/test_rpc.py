@@ -1,0 +1,300 @@
+"""The store RPC on its own: real unix sockets, a fake service, every wait bounded."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dss.errors import DSSError, SessionNotFound
+from dss.namespace import ModelFingerprint
+from dss.rpc import StoreClient, StoreServer, StoreService, StoreTimeout, StoreUnavailable, rpc_authkey
+from dss.types import FingerprintId, PageHash, TenantId
+from dss.wire import LoadPlan, PageSlot, SavePlan, SlotRef
+
+KEY = rpc_authkey(b"s" * 32)
+FP = ModelFingerprint(
+    model_id="tiny", revision="r1", dtype="bfloat16", num_layers=2, num_kv_heads=2, head_size=8, block_size=4
+)
+SLOT = SlotRef("/dev/shm/arena", 4096, 3, 16)
+PAGE = PageSlot(0, PageHash(b"h0" * 16), SLOT)
+
+
+class FakeService:
+    """Canned answers; records what it was called with. `gate` (when set) makes `begin_load`
+    block until it is released."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.gate: threading.Event | None = None
+
+    def last_call(self) -> tuple[str, tuple[Any, ...]]:
+        return self.calls[-1]
+
+    def register_fingerprint(self, fp: ModelFingerprint) -> str:
+        self.calls.append(("register_fingerprint", (fp,)))
+        return fp.id
+
+    def begin_load(
+        self, fid: FingerprintId, tenant: TenantId, tokens: np.ndarray, start_token: int, max_tokens: int
+    ) -> LoadPlan | None:
+        self.calls.append(("begin_load", (fid, tenant, tokens, start_token, max_tokens)))
+        if self.gate is not None:
+            self.gate.wait(10.0)
+        if len(tokens) == 0:
+            return None
+        return LoadPlan("L1", 4, start_token, (PAGE,), False, {"host": 4})
+
+    def wait_loaded(
+        self, load_id: str, timeout_s: float, *, release: bool = False
+    ) -> tuple[PageSlot | None, ...]:
+        self.calls.append(("wait_loaded", (load_id, timeout_s, release)))
+        if load_id == "slow":
+            time.sleep(timeout_s)
+        return (PAGE, None)
+
+    def release(self, load_id: str) -> None:
+        self.calls.append(("release", (load_id,)))
+
+    def plan_save(self, fid: FingerprintId, tenant: TenantId, tokens: np.ndarray, n_pages: int) -> SavePlan:
+        self.calls.append(("plan_save", (fid, tenant, tokens, n_pages)))
+        return SavePlan("S1", (PAGE,))
+
+    def commit_save(self, save_id: str, written: Sequence[int]) -> int:
+        self.calls.append(("commit_save", (save_id, written)))
+        return len(written)
+
+    def abort_save(self, save_id: str) -> None:
+        self.calls.append(("abort_save", (save_id,)))
+        if save_id == "missing":
+            raise SessionNotFound("no such save")
+        if save_id == "bug":
+            raise ValueError("not a domain error")
+
+    def stats(self) -> Mapping[str, Any]:
+        return {"leases": 0}
+
+
+@pytest.fixture
+def service() -> FakeService:
+    return FakeService()
+
+
+@pytest.fixture
+def address(tmp_path: Path) -> str:
+    return str(tmp_path / "run" / "s.sock")
+
+
+@pytest.fixture
+def server(service: FakeService, address: str) -> Iterator[StoreServer]:
+    srv = StoreServer(service, address, KEY, handshake_timeout_s=1.0)
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def client(server: StoreServer) -> Iterator[StoreClient]:
+    c = StoreClient(server.address, KEY, timeout_s=2.0, connect_timeout_s=1.0)
+    yield c
+    c.close()
+
+
+def test_the_fake_is_a_store_service(service: FakeService) -> None:
+    svc: StoreService = service  # checked by mypy; at run time just a smoke test
+    assert svc.stats() == {"leases": 0}
+
+
+def test_every_method_round_trips(client: StoreClient, service: FakeService) -> None:
+    assert client.ping()
+    fid = client.register_fingerprint(FP)
+    assert fid == FP.id
+    assert service.calls[-1] == ("register_fingerprint", (FP,))
+
+    plan = client.lookup(fid, "t1", [1, 2, 3, 4, 5], 0, 8)
+    assert isinstance(plan, LoadPlan)
+    assert plan == LoadPlan("L1", 4, 0, (PAGE,), False, {"host": 4})
+    assert isinstance(plan.pages[0], PageSlot) and isinstance(plan.pages[0].slot, SlotRef)
+    name, args = service.last_call()
+    got_fid, tenant, tokens, start, max_tokens = args
+    assert (name, got_fid, tenant, start, max_tokens) == ("begin_load", fid, "t1", 0, 8)
+    assert isinstance(tokens, np.ndarray) and tokens.dtype == np.int32
+    assert tokens.tolist() == [1, 2, 3, 4, 5]
+    assert client.lookup(fid, "t1", [], 0, 8) is None
+
+    assert client.wait_loaded("L1", 1.5) == (PAGE, None)
+    assert service.calls[-1] == ("wait_loaded", ("L1", 1.5, False))
+    assert client.wait_loaded("L1", 1.5, release=True) == (PAGE, None)
+    assert service.calls[-1] == ("wait_loaded", ("L1", 1.5, True))
+
+    client.release("L1")
+    assert service.calls[-1] == ("release", ("L1",))
+
+    save = client.plan_save(fid, "t1", np.arange(8, dtype=np.int64), 2)
+    assert save == SavePlan("S1", (PAGE,))
+    saved_tokens = service.last_call()[1][2]
+    assert isinstance(saved_tokens, np.ndarray) and saved_tokens.dtype == np.int32
+    assert client.commit_save("S1", (0, 1)) == 2
+    assert service.calls[-1] == ("commit_save", ("S1", [0, 1]))
+    client.abort_save("S1")
+    assert service.calls[-1] == ("abort_save", ("S1",))
+    assert client.stats() == {"leases": 0}
+    assert (client.failures, client.timeouts) == (0, 0)
+
+
+def test_socket_is_private(server: StoreServer, address: str) -> None:
+    assert stat.S_IMODE(os.stat(address).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(Path(address).parent).st_mode) == 0o700
+
+
+def test_a_hung_owner_times_out_then_backs_off_then_is_reconnected(
+    server: StoreServer, service: FakeService
+) -> None:
+    client = StoreClient(server.address, KEY, timeout_s=5.0, backoff_s=1.0)
+    assert client.ping()
+    service.gate = threading.Event()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StoreTimeout):
+            client.lookup(FingerprintId("f"), "t", [1, 2, 3, 4], 0, 4, timeout_s=0.5)
+        elapsed = time.monotonic() - t0
+        assert 0.45 <= elapsed < 1.5
+        assert (client.timeouts, client.failures) == (1, 1)
+
+        t0 = time.monotonic()  # backing off: fails fast without touching the owner
+        with pytest.raises(StoreUnavailable) as info:
+            client.ping()
+        assert not isinstance(info.value, StoreTimeout)
+        assert time.monotonic() - t0 < 0.1
+        assert (client.timeouts, client.failures) == (1, 2)
+    finally:
+        service.gate.set()
+    service.gate = None
+    time.sleep(1.05)
+    assert client.lookup(FingerprintId("f"), "t", [1, 2, 3, 4], 0, 4) is not None
+    assert (client.timeouts, client.failures) == (1, 2)
+    client.close()
+
+
+def test_wait_loaded_deadline_is_its_own_timeout_plus_grace(server: StoreServer) -> None:
+    client = StoreClient(server.address, KEY, timeout_s=0.2, wait_grace_s=1.0)
+    assert client.wait_loaded("slow", 0.5) == (PAGE, None)  # longer than timeout_s: not a timeout
+    assert client.timeouts == 0
+    client.close()
+
+
+def test_a_listener_that_never_answers_the_challenge_does_not_hang_the_client(tmp_path: Path) -> None:
+    address = str(tmp_path / "mute.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(4)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept_and_say_nothing() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept_and_say_nothing, daemon=True)
+    thread.start()
+    try:
+        client = StoreClient(address, KEY, timeout_s=5.0, connect_timeout_s=0.5)
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            client.ping()
+        assert time.monotonic() - t0 < 1.5
+        assert client.failures == 1
+        client.close()
+    finally:
+        stop.set()
+        thread.join(2.0)
+        for s in held:
+            s.close()
+        listener.close()
+
+
+def test_a_silent_client_does_not_block_others(server: StoreServer, client: StoreClient) -> None:
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.settimeout(3.0)
+    silent.connect(server.address)
+    try:
+        time.sleep(0.1)  # the server has accepted it and waits for its answer
+        t0 = time.monotonic()
+        other = StoreClient(server.address, KEY, timeout_s=0.5)
+        assert other.ping()
+        assert client.ping()
+        assert time.monotonic() - t0 < 0.5
+        other.close()
+        # the silent one is hung up once the handshake timeout (1 s here) passes
+        data = b""
+        while chunk := silent.recv(4096):
+            data += chunk
+        assert data  # the challenge it never answered
+    finally:
+        silent.close()
+
+
+def test_wrong_authkey_is_rejected_and_the_server_keeps_serving(
+    server: StoreServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    bad = StoreClient(server.address, b"not the key", timeout_s=1.0)
+    with caplog.at_level(logging.WARNING, logger="dss.rpc"), pytest.raises(StoreUnavailable):
+        bad.ping()
+    assert bad.failures == 1 and bad.timeouts == 0
+    good = StoreClient(server.address, KEY, timeout_s=1.0)
+    assert good.ping()
+    deadline = time.monotonic() + 1.0
+    while "rejected an RPC connection" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "rejected an RPC connection" in caplog.text
+    bad.close()
+    good.close()
+
+
+def test_close_hangs_up_and_the_same_client_reaches_a_new_server(
+    server: StoreServer, client: StoreClient, address: str
+) -> None:
+    assert client.ping()
+    server.close()
+    assert not os.path.exists(address)
+    with pytest.raises(StoreUnavailable) as info:
+        client.ping()
+    assert not isinstance(info.value, StoreTimeout)  # a hang-up is not a timeout: no backoff
+    second = StoreServer(FakeService(), address, KEY)
+    try:
+        assert client.ping()
+        assert client.stats() == {"leases": 0}
+    finally:
+        second.close()
+
+
+def test_remote_errors_come_back_with_their_name(client: StoreClient) -> None:
+    with pytest.raises(DSSError, match=r"^SessionNotFound: no such save$") as info:
+        client.abort_save("missing")
+    assert not isinstance(info.value, StoreUnavailable)
+    with pytest.raises(DSSError, match=r"^ValueError: not a domain error$"):
+        client.abort_save("bug")
+    with pytest.raises(DSSError, match="unknown RPC method"):
+        client._call("no_such_method")
+    assert client.ping()  # the connection is still usable
+    assert client.failures == 0
+
+
+def test_rpc_authkey_is_stable_and_secret_dependent() -> None:
+    assert rpc_authkey(b"s" * 32) == KEY
+    assert len(KEY) == 32
+    assert rpc_authkey(b"t" * 32) != KEY
+    with pytest.raises(ValueError):
+        rpc_authkey(b"")
