@@ -28,6 +28,7 @@ from api.settings import Settings
 from dss.errors import InvalidInput
 from dss.store import Store
 from dss.types import FingerprintId, TenantId
+from dss.wire import SessionTag, TurnReport
 
 log = logging.getLogger("dss.api.engine")
 
@@ -58,7 +59,7 @@ class Finished:
     output_ids: tuple[int, ...]
     finish_reason: str | None
     num_cached_tokens: int  # engine prefix cache + connector loads, as vLLM reports it
-    kv_params: Mapping[str, Any]  # what the connector returned for the request
+    report: TurnReport | None  # what the connector did for the request (None: not a session request)
     ttft_s: float | None
 
 
@@ -80,7 +81,6 @@ class ChatEngine:
         fingerprint: FingerprintId | None,
         max_inflight: int,
         retry_after_s: int,
-        session_params: Any,
     ) -> None:
         self.llm = llm
         self.tokenizer = tokenizer
@@ -90,7 +90,6 @@ class ChatEngine:
         self.created = int(time.time())
         # Accepted in a request's `model`: the served name, "default", or the model folder.
         self.model_names = {model_name, "default"}
-        self._session_params = session_params
         self._admission = _Admission(max_inflight, retry_after_s)
         self.on_inflight_change: Any = None  # set by the app: a gauge setter
 
@@ -128,7 +127,6 @@ class ChatEngine:
             fingerprint=fid,
             max_inflight=eng.max_inflight,
             retry_after_s=eng.retry_after_s,
-            session_params=factory.session_params,
         )
         engine.model_names |= {Path(model_path).name, str(model_path)}
         return engine
@@ -232,7 +230,7 @@ class ChatEngine:
         # The connector acts only on requests that name a session; a plain chat gets a one-off
         # id so that it is still cached in (and served from) the user's namespace.
         sid = session_id if session_id is not None else f"anon-{uuid.uuid4().hex}"
-        extra = self._session_params(tenant, sid, state_version)
+        extra = SessionTag(tenant, sid, state_version).extra_args()
         params = SamplingParams(
             max_tokens=sampling.max_tokens,
             temperature=1.0 if sampling.temperature is None else sampling.temperature,
@@ -250,7 +248,7 @@ class ChatEngine:
         output_ids: list[int] = []
         ttft: float | None = None
         cached = 0
-        kv_params: Mapping[str, Any] = {}
+        report: TurnReport | None = None
         finish_reason: str | None = None
         try:
             # aclosing: a consumer that stops early (client gone) aborts the request at once.
@@ -259,7 +257,7 @@ class ChatEngine:
                     if out.num_cached_tokens is not None:
                         cached = int(out.num_cached_tokens)
                     if out.kv_transfer_params:
-                        kv_params = dict(out.kv_transfer_params)
+                        report = TurnReport.from_params(out.kv_transfer_params)
                     for comp in out.outputs:
                         if comp.token_ids and ttft is None:
                             ttft = time.perf_counter() - arrived
@@ -279,7 +277,7 @@ class ChatEngine:
             if getattr(self.llm, "errored", False):
                 raise EngineUnavailable("the engine died; the server needs a restart") from exc
             raise
-        reported = kv_params.get("fingerprint")
+        reported = report.fingerprint if report is not None else None
         if reported and reported != self.fingerprint:
             log.warning(
                 "the connector writes pages under fingerprint %s, not %s; following it",
@@ -287,7 +285,7 @@ class ChatEngine:
                 self.fingerprint,
             )
             self.fingerprint = FingerprintId(str(reported))
-        yield Finished("".join(text_parts), tuple(output_ids), finish_reason, cached, kv_params, ttft)
+        yield Finished("".join(text_parts), tuple(output_ids), finish_reason, cached, report, ttft)
 
 
 def _lower_engine_priority(nice: int) -> None:
@@ -310,21 +308,6 @@ def _lower_engine_priority(nice: int) -> None:
                 with contextlib.suppress(OSError):
                     if os.getpriority(os.PRIO_PROCESS, thread.id) < nice:
                         os.setpriority(os.PRIO_PROCESS, thread.id, nice)
-
-
-def loaded_split(kv_params: Mapping[str, Any]) -> tuple[int, dict[str, int]]:
-    """Tokens the connector loaded, and by which tier, from the params it returned."""
-    loaded = _int(kv_params.get("loaded_tokens"))
-    raw = kv_params.get("loaded_from") or kv_params.get("tier_tokens") or {}
-    split = {str(k): _int(v) for k, v in raw.items()} if isinstance(raw, Mapping) else {}
-    return loaded, split
-
-
-def _int(v: object) -> int:
-    try:
-        return max(0, int(v))  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        return 0
 
 
 def _engine_settings(factory: Any, settings: Settings, model_path: Path) -> Any:
@@ -354,7 +337,7 @@ def _engine_fingerprint(
     """The model fingerprint the engine's connector writes pages under, registered in the store.
 
     The connector registers the same id from the engine process and reports it with every
-    session request's result (`kv_params["fingerprint"]`), which `generate` checks.
+    session request's result (`TurnReport.fingerprint`), which `generate` checks.
     """
     try:
         from engine_patch.fingerprint import frontend_fingerprint

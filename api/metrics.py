@@ -86,6 +86,11 @@ class Metrics:
         )
         self.inflight = Gauge("dss_generations_inflight", "Generations running now", registry=r)
         self.erasures = Counter("dss_erasures_total", "Users erased", registry=r)
+        self.store_errors = Counter(
+            "dss_connector_store_errors_total",
+            "Connector store calls that failed or missed their deadline (each a cache miss)",
+            registry=r,
+        )
         for source in HIT_SOURCES:
             self.tokens_hit.labels(source)
 

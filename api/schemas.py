@@ -178,7 +178,9 @@ class DssInfo(BaseModel):
     engine_cached_tokens: int = Field(description="prompt tokens found in the engine's own prefix cache")
     loaded_tokens: int = Field(description="prompt tokens loaded from DSS by the connector")
     loaded_from: TierTokens = Field(description="DSS-loaded tokens by the tier they were read from")
-    resident: TierTokens = Field(description="prompt tokens resident in each DSS tier when the request came")
+    resident: TierTokens = Field(
+        description="prompt tokens the connector found in each DSS tier beyond the engine's cache"
+    )
 
 
 class ChatCompletion(BaseModel):

@@ -20,7 +20,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from api.engine import ChatEngine, Finished, Sampling, loaded_split
+from api.engine import ChatEngine, Finished, Sampling
 from api.errors import ApiError, BadRequest, response_for
 from api.schemas import (
     AssistantMessage,
@@ -36,7 +36,7 @@ from api.state import AppState
 from dss.dialogue.turns import Committed, TurnTarget, commit_turn
 from dss.errors import DSSError, LimitExceeded
 from dss.index.hashing import TOKEN_DTYPE
-from dss.types import TenantId, Tier, UserId
+from dss.types import TenantId, UserId
 
 _SESSION_KEYS = ("session_id", "state_version", "parent_version", "branch")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -56,7 +56,6 @@ class _Prepared:
     sampling: Sampling
     tenant: TenantId
     salt: str
-    resident: dict[str, int]
     completion_id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
 
 
@@ -94,10 +93,7 @@ async def _prepare(state: AppState, engine: ChatEngine, turn: Turn) -> _Prepared
     store = state.store
     tenant = store.tenant_for(turn.user)
     salt = await asyncio.to_thread(store.cache_salt, turn.user)
-    resident = {t.value: 0 for t in Tier}
-    if engine.fingerprint is not None:
-        resident = await asyncio.to_thread(store.residency, engine.fingerprint, tenant, prompt_ids)
-    return _Prepared(prompt_ids, sampling, tenant, salt, resident)
+    return _Prepared(prompt_ids, sampling, tenant, salt)
 
 
 async def run_turn(state: AppState, engine: ChatEngine, turn: Turn, request: Request) -> Any:
@@ -167,6 +163,8 @@ def _observe(state: AppState, prep: _Prepared, fin: Finished) -> None:
     m.completion_tokens.inc(len(fin.output_ids))
     if fin.ttft_s is not None:
         m.ttft_seconds.observe(fin.ttft_s)
+    if fin.report is not None and fin.report.store_errors:
+        m.store_errors.inc(fin.report.store_errors)
 
 
 def _usage(prep: _Prepared, fin: Finished) -> Usage:
@@ -180,31 +178,21 @@ def _usage(prep: _Prepared, fin: Finished) -> Usage:
 
 
 def _dss_info(prep: _Prepared, fin: Finished) -> DssInfo:
-    loaded, split = loaded_split(fin.kv_params)
-    if loaded and not split:
-        split = _split_by_residency(loaded, prep.resident)
+    """The split as the connector reported it (the prompt was matched once, by the connector)."""
     cached = min(fin.num_cached_tokens, len(prep.prompt_ids))
+    report = fin.report
+    loaded = report.loaded_tokens if report is not None else 0
     return DssInfo(
         cached_tokens=cached,
         engine_cached_tokens=max(0, cached - loaded),
         loaded_tokens=loaded,
-        loaded_from=TierTokens(**{k: v for k, v in split.items() if k in TierTokens.model_fields}),
-        resident=TierTokens(**prep.resident),
+        loaded_from=_tiers(report.loaded_from if report else {}),
+        resident=_tiers(report.found_in if report else {}),
     )
 
 
-def _split_by_residency(loaded: int, resident: Mapping[str, int]) -> dict[str, int]:
-    """The tiers the loaded tokens came from, when the connector does not report them: the
-    residency measured just before the request, fastest tier first. Exact whenever the loaded
-    pages sat in one tier (a warm host arena, or a fresh start reading everything from disk)."""
-    out: dict[str, int] = {}
-    left = loaded
-    for tier in (Tier.DEVICE.value, Tier.HOST.value, Tier.DISK.value):
-        take = min(left, resident.get(tier, 0))
-        out[tier] = take
-        left -= take
-    out[Tier.DISK.value] += left  # loaded beyond the measured residency: promoted meanwhile
-    return out
+def _tiers(counts: Mapping[str, int]) -> TierTokens:
+    return TierTokens(**{k: v for k, v in counts.items() if k in TierTokens.model_fields})
 
 
 def _session_fields(turn: Turn, committed: Committed | None) -> dict[str, Any]:

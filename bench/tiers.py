@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dss.pages.codec import BytePlaneZstdCodec
 from dss.index.hashing import ROOT_PARENT, page_hash
+from dss.pages.codec import BytePlaneZstdCodec
 from dss.pages.meta import PageMeta
 from dss.pages.tiers.disk import DiskTier
 from dss.pages.tiers.host import HostTier

@@ -130,7 +130,8 @@ class TurnReport:
     """What the connector did for one finished session request.
 
     `engine_cached_tokens` came from vLLM's own prefix cache; `loaded_from` from each DSS tier
-    (tokens that failed to load and were recomputed are not in it); `store_errors` counts store
+    (tokens that failed to load and were recomputed are not in it); `found_in` is what the store
+    held beyond the engine's cache when the connector asked, by tier; `store_errors` counts store
     calls for this request that failed or missed their deadline (each one was a cache miss).
     """
 
@@ -139,6 +140,7 @@ class TurnReport:
     fingerprint: str | None
     engine_cached_tokens: int = 0
     loaded_from: dict[str, int] = field(default_factory=dict)
+    found_in: dict[str, int] = field(default_factory=dict)
     failed_tokens: int = 0
     stored_pages: int = 0
     computed_tokens: int = 0
@@ -156,6 +158,7 @@ class TurnReport:
             "engine_cached_tokens": self.engine_cached_tokens,
             "loaded_from": dict(self.loaded_from),
             "loaded_tokens": self.loaded_tokens,
+            "found_in": dict(self.found_in),
             "failed_tokens": self.failed_tokens,
             "stored_pages": self.stored_pages,
             "computed_tokens": self.computed_tokens,
@@ -166,9 +169,6 @@ class TurnReport:
     def from_params(cls, params: object) -> TurnReport | None:
         if not isinstance(params, Mapping) or not isinstance(params.get("session_id"), str):
             return None
-        raw = params.get("loaded_from")
-        tiers = {t.value for t in Tier}
-        loaded = {str(k): _count(v) for k, v in raw.items() if k in tiers} if isinstance(raw, Mapping) else {}
         version = params.get("state_version")
         fingerprint = params.get("fingerprint")
         return cls(
@@ -176,12 +176,20 @@ class TurnReport:
             state_version=version if isinstance(version, int) else None,
             fingerprint=fingerprint if isinstance(fingerprint, str) else None,
             engine_cached_tokens=_count(params.get("engine_cached_tokens")),
-            loaded_from={k: v for k, v in loaded.items() if v},
+            loaded_from=_tier_counts(params.get("loaded_from")),
+            found_in=_tier_counts(params.get("found_in")),
             failed_tokens=_count(params.get("failed_tokens")),
             stored_pages=_count(params.get("stored_pages")),
             computed_tokens=_count(params.get("computed_tokens")),
             store_errors=_count(params.get("store_errors")),
         )
+
+
+def _tier_counts(raw: object) -> dict[str, int]:
+    if not isinstance(raw, Mapping):
+        return {}
+    tiers = {t.value for t in Tier}
+    return {str(k): n for k, v in raw.items() if k in tiers and (n := _count(v))}
 
 
 def _count(v: object) -> int:

@@ -56,8 +56,12 @@ class DSSConnector(KVConnectorBase_V1):
         authkey_hex = extra.get_from_extra_config("authkey", None)
         fingerprint = self._fingerprint(vllm_config, kv_cache_config)
 
+        # Every store call has a deadline: a store that does not answer in time is a cache miss
+        # (recompute), never a stalled engine step. Lookups take milliseconds when healthy.
+        rpc_timeout_s = float(extra.get_from_extra_config("rpc_timeout_s", 2.0))
+
         def client_factory() -> StoreClient:
-            return StoreClient(str(address), bytes.fromhex(str(authkey_hex)))
+            return StoreClient(str(address), bytes.fromhex(str(authkey_hex)), timeout_s=rpc_timeout_s)
 
         factory = client_factory if address and authkey_hex else None
         if factory is None:

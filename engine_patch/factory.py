@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dss.types import TenantId
+from dss.wire import SessionTag
 from engine_patch.connector import CONNECTOR_MODULE, CONNECTOR_NAME
 
 if TYPE_CHECKING:
@@ -37,6 +39,7 @@ class EngineSettings:
     served_model_name: str | None = None
     connector: bool = True  # False: plain vLLM (benchmarks' baselines)
     load_timeout_s: float = 30.0
+    rpc_timeout_s: float = 2.0  # deadline of each store call from the engine (then: a miss)
     settle_timeout_s: float = 2.0
     save_after_prefill: bool = True
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
@@ -54,6 +57,7 @@ def kv_transfer_config(store_address: str, authkey: bytes, settings: EngineSetti
             "store_address": store_address,
             "authkey": authkey.hex(),
             "load_timeout_s": settings.load_timeout_s,
+            "rpc_timeout_s": settings.rpc_timeout_s,
             "settle_timeout_s": settings.settle_timeout_s,
             "save_after_prefill": settings.save_after_prefill,
         },
@@ -123,8 +127,7 @@ def build_async_engine(
     return AsyncLLM.from_engine_args(async_engine_args(store_address, authkey, settings))
 
 
-def session_params(tenant: str, session_id: str, state_version: int | str | None = None) -> dict[str, Any]:
-    """`SamplingParams(extra_args=session_params(...))`: what the connector reads per request."""
-    return {
-        "kv_transfer_params": {"tenant": tenant, "session_id": session_id, "state_version": state_version}
-    }
+def session_params(tenant: str, session_id: str, state_version: int | None = None) -> dict[str, Any]:
+    """`SamplingParams(extra_args=session_params(...))`: what the connector reads per request
+    (`dss.wire.SessionTag`, the one place that builds it)."""
+    return SessionTag(TenantId(tenant), session_id, state_version).extra_args()

@@ -10,14 +10,9 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from dss.wire import SlotSpan
 
-@dataclass(frozen=True, slots=True)
-class SlotSpan:
-    """Page slots of one arena, in page order."""
-
-    arena_path: str
-    slot_nbytes: int
-    slots: tuple[int, ...]
+__all__ = ["DSSConnectorMetadata", "DSSWorkerMetadata", "LoadSpec", "SaveSpec", "SlotSpan"]
 
 
 @dataclass(frozen=True, slots=True)

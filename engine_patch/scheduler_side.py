@@ -4,16 +4,22 @@ It decides, per request, how many prompt tokens beyond vLLM's own prefix-cache h
 loaded from the store, pins those pages until the worker has copied them, and when a request
 finishes asks the store which of its full pages are new and hands their copy to the worker.
 
-Only requests whose `kv_transfer_params` carry a `tenant` and a `session_id` (set by our server,
-never by an end client) are touched; every other request is left exactly to plain vLLM. Every
-store failure is a cache miss, never an error of the request.
+Only requests whose `kv_transfer_params` carry a `dss.wire.SessionTag` (set by our server, never
+by an end client) are touched; every other request is left exactly to plain vLLM. Every store
+failure (an error, or an RPC past its deadline) is a cache miss, never an error of the request;
+each one is counted in the request's `dss.wire.TurnReport`.
+
+Store round trips per session turn from this process: one `lookup` when the request is first
+scheduled (unless vLLM's own cache already covers every whole page), one `plan_save` when its
+prefill completes, and one `plan_save` at finish only when decoding completed a page that the
+prefill save did not cover.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
@@ -21,10 +27,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from dss.errors import DSSError
 from dss.namespace import ModelFingerprint
-from dss.wire import LoadPlan, PageSlot
 from dss.rpc import StoreClient
-from dss.types import FingerprintId
-from engine_patch.metadata import DSSConnectorMetadata, DSSWorkerMetadata, LoadSpec, SaveSpec, SlotSpan
+from dss.types import FingerprintId, Tier
+from dss.wire import LoadPlan, SessionTag, TurnReport, span_of
+from engine_patch.metadata import DSSConnectorMetadata, DSSWorkerMetadata, LoadSpec, SaveSpec
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -35,26 +41,13 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.dss_connector")
 
 
-@dataclass(frozen=True, slots=True)
-class SessionRef:
-    tenant: str
-    session_id: str
-    state_version: Any
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.tenant, self.session_id)
-
-
-def session_of(request: Request) -> SessionRef | None:
+def session_of(request: Request) -> SessionTag | None:
     """The DSS session a request belongs to, or None for a plain vLLM request."""
-    params = request.kv_transfer_params
-    if not isinstance(params, dict):
-        return None
-    tenant, session_id = params.get("tenant"), params.get("session_id")
-    if not isinstance(tenant, str) or not tenant or not isinstance(session_id, str) or not session_id:
-        return None
-    return SessionRef(tenant, session_id, params.get("state_version"))
+    return SessionTag.from_params(request.kv_transfer_params)
+
+
+def _key(tag: SessionTag) -> tuple[str, str]:
+    return (tag.tenant, tag.session_id)
 
 
 @dataclass(slots=True)
@@ -65,18 +58,17 @@ class _Claim:
     start_token: int
 
 
-def _span(pages: tuple[PageSlot, ...]) -> SlotSpan | None:
-    """The pages' slots as one span, or None when some slot is not known yet (or arenas differ)."""
-    if not pages or any(p.slot is None for p in pages):
-        return None
-    first = pages[0].slot
-    assert first is not None
-    if any(
-        p.slot is not None and (p.slot.path, p.slot.slot_nbytes) != (first.path, first.slot_nbytes)
-        for p in pages
-    ):
-        return None
-    return SlotSpan(first.path, first.slot_nbytes, tuple(p.slot.slot for p in pages if p.slot is not None))
+@dataclass(slots=True)
+class _Progress:
+    """What the connector did for one session request so far (becomes its `TurnReport`)."""
+
+    engine_cached: int = 0  # vLLM's own prefix-cache hit when the store was asked
+    page_tiers: list[str] = field(default_factory=list)  # tier of each page handed to the worker
+    found_in: dict[str, int] = field(default_factory=dict)  # what the store had, by tier
+    failed_tokens: int = 0
+    stored_pages: int = 0
+    planned_pages: int = 0  # pages covered by a save plan already (prompt pages after prefill)
+    store_errors: int = 0
 
 
 class SchedulerSide:
@@ -97,11 +89,9 @@ class SchedulerSide:
         self.save_after_prefill = save_after_prefill and block_ids_of is not None
         self._block_ids_of = block_ids_of
         self._prefilling: dict[str, Request] = {}  # session requests whose prompt is not saved yet
-        self._stored: dict[str, int] = {}  # pages saved after prefill, per request
+        self._progress: dict[str, _Progress] = {}
         self._fid: FingerprintId | None = None
         self._claims: dict[str, _Claim] = {}
-        self._loaded: dict[str, int] = {}  # tokens handed to the worker per request
-        self._failed: dict[str, int] = {}  # tokens the worker could not load
         self._hit_sources: dict[str, dict[CacheHitSource, int]] = {}
         self._async_inflight: set[str] = set()
         # session -> {request id: when its finish-time save was handed to the worker}
@@ -130,13 +120,23 @@ class SchedulerSide:
                 return None
         return self._fid
 
-    def _release(self, load_id: str) -> None:
+    def _release(self, req_id: str, load_id: str) -> None:
         if self.client is None:
             return
         try:
             self.client.release(load_id)
         except DSSError as exc:
+            self._store_error(req_id)
             logger.warning("DSS release of load %s failed: %s", load_id, exc)
+
+    def _of(self, req_id: str) -> _Progress:
+        p = self._progress.get(req_id)
+        if p is None:
+            p = self._progress[req_id] = _Progress()
+        return p
+
+    def _store_error(self, req_id: str) -> None:
+        self._of(req_id).store_errors += 1
 
     # ------------------------------------------------------------------ vLLM hooks
     def get_num_new_matched_tokens(
@@ -148,13 +148,14 @@ class SchedulerSide:
         req_id = request.request_id
         if self.save_after_prefill and request.num_output_tokens == 0:
             self._prefilling[req_id] = request
+        self._of(req_id).engine_cached = num_computed_tokens
         claim = self._claims.get(req_id)
         if claim is not None:
             if claim.start_token == num_computed_tokens:
                 return claim.plan.n_tokens, claim.plan.is_async
             # vLLM's own cache moved under us: the old plan no longer starts where we load.
             self._drop_claim(req_id)
-        if self._save_in_flight(session.key):
+        if self._save_in_flight(_key(session)):
             # A previous turn of this session is still being saved (its pages are copied in the
             # next engine step); ask again then, so the new turn sees them. Bounded, in case the
             # save never completes.
@@ -176,14 +177,16 @@ class SchedulerSide:
                 fid, session.tenant, request.all_token_ids[:max_tokens], num_computed_tokens, max_tokens
             )
         except DSSError as exc:
+            self._store_error(req_id)
             logger.warning("DSS lookup for %s failed, recomputing: %s", req_id, exc)
             return 0, False
         if plan is None:
             return 0, False
         if not self._plan_is_sane(plan, num_computed_tokens, max_tokens):
-            self._release(plan.load_id)
+            self._release(req_id, plan.load_id)
             return 0, False
         self._claims[req_id] = _Claim(plan, num_computed_tokens)
+        self._of(req_id).found_in = {k: v for k, v in plan.tier_tokens.items() if v}
         return plan.n_tokens, plan.is_async
 
     def _save_in_flight(self, key: tuple[str, str]) -> bool:
@@ -208,7 +211,7 @@ class SchedulerSide:
             and plan.n_tokens == len(plan.pages) * bs
             and start + plan.n_tokens <= max_tokens
             and [p.page_index for p in plan.pages] == list(range(first, first + len(plan.pages)))
-            and (plan.is_async or _span(plan.pages) is not None)
+            and (plan.is_async or span_of(plan.pages) is not None)
         )
         if not ok:
             logger.error("DSS store answered an inconsistent load plan %s; ignoring it", plan.load_id)
@@ -224,27 +227,25 @@ class SchedulerSide:
         bs = self.block_size
         n_pages = min(num_external_tokens // bs, len(claim.plan.pages))
         if n_pages == 0:
-            self._release(claim.plan.load_id)
+            self._release(req_id, claim.plan.load_id)
             return
         if num_external_tokens % bs:
             logger.error("vLLM admitted %d external tokens, not whole pages", num_external_tokens)
         first = claim.start_token // bs
         block_ids = tuple(blocks.get_block_ids()[0][first : first + n_pages])
         pages = claim.plan.pages[:n_pages]
-        span = None if claim.plan.is_async else _span(pages)
+        span = None if claim.plan.is_async else span_of(pages)
         self._loads.append(LoadSpec(req_id, claim.plan.load_id, block_ids, span, claim.plan.is_async))
-        self._loaded[req_id] = n_pages * bs
+        # A page whose slot the plan names is read from the host arena; the others are promoted
+        # from disk on the way.
+        tiers = [Tier.HOST.value if p.slot is not None else Tier.DISK.value for p in pages]
+        self._of(req_id).page_tiers = tiers
         if claim.plan.is_async:
             self._async_inflight.add(req_id)
-        self._hit_sources[req_id] = self._sources(claim.plan, n_pages * bs)
-
-    @staticmethod
-    def _sources(plan: LoadPlan, n_tokens: int) -> dict[CacheHitSource, int]:
-        host = plan.tier_tokens.get("host", 0) + plan.tier_tokens.get("device", 0)
-        disk = plan.tier_tokens.get("disk", 0)
-        if host + disk != plan.n_tokens or n_tokens != plan.n_tokens:
-            return {CacheHitSource.DISK if disk else CacheHitSource.HOST: n_tokens}
-        return {k: v for k, v in ((CacheHitSource.HOST, host), (CacheHitSource.DISK, disk)) if v}
+        host, disk = tiers.count(Tier.HOST.value) * bs, tiers.count(Tier.DISK.value) * bs
+        self._hit_sources[req_id] = {
+            k: v for k, v in ((CacheHitSource.HOST, host), (CacheHitSource.DISK, disk)) if v
+        }
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
@@ -280,30 +281,33 @@ class SchedulerSide:
             spec = self._plan_save(request, session, n_pages, block_ids, on_finish=False)
             if spec is not None:
                 self._saves.append(spec)
-                self._stored[req_id] = len(spec.page_indexes)
+                self._of(req_id).stored_pages += len(spec.page_indexes)
 
     def _plan_save(
-        self, request: Request, session: SessionRef, n_pages: int, block_ids: list[int], on_finish: bool
+        self, request: Request, session: SessionTag, n_pages: int, block_ids: list[int], on_finish: bool
     ) -> SaveSpec | None:
         """Ask the store which of the first `n_pages` pages it lacks; None when there is nothing to copy."""
         fid = self._fingerprint_id()
         n_pages = min(n_pages, len(block_ids))
-        if n_pages <= 0 or fid is None or self.disabled:
-            return None
+        progress = self._of(request.request_id)
+        if n_pages <= progress.planned_pages or fid is None or self.disabled:
+            return None  # nothing beyond what an earlier plan of this request covered
         bs = self.block_size
         try:
             plan = self.client.plan_save(  # type: ignore[union-attr]
                 fid, session.tenant, request.all_token_ids[: n_pages * bs], n_pages
             )
         except DSSError as exc:
+            progress.store_errors += 1
             logger.warning("DSS plan_save for %s failed; not saved: %s", request.request_id, exc)
             return None
+        progress.planned_pages = n_pages
         if not plan.pages:
             return None  # the store has every page already
-        span = _span(plan.pages)
+        span = span_of(plan.pages)
         if span is None:
             logger.error("DSS save plan %s came without usable slots; aborting it", plan.save_id)
-            self._abort(plan.save_id)
+            self._abort(request.request_id, plan.save_id)
             return None
         indexes = tuple(p.page_index for p in plan.pages)
         return SaveSpec(
@@ -321,7 +325,8 @@ class SchedulerSide:
         meta = output.kv_connector_worker_meta
         if isinstance(meta, DSSWorkerMetadata):
             for req_id, n in meta.failed_tokens.items():
-                self._failed[req_id] = self._failed.get(req_id, 0) + n
+                if req_id in self._progress:
+                    self._progress[req_id].failed_tokens += n
             if meta.disabled and not self.disabled:
                 logger.error("a DSS worker turned the connector off; no more loads or saves")
                 self.disabled = True
@@ -330,41 +335,53 @@ class SchedulerSide:
         req_id = request.request_id
         claim = self._claims.pop(req_id, None)
         if claim is not None:
-            self._release(claim.plan.load_id)
+            self._release(req_id, claim.plan.load_id)
         self._prefilling.pop(req_id, None)
-        stored_after_prefill = self._stored.pop(req_id, 0)
         self._deferred_since.pop(req_id, None)
         self._hit_sources.pop(req_id, None)
         session = session_of(request)
         if session is None:
+            self._progress.pop(req_id, None)
             return False, None
-        loaded = max(0, self._loaded.pop(req_id, 0) - self._failed.pop(req_id, 0))
-        params: dict[str, Any] = {
-            "session_id": session.session_id,
-            "state_version": session.state_version,
-            "loaded_tokens": loaded,
-            "stored_pages": stored_after_prefill,
-            "computed_tokens": int(request.num_computed_tokens),
-            "fingerprint": self.fingerprint.id if self.fingerprint is not None else None,
-        }
-        if req_id in self._async_inflight:
+        aborted_mid_load = req_id in self._async_inflight
+        delay_free = False
+        progress = self._of(req_id)
+        if not aborted_mid_load and not self.disabled:
             # Aborted while its pages were still arriving: its blocks hold nothing to save yet.
-            return False, params
-        if self.disabled:
-            return False, params
-        n_full = request.num_computed_tokens // self.block_size
-        spec = self._plan_save(request, session, n_full, block_ids, on_finish=True)
-        if spec is None:
-            return False, params
-        self._saves.append(spec)
-        self._saving.setdefault(session.key, {})[req_id] = time.monotonic()
-        params["stored_pages"] += len(spec.page_indexes)
-        return True, params
+            n_full = request.num_computed_tokens // self.block_size
+            spec = self._plan_save(request, session, n_full, block_ids, on_finish=True)
+            if spec is not None:
+                self._saves.append(spec)
+                self._saving.setdefault(_key(session), {})[req_id] = time.monotonic()
+                progress.stored_pages += len(spec.page_indexes)
+                delay_free = True
+        self._progress.pop(req_id, None)
+        return delay_free, self._report(request, session, progress).to_params()
 
-    def _abort(self, save_id: str) -> None:
+    def _report(self, request: Request, session: SessionTag, p: _Progress) -> TurnReport:
+        bs = self.block_size
+        n_ok = max(0, len(p.page_tiers) - (p.failed_tokens + bs - 1) // bs) if bs else 0
+        loaded: dict[str, int] = {}
+        for tier in p.page_tiers[:n_ok]:  # failed pages are the tail: vLLM recomputes from there
+            loaded[tier] = loaded.get(tier, 0) + bs
+        return TurnReport(
+            session_id=session.session_id,
+            state_version=session.state_version,
+            fingerprint=self.fingerprint.id if self.fingerprint is not None else None,
+            engine_cached_tokens=p.engine_cached,
+            loaded_from=loaded,
+            found_in=p.found_in,
+            failed_tokens=p.failed_tokens,
+            stored_pages=p.stored_pages,
+            computed_tokens=int(request.num_computed_tokens),
+            store_errors=p.store_errors,
+        )
+
+    def _abort(self, req_id: str, save_id: str) -> None:
         try:
             self.client.abort_save(save_id)  # type: ignore[union-attr]
         except DSSError as exc:
+            self._store_error(req_id)
             logger.warning("DSS abort_save %s failed: %s", save_id, exc)
 
     def shutdown(self) -> None:
@@ -376,4 +393,4 @@ class SchedulerSide:
     def _drop_claim(self, req_id: str) -> None:
         claim = self._claims.pop(req_id, None)
         if claim is not None:
-            self._release(claim.plan.load_id)
+            self._release(req_id, claim.plan.load_id)

@@ -6,6 +6,12 @@ reports the request finished-receiving. Saves: a finished request's new pages ar
 slots the store reserved, then committed. Any failure in a load reports the affected blocks, and
 vLLM recomputes them (`kv_load_failure_policy="recompute"`); any failure in a save aborts it. The
 request itself never fails because of the store.
+
+Every copy out of the arena is validated after it is taken (`wait_loaded(..., release=True)`,
+which also ends the lease in the same round trip): a page erased or dropped while it was being
+copied comes back None and its block is recomputed. Store round trips per turn from this process:
+one per load (two for an async load: wait for the promotion, then validate), one `commit_save`
+per save plan.
 """
 
 from __future__ import annotations
@@ -20,8 +26,8 @@ from vllm.logger import init_logger
 
 from dss.errors import DSSError
 from dss.namespace import ModelFingerprint
-from dss.wire import PageSlot
 from dss.rpc import StoreClient
+from dss.wire import PageSlot, span_of
 from engine_patch.copy import ArenaViews, KVBlocks, runs
 from engine_patch.fingerprint import UnsupportedKVCache, check_layer_tensors
 from engine_patch.metadata import DSSConnectorMetadata, DSSWorkerMetadata, LoadSpec, SaveSpec, SlotSpan
@@ -112,22 +118,26 @@ class WorkerSide:
 
     def _sync_load(self, spec: LoadSpec) -> None:
         n_ok = 0
+        released = False
         try:
             if not self.ready or spec.span is None or self._client is None:
                 raise DSSError("connector not ready for loads")
             self._copy_in(spec.span, spec.block_ids)
-            # The pages were pinned by the lookup; a page erased meanwhile comes back None here,
-            # after the copy, so a copy that raced an erasure is never trusted.
-            n_ok = _usable_prefix(self._client.wait_loaded(spec.load_id, 0.0), len(spec.block_ids))
+            # Validate (after the copy) and release in one round trip.
+            got = self._client.wait_loaded(spec.load_id, 0.0, release=True)
+            released = True
+            n_ok = _usable_prefix(got, len(spec.block_ids))
         except Exception as exc:
             logger.warning("DSS sync load %s for %s failed, recomputing: %s", spec.load_id, spec.req_id, exc)
             n_ok = 0
         finally:
-            self._release(self._client, spec.load_id)
+            if not released:
+                self._release(self._client, spec.load_id)
         self._record_load(spec, n_ok, async_done=False)
 
     def _async_load(self, spec: LoadSpec) -> None:
         n_ok = 0
+        released = False
         try:
             if not self.ready or self._loader_client is None:
                 raise DSSError("connector not ready for loads")
@@ -143,15 +153,20 @@ class WorkerSide:
                     n_ok,
                 )
             if n_ok:
-                span = _span_of(got[:n_ok])
+                span = span_of(got[:n_ok])
                 if span is None:
                     raise DSSError("promoted pages came back without slots in one arena")
                 self._copy_in(span, spec.block_ids[:n_ok])
+                # Validate the copies (and release) in one round trip.
+                valid = self._loader_client.wait_loaded(spec.load_id, 0.0, release=True)
+                released = True
+                n_ok = _usable_prefix(valid, n_ok)
         except Exception as exc:
             logger.warning("DSS async load %s for %s failed, recomputing: %s", spec.load_id, spec.req_id, exc)
             n_ok = 0
         finally:
-            self._release(self._loader_client, spec.load_id)
+            if not released:
+                self._release(self._loader_client, spec.load_id)
         self._record_load(spec, n_ok, async_done=True)
 
     def _record_load(self, spec: LoadSpec, n_ok: int, async_done: bool) -> None:
@@ -253,13 +268,3 @@ def _usable_prefix(got: tuple[PageSlot | None, ...], n_wanted: int) -> int:
             break
         n += 1
     return n
-
-
-def _span_of(pages: tuple[PageSlot | None, ...]) -> SlotSpan | None:
-    refs = [p.slot for p in pages if p is not None and p.slot is not None]
-    if len(refs) != len(pages):
-        return None
-    first = refs[0]
-    if any((r.path, r.slot_nbytes) != (first.path, first.slot_nbytes) for r in refs):
-        return None
-    return SlotSpan(first.path, first.slot_nbytes, tuple(r.slot for r in refs))

@@ -93,7 +93,8 @@ class KVCache:
         self._active: dict[TenantId, int] = {}  # saves of each tenant being published now
         self._pins: dict[FingerprintId, list[np.ndarray]] = {}
         self._loader = ThreadPoolExecutor(max_workers=config.loader_threads, thread_name_prefix="dss-loader")
-        self.writer = DiskWriter(pages, self.forget) if (config.write_through and pages.disk is not None) else None
+        write_through = config.write_through and pages.disk is not None
+        self.writer = DiskWriter(pages, self.forget) if write_through else None
 
     def close(self) -> None:
         self._loader.shutdown(wait=True, cancel_futures=True)
