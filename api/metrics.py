@@ -153,3 +153,6 @@ class _StoreCollector(Collector):
             "dss_indexed_tokens", "Tokens indexed in all tries", value=s["indexed_tokens"]
         )
         yield GaugeMetricFamily("dss_load_leases", "Page loads in progress", value=s["leases"])
+        yield GaugeMetricFamily(
+            "dss_disk_write_backlog", "Pages waiting for write-through to disk", value=s["disk_backlog"]
+        )

@@ -1,13 +1,14 @@
 """DSS core: the dialogue state store.
 
-Versioned sessions (`versions`), a token radix trie per namespace (`trie`), pages in tiers
-(`tiers`, `pagestore`) with compression, checksums and encryption at rest (`codec`, `pagefile`,
-`crypto`, `keyring`), SQL metadata (`db`), erasure with receipts (`erasure`), recovery
-(`recovery`), and the facade that ties them together (`store.Store`). Engine processes reach the
-owner through `rpc`.
+Parts (each a package with one job; see docs/architecture.md):
+`index` (hashing, the radix trie, the per-namespace prefix index), `pages` (page table, tiers,
+eviction, page format and codecs), `keys` (crypto, identity, data keys, cache salts), `dialogue`
+(versions, branches, turn targets), `ops` (KV loads/saves, the disk writer, erasure, recovery,
+session deletion, public prefixes), `store` (the thin facade), `wire` (the typed cross-process
+contract), `rpc` (the local RPC with deadlines), `db` (SQLAlchemy models and migrations).
 
-Import rules: `dss` never imports vLLM, FastAPI, `api` or `engine_patch`; tiers never import the
-trie; the store is the only module that knows all the others.
+Import rules: `dss` never imports vLLM, FastAPI, `api` or `engine_patch`; `pages` and `index`
+never import each other; only `ops` and `store` combine parts; every lock is a leaf.
 """
 
 __version__ = "0.1.0"

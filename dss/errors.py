@@ -110,3 +110,15 @@ class KeyDestroyed(KeyError_):
 
 class StoreClosed(DSSError):
     pass
+
+
+class ModelNotFound(NotFoundError):
+    """A model does not exist: no usable model folder, or a request names a model not served."""
+
+
+class ModelPrepareError(DSSError):
+    """The default model could not be prepared from its source package."""
+
+
+class ModelVerificationFailed(DSSError):
+    """A prepared model did not answer the verification question correctly."""

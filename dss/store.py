@@ -286,6 +286,7 @@ class Store:
             "evictions": {t.value: c.evictions[t] for t in Tier},
             "corrupt_pages": c.corrupt_pages + (self.disk.corrupt_pages if self.disk else 0),
             "disk_write_errors": c.disk_write_errors,
+            "disk_full_skips": c.disk_full_skips,
             "disk_available": self.pages.disk_available,
             "disk_backlog": self.kv.writer.backlog if self.kv.writer is not None else 0,
             "indexed_tokens": self.index.indexed_tokens(),

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dss.namespace import ModelFingerprint
+from engine_patch.model import READY_MARKER
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-READY_MARKER = ".dss-ready"  # written by engine_patch.model; names the source and checksums
 _SAMPLE_BYTES = 1 << 16
 _SAMPLES_PER_FILE = 16
 

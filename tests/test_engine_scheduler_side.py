@@ -3,6 +3,8 @@ objects (no engine): claims, caps, plan caching and release, saves and the same-
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from vllm.v1.request import Request
 
 from dss.rpc import StoreClient
 from dss.store import Store
+from dss.wire import TurnReport
 from engine_patch.metadata import DSSConnectorMetadata, DSSWorkerMetadata
 from engine_patch.scheduler_side import SchedulerSide
 from tests.store_helpers import SMALL_FP, open_store, pages_for
@@ -151,3 +154,32 @@ def test_prompt_pages_are_saved_when_prefill_completes(store: Store, side: Sched
     assert save.page_indexes == (0, 1, 2) and save.block_ids == (4, 5, 6) and not save.on_finish
     assert step(side, {"r1": 1}).saves == []
     store.abort_save(save.save_id)
+
+
+def test_a_hung_owner_is_a_miss_within_the_deadline(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store stops answering (say, it deadlocked): vLLM's scheduler must not hang in
+    `get_num_new_matched_tokens`; the request recomputes and its report counts the failure."""
+    tenant = store.tenant_for("u")
+    tokens = stored(store, tenant, 3 * BS)
+    answer = threading.Event()
+    real = store.begin_load
+
+    def hung(*args: object, **kwargs: object) -> object:
+        answer.wait(10)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store, "begin_load", hung)
+    address, authkey = store.serve_rpc()
+    sched = SchedulerSide(SMALL_FP, StoreClient(address, authkey, timeout_s=0.5), block_ids_of={}.__getitem__)
+    try:
+        r = request("r1", [*tokens, 1], tenant)
+        t0 = time.monotonic()
+        assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+        assert time.monotonic() - t0 < 1.5
+        answer.set()
+        _, params = sched.request_finished(r, [])
+        report = TurnReport.from_params(params)
+        assert report is not None and report.store_errors == 1 and report.loaded_tokens == 0
+    finally:
+        answer.set()
+        sched.shutdown()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dss.errors import CapacityError, InvalidInput, NotFoundError
+from dss.errors import InvalidInput, NotFoundError
 from dss.index.hashing import chain_hashes
 from dss.index.trie import RadixTrie
 from dss.types import NamespaceId, PageHash
@@ -37,7 +37,6 @@ def test_empty_trie_matches_nothing() -> None:
     assert (m.n_tokens, m.pages, m.n_pages) == (0, (), 0)
     assert m.node is trie.root
     assert len(trie) == 0 and trie.n_pages == 0
-    assert list(trie.evictable_leaves()) == []
     trie.check()
 
 
@@ -160,31 +159,21 @@ def test_insert_refuses_wrong_counts_and_foreign_hashes() -> None:
     trie.check()
 
 
-def test_locks_block_remove_from_and_unlock_underflow_raises() -> None:
+def test_remove_from_a_branch_tail_keeps_the_split() -> None:
     trie = RadixTrie(PS)
     a = run(16)
     b = run(8) + run(8, 100)
     insert(trie, a)
     insert(trie, b)
     ha, hb = hashes(a), hashes(b)
-    m = trie.match(a)
-    trie.lock(m.node)
-    assert all(trie.is_locked(h) for h in ha)
-    assert not trie.is_locked(hb[2]) and not trie.is_locked(hb[3])
-    with pytest.raises(CapacityError):
-        trie.remove_from(ha[3])
-    with pytest.raises(CapacityError):
-        trie.remove_from(ha[0])  # would take the locked child with it
-    assert trie.remove_from(hb[3]) == [hb[3]]  # the unlocked branch can go
+    outstanding = trie.match(a)  # a match held by a caller does not stop a removal
+    assert trie.remove_from(hb[3]) == [hb[3]]  # the branch keeps one page: no merge
+    assert trie.n_nodes == 3 and trie.match(b).pages == tuple(hb[:3])
     trie.check()
-    trie.lock(m.node)
-    trie.unlock(m.node)
-    trie.unlock(m.node)
-    assert not any(trie.is_locked(h) for h in ha)
-    with pytest.raises(InvalidInput):
-        trie.unlock(m.node)
-    assert m.node.lock_ref == 0 and trie.root.lock_ref == 0
     assert trie.remove_from(ha[2]) == ha[2:]
+    assert trie.n_nodes == 1 and outstanding.node.parent is None  # the merge dropped a's node
+    (node,) = trie.root.children.values()
+    assert node.pages == hb[:3] and trie.match(a).pages == tuple(ha[:2])
     trie.check()
 
 
@@ -211,6 +200,16 @@ def test_remove_from_returns_the_subtree_and_stays_valid() -> None:
     trie.check()
 
 
+def test_removed_nodes_are_detached() -> None:
+    trie = RadixTrie(PS)
+    insert(trie, run(8))
+    m = trie.match(run(8))
+    trie.remove_from(m.pages[0])
+    assert m.node.parent is None and m.node.children == {}
+    assert trie.match(run(8)).node is trie.root
+    trie.check()
+
+
 def test_removing_a_branch_merges_the_chain() -> None:
     trie = RadixTrie(PS)
     a = run(16)
@@ -226,42 +225,39 @@ def test_removing_a_branch_merges_the_chain() -> None:
     trie.check()
 
 
-def test_merge_keeps_the_locked_node_usable() -> None:
+def test_merge_keeps_the_parent_side_node() -> None:
     trie = RadixTrie(PS)
     a = run(16)
     b = run(8) + run(8, 100)
     insert(trie, a)
     insert(trie, b)
-    held = trie.match(a).node  # the deeper half of the split
-    trie.lock(held)
+    head = trie.match(run(8)).node
+    tail = trie.match(a).node
+    assert head.pages == hashes(a)[:2] and tail.parent is head
     trie.remove_from(hashes(b)[2])
-    assert trie.n_nodes == 1 and held.parent is trie.root
-    assert held.pages == hashes(a) and all(trie.is_locked(h) for h in hashes(a))
-    trie.unlock(held)
-    assert trie.root.lock_ref == 0
+    # the head absorbs its remaining child and keeps its place under the root
+    assert trie.n_nodes == 1 and head.parent is trie.root and head.pages == hashes(a)
+    assert head.key.tolist() == a and trie.match(a, touch=False).node is head
+    assert tail.parent is None and tail.children == {}
+    assert head.hit_count >= tail.hit_count and head.last_access >= tail.last_access
     trie.check()
 
 
-def test_lock_of_a_removed_node_is_refused() -> None:
+def test_merge_reparents_the_absorbed_childs_children() -> None:
     trie = RadixTrie(PS)
-    insert(trie, run(8))
-    m = trie.match(run(8))
-    trie.remove_from(m.pages[0])
-    with pytest.raises(InvalidInput):
-        trie.lock(m.node)
-    trie.check()
-
-
-def test_evictable_leaves_are_unlocked_leaf_tails() -> None:
-    trie = RadixTrie(PS)
-    a = run(16)
+    a = run(24)
     b = run(8) + run(8, 100)
-    insert(trie, a)
-    insert(trie, b)
-    ha, hb = hashes(a), hashes(b)
-    assert sorted(trie.evictable_leaves()) == sorted([ha[3], hb[3]])
-    trie.lock(trie.match(b).node)
-    assert list(trie.evictable_leaves()) == [ha[3]]
+    c = run(16) + run(8, 300)
+    for s in (a, b, c):
+        insert(trie, s)
+    # root -> [0,8) -> {b's tail, [8,16) -> {a's tail, c's tail}}
+    assert trie.n_nodes == 5
+    trie.remove_from(hashes(b)[2])
+    assert trie.n_nodes == 3
+    (head,) = trie.root.children.values()
+    assert head.key.tolist() == run(16) and head.pages == hashes(a)[:4]
+    assert len(head.children) == 2 and all(ch.parent is head for ch in head.children.values())
+    assert trie.match(a).pages == tuple(hashes(a)) and trie.match(c).pages == tuple(hashes(c))
     trie.check()
 
 
@@ -281,21 +277,3 @@ def test_nbytes_grows_with_content() -> None:
     empty = trie.nbytes()
     insert(trie, run(400))
     assert trie.nbytes() > empty + 100 * 32
-
-
-def test_merge_into_a_directly_locked_node() -> None:
-    trie = RadixTrie(PS)
-    a = run(16)
-    b = run(8) + run(8, 100)
-    insert(trie, a)
-    insert(trie, b)
-    head = trie.match(run(8)).node
-    assert head.pages == hashes(a)[:2]
-    trie.lock(head)
-    trie.remove_from(hashes(b)[2])
-    # head has holders, its remaining child has none: head absorbs the child and stays valid
-    assert trie.n_nodes == 1 and head.parent is trie.root and head.pages == hashes(a)
-    assert trie.match(a).node is head
-    trie.unlock(head)
-    assert trie.root.lock_ref == 0 and head.lock_ref == 0
-    trie.check()

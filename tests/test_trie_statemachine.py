@@ -6,9 +6,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from dss.errors import CapacityError
 from dss.index.hashing import chain_hashes
-from dss.index.trie import Node, RadixTrie
+from dss.index.trie import RadixTrie
 from dss.types import NamespaceId, PageHash
 
 NS = NamespaceId(b"s" * 16)
@@ -27,7 +26,6 @@ class TrieMachine(RuleBasedStateMachine):
         super().__init__()
         self.trie = RadixTrie(self.page_size)
         self.model: set[Prefix] = set()
-        self.holders: list[tuple[Node, list[Prefix]]] = []
 
     def prefixes(self, tokens: list[int]) -> list[Prefix]:
         ps = self.page_size
@@ -43,9 +41,6 @@ class TrieMachine(RuleBasedStateMachine):
                 break
             out.append(p)
         return out
-
-    def protected(self) -> set[Prefix]:
-        return {p for _, matched in self.holders for p in matched}
 
     @rule(tokens=TOKENS)
     def insert(self, tokens: list[int]) -> None:
@@ -79,46 +74,16 @@ class TrieMachine(RuleBasedStateMachine):
     def remove_from(self, data: st.DataObject) -> None:
         start = data.draw(st.sampled_from(sorted(self.model)))
         doomed = {p for p in self.model if p[: len(start)] == start}
-        page = self.hash_of(start)
-        must_refuse = bool(doomed & self.protected())
-        # A lock may cover more than the matched pages (the rest of the matched node), never less.
-        may_refuse = self.trie.is_locked(page)
-        assert may_refuse or not must_refuse
-        if may_refuse:
-            try:
-                self.trie.remove_from(page)
-            except CapacityError:
-                return
-            raise AssertionError("remove_from of a locked page succeeded")
-        removed = self.trie.remove_from(page)
+        removed = self.trie.remove_from(self.hash_of(start))
         assert len(removed) == len(doomed)
         assert set(removed) == {self.hash_of(p) for p in doomed}
         self.model -= doomed
-
-    @precondition(lambda self: self.model)
-    @rule(data=st.data())
-    def lock(self, data: st.DataObject) -> None:
-        tokens = list(data.draw(st.sampled_from(sorted(self.model))))
-        m = self.trie.match(tokens)
-        self.trie.lock(m.node)
-        self.holders.append((m.node, self.expected_match(tokens)))
-
-    @precondition(lambda self: self.holders)
-    @rule(data=st.data())
-    def unlock(self, data: st.DataObject) -> None:
-        i = data.draw(st.integers(min_value=0, max_value=len(self.holders) - 1))
-        node, _ = self.holders.pop(i)
-        self.trie.unlock(node)
 
     @invariant()
     def consistent(self) -> None:
         self.trie.check()
         assert len(self.trie) == len(self.model) * self.page_size
-        assert self.trie.root.lock_ref == len(self.holders)
-        for p in self.protected():
-            assert self.trie.is_locked(self.hash_of(p))
-        if not self.holders:
-            assert all(not self.trie.is_locked(h) for h in self.trie.iter_pages())
+        assert set(self.trie.iter_pages()) == {self.hash_of(p) for p in self.model}
 
 
 class TrieMachinePage4(TrieMachine):

@@ -12,13 +12,9 @@ from api.errors import error_responses
 from api.schemas import ChatCompletion, ChatCompletionRequest
 from api.turns import Turn, check_limits, run_turn
 from dss.dialogue.turns import chat_target
-from dss.errors import NotFoundError
+from dss.errors import ModelNotFound
 
 router = APIRouter(tags=["chat"])
-
-
-class ModelNotFound(NotFoundError):
-    """The request names a model this server does not serve."""
 
 
 @router.post(

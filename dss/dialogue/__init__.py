@@ -1,0 +1,1 @@
+"""The dialogue state: sessions, versions, branches, rollback, and where a chat turn attaches."""

@@ -5,12 +5,12 @@ only full pages are indexed. A node's children are keyed by the bytes of their f
 descent is one dict lookup plus one vectorised comparison per node; the number of Python-level
 steps depends on the number of nodes on the path, never on the number of tokens.
 
-Locks are reference counts on a node and all its ancestors (a holder of a deep node protects the
-whole prefix). Node identity is what holders keep, so restructuring never moves a holder's pages to
-another node object: a split keeps the original object as the deeper half, and a merge keeps the
-object that may have holders.
+The trie only indexes; it protects nothing. Pages in use are held by the page table's leases, and
+`remove_from` always cuts what it is asked to. The tree stays compressed: no node other than the
+root has exactly one child (a removal that leaves one merges the two).
 
-The trie is not thread-safe; the page store calls it under its own lock.
+The trie is not thread-safe: its owner, `dss.index.prefix_index.PrefixIndex`, calls it only under
+its own leaf lock.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dss.errors import CapacityError, InvalidInput, NotFoundError
+from dss.errors import InvalidInput, NotFoundError
 from dss.index.hashing import HASH_BYTES, TOKEN_DTYPE, as_tokens
 from dss.types import PageHash
 
@@ -37,7 +37,6 @@ class Node:
     pages: list[PageHash]
     parent: Node | None
     children: dict[bytes, Node] = field(default_factory=dict)
-    lock_ref: int = 0
     last_access: float = 0.0
     hit_count: int = 0
 
@@ -50,9 +49,9 @@ class Node:
 class TrieMatch:
     """The longest indexed prefix of a query, in whole pages.
 
-    `node` is the node holding the last matched page (the root when nothing matched); lock it to
-    protect every matched page. It may also cover a few unmatched pages after the match, which a
-    lock then protects too.
+    `node` is the node holding the last matched page (the root when nothing matched); it may also
+    hold unmatched pages after the match. It is there for structural checks (tests, the bench's
+    depth count); production callers use `n_tokens` and `pages`.
     """
 
     n_tokens: int
@@ -94,13 +93,6 @@ class RadixTrie:
     def __contains__(self, page: object) -> bool:
         return page in self._index
 
-    def is_locked(self, page: PageHash) -> bool:
-        """Whether some holder protects `page` (locks are per node, so whole nodes are protected)."""
-        node = self._index.get(page)
-        if node is None:
-            raise NotFoundError("page is not in the trie")
-        return node.lock_ref > 0
-
     def match(self, tokens: Sequence[int] | np.ndarray, touch: bool = True) -> TrieMatch:
         """Longest indexed prefix of `tokens` made of whole pages; never restructures the tree."""
         toks = as_tokens(tokens)
@@ -136,14 +128,6 @@ class RadixTrie:
         """Every indexed page, parents before children."""
         for node in self._nodes():
             yield from node.pages
-
-    def evictable_leaves(self) -> Iterator[PageHash]:
-        """The last page of every unlocked leaf: what can go first without orphaning anything.
-
-        A snapshot, so the caller may remove pages while iterating.
-        """
-        out = [n.pages[-1] for n in self._nodes() if n.pages and not n.children and n.lock_ref == 0]
-        return iter(out)
 
     def nbytes(self) -> int:
         """Estimate of the index's own memory (nodes, keys, page lists, hash objects, dicts)."""
@@ -207,7 +191,6 @@ class RadixTrie:
         new_key = toks[pos:end].copy()
         if node is not self.root and not node.children:
             # Extending a leaf keeps a multi-turn session one node deep instead of one per turn.
-            # A holder of the leaf then protects the new pages too, which only errs on the safe side.
             node.key = np.concatenate((node.key, new_key))
             node.pages.extend(new_pages)
             leaf = node
@@ -221,35 +204,14 @@ class RadixTrie:
             index[h] = leaf
         return pos
 
-    def lock(self, node: Node) -> None:
-        """Protect `node`'s pages and all its ancestors' from removal."""
-        self._require_attached(node)
-        n: Node | None = node
-        while n is not None:
-            n.lock_ref += 1
-            n = n.parent
-
-    def unlock(self, node: Node) -> None:
-        self._require_attached(node)
-        # Ancestors' counts are at least the node's, so checking the node covers the whole path.
-        if node.lock_ref <= 0:
-            raise InvalidInput("unlock without a matching lock")
-        n: Node | None = node
-        while n is not None:
-            n.lock_ref -= 1
-            n = n.parent
-
     def remove_from(self, page: PageHash) -> list[PageHash]:
         """Drop `page`, the pages after it and every descendant; return the dropped hashes.
 
-        Refused with `CapacityError` if any of them is locked.
+        Raises `NotFoundError` if `page` is not indexed.
         """
         node = self._index.get(page)
         if node is None:
             raise NotFoundError("page is not in the trie")
-        # Descendants' lock counts never exceed the node's, so one test covers the subtree.
-        if node.lock_ref > 0:
-            raise CapacityError("cannot remove locked pages")
         i = node.pages.index(page)
         removed = node.pages[i:]
         subtree = list(self._nodes(node))[1:]
@@ -292,14 +254,10 @@ class RadixTrie:
                     raise AssertionError("child's parent pointer does not point at its parent")
                 if k != child.key[:ps].tobytes():
                     raise AssertionError("child dict key is not the child's first page")
-            # A lock counts on the locked node and every ancestor, so a node holds at least the
-            # sum of its children's counts (the rest are holders of the node itself).
-            if node.lock_ref < sum(c.lock_ref for c in node.children.values()):
-                raise AssertionError("a node holds fewer locks than its children together")
-            if node.lock_ref < 0:
-                raise AssertionError("negative lock count")
             if node is root:
                 continue
+            if len(node.children) == 1:
+                raise AssertionError("non-root node with a single child (should have been merged)")
             n_nodes += 1
             if node.key.dtype != TOKEN_DTYPE or node.key.ndim != 1:
                 raise AssertionError(f"node key has dtype {node.key.dtype}, not int32")
@@ -337,8 +295,8 @@ class RadixTrie:
     def _split(self, node: Node, n_pages: int) -> Node:
         """Cut `node` after `n_pages` pages; return the new node holding the first part.
 
-        `node` keeps the second part so holders of its lock keep protecting the same pages, and the
-        new prefix node inherits its lock count as their ancestor.
+        `node` keeps the second part, so only the head's pages are re-indexed and `node`'s children
+        keep their parent. The head takes `node`'s place under the same child-dict key.
         """
         cut = n_pages * self.page_size
         parent = node.parent
@@ -348,7 +306,6 @@ class RadixTrie:
             key=node.key[:cut].copy(),
             pages=node.pages[:n_pages],
             parent=parent,
-            lock_ref=node.lock_ref,
             last_access=node.last_access,
             hit_count=node.hit_count,
         )
@@ -364,52 +321,33 @@ class RadixTrie:
         return head
 
     def _merge_only_child(self, node: Node) -> None:
-        """Fold a single-child chain into one node, keeping the object that holders may reference.
+        """Fold `node`'s only child into it.
 
-        Holders directly on `node` number `node.lock_ref - child.lock_ref`. With none, the child
-        absorbs `node`; if the child's subtree has no holders, `node` absorbs the child; when both
-        have holders the chain stays (still valid, just one extra node on the path).
+        The rule: the parent-side object (`node`) always survives. It keeps its place under its
+        parent's child-dict key (the merged key starts with the same page), takes the child's
+        pages and children, and only the child's pages are re-indexed. Access stats keep the
+        larger of the two.
         """
         (child,) = node.children.values()
-        parent = node.parent
-        if parent is None:
-            raise AssertionError("cannot merge the root")
-        if node.lock_ref == child.lock_ref:
-            child.key = np.concatenate((node.key, child.key))
-            child.pages = node.pages + child.pages
-            child.parent = parent
-            child.last_access = max(child.last_access, node.last_access)
-            child.hit_count = max(child.hit_count, node.hit_count)
-            parent.children[child.key[: self.page_size].tobytes()] = child
-            moved, keep, gone = node.pages, child, node
-        elif child.lock_ref == 0:
-            node.key = np.concatenate((node.key, child.key))
-            node.pages = node.pages + child.pages
-            node.children = child.children
-            for grandchild in node.children.values():
-                grandchild.parent = node
-            node.last_access = max(child.last_access, node.last_access)
-            node.hit_count = max(child.hit_count, node.hit_count)
-            moved, keep, gone = child.pages, node, child
-        else:
-            return
+        node.key = np.concatenate((node.key, child.key))
+        node.pages.extend(child.pages)
+        node.children = child.children
+        for grandchild in node.children.values():
+            grandchild.parent = node
+        node.last_access = max(child.last_access, node.last_access)
+        node.hit_count = max(child.hit_count, node.hit_count)
         index = self._index
-        for h in moved:
-            index[h] = keep
-        gone.children = {}
-        self._detach(gone)
+        for h in child.pages:
+            index[h] = node
+        self._detach(child)
         self._n_nodes -= 1
 
     @staticmethod
     def _detach(node: Node) -> None:
-        # parent=None marks the node as gone (lock() refuses it) and breaks the reference cycle.
+        # Break the parent/child reference cycle so dropped nodes go by reference counting, not by
+        # waiting for the cycle collector.
         node.parent = None
         node.children = {}
-        node.lock_ref = 0
-
-    def _require_attached(self, node: Node) -> None:
-        if node.parent is None and node is not self.root:
-            raise InvalidInput("node is no longer in the trie (lock a match before mutating the trie)")
 
     def _nodes(self, start: Node | None = None) -> Iterator[Node]:
         """Nodes of the subtree at `start` (default: the root), parents before children."""

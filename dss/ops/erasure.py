@@ -121,13 +121,18 @@ class Eraser:
             self._index.drop_tenant(tenant)
             # Moves of those pages in flight (the writer, a promotion) finish and delete their
             # own copies; only then are the rows below final.
-            if not self._pages.wait_settled(gone, _SETTLE_S):
+            mine = {e.meta.hash for e in detached}
+            if not self._pages.wait_settled([h for h in gone if h not in mine], _SETTLE_S):
                 log.warning("erasure: some pages were still being moved after %ss", _SETTLE_S)
             erased_at = datetime.now(UTC)
             rid = "era_" + uuid.uuid4().hex[:24]
-            with transaction(self._sf) as s:
-                counts = _delete_rows(s, user, tenant, self._keyring, usage)
-                seq, prev, entry = _append_receipt(s, rid, erased_at, tenant, counts)
+            try:
+                with transaction(self._sf) as s:
+                    counts = _delete_rows(s, user, tenant, self._keyring, usage)
+                    seq, prev, entry = _append_receipt(s, rid, erased_at, tenant, counts)
+            except BaseException:
+                self._pages.abandon(detached)  # nothing was erased; recovery finds the files
+                raise
             # Committed: now the irreversible part.
             self._keyring.forget_cached(tenant)
             self._pages.destroy(detached, rows_deleted=True)

@@ -41,6 +41,7 @@ DataKeyLookup = Callable[[TenantId], bytes]
 """Returns the tenant's data key (creating it on first use); raises KeyDestroyed after an erasure."""
 
 _WAIT_BUSY_S = 10.0  # how long a promotion waits for another thread's move of the same page
+_PROBE_EVERY_S = 5.0  # how often an unavailable disk tier is probed before a write
 
 
 @dataclass
@@ -52,6 +53,7 @@ class TierCounters:
     evictions: dict[Tier, int] = field(default_factory=lambda: dict.fromkeys(Tier, 0))
     corrupt_pages: int = 0
     disk_write_errors: int = 0
+    disk_full_skips: int = 0  # write-throughs skipped: the disk was full of pages it may not evict
     pages_dropped: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -88,6 +90,7 @@ class TieredPages:
         self.rows = rows
         self._data_key = data_key
         self.counters = TierCounters()
+        self._next_probe = 0.0
 
     # ------------------------------------------------------------------ queries
     def contains(self, page: PageHash) -> bool:
@@ -193,7 +196,7 @@ class TieredPages:
         disk, meta, ref = self.disk, entry.meta, entry.host_ref
         if disk is None or ref is None:
             return 0
-        if not disk.available and not disk.probe():
+        if not disk.available and not self._probe(disk):
             return 0
         try:
             key = self._data_key(meta.tenant)
@@ -206,9 +209,13 @@ class TieredPages:
             except CapacityError:
                 self._make_room_disk(meta.nbytes, gone)
                 written = disk.write(meta, raw, key)
-        except (TierUnavailable, CapacityError) as exc:
+        except TierUnavailable as exc:
             self.counters.count("disk_write_errors")
             log.error("disk tier unavailable, serving from memory only: %s", exc)
+            return 0
+        except CapacityError as exc:  # full of pages in use, pinned or also in memory: stays in memory
+            self.counters.count("disk_full_skips")
+            log.debug("page %s not written through: %s", meta.hash.hex()[:16], exc)
             return 0
         try:
             self.rows.add(meta, written)
@@ -217,6 +224,17 @@ class TieredPages:
             disk.delete(meta.hash)
             return 0
         return written
+
+    def _probe(self, disk: DiskTier) -> bool:
+        """Whether an unavailable disk tier works again (a real write, at most every few seconds)."""
+        now = time.monotonic()
+        if now < self._next_probe:
+            return False
+        self._next_probe = now + _PROBE_EVERY_S
+        if disk.probe():
+            log.warning("disk tier at %s is writable again", disk.root)
+            return True
+        return False
 
     # ------------------------------------------------------------------ promotion
     def promote_to_host(self, page: PageHash, gone: list[PageHash]) -> SlotRef | None:
@@ -436,16 +454,27 @@ class TieredPages:
     ) -> None:
         """Delete the copies of entries that are out of the table: database rows first, then
         the irreversible part (zeroing slots, unlinking files)."""
-        on_disk = [e.meta.hash for e in entries if extra_disk or Tier.DISK in e.tiers]
-        if on_disk and not rows_deleted:
-            self.rows.delete(on_disk)
+        try:
+            on_disk = [e.meta.hash for e in entries if extra_disk or Tier.DISK in e.tiers]
+            if on_disk and not rows_deleted:
+                self.rows.delete(on_disk)
+            for e in entries:
+                if e.host_ref is not None:
+                    self.host.release(e.host_ref)
+                if self.disk is not None and (extra_disk or Tier.DISK in e.tiers):
+                    self.disk.delete(e.meta.hash)
+                if self.device is not None and (extra_device or Tier.DEVICE in e.tiers):
+                    self.device.delete(e.meta.hash)
+        finally:
+            self.table.deleted(e.meta.hash for e in entries)
+
+    def abandon(self, entries: list[PageEntry]) -> None:
+        """Detached entries whose copies stay (the operation that detached them failed): their
+        hashes may be stored again. Their host slots are freed; files stay for recovery."""
         for e in entries:
             if e.host_ref is not None:
                 self.host.release(e.host_ref)
-            if self.disk is not None and (extra_disk or Tier.DISK in e.tiers):
-                self.disk.delete(e.meta.hash)
-            if self.device is not None and (extra_device or Tier.DEVICE in e.tiers):
-                self.device.delete(e.meta.hash)
+        self.table.deleted(e.meta.hash for e in entries)
 
     def wait_settled(self, pages: Iterable[PageHash], timeout_s: float) -> bool:
         return self.table.wait_settled(pages, timeout_s)

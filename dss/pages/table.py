@@ -15,7 +15,9 @@ Per page, two counters keep that work safe without holding the lock:
 leases: a reader validates its copy afterwards (`valid`) and never trusts one that raced a
 removal. A busy page is only marked `doomed`; its transition owner sees that when it finishes and
 deletes the copies itself. Either way the caller gets back the entries whose copies it must
-delete (irreversible steps, done after the table and any database rows are updated).
+delete (irreversible steps, done after the table and any database rows are updated), and the
+hash stays reserved until it reports them deleted (`deleted`): a page of the same content saved
+again meanwhile is refused rather than have its new file or row removed by the old deletion.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class PageTable:
         self._lock = threading.Lock()
         self._settled = threading.Condition(self._lock)  # notified when a busy page settles
         self._entries: dict[PageHash, PageEntry] = {}
+        self._deleting: dict[PageHash, int] = {}  # hashes whose copies are being deleted
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -169,9 +172,10 @@ class PageTable:
 
     # ------------------------------------------------------------------ adding
     def insert(self, entry: PageEntry) -> bool:
-        """Add a page; False when it is already present (then the caller frees its copies)."""
+        """Add a page; False when it is already present or its old copies are still being deleted
+        (then the caller frees its copies)."""
         with self._lock:
-            if entry.meta.hash in self._entries:
+            if entry.meta.hash in self._entries or entry.meta.hash in self._deleting:
                 return False
             self._entries[entry.meta.hash] = entry
             return True
@@ -217,14 +221,30 @@ class PageTable:
                 e.leases -= 1
             self._settled.notify_all()
             if e.doomed:
-                del self._entries[page]
+                self._take(page)
                 return e
             if update is not None:
                 update(e)
             if not e.tiers:
-                del self._entries[page]
+                self._take(page)
                 return e
             return None
+
+    def _take(self, page: PageHash) -> None:
+        """Caller holds the lock: the entry leaves the table; its copies are being deleted."""
+        del self._entries[page]
+        self._deleting[page] = self._deleting.get(page, 0) + 1
+
+    def deleted(self, pages: Iterable[PageHash]) -> None:
+        """The copies of these removed pages are gone: the hashes may be stored again."""
+        with self._lock:
+            for h in pages:
+                n = self._deleting.get(h, 0) - 1
+                if n > 0:
+                    self._deleting[h] = n
+                else:
+                    self._deleting.pop(h, None)
+            self._settled.notify_all()
 
     def pick_victims(
         self,
@@ -265,18 +285,18 @@ class PageTable:
                 if e.busy:
                     e.doomed = True  # the transition owner deletes the copies
                 else:
-                    del self._entries[h]
+                    self._take(h)
                     removed.append(e)
         return removed, gone
 
     def wait_settled(self, pages: Iterable[PageHash], timeout_s: float) -> bool:
         """Wait until none of `pages` is still in the table (doomed pages whose transition has
-        not finished yet). True when all are gone."""
+        not finished yet) or being deleted by a mover. True when all are gone."""
         want = set(pages)
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while True:
-                if not any(h in self._entries for h in want):
+                if not any(h in self._entries or h in self._deleting for h in want):
                     return True
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -286,12 +306,6 @@ class PageTable:
     def pages_of_tenant(self, tenant: TenantId) -> list[PageHash]:
         with self._lock:
             return [h for h, e in self._entries.items() if e.meta.tenant == tenant and not e.doomed]
-
-    def clear(self) -> list[PageEntry]:
-        with self._lock:
-            out = list(self._entries.values())
-            self._entries.clear()
-            return out
 
 
 def _sized(stats: PageStats, nbytes: int) -> PageStats:
