@@ -4,6 +4,9 @@ Real-sized pages: SmolLM2-135M in bf16 (30 layers, 3 KV heads, head size 64, blo
 a page), with the bytes of /work/shared/data/kv_sample.bin (4 real pages, reused round-robin under
 distinct token ids). fsync on, as in production.
 
+Phases 1-2 run twice: page files encoded in the owner process, then in the codec process (the
+default, `StoreConfig.codec_process`); the RESULT's first three keys are the latter's.
+
 1. idle: p50/p99 of `store.match` on a host-resident 4-page sequence, nothing else running (one
    lookup a millisecond, paced like the busy samples);
 2. busy: the same lookups right after putting BACKLOG_PAGES fresh pages, while the write-through
@@ -68,12 +71,12 @@ class _State:
 state = _State()
 
 
-def result_line(ops: int, hangs: int, errors: int) -> str:
+def result_line(ops: int, hangs: int, errors: int, in_process_ratio: float = float("nan")) -> str:
     busy, idle = state.busy, state.idle
     ratio = busy / idle if idle and idle == idle and busy == busy else float("nan")
     return (
         f"RESULT lookup_p99_busy_ms={busy:.3f} lookup_p99_idle_ms={idle:.3f} busy_vs_idle={ratio:.1f} "
-        f"ops={ops} hangs={hangs} errors={errors}"
+        f"ops={ops} hangs={hangs} errors={errors} busy_vs_idle_in_process={in_process_ratio:.1f}"
     )
 
 
@@ -99,11 +102,16 @@ def pct_ms(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs) * 1e3, q)) if xs else float("nan")
 
 
-def lookup_phase(data_dir: Path, backlog_pages: int) -> None:
+def lookup_phase(data_dir: Path, backlog_pages: int, codec_process: bool) -> tuple[float, float]:
+    """(idle p99, busy p99) in ms."""
+    print(f"-- page files encoded {'in a codec process' if codec_process else 'in the owner process'}")
     real = load_pages(SAMPLE)
     n_seqs = backlog_pages // PAGES_PER_SEQ + 1
     store = open_store(
-        data_dir, fsync=True, host_capacity_bytes=(n_seqs + 2) * PAGES_PER_SEQ * FP.page_nbytes
+        data_dir,
+        fsync=True,
+        host_capacity_bytes=(n_seqs + 2) * PAGES_PER_SEQ * FP.page_nbytes,
+        codec_process=codec_process,
     )
     fid = store.register_fingerprint(FP)
     tenant = store.tenant_for("bench")
@@ -166,6 +174,7 @@ def lookup_phase(data_dir: Path, backlog_pages: int) -> None:
     )
     state.phase = "close"
     store.close()
+    return state.idle, state.busy
 
 
 def main() -> None:
@@ -180,7 +189,10 @@ def main() -> None:
     )
     threading.Thread(target=watchdog, name="bench-watchdog", daemon=True).start()
     with tempfile.TemporaryDirectory(prefix="dss-bench-conc-") as tmp:
-        lookup_phase(Path(tmp) / "lookup", args.backlog_pages)
+        # The same measurement with page files encoded in the owner process (GIL shared with the
+        # lookups), then with the codec process (the default), side by side in one run.
+        idle_inproc, busy_inproc = lookup_phase(Path(tmp) / "inproc", args.backlog_pages, False)
+        lookup_phase(Path(tmp) / "lookup", args.backlog_pages, True)
         state.phase = "stress"
         store = open_stress_store(Path(tmp) / "stress")
         report = run_stress(store, seconds=args.seconds, watchdog_s=min(WATCHDOG_S, 20.0))
@@ -196,8 +208,10 @@ def main() -> None:
             print(f"  wrong page: {m}", flush=True)
         if report.hung:
             print(report.stacks, file=sys.stderr, flush=True)
+        if not report.hung:
+            store.close()
         print(f"loadavg={' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
-        print(result_line(report.ops, int(report.hung), errors), flush=True)
+        print(result_line(report.ops, int(report.hung), errors, busy_inproc / idle_inproc), flush=True)
         if report.hung:
             os._exit(1)  # deadlocked store threads would block interpreter exit
         store.close()

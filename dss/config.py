@@ -24,6 +24,9 @@ class StoreConfig:
     write_through: bool = True
     fsync: bool = True
     loader_threads: int = 2
+    # Encode/decode page files in a helper process (off this process's GIL, so lookups and RPC
+    # threads never wait behind compression and encryption); False: in the calling thread.
+    codec_process: bool = True
     max_tokens_per_sequence: int = 1 << 20
     lease_timeout_s: float = 600.0  # a load or save not finished by then is presumed dead
 

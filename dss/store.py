@@ -42,6 +42,7 @@ from dss.ops.kv import KVCache, MatchInfo
 from dss.ops.prefixes import PrefixInfo, PublicPrefixes
 from dss.ops.sessions import delete_session
 from dss.pages.codec import make_codec
+from dss.pages.encoder import PageCodecProcess
 from dss.pages.eviction import make_policy
 from dss.pages.manager import TieredPages
 from dss.pages.rows import PageRows
@@ -115,6 +116,7 @@ class Store:
             make_policy(cfg.eviction_policy),
             PageRows(self.sf, cfg.codec),
             self.keyring.data_key,
+            PageCodecProcess(cfg.codec) if cfg.codec_process else None,
         )
         self.recovery_report = recovery.rebuild(self.sf, self.disk, self.pages, self.index, self.fingerprints)
         self.kv = KVCache(cfg, self.fingerprints, self.index, self.pages)
@@ -129,6 +131,8 @@ class Store:
         if self._rpc_server is not None:
             self._rpc_server.close()
         self.kv.close()
+        if self.pages.encoder is not None:
+            self.pages.encoder.close()
         self.host.close()
         self.db.dispose()
         self._release_owner_lock()

@@ -1,9 +1,10 @@
 """Deterministic regressions for the disk writer versus lookups (lock order, lock scope).
 
-The interleaving is forced with events: `store.disk.write` is wrapped on the instance so that the
-background write-through of one page stops inside the disk write until the test releases it.
-Only public behaviour is used (Store methods, `store.disk`, `store.residency`); the one
-assumption is that write-through calls `store.disk.write(...)` from a background thread.
+The interleaving is forced with events: the call that encodes and writes a page file is wrapped on
+the instance so that the background write-through of one page stops inside it until the test
+releases it: `store.disk.write` when pages are encoded in the owner process, the helper call
+`store.pages.encoder.encode_to_file` when a codec process does it (both are run). Only public
+behaviour is used (Store methods, `store.disk`, `store.pages.encoder`, `store.residency`).
 
 1. A lookup of a page that is already in the host tier must not wait for a disk write in
    flight (encode, encrypt, write, fsync can take tens of ms for a real page; lookups must not
@@ -44,11 +45,13 @@ NEW = np.arange(500, 504, dtype=np.int32)  # 1 page, put while the writer is pau
 
 
 class PausedWriter:
-    """Wraps store.disk.write: the first call after `arm()` signals `entered` and waits for `release`."""
+    """Wraps the page-file write: the first call once armed signals `entered`, waits for `release`."""
 
     def __init__(self, store: Store) -> None:
         assert store.disk is not None
-        self._orig = store.disk.write
+        self.target: Any = store.pages.encoder if store.pages.encoder is not None else store.disk
+        self.method = "encode_to_file" if store.pages.encoder is not None else "write"
+        self._orig = getattr(self.target, self.method)
         self.armed = False
         self.entered = threading.Event()
         self.release = threading.Event()
@@ -71,15 +74,17 @@ def _flush(store: Store) -> None:
     assert finished and exc is None, f"flush did not finish ({exc!r})"
 
 
-@pytest.fixture
-def paused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Opener]:
-    """Opens the test's store with store.disk.write wrapped; on teardown releases and closes it."""
+@pytest.fixture(params=[False, True], ids=["in-process", "codec-process"])
+def paused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> Iterator[Opener]:
+    """Opens the test's store with its page-file write wrapped; on teardown releases and closes it."""
     holder: dict[str, Any] = {}
 
     def make(**overrides: object) -> tuple[Store, PausedWriter]:
-        store = open_store(tmp_path, **overrides)
+        store = open_store(tmp_path, codec_process=request.param, **overrides)
         pw = PausedWriter(store)
-        monkeypatch.setattr(store.disk, "write", pw)
+        monkeypatch.setattr(pw.target, pw.method, pw)
         holder.update(store=store, pw=pw)
         return store, pw
 
@@ -114,7 +119,7 @@ def _pause_writer_on_new_page(store: Store, pw: PausedWriter, fid: Any, tenant: 
     pw.armed = True
     # The put itself may (wrongly) block behind the paused writer: run it aside.
     call_bounded(lambda: store.put_sequence(fid, tenant, NEW, pages_for(SMALL_FP, NEW)), 0.0)
-    assert pw.entered.wait(LOOKUP_S), "write-through never reached store.disk.write"
+    assert pw.entered.wait(LOOKUP_S), f"write-through never reached {pw.method}"
 
 
 @pytest.mark.timeout(60)

@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dss.errors import CapacityError, CorruptPage, KeyDestroyed, StorageError, TierUnavailable
+from dss.errors import CapacityError, CorruptPage, KeyDestroyed, PageMissing, StorageError, TierUnavailable
+from dss.pages.encoder import PageCodecProcess
 from dss.pages.eviction import EvictionPolicy, PageStats
 from dss.pages.meta import PageMeta
 from dss.pages.rows import PageRows
@@ -81,6 +82,7 @@ class TieredPages:
         policy: EvictionPolicy,
         rows: PageRows,
         data_key: DataKeyLookup,
+        encoder: PageCodecProcess | None = None,
     ) -> None:
         self.table = table
         self.host = host
@@ -89,6 +91,7 @@ class TieredPages:
         self.policy = policy
         self.rows = rows
         self._data_key = data_key
+        self.encoder = encoder
         self.counters = TierCounters()
         self._next_probe = 0.0
 
@@ -185,14 +188,18 @@ class TieredPages:
             e.tiers.add(Tier.DISK)
             e.disk_bytes = written
 
-        doomed = self.table.settle(page, add_disk if written else None)
+        doomed = self.table.settle(page, add_disk if written > 0 else None)
         if doomed is not None:  # erased or dropped while we wrote: our copies go too
-            self._destroy([doomed], extra_disk=bool(written))
+            self._destroy([doomed], extra_disk=written > 0)
             return False
+        if written < 0:  # the slot's bytes no longer match their checksum: never persist or serve them
+            self.counters.count("corrupt_pages")
+            gone.extend(self.drop([page]).gone)
         return written > 0
 
     def _write_claimed(self, entry: PageEntry, gone: list[PageHash]) -> int:
-        """Encrypt, compress and write a page we claimed (no lock held); bytes on disk, or 0."""
+        """Encrypt, compress and write a page we claimed (no lock held). Bytes on disk; 0 when not
+        written; -1 when the page's bytes failed their checksum (the caller drops the page)."""
         disk, meta, ref = self.disk, entry.meta, entry.host_ref
         if disk is None or ref is None:
             return 0
@@ -202,13 +209,13 @@ class TieredPages:
             key = self._data_key(meta.tenant)
         except KeyDestroyed:
             return 0
-        raw = self.host.slot_array(ref).data
         try:
-            try:
-                written = disk.write(meta, raw, key)
-            except CapacityError:
-                self._make_room_disk(meta.nbytes, gone)
-                written = disk.write(meta, raw, key)
+            written = self._write_file(disk, meta, ref, key, gone)
+        except CorruptPage as exc:
+            log.error(
+                "page %s changed in memory since it was stored (%s); dropped", meta.hash.hex()[:16], exc
+            )
+            return -1
         except TierUnavailable as exc:
             self.counters.count("disk_write_errors")
             log.error("disk tier unavailable, serving from memory only: %s", exc)
@@ -217,6 +224,8 @@ class TieredPages:
             self.counters.count("disk_full_skips")
             log.debug("page %s not written through: %s", meta.hash.hex()[:16], exc)
             return 0
+        if not written:
+            return 0
         try:
             self.rows.add(meta, written)
         except Exception:
@@ -224,6 +233,34 @@ class TieredPages:
             disk.delete(meta.hash)
             return 0
         return written
+
+    def _write_file(
+        self, disk: DiskTier, meta: PageMeta, ref: SlotRef, key: bytes, gone: list[PageHash]
+    ) -> int:
+        """The page file, encoded by the helper process when there is one (else here); evicts
+        disk-only pages when the tier is full."""
+        if self.encoder is not None:
+            tmp = disk.temp_path(meta.hash)
+            try:
+                size = self.encoder.encode_to_file(meta, ref, key, tmp, disk.fsync)
+                try:
+                    return disk.adopt(meta, tmp, size)
+                except CapacityError:
+                    self._make_room_disk(size, gone)
+                    return disk.adopt(meta, tmp, size)
+            except TierUnavailable as exc:
+                if disk.available:  # the helper died, not the disk: write it here instead
+                    log.warning("page codec process failed (%s); encoding in this process", exc)
+                else:
+                    raise
+            finally:
+                disk.discard_temp(tmp)
+        raw = self.host.slot_array(ref).data
+        try:
+            return disk.write(meta, raw, key)
+        except CapacityError:
+            self._make_room_disk(meta.nbytes, gone)
+            return disk.write(meta, raw, key)
 
     def _probe(self, disk: DiskTier) -> bool:
         """Whether an unavailable disk tier works again (a real write, at most every few seconds)."""
@@ -289,7 +326,7 @@ class TieredPages:
             return None, False, False
         try:
             key = self._data_key(entry.meta.tenant)
-            self.disk.read(page, key, out=self.host.slot_array(ref))
+            self._read_file(page, key, ref)
             return ref, True, False
         except (CorruptPage, KeyDestroyed) as exc:
             log.warning("page %s unreadable on disk (%s); dropped, will be recomputed", page.hex()[:16], exc)
@@ -297,6 +334,23 @@ class TieredPages:
         except (StorageError, OSError) as exc:  # tier unavailable, page file gone
             log.warning("disk tier read failed for %s: %s", page.hex()[:16], exc)
             return ref, False, False
+
+    def _read_file(self, page: PageHash, key: bytes, ref: SlotRef) -> None:
+        """Decode a page file into a slot: in the helper process when there is one (else here)."""
+        disk = self.disk
+        assert disk is not None
+        if self.encoder is not None:
+            try:
+                self.encoder.decode_file(disk.path_of(page), page, key, ref)
+                return
+            except CorruptPage:
+                disk.drop_corrupt(page)
+                raise
+            except PageMissing:
+                raise
+            except TierUnavailable as exc:
+                log.warning("page codec process failed (%s); decoding in this process", exc)
+        disk.read(page, key, out=self.host.slot_array(ref))
 
     def promote_to_device(self, page: PageHash, gone: list[PageHash]) -> Any | None:
         """The page as a tensor in the device tier. None when there is no device tier or the
@@ -358,7 +412,7 @@ class TieredPages:
         has it (then it keeps its bytes; otherwise it leaves every tier)."""
         written = 0
         if len(victim.tiers) == 1:
-            written = self._write_claimed(victim, gone)
+            written = max(0, self._write_claimed(victim, gone))  # a corrupt page just goes
 
         def off_host(e: PageEntry) -> None:
             if written:

@@ -125,13 +125,77 @@ class DiskTier(IndexedTier):
                     tmp.unlink()
         return size
 
-    def _write_file(self, final: Path, tmp: Path, blob: bytes) -> None:
-        subdir = final.parent
+    # --- writing from another process (`dss.pages.encoder`) -----------------------------------
+    def temp_path(self, page: PageHash) -> Path:
+        """A fresh temp file name next to the page's final name, for a writer in another process;
+        `gc_temp` leaves it alone until `adopt` or `discard_temp`."""
+        if not self.available:
+            raise TierUnavailable(f"disk tier at {self.root} is unavailable (waiting for a successful probe)")
+        final = self.path_of(page)
+        try:
+            self._ensure_dir(final.parent)
+        except OSError as exc:
+            self.available = False
+            raise TierUnavailable(f"disk tier cannot write {final.parent}: {exc.strerror or exc}") from exc
+        tmp = final.with_name(f"{final.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+        with self._lock:
+            self._writing.add(tmp.name)
+        return tmp
+
+    def adopt(self, meta: PageMeta, tmp: Path, size: int) -> int:
+        """Make a complete (and, with fsync on, durable) temp file the page's file; returns its
+        size. `CapacityError` leaves the temp file for a retry after eviction."""
+        with self._lock:
+            if meta.hash in self._sizes:
+                existing = self._sizes[meta.hash]
+            elif self._used + self._pending + size > self.capacity_bytes:
+                raise CapacityError(
+                    f"disk tier full: {self._used + self._pending} of {self.capacity_bytes} bytes used, "
+                    f"{size} asked"
+                )
+            else:
+                existing = None
+                self._pending += size
+        if existing is not None:
+            self.discard_temp(tmp)
+            return existing
+        final = self.path_of(meta.hash)
+        committed = False
+        try:
+            os.rename(tmp, final)
+            if self.fsync:
+                fsync_dir(final.parent)
+            committed = True
+        except OSError as exc:
+            self.available = False
+            raise TierUnavailable(f"disk tier cannot write {final}: {exc.strerror or exc}") from exc
+        finally:
+            with self._lock:
+                self._pending -= size
+                self._writing.discard(tmp.name)
+                if committed:
+                    self._used += size - self._sizes.get(meta.hash, 0)
+                    self._sizes[meta.hash] = size
+            if not committed:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+        return size
+
+    def discard_temp(self, tmp: Path) -> None:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        with self._lock:
+            self._writing.discard(tmp.name)
+
+    def _ensure_dir(self, subdir: Path) -> None:
         if subdir.name not in self._known_dirs:
             subdir.mkdir(exist_ok=True)
             if self.fsync:
                 fsync_dir(self.root)
             self._known_dirs.add(subdir.name)
+
+    def _write_file(self, final: Path, tmp: Path, blob: bytes) -> None:
+        self._ensure_dir(final.parent)
         with self._lock:
             self._writing.add(tmp.name)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -146,7 +210,7 @@ class DiskTier(IndexedTier):
             os.close(fd)
         os.rename(tmp, final)
         if self.fsync:
-            fsync_dir(subdir)
+            fsync_dir(final.parent)
 
     # --- reading ------------------------------------------------------------------------------
     def _read_bytes(self, page: PageHash, limit: int | None = None) -> bytes:
@@ -175,7 +239,7 @@ class DiskTier(IndexedTier):
             if header.page_hash != page:
                 raise CorruptPage(f"file of page {page.hex()} holds page {header.page_hash.hex()}")
         except CorruptPage:
-            self._drop_corrupt(page)
+            self.drop_corrupt(page)
             raise
         return header, tokens, raw
 
@@ -186,11 +250,12 @@ class DiskTier(IndexedTier):
             if header.page_hash != page:
                 raise CorruptPage(f"file of page {page.hex()} holds page {header.page_hash.hex()}")
         except CorruptPage:
-            self._drop_corrupt(page)
+            self.drop_corrupt(page)
             raise
         return header
 
-    def _drop_corrupt(self, page: PageHash, path: Path | None = None) -> None:
+    def drop_corrupt(self, page: PageHash, path: Path | None = None) -> None:
+        """Count and delete a page file that failed verification."""
         with self._lock:
             self.corrupt_pages += 1
             self._used -= self._sizes.pop(page, 0)
@@ -220,7 +285,7 @@ class DiskTier(IndexedTier):
                     if header.page_hash != page or header.file_len != size:
                         raise CorruptPage(f"page file {path} is misnamed or truncated")
                 except CorruptPage:
-                    self._drop_corrupt(page, path)
+                    self.drop_corrupt(page, path)
                     continue
                 with self._lock:
                     self._used += size - self._sizes.get(page, 0)
