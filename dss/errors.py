@@ -88,7 +88,7 @@ class CorruptPage(StorageError):
 
 
 class CapacityError(StorageError):
-    """A tier cannot make room (everything is pinned or locked)."""
+    """A tier cannot make room (everything in it is pinned or in use)."""
 
 
 class PageMissing(StorageError):

@@ -15,17 +15,18 @@ while waiting for it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import multiprocessing
 import os
-import signal
+import queue
 import threading
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+import time
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import Any
 
-from dss.errors import CorruptPage, PageMissing, TierUnavailable
+from dss.errors import CorruptPage, DSSError, PageMissing, TierUnavailable
 from dss.pages.codec import make_codec
 from dss.pages.meta import PageMeta
 from dss.pages.pagefile import decode_page, encode_page
@@ -39,37 +40,92 @@ _JOB_TIMEOUT_S = 60.0
 # Two, so that a promotion (on a request's path) never waits behind the writer's encode; the
 # writer submits one page at a time, so it never holds more than one of them.
 _WORKERS = 2
+_PARENT_POLL_S = 0.5
+
+
+class _Worker:
+    """One helper process and its pipe; used by one caller at a time (it is taken from a queue)."""
+
+    def __init__(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc: BaseProcess = ctx.Process(
+            target=_serve, args=(child, os.getpid()), name="dss-page-codec", daemon=True
+        )
+        self.proc.start()
+        child.close()
+
+    def call(self, job: tuple[Any, ...]) -> Any:
+        self.conn.send(job)
+        if not self.conn.poll(_JOB_TIMEOUT_S):
+            raise TimeoutError("the page codec process did not answer in time")
+        ok, value = self.conn.recv()
+        if not ok:
+            raise value
+        return value
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.conn.send(None)
+        self.proc.join(timeout_s)
+        if self.proc.is_alive():
+            with contextlib.suppress(OSError):
+                self.proc.kill()
+            self.proc.join(timeout_s)
+        self.conn.close()
 
 
 class PageCodecProcess:
-    def __init__(self, codec_name: str) -> None:
+    def __init__(self, codec_name: str, workers: int = _WORKERS) -> None:
         self._codec_name = codec_name
-        self._lock = threading.Lock()  # leaf: guards starting and replacing the pool
-        self._pool: ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()  # leaf: guards starting workers and closing
+        self._idle: queue.Queue[_Worker] = queue.Queue()
+        self._started = 0
+        self._max = workers
+        self._all: list[_Worker] = []
         self._closed = False
 
-    def _executor(self) -> ProcessPoolExecutor:
+    def _take(self) -> _Worker:
         with self._lock:
             if self._closed:
                 raise TierUnavailable("the page codec process is closed")
-            if self._pool is None:
-                self._pool = ProcessPoolExecutor(
-                    max_workers=_WORKERS,
-                    mp_context=multiprocessing.get_context("spawn"),
-                    initializer=_child_init,
-                    initargs=(os.getpid(),),
-                )
-            return self._pool
-
-    def _run(self, fn: object, *args: object) -> object:
-        pool = self._executor()
-        try:
-            return pool.submit(fn, *args).result(timeout=_JOB_TIMEOUT_S)  # type: ignore[arg-type]
-        except BrokenProcessPool as exc:
+            start = self._idle.empty() and self._started < self._max
+            if start:
+                self._started += 1
+        if start:
+            try:
+                worker = _Worker()  # spawning runs outside the lock
+            except Exception as exc:
+                with self._lock:
+                    self._started -= 1
+                raise TierUnavailable(f"cannot start the page codec process: {exc}") from exc
             with self._lock:
-                if self._pool is pool:
-                    self._pool = None  # started again by the next call
-            raise TierUnavailable(f"the page codec process died: {exc}") from exc
+                self._all.append(worker)
+            return worker
+        try:
+            return self._idle.get(timeout=_JOB_TIMEOUT_S)
+        except queue.Empty:
+            raise TierUnavailable("no page codec process became free in time") from None
+
+    def _run(self, job: tuple[Any, ...]) -> Any:
+        worker = self._take()
+        try:
+            result = worker.call(job)
+        except DSSError:
+            self._idle.put(worker)  # the job failed, the worker is fine
+            raise
+        except (OSError, EOFError, TimeoutError) as exc:
+            self._retire(worker)
+            raise TierUnavailable(f"the page codec process failed: {exc}") from exc
+        self._idle.put(worker)
+        return result
+
+    def _retire(self, worker: _Worker) -> None:
+        with self._lock:
+            self._started -= 1
+            if worker in self._all:
+                self._all.remove(worker)
+        worker.stop(timeout_s=1.0)
 
     def encode_to_file(
         self, meta: PageMeta, ref: SlotRef, data_key: bytes | None, path: Path, fsync: bool
@@ -77,7 +133,7 @@ class PageCodecProcess:
         """Write the page file of the page in slot `ref` to `path` (a new temp file); returns its
         size and sets `meta.checksum` when it was empty. Raises `CorruptPage` when the slot's bytes
         do not match an existing checksum, `TierUnavailable` when the file cannot be written."""
-        size, check = self._run(_encode_job, meta, ref, self._codec_name, data_key, str(path), fsync)  # type: ignore[misc]
+        size, check = self._run(("encode", meta, ref, self._codec_name, data_key, str(path), fsync))
         if not meta.checksum:
             meta.checksum = check
         return int(size)
@@ -85,28 +141,52 @@ class PageCodecProcess:
     def decode_file(self, path: Path, page: PageHash, data_key: bytes | None, ref: SlotRef) -> None:
         """Verify and decode the page file at `path` straight into slot `ref`. Raises
         `CorruptPage`, `PageMissing` or `TierUnavailable`."""
-        self._run(_decode_job, str(path), page, data_key, ref)
+        self._run(("decode", str(path), page, data_key, ref))
+
+    def pids(self) -> list[int]:
+        """Process ids of the running helpers (operations, tests)."""
+        with self._lock:
+            return [w.proc.pid for w in self._all if w.proc.pid is not None]
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            workers, self._all = self._all, []
+        for w in workers:
+            w.stop()
 
 
 # ---------------------------------------------------------------------- in the helper process
 _arenas: dict[str, HostArena] = {}
-_PR_SET_PDEATHSIG = 1
 
 
-def _child_init(parent_pid: int) -> None:
-    """Die with the owner: a `kill -9` of the owner must not leave a helper holding its pipes,
-    files or arena mappings."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the owner died before the signal was armed
-        os._exit(1)
+def _serve(conn: Connection, parent_pid: int) -> None:
+    """The helper's loop: one job at a time until told to stop or the owner is gone."""
+
+    def watch_parent() -> None:  # a `kill -9` of the owner must not leave helpers behind
+        while os.getppid() == parent_pid:
+            time.sleep(_PARENT_POLL_S)
+        os._exit(0)
+
+    threading.Thread(target=watch_parent, daemon=True).start()
+    jobs = {"encode": _encode_job, "decode": _decode_job}
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return
+        if job is None:
+            return
+        try:
+            reply: tuple[bool, Any] = (True, jobs[job[0]](*job[1:]))
+        except DSSError as exc:
+            reply = (False, exc)
+        except Exception as exc:  # reported as a tier failure; the helper keeps serving
+            reply = (False, TierUnavailable(f"page codec job failed: {type(exc).__name__}: {exc}"))
+        try:
+            conn.send(reply)
+        except (EOFError, OSError):
+            return
 
 
 def _slot(ref: SlotRef) -> memoryview:

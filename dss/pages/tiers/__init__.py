@@ -4,4 +4,8 @@ Each backend stores opaque page bytes by `PageHash` within a byte capacity and k
 the trie, versions or eviction policy (those live in `dss.pages.manager`). Fast to slow:
 `device` (torch tensors), `host` (shared-memory arena readable by other processes), `disk`
 (compressed, checksummed, encrypted files).
+
+Each backend's `_lock` is a leaf around its own bookkeeping (slot lists, file sizes, tensor
+maps); copies, zeroing, encoding and file I/O run outside it. The page table
+(`dss.pages.table`) never holds its lock while it calls a backend.
 """
