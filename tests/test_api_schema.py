@@ -30,7 +30,7 @@ def schemathesis(server: ApiServer, key: str, cwd: Path, *args: str) -> str:
         str(Path(sys.executable).with_name("schemathesis")), "run", f"{server.base_url}/openapi.json",
         "--header", f"Authorization: Bearer {key}",
         "--checks", CHECKS,
-        "--workers", "2",
+        "--workers", "1",  # two workers race inside hypothesis (its lambda-source lookup asserts)
         "--seed", "20250101",
         "--no-shrink",
         "--generation-database", "none",
