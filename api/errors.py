@@ -133,6 +133,11 @@ def response_for(exc: BaseException) -> JSONResponse:
             message = str(exc)
         headers = _RETRY_AFTER_503 if status == 503 else None
         return error_response(status, message, kind, _snake(type(exc).__name__), headers=headers)
+    if isinstance(exc, UnicodeEncodeError):  # text with a lone surrogate reached an encoder
+        return error_response(
+            400, "the request holds text that is not valid Unicode (a lone surrogate)",
+            "invalid_request_error", "invalid_unicode",
+        )  # fmt: skip
     log.error("unhandled error answering a request", exc_info=exc)
     return error_response(500, "internal server error", "server_error", "internal_error")
 
@@ -196,6 +201,7 @@ async def _on_http(_req: Request, exc: Exception) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _on_api_error)
     app.add_exception_handler(e.DSSError, _on_api_error)
+    app.add_exception_handler(UnicodeEncodeError, _on_api_error)  # text a database or tokenizer refuses
     app.add_exception_handler(RequestValidationError, _on_validation)
     app.add_exception_handler(StarletteHTTPException, _on_http)
     app.add_exception_handler(Exception, _on_api_error)

@@ -33,7 +33,7 @@ from api.schemas import (
     Usage,
 )
 from api.state import AppState
-from dss.dialogue.turns import Committed, TurnTarget, commit_turn
+from dss.dialogue.turns import Committed, TurnTarget, check_text, commit_turn
 from dss.errors import DSSError, LimitExceeded
 from dss.index.hashing import TOKEN_DTYPE
 from dss.types import TenantId, UserId
@@ -61,6 +61,8 @@ class _Prepared:
 
 def check_limits(state: AppState, params: GenerationParams, messages: list[dict[str, Any]]) -> None:
     lim = state.settings.limits
+    check_text(messages, "messages")
+    check_text(list(params.stop or []), "stop")
     if len(messages) > lim.max_messages:
         raise LimitExceeded(f"{len(messages)} messages exceed the limit of {lim.max_messages}")
     longest = max((len(str(m.get("content") or "")) for m in messages), default=0)

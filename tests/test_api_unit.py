@@ -214,6 +214,33 @@ def test_public_bind_without_keys_refuses_to_start(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------- bad input
+def test_huge_version_numbers_and_lone_surrogates_are_4xx(client: TestClient) -> None:
+    """Both answered 500: the number overflowed the database driver, the text its UTF-8 encoder."""
+    h = {**as_user("alice"), "content-type": "application/json"}
+    assert client.post("/v1/sessions", json={"session_id": "trip"}, headers=h).status_code == 201
+    for n in ("99999999999999999999", "9223372036854775808", "-99999999999999999999"):
+        r = client.get(f"/v1/sessions/trip/versions/{n}", headers=h)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "version_not_found", r.text
+    r = client.post("/v1/sessions/trip/branches", json={"from_version": 10**20, "name": "b"}, headers=h)
+    assert r.status_code in (400, 404), r.text
+    lone = b'{"session_id": "s2", "system_prompt": "caf\\ud800"}'
+    r = client.post("/v1/sessions", content=lone, headers=h)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_unicode", r.text
+
+
+def test_chat_text_with_a_lone_surrogate_is_refused_before_the_engine() -> None:
+    from api.schemas import ChatCompletionRequest
+    from api.turns import check_limits
+
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi \ud800"}]})
+
+    class _State:
+        settings = settings_for(Path("/nonexistent"))
+
+    with pytest.raises(e.InvalidInput, match="not valid Unicode"):
+        check_limits(_State(), body, [m.plain() for m in body.messages])  # type: ignore[arg-type]
+
+
 def test_bad_input_is_400_and_unknown_fields_are_ignored(client: TestClient) -> None:
     h = {**as_user("alice"), "content-type": "application/json"}
     r = client.post("/v1/sessions", content=b'{"session_id": ', headers=h)

@@ -361,3 +361,20 @@ def test_find_deepest_prefix_version_with_edited_history(store: VersionStore) ->
     found = store.find_deepest_prefix_version(ALICE, "chat", turns("u1", "a1", "u2-edited", "a2'", "u6"))
     assert found is not None and (found.number, found.branch) == (5, "retry")
     assert found.tokens.tolist() == [5]
+
+
+@pytest.mark.parametrize("number", [10**20, -(10**20), (1 << 63), -1])
+def test_numbers_no_column_can_hold_are_not_found(store: VersionStore, number: int) -> None:
+    """`GET .../versions/99999999999999999999` answered 500: the number overflowed the driver."""
+    store.create_session(ALICE, "s")
+    store.commit(ALICE, "s", tokens=[1], messages=[])
+    with pytest.raises(VersionNotFound):
+        store.get_version(ALICE, "s", number)
+    with pytest.raises(VersionNotFound):
+        store.get_version(ALICE, "s", number, with_body=False)
+    with pytest.raises(VersionNotFound):
+        store.branch(ALICE, "s", number, "b")
+    with pytest.raises(VersionNotFound):
+        store.rollback(ALICE, "s", "main", number)
+    with pytest.raises(VersionNotFound):
+        store.ancestors(ALICE, "s", number)

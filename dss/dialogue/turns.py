@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from dss.db.engine import transaction
 from dss.db.models import BranchRow, utcnow
 from dss.dialogue.versions import EMPTY_HEAD, MAIN_BRANCH, SessionInfo, VersionInfo, VersionStore
-from dss.errors import BranchExists, ConflictError, SessionExists, SessionNotFound, StaleHead
+from dss.errors import BranchExists, ConflictError, InvalidInput, SessionExists, SessionNotFound, StaleHead
 from dss.types import SessionId
 
 _MAX_FORK_NAMES = 64
@@ -42,6 +42,25 @@ class TurnTarget:
 class Committed:
     version: VersionInfo
     branch: str
+
+
+def check_text(value: object, where: str = "messages") -> None:
+    """Refuse text that cannot be stored or tokenized: a lone surrogate (JSON allows `"\\ud800"`,
+    UTF-8 does not). Walks strings inside lists and dicts."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidInput(
+                f"{where} holds text that is not valid Unicode (at character {exc.start})"
+            ) from None
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            check_text(k, where)
+            check_text(v, where)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            check_text(v, where)
 
 
 def plain_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

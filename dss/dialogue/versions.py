@@ -466,6 +466,7 @@ class VersionStore:
     def branch(self, user: str, sid: str, from_version: int, name: str) -> BranchInfo:
         """A new branch `name` whose head is the existing version `from_version`."""
         _check_name("branch name", name)
+        _check_number(from_version, sid)
         try:
             with transaction(self._factory) as db:
                 self._owned(db, user, sid)
@@ -524,6 +525,7 @@ class VersionStore:
     @overload
     def get_version(self, user: str, sid: str, number: int, with_body: Literal[False]) -> VersionSummary: ...
     def get_version(self, user: str, sid: str, number: int, with_body: bool = True) -> VersionSummary:
+        _check_number(number, sid)
         with transaction(self._factory) as db:
             self._owned(db, user, sid)
             where = (VersionRow.session_id == sid, VersionRow.number == number)
@@ -731,3 +733,12 @@ def _rowcount(db: Session, stmt: Update | Delete) -> int:
 def _check_user(user: str) -> None:
     if not isinstance(user, str) or not user or len(user) > 256:
         raise InvalidInput("user id must be 1-256 characters")
+
+
+_MAX_NUMBER = (1 << 63) - 1  # BIGINT: a larger number cannot name a stored version
+
+
+def _check_number(number: int, sid: str) -> None:
+    """A version number no database column can hold names no version (not a database error)."""
+    if not 0 <= number <= _MAX_NUMBER:
+        raise VersionNotFound(f"version {number} not found in session {sid!r}")
