@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -80,7 +81,8 @@ class Store:
 
     def _open(self) -> None:
         cfg = self.config
-        cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        # Private to the owner: the database holds every message, the pages every user's KV.
+        cfg.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         cfg.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._take_owner_lock()
 
@@ -149,7 +151,7 @@ class Store:
 
     def _take_owner_lock(self) -> None:
         path = self.config.run_dir / "owner.lock"
-        f = open(path, "a+b")  # noqa: SIM115 - held for the store's lifetime
+        f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o600), "a+b")  # held for the store's lifetime
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import stat
 
 import numpy as np
 import pytest
@@ -125,3 +126,19 @@ def test_device_tier_promotes_on_hit_and_demotes_under_pressure(tmp_path):
     assert store.residency(fid, t, tokens) == {"device": 8, "host": 4, "disk": 0}
     store.check()
     store.close()
+
+
+def test_a_new_data_directory_is_private_to_its_owner(tmp_path):
+    """It was 0755 with a 0644 database: every message readable by every local user."""
+    data = tmp_path / "fresh" / "data"
+    store = open_store(data, shm_dir=tmp_path / "shm")
+    fid = store.register_fingerprint(SMALL_FP)
+    tokens = np.arange(1, 9, dtype=np.int32)
+    store.put_sequence(fid, store.tenant_for("alice"), tokens, pages_for(SMALL_FP, tokens))
+    store.versions.create_session("alice", "s")
+    store.flush()
+    modes = {p: stat.S_IMODE(p.stat().st_mode) for p in [data, *data.rglob("*")]}
+    store.close()
+    loose = {str(p.relative_to(tmp_path)): oct(m) for p, m in modes.items() if m & 0o077}
+    assert not loose, f"readable by others: {loose}"
+    assert any(p.suffix == ".page" for p in modes) and any(p.name == "dss.sqlite3" for p in modes)

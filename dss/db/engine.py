@@ -6,7 +6,9 @@ ever created by the Alembic migrations in the repository's `migrations/` folder.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import os
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -41,6 +43,17 @@ def sqlite_url_for(data_dir: Path) -> str:
     return f"sqlite:///{Path(data_dir).resolve() / SQLITE_FILENAME}"
 
 
+def private_sqlite_file(database: Path) -> Path:
+    """Create a SQLite database file readable by its owner only (0600, in a 0700 folder when the
+    folder is new) before SQLite does it under the process umask; its WAL and shared-memory files
+    take the database file's mode. The database holds every message in plain text."""
+    path = database.expanduser().resolve()
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    return path
+
+
 def _is_sqlite(url: str) -> bool:
     return make_url(url).get_backend_name() == "sqlite"
 
@@ -65,7 +78,7 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
             kwargs.setdefault("poolclass", StaticPool)
             kwargs.setdefault("connect_args", {"check_same_thread": False})
         else:
-            Path(database).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
+            private_sqlite_file(Path(database))
         engine = create_engine(parsed, **kwargs)
         event.listen(engine, "connect", _set_sqlite_pragmas)
         return engine
@@ -121,9 +134,9 @@ def _sqlite_migration_lock(url: str | None) -> Iterator[None]:
     if not database or database == ":memory:" or database.startswith("file:"):
         yield
         return
-    path = Path(database).expanduser().resolve()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".migrate.lock"), "a+b") as lock_file:
+    path = private_sqlite_file(Path(database))
+    lock_path = path.with_name(path.name + ".migrate.lock")
+    with os.fdopen(os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600), "a+b") as lock_file:
         fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
         try:
             yield

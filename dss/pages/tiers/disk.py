@@ -61,7 +61,7 @@ class DiskTier(IndexedTier):
         self._writing: set[str] = set()  # temp file names of this process's writes in flight
         self._known_dirs: set[str] = set()
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._index_at_open()
         except OSError as exc:
             self.available = False
@@ -189,7 +189,7 @@ class DiskTier(IndexedTier):
 
     def _ensure_dir(self, subdir: Path) -> None:
         if subdir.name not in self._known_dirs:
-            subdir.mkdir(exist_ok=True)
+            subdir.mkdir(mode=0o700, exist_ok=True)
             if self.fsync:
                 fsync_dir(self.root)
             self._known_dirs.add(subdir.name)
