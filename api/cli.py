@@ -77,6 +77,7 @@ def serve(
         host=settings.server.host,
         port=settings.server.port,
         log_level=settings.server.log_level.lower(),
+        access_log=False,  # ours (api.middleware) logs route templates, not paths with user ids
         timeout_graceful_shutdown=int(settings.server.graceful_shutdown_s),
     )
 

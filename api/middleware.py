@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -9,6 +10,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import PayloadTooLarge, response_for
 from api.metrics import Metrics
+
+access_log = logging.getLogger("dss.access")
 
 
 class BodyLimit:
@@ -58,7 +61,9 @@ def _content_length(scope: Scope) -> int | None:
 
 
 class RequestMetrics:
-    """Counts and times every request by route template (never by concrete path or user)."""
+    """Counts, times and logs every request by route template, never by concrete path, query
+    string or user: paths carry user and session ids (`DELETE /v1/users/alice`), which an access
+    log must not keep after an erasure. This is the server's access log (uvicorn's is off)."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
@@ -81,8 +86,11 @@ class RequestMetrics:
             await self.app(scope, receive, sending)
         finally:
             route = _route_of(scope)
-            self.metrics.http_requests.labels(route, scope.get("method", ""), str(status)).inc()
-            self.metrics.request_seconds.labels(route).observe(time.perf_counter() - start)
+            method = str(scope.get("method", ""))
+            elapsed = time.perf_counter() - start
+            self.metrics.http_requests.labels(route, method, str(status)).inc()
+            self.metrics.request_seconds.labels(route).observe(elapsed)
+            access_log.info("%s %s %d %.1fms", method, route, status, elapsed * 1e3)
 
 
 def _route_of(scope: Scope) -> str:
