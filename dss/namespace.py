@@ -65,12 +65,16 @@ class ModelFingerprint:
         return cls(**json.loads(text))
 
 
-def tenant_for_user(server_secret: bytes, user: UserId | str) -> TenantId:
-    """The per-user cache salt: an HMAC under the server secret, so it cannot be guessed or chosen."""
+def tenant_for_user(server_secret: bytes, user: UserId | str, epoch: int = 0) -> TenantId:
+    """The per-user cache salt: an HMAC under the server secret, so it cannot be guessed or chosen.
+    `epoch` counts the user's erasures: a re-created user gets a tenant nothing was ever stored
+    under (epoch 0 keeps the derivation every existing tenant was made with)."""
     if not user:
         raise ValueError("user id must not be empty")
-    mac = hmac.new(server_secret, b"dss-tenant\x00" + str(user).encode(), hashlib.sha256)
-    return TenantId(mac.hexdigest()[:32])
+    msg = b"dss-tenant\x00" + str(user).encode()
+    if epoch:
+        msg += b"\x00epoch\x00" + str(epoch).encode()
+    return TenantId(hmac.new(server_secret, msg, hashlib.sha256).hexdigest()[:32])
 
 
 def namespace_id(fingerprint: FingerprintId, tenant: TenantId) -> NamespaceId:

@@ -35,7 +35,6 @@ from dss.index.fingerprints import FingerprintRegistry
 from dss.index.prefix_index import PrefixIndex
 from dss.keys.identity import Identity, load_master_key
 from dss.keys.keyring import Keyring
-from dss.keys.salts import SaltBook
 from dss.namespace import ModelFingerprint
 from dss.ops import recovery
 from dss.ops.erasure import Eraser, ErasureReceipt, Verification
@@ -94,7 +93,6 @@ class Store:
         self.keys = load_master_key(self.sf, cfg.resolved_key_file, cfg.create_master_key)
         self.identity = Identity.load(self.sf, self.keys)
         self.keyring = Keyring(self.keys, self.sf)
-        self.salts = SaltBook(self.sf)
         self.fingerprints = FingerprintRegistry(self.sf)
 
         shm_dir = cfg.shm_dir or Path("/dev/shm") / f"dss-{_dir_tag(cfg.data_dir)}"
@@ -121,7 +119,7 @@ class Store:
             PageCodecProcess(cfg.codec) if cfg.codec_process else None,
         )
         self.recovery_report = recovery.rebuild(self.sf, self.disk, self.pages, self.index, self.fingerprints)
-        self.kv = KVCache(cfg, self.fingerprints, self.index, self.pages)
+        self.kv = KVCache(cfg, self.fingerprints, self.index, self.pages, self.keyring.is_retired)
         self.prefixes = PublicPrefixes(self.sf, self.fingerprints, self.kv)
         self.eraser = Eraser(self.sf, self.db, self.identity, self.keyring, self.index, self.pages, self.kv)
         self.check()
@@ -250,9 +248,7 @@ class Store:
 
     def erase_user(self, user: str) -> ErasureReceipt:
         self._ensure_open()
-        receipt = self.eraser.erase_user(user)
-        self.salts.bump(TenantId(receipt.subject))
-        return receipt
+        return self.eraser.erase_user(user)
 
     def verify_erasure(self, receipt_id: str) -> Verification:
         return self.eraser.verify(receipt_id)
@@ -261,8 +257,10 @@ class Store:
         return self.eraser.get_receipt(receipt_id)
 
     def cache_salt(self, user: str) -> str:
-        """The engine prefix-cache salt of `user` (moves with each erasure of the user)."""
-        return self.salts.salt(self.tenant_for(user), self.subject_hash(user))
+        """The engine prefix-cache salt of `user`: the tenant, which moves with each erasure of the
+        user (vLLM's own cache keeps an erased user's blocks until they age out; a re-created user
+        must not hit them)."""
+        return str(self.tenant_for(user))
 
     # ================================================================== introspection
     def check(self) -> None:

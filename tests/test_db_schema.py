@@ -31,6 +31,7 @@ EXPECTED_TABLES = {
     "public_prefixes",
     "erasure_receipts",
     "api_keys",
+    "erasure_epochs",
 }
 
 
@@ -47,7 +48,7 @@ def _diff(url: str) -> list[object]:
 def test_upgrade_creates_the_model_schema(db_url: str) -> None:
     assert current_revision(db_url) is None
     upgrade_to_head(db_url)
-    assert current_revision(db_url) == "0001"
+    assert current_revision(db_url) == "0002"
     assert _diff(db_url) == []
     engine = make_engine(db_url)
     try:
@@ -63,7 +64,7 @@ def test_upgrade_twice_is_a_noop(db_url: str) -> None:
         with transaction(make_session_factory(engine)) as db:
             db.add(StoreMeta(key="format", value="1"))
         upgrade_to_head(db_url)
-        assert current_revision(db_url) == "0001"
+        assert current_revision(db_url) == "0002"
         with engine.connect() as conn:
             assert conn.execute(text("SELECT value FROM store_meta WHERE key = 'format'")).scalar_one() == "1"
             assert conn.execute(text("SELECT count(*) FROM alembic_version")).scalar_one() == 1
@@ -93,7 +94,7 @@ def test_upgrade_works_from_any_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.chdir(tmp_path)
     url = f"sqlite:///{tmp_path / 'x.sqlite3'}"
     upgrade_to_head(url)
-    assert current_revision(url) == "0001"
+    assert current_revision(url) == "0002"
 
 
 def test_in_memory_sqlite_migrates_through_the_given_engine() -> None:
@@ -102,7 +103,7 @@ def test_in_memory_sqlite_migrates_through_the_given_engine() -> None:
         upgrade_to_head("sqlite://", engine=engine)
         with engine.connect() as conn:
             ctx = MigrationContext.configure(conn, opts={"compare_type": True})
-            assert ctx.get_current_revision() == "0001"
+            assert ctx.get_current_revision() == "0002"
             assert list(compare_metadata(ctx, Base.metadata)) == []
     finally:
         engine.dispose()
@@ -136,5 +137,28 @@ def test_concurrent_upgrades_from_several_processes_agree(db_url: str) -> None:
     ]
     errors = [p.communicate(timeout=120)[1] for p in procs if p.wait(timeout=120) != 0]
     assert errors == []
+    assert current_revision(db_url) == "0002"
+    assert _diff(db_url) == []
+
+
+def test_0002_upgrades_a_0001_database_with_data_in_it(db_url: str) -> None:
+    from alembic import command
+
+    from dss.db.engine import alembic_config
+
+    command.upgrade(alembic_config(db_url), "0001")
     assert current_revision(db_url) == "0001"
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO store_meta (key, value) VALUES ('kept', 'yes')"))
+            conn.execute(text("INSERT INTO sessions (id, user_id, version_count) VALUES ('s1', 'alice', 0)"))
+        upgrade_to_head(db_url)
+        assert current_revision(db_url) == "0002"
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT value FROM store_meta WHERE key = 'kept'")).scalar_one() == "yes"
+            assert conn.execute(text("SELECT user_id FROM sessions WHERE id = 's1'")).scalar_one() == "alice"
+            assert conn.execute(text("SELECT count(*) FROM erasure_epochs")).scalar_one() == 0
+    finally:
+        engine.dispose()
     assert _diff(db_url) == []

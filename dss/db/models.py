@@ -77,6 +77,16 @@ class DataKey(Base):
     created_at: Mapped[datetime] = _timestamp()
 
 
+class ErasureEpoch(Base):
+    """How many times a user was erased; part of the user's tenant (see `dss.keys.identity`).
+    Keyed by the user's receipt subject hash, never the user id."""
+
+    __tablename__ = "erasure_epochs"
+
+    subject: Mapped[str] = mapped_column(String(64), primary_key=True)
+    epoch: Mapped[int] = mapped_column(Integer, nullable=False)
+
+
 class SessionRow(Base):
     __tablename__ = "sessions"
 

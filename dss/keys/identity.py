@@ -11,11 +11,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
+import threading
 from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.db.meta import meta_get, meta_set
+from dss.db.models import ErasureEpoch
 from dss.errors import WrongMasterKey
 from dss.keys.crypto import KeyManager
 from dss.namespace import tenant_for_user
@@ -48,10 +50,24 @@ def load_master_key(sf: sessionmaker[Session], key_file: Path, create_if_missing
 
 
 class Identity:
-    """Derives tenants and receipt subjects from user ids under the server secret."""
+    """Derives tenants and receipt subjects from user ids under the server secret.
 
-    def __init__(self, server_secret: bytes) -> None:
+    A user's tenant includes the user's erasure epoch (table `erasure_epochs`, keyed by the subject
+    hash): each erasure moves the user to a tenant nothing was stored under, so a re-created user
+    starts cold in every tier and in the engine's own prefix cache (its salt is the tenant), and
+    the old tenant can be refused for good (`Keyring.retire`).
+
+    Lock: `_lock` is a leaf around the epoch cache; the database is read outside it. An erasure
+    bumps the epoch in its own transaction and then `forget`s the cached one; a generation number
+    keeps a read that raced the erasure from caching the old epoch.
+    """
+
+    def __init__(self, server_secret: bytes, session_factory: sessionmaker[Session]) -> None:
         self._secret = server_secret
+        self._sf = session_factory
+        self._lock = threading.Lock()
+        self._epochs: dict[str, int] = {}  # by subject hash
+        self._generation = 0
 
     @classmethod
     def load(cls, sf: sessionmaker[Session], keys: KeyManager) -> Identity:
@@ -59,11 +75,43 @@ class Identity:
         if wrapped is None:
             secret = secrets.token_bytes(32)
             meta_set(sf, _SECRET_KEY, keys.wrap(secret, "server-secret").hex())
-            return cls(secret)
-        return cls(keys.unwrap(bytes.fromhex(wrapped), "server-secret"))
+            return cls(secret, sf)
+        return cls(keys.unwrap(bytes.fromhex(wrapped), "server-secret"), sf)
 
     def tenant_for(self, user: str) -> TenantId:
-        return tenant_for_user(self._secret, user)
+        return tenant_for_user(self._secret, user, self.epoch_of(user))
+
+    def epoch_of(self, user: str) -> int:
+        subject = self.subject_hash(user)
+        with self._lock:
+            epoch = self._epochs.get(subject)
+            generation = self._generation
+        if epoch is not None:
+            return epoch
+        with self._sf() as s:
+            row = s.get(ErasureEpoch, subject)
+            epoch = row.epoch if row is not None else 0
+        with self._lock:
+            if self._generation == generation:
+                self._epochs[subject] = epoch
+        return epoch
+
+    def next_epoch_in(self, session: Session, user: str) -> int:
+        """Inside an erasure's transaction: move the user to the next epoch (returned); the user
+        has the new tenant once it commits. Call `forget` after the commit."""
+        subject = self.subject_hash(user)
+        row = session.get(ErasureEpoch, subject, with_for_update=True)
+        if row is None:
+            row = ErasureEpoch(subject=subject, epoch=0)
+            session.add(row)
+        row.epoch += 1
+        session.flush()
+        return int(row.epoch)
+
+    def forget(self, user: str) -> None:
+        with self._lock:
+            self._epochs.pop(self.subject_hash(user), None)
+            self._generation += 1
 
     def subject_hash(self, user: str) -> str:
         """The salted hash of a user id written into erasure receipts (never the id itself)."""

@@ -3,9 +3,14 @@
 Destroying a tenant's key is what makes every copy of its encrypted pages unreadable, wherever
 those copies are (crypto-shredding).
 
-Lock: `Keyring._lock` is a leaf around the in-memory cache of unwrapped keys. The database is
-read and written outside it; two threads creating the first key of one tenant at once race on the
-table's primary key, and the loser reads the winner's key.
+A tenant retired by an erasure (its user moved to the next erasure epoch) never gets a key
+again: `data_key` raises `KeyDestroyed` for it, so nothing of it can be written or read after the
+erasure, whatever was still in flight. Retired tenants are the subjects of receipts that moved an
+epoch (older receipts did not).
+
+Lock: `Keyring._lock` is a leaf around the in-memory cache of unwrapped keys and the retired set.
+The database is read and written outside it; two threads creating the first key of one tenant at
+once race on the table's primary key, and the loser reads the winner's key.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.db.engine import transaction
-from dss.db.models import DataKey
+from dss.db.models import DataKey, ErasureReceiptRow
+from dss.errors import KeyDestroyed
 from dss.keys.crypto import KeyManager
 from dss.types import TenantId
 
@@ -28,9 +34,31 @@ class Keyring:
         self._sf = session_factory
         self._cache: dict[TenantId, bytes] = {}
         self._lock = threading.Lock()
+        with session_factory() as s:
+            receipts = s.execute(select(ErasureReceiptRow.subject, ErasureReceiptRow.counts)).all()
+        self._retired: set[TenantId] = {
+            TenantId(sub) for sub, counts in receipts if "epoch" in (counts or {})
+        }
+
+    def is_retired(self, tenant: TenantId) -> bool:
+        with self._lock:
+            return tenant in self._retired
+
+    def retire(self, tenant: TenantId) -> None:
+        """After an erasure commits: the tenant never gets a data key again."""
+        with self._lock:
+            self._retired.add(tenant)
+            self._cache.pop(tenant, None)
+
+    def unretire(self, tenant: TenantId) -> None:
+        """An erasure that retired `tenant` failed before it committed."""
+        with self._lock:
+            self._retired.discard(tenant)
 
     def data_key(self, tenant: TenantId) -> bytes:
         with self._lock:
+            if tenant in self._retired:
+                raise KeyDestroyed(f"tenant {tenant} was erased; its data key is gone")
             key = self._cache.get(tenant)
         if key is not None:
             return key
@@ -50,6 +78,8 @@ class Keyring:
                 continue  # created meanwhile by another thread: read it
         assert key is not None
         with self._lock:
+            if tenant in self._retired:  # erased while we read or created it
+                raise KeyDestroyed(f"tenant {tenant} was erased; its data key is gone")
             return self._cache.setdefault(tenant, key)
 
     def destroy_in(self, session: Session, tenant: TenantId) -> int:

@@ -115,6 +115,8 @@ class Eraser:
         if tenant == PUBLIC_TENANT:  # cannot happen (an HMAC is hex), but never erase shared pages
             raise ValueError("refusing to erase the public tenant")
         with self._kv.erasing(tenant):
+            # From here the tenant gets no data key: nothing of it is written or read again.
+            self._keyring.retire(tenant)
             usage = self._pages.tenant_usage(tenant)
             # Out of the page table and the index at once: no reader can have them from now on.
             detached, gone = self._pages.detach(self._pages.table.pages_of_tenant(tenant))
@@ -129,10 +131,14 @@ class Eraser:
             try:
                 with transaction(self._sf) as s:
                     counts = _delete_rows(s, user, tenant, self._keyring, usage)
+                    # The user's next tenant: a re-created user starts cold everywhere.
+                    counts["epoch"] = self._identity.next_epoch_in(s, user)
                     seq, prev, entry = _append_receipt(s, rid, erased_at, tenant, counts)
             except BaseException:
                 self._pages.abandon(detached)  # nothing was erased; recovery finds the files
+                self._keyring.unretire(tenant)
                 raise
+            self._identity.forget(user)
             # Committed: now the irreversible part.
             self._keyring.forget_cached(tenant)
             self._pages.destroy(detached, rows_deleted=True)
@@ -218,11 +224,15 @@ def get_receipt(sf: sessionmaker[Session], receipt_id: str) -> ErasureReceipt:
 def verify(
     sf: sessionmaker[Session], identity: Identity, pages: TieredPages, receipt_id: str
 ) -> Verification:
-    """Re-scan the database and every tier for anything of the receipt's subject that predates it."""
+    """Re-scan the database and every tier for anything of the receipt's subject (since the erasure
+    retired it: anything at all; for receipts older than erasure epochs: what predates them)."""
     receipt = get_receipt(sf, receipt_id)
     tenant = TenantId(receipt.subject)
-    cutoff = receipt.erased_at
-    cutoff_ts = cutoff.timestamp()
+    # A receipt that moved the user's epoch retired its tenant for good: anything of that tenant,
+    # whenever it was written, is a remnant. Older receipts (before epochs) count what predates them.
+    retired = "epoch" in receipt.counts
+    cutoff = datetime.max.replace(tzinfo=UTC) if retired else receipt.erased_at
+    cutoff_ts = float("inf") if retired else cutoff.timestamp()
     details: list[str] = []
     with sf() as s:
         chain = list(

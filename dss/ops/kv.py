@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -80,8 +80,10 @@ class KVCache:
         fingerprints: FingerprintRegistry,
         index: PrefixIndex,
         pages: TieredPages,
+        is_retired: Callable[[TenantId], bool] = lambda _tenant: False,
     ) -> None:
         self.config = config
+        self._is_retired = is_retired  # a tenant erased for good (`Keyring.is_retired`)
         self.fingerprints = fingerprints
         self.index = index
         self.pages = pages
@@ -363,9 +365,10 @@ class KVCache:
     @contextlib.contextmanager
     def _tenant_save(self, tenant: TenantId) -> Iterator[bool]:
         """Count a save of `tenant` as in flight; yields False (and counts nothing) while the
-        tenant is being erased."""
+        tenant is being erased or after it was."""
+        retired = self._is_retired(tenant)  # asked before our lock: locks are never nested
         with self._lock:
-            if tenant in self._erasing:
+            if retired or tenant in self._erasing:
                 allowed = False
             else:
                 allowed = True
