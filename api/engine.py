@@ -25,12 +25,14 @@ from typing import Any
 
 from api.errors import BadRequest, EngineOverloaded, EngineUnavailable
 from api.settings import Settings
-from dss.errors import InvalidInput
+from dss.errors import ErasedDuringGeneration, InvalidInput
 from dss.store import Store
 from dss.types import FingerprintId, TenantId
 from dss.wire import SessionTag, TurnReport
 
 log = logging.getLogger("dss.api.engine")
+
+_ERASED = "the user was erased during this answer; nothing of it was kept"
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +94,10 @@ class ChatEngine:
         self.model_names = {model_name, "default"}
         self._admission = _Admission(max_inflight, retry_after_s)
         self.on_inflight_change: Any = None  # set by the app: a gauge setter
+        # Generations running per tenant, so that erasing a user stops theirs (one event loop:
+        # no lock needed).
+        self._running: dict[TenantId, set[str]] = {}
+        self._aborted: set[str] = set()
 
     # ----------------------------------------------------------------------------------- start/stop
     @classmethod
@@ -204,6 +210,15 @@ class ChatEngine:
             adm.inflight -= 1
             self._report_inflight()
 
+    async def abort_tenant(self, tenant: TenantId) -> int:
+        """Stop every generation of `tenant` (its user is being erased): each ends with
+        `ErasedDuringGeneration`, so no version of it is committed. Returns how many."""
+        ids = list(self._running.get(tenant, ()))
+        if ids:
+            self._aborted.update(ids)
+            await self.llm.abort(ids)
+        return len(ids)
+
     def _report_inflight(self) -> None:
         if self.on_inflight_change is not None:
             self.on_inflight_change(self._admission.inflight)
@@ -244,6 +259,7 @@ class ChatEngine:
         )
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=cache_salt)
         request_id = "chatcmpl-" + uuid.uuid4().hex
+        self._running.setdefault(tenant, set()).add(request_id)
         text_parts: list[str] = []
         output_ids: list[int] = []
         ttft: float | None = None
@@ -274,9 +290,22 @@ class ChatEngine:
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as exc:
+            if request_id in self._aborted:
+                raise ErasedDuringGeneration(
+                    "the user was erased during this answer; nothing was kept"
+                ) from exc
             if getattr(self.llm, "errored", False):
                 raise EngineUnavailable("the engine died; the server needs a restart") from exc
             raise
+        finally:
+            running = self._running.get(tenant)
+            if running is not None:
+                running.discard(request_id)
+                if not running:
+                    del self._running[tenant]
+        if request_id in self._aborted:
+            self._aborted.discard(request_id)
+            raise ErasedDuringGeneration(_ERASED)
         reported = report.fingerprint if report is not None else None
         if reported and reported != self.fingerprint:
             log.warning(

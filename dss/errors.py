@@ -41,6 +41,10 @@ class ConflictError(DSSError):
     """The request is well-formed but contradicts the current state."""
 
 
+class ErasedDuringGeneration(ConflictError):
+    """The user was erased while an answer was being generated for them; nothing of it was kept."""
+
+
 class BranchExists(ConflictError):
     pass
 

@@ -176,6 +176,11 @@ class Store:
     def subject_hash(self, user: str) -> str:
         return self.identity.subject_hash(user)
 
+    def receipt_subjects(self, user: str) -> set[str]:
+        """What the user's erasure receipts may name: every tenant the user had (and, for receipts
+        written before tenants had epochs, the subject hash)."""
+        return {*self.identity.tenants_of(user), self.identity.subject_hash(user)}
+
     def register_fingerprint(self, fp: ModelFingerprint) -> FingerprintId:
         return self.fingerprints.register(fp)
 

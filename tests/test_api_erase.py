@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -95,3 +96,40 @@ def test_erase_user_leaves_no_trace_and_a_verifiable_receipt(api_server: ApiServ
     fresh = chat(ivy, msgs, session_id="er-1")
     assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert fresh["state_version"] == 1
+
+
+def test_erasing_a_user_mid_stream_keeps_nothing_of_the_stream(api_server: ApiServer) -> None:
+    """alice streams a long answer and erases herself 'during' it: the stream ended normally and
+    its pages were written again under her tenant, and a re-created alice was served the erased
+    KV from cache. Now her generation is stopped (no version), nothing of her tenant is written
+    after the erasure, and the re-created alice is a new tenant that starts cold."""
+    alice = api_server.client("mid-alice")
+    msgs = [{"role": "system", "content": DIARY}, user_msg("Tell me about every day, one by one.")]
+    body = {"model": "default", "messages": msgs, "session_id": "mid-1", "stream": True, "max_tokens": 400}
+    lines: list[str] = []
+    first_chunk = threading.Event()
+
+    def stream() -> None:
+        with api_server.client("mid-alice").stream("POST", "/v1/chat/completions", json=body) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                if '"content":"' in line and '"content":""' not in line:
+                    first_chunk.set()
+
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+    assert first_chunk.wait(120), f"the stream never produced text: {lines[-3:]}"
+    r = alice.delete("/v1/users/mid-alice")
+    assert r.status_code == 200, r.text
+    receipt = r.json()
+    t.join(120)
+    assert not t.is_alive()
+    assert any("erased_during_generation" in line for line in lines), lines[-3:]
+    assert not any('"state_version"' in line for line in lines)  # no version was committed
+    assert alice.get("/v1/sessions/mid-1").status_code == 404
+    time.sleep(2)  # what a late save of the stream would have written has landed by now
+    assert receipt["subject"] not in page_tenants(api_server.data_dir)
+    again = api_server.client("admin", admin=True).get(f"/v1/erasures/{receipt['id']}").json()
+    assert again["verification"]["remnants"] == 0, again["verification"]["details"]
+    fresh = chat(alice, msgs, session_id="mid-1", max_tokens=4)
+    assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter
 
 from api.auth import check_user_id
@@ -31,15 +33,18 @@ def receipt_out(state: AppState, r: ErasureReceipt) -> ErasureReceiptOut:
 @router.delete(
     "/v1/users/{user_id}", response_model=ErasureReceiptOut, responses=error_responses(400, 401, 403)
 )
-def erase_user(user_id: str, state: StateDep, principal: PrincipalDep) -> ErasureReceiptOut:
-    """Erase everything the server holds of a user; the receipt is verified before it is returned."""
+async def erase_user(user_id: str, state: StateDep, principal: PrincipalDep) -> ErasureReceiptOut:
+    """Erase everything the server holds of a user; the receipt is verified before it is returned.
+    The user's generations still running are stopped first (none of them commits a version)."""
     check_user_id(user_id)
     if not principal.is_admin and principal.user != user_id:
         raise Forbidden("only an admin key or the user themself may erase a user")
     store = state.store
-    receipt = store.erase_user(user_id)
+    if state.engine is not None:
+        await state.engine.abort_tenant(store.tenant_for(user_id))
+    receipt = await asyncio.to_thread(store.erase_user, user_id)
     state.metrics.erasures.inc()
-    return receipt_out(state, receipt)
+    return await asyncio.to_thread(receipt_out, state, receipt)
 
 
 @router.get(
@@ -49,7 +54,6 @@ def get_erasure(receipt_id: str, state: StateDep, principal: PrincipalDep) -> Er
     """The receipt with a fresh verification (admins: any; users: their own)."""
     store = state.store
     receipt = store.get_receipt(receipt_id)
-    mine = {store.tenant_for(principal.user), store.subject_hash(principal.user)}
-    if not principal.is_admin and receipt.subject not in mine:
+    if not principal.is_admin and receipt.subject not in store.receipt_subjects(principal.user):
         raise ReceiptNotFound(f"no erasure receipt {receipt_id!r}")
     return receipt_out(state, receipt)

@@ -81,6 +81,10 @@ class Identity:
     def tenant_for(self, user: str) -> TenantId:
         return tenant_for_user(self._secret, user, self.epoch_of(user))
 
+    def tenants_of(self, user: str) -> list[TenantId]:
+        """Every tenant the user had, the current one last (receipts name the erased ones)."""
+        return [tenant_for_user(self._secret, user, e) for e in range(self.epoch_of(user) + 1)]
+
     def epoch_of(self, user: str) -> int:
         subject = self.subject_hash(user)
         with self._lock:
