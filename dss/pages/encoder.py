@@ -21,6 +21,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -169,7 +170,7 @@ def _serve(conn: Connection, parent_pid: int) -> None:
         os._exit(0)
 
     threading.Thread(target=watch_parent, daemon=True).start()
-    jobs = {"encode": _encode_job, "decode": _decode_job}
+    jobs: dict[str, Callable[..., Any]] = {"encode": _encode_job, "decode": _decode_job}
     while True:
         try:
             job = conn.recv()

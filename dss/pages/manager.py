@@ -540,21 +540,21 @@ class TieredPages:
         entries = self.table.snapshot()
         refs: set[SlotRef] = set()
         for e in entries:
-            h = e.meta.hash.hex()[:16]
+            name = e.meta.hash.hex()[:16]
             if not e.tiers:
-                raise AssertionError(f"page {h} is in no tier")
+                raise AssertionError(f"page {name} is in no tier")
             if e.busy or e.leases < 0:
-                raise AssertionError(f"page {h} is busy or has a negative lease count at rest")
+                raise AssertionError(f"page {name} is busy or has a negative lease count at rest")
             if (Tier.HOST in e.tiers) != (e.host_ref is not None):
-                raise AssertionError(f"page {h}: host tier flag and slot disagree")
+                raise AssertionError(f"page {name}: host tier flag and slot disagree")
             if e.host_ref is not None:
                 if e.host_ref in refs:
-                    raise AssertionError(f"page {h} shares its host slot")
+                    raise AssertionError(f"page {name} shares its host slot")
                 refs.add(e.host_ref)
             if Tier.DEVICE in e.tiers and (self.device is None or not self.device.contains(e.meta.hash)):
-                raise AssertionError(f"page {h} missing from device tier")
+                raise AssertionError(f"page {name} missing from device tier")
             if Tier.DISK in e.tiers and (self.disk is None or not self.disk.contains(e.meta.hash)):
-                raise AssertionError(f"page {h} missing from disk tier")
+                raise AssertionError(f"page {name} missing from disk tier")
         expected = refs | set(reserved_elsewhere)
         actual = self.host.reserved_slots()
         if actual != expected:
