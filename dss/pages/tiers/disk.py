@@ -87,45 +87,39 @@ class DiskTier(IndexedTier):
     # --- writing ------------------------------------------------------------------------------
     def write(self, meta: PageMeta, raw: Buffer, data_key: bytes | None) -> int:
         """Store the page; returns its bytes on disk. A page already present is left as is."""
-        if not self.available:
-            raise TierUnavailable(f"disk tier at {self.root} is unavailable (waiting for a successful probe)")
         with self._lock:
             if meta.hash in self._sizes:
                 return self._sizes[meta.hash]
         blob = encode_page(meta, raw, self.codec, data_key)  # CPU-bound; outside the lock
-        size = len(blob)
         with self._lock:
-            if meta.hash in self._sizes:
-                return self._sizes[meta.hash]
-            if self._used + self._pending + size > self.capacity_bytes:
-                raise CapacityError(
-                    f"disk tier full: {self._used + self._pending} of {self.capacity_bytes} bytes used, "
-                    f"{size} asked"
-                )
-            self._pending += size
-        final = self.path_of(meta.hash)
-        tmp = final.with_name(f"{final.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
-        committed = False
+            used = self._used + self._pending
+        if meta.hash not in self._sizes and used + len(blob) > self.capacity_bytes:
+            # Checked before writing too, so a full tier costs no file write.
+            raise CapacityError(
+                f"disk tier full: {used} of {self.capacity_bytes} bytes used, {len(blob)} asked"
+            )
+        tmp = self.temp_path(meta.hash)
         try:
-            self._write_file(final, tmp, blob)
-            committed = True
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                view = memoryview(blob)
+                while view:
+                    view = view[os.write(fd, view) :]
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
         except OSError as exc:
+            self.discard_temp(tmp)
             self.available = False
-            raise TierUnavailable(f"disk tier cannot write {final}: {exc.strerror or exc}") from exc
-        finally:
-            with self._lock:
-                self._pending -= size
-                self._writing.discard(tmp.name)
-                if committed:
-                    old = self._sizes.get(meta.hash, 0)
-                    self._sizes[meta.hash] = size
-                    self._used += size - old
-            if not committed:
-                with contextlib.suppress(OSError):
-                    tmp.unlink()
-        return size
+            raise TierUnavailable(f"disk tier cannot write {tmp}: {exc.strerror or exc}") from exc
+        try:
+            return self.adopt(meta, tmp, len(blob))
+        except CapacityError:
+            self.discard_temp(tmp)
+            raise
 
-    # --- writing from another process (`dss.pages.encoder`) -----------------------------------
+    # --- writing in two steps (here, or from `dss.pages.encoder`) -----------------------------
     def temp_path(self, page: PageHash) -> Path:
         """A fresh temp file name next to the page's final name, for a writer in another process;
         `gc_temp` leaves it alone until `adopt` or `discard_temp`."""
@@ -193,24 +187,6 @@ class DiskTier(IndexedTier):
             if self.fsync:
                 fsync_dir(self.root)
             self._known_dirs.add(subdir.name)
-
-    def _write_file(self, final: Path, tmp: Path, blob: bytes) -> None:
-        self._ensure_dir(final.parent)
-        with self._lock:
-            self._writing.add(tmp.name)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            view = memoryview(blob)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
-            if self.fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, final)
-        if self.fsync:
-            fsync_dir(final.parent)
 
     # --- reading ------------------------------------------------------------------------------
     def _read_bytes(self, page: PageHash, limit: int | None = None) -> bytes:
