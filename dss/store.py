@@ -51,7 +51,7 @@ from dss.pages.tiers.device import DeviceTier
 from dss.pages.tiers.disk import DiskTier
 from dss.pages.tiers.host import HostTier
 from dss.rpc import StoreServer
-from dss.types import FingerprintId, PageHash, TenantId, Tier
+from dss.types import FingerprintId, TenantId, Tier
 from dss.wire import LoadPlan, PageSlot, SavePlan
 
 __all__ = ["ErasureReceipt", "MatchInfo", "PrefixInfo", "Store", "Verification"]
@@ -301,10 +301,6 @@ class Store:
             "indexed_tokens": self.index.indexed_tokens(),
             **self.kv.stats(),
         }
-
-    def page_ids(self) -> list[PageHash]:
-        """Every page the store holds (tests)."""
-        return [e.meta.hash for e in self.pages.table.snapshot()]
 
     # ================================================================== RPC
     def serve_rpc(self) -> tuple[str, bytes]:

@@ -52,10 +52,6 @@ class PrefixIndex:
             trie = self._tries.get(public_namespace(fid).id)
             return tuple(trie.match(tokens, touch=False).pages) if trie is not None else ()
 
-    def contains(self, page: PageHash) -> bool:
-        with self._lock:
-            return any(page in t for t in self._tries.values())
-
     def indexed_tokens(self) -> int:
         with self._lock:
             return sum(len(t) for t in self._tries.values())

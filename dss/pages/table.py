@@ -156,13 +156,6 @@ class PageTable:
                 and Tier.HOST in e.tiers
             )
 
-    def host_ref(self, held: Held) -> SlotRef | None:
-        with self._lock:
-            e = self._entries.get(held.hash)
-            if e is None or e.doomed or e.serial != held.serial or Tier.HOST not in e.tiers:
-                return None
-            return e.host_ref
-
     def set_pinned(self, pages: Iterable[PageHash], pinned: bool) -> None:
         with self._lock:
             for h in pages:
