@@ -59,6 +59,6 @@ def delete_session(
     for fid, seqs in drop.items():
         if fid in fingerprints:
             cut = index.remove_paths(make_namespace(fid, tenant), seqs, keep.get(fid, []))
-            dropped += len(pages.drop(cut).gone)
+            dropped += len(pages.drop(cut))
     log.info("deleted a session with %d versions and %d cached pages", len(doomed), dropped)
     return dropped

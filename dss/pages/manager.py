@@ -66,12 +66,6 @@ class TierCounters:
                 getattr(self, name)[tier] += n
 
 
-@dataclass(frozen=True, slots=True)
-class Dropped:
-    gone: list[PageHash]  # pages no reader can have any more
-    removed: dict[Tier, tuple[int, int]]  # {tier: (pages, bytes)} deleted now
-
-
 class TieredPages:
     def __init__(
         self,
@@ -194,7 +188,7 @@ class TieredPages:
             return False
         if written < 0:  # the slot's bytes no longer match their checksum: never persist or serve them
             self.counters.count("corrupt_pages")
-            gone.extend(self.drop([page]).gone)
+            gone.extend(self.drop([page]))
         return written > 0
 
     def _write_claimed(self, entry: PageEntry, gone: list[PageHash]) -> int:
@@ -310,7 +304,7 @@ class TieredPages:
                 self.host.release(ref)
             if corrupt:
                 self.counters.count("corrupt_pages")
-                gone.extend(self.drop([page]).gone)
+                gone.extend(self.drop([page]))
             return None
         self.counters.count("promotions", Tier.HOST)
         self.counters.count("hits_pages", Tier.DISK)
@@ -481,13 +475,13 @@ class TieredPages:
                 gone.append(v.meta.hash)
 
     # ------------------------------------------------------------------ dropping
-    def drop(self, pages: Iterable[PageHash]) -> Dropped:
-        """Remove pages from every tier now (pages being moved go when their move settles)."""
+    def drop(self, pages: Iterable[PageHash]) -> list[PageHash]:
+        """Remove pages from every tier now (pages being moved go when their move settles).
+        Returns the pages that were present: gone for every reader from now on."""
         removed, gone = self.table.remove(pages)
-        counts = _usage(removed)
         self._destroy(removed)
         self.counters.count("pages_dropped", n=len(gone))
-        return Dropped(gone, counts)
+        return gone
 
     def detach(self, pages: Iterable[PageHash]) -> tuple[list[PageEntry], list[PageHash]]:
         """The first half of a drop (erasure): out of the table, copies still in place until
