@@ -18,7 +18,7 @@ class StoreConfig:
     disk_capacity_bytes: int = 20 * GiB
     device_capacity_bytes: int = 0  # only useful with CUDA
     device: str | None = None  # "cuda" when available, else "cpu"
-    shm_dir: Path | None = None  # default: /dev/shm/dss-<hash of data_dir>
+    shm_dir: Path | None = None  # where the host tier makes its private directory; default /dev/shm
     codec: str = "zstd-byteplane"
     eviction_policy: str = "cost"
     write_through: bool = True

@@ -126,3 +126,13 @@ class ModelPrepareError(DSSError):
 
 class ModelVerificationFailed(DSSError):
     """A prepared model did not answer the verification question correctly."""
+
+
+class UnsafeSharedMemory(TierUnavailable):
+    """A shared-memory directory or arena file is not private to this user (a symlink, another
+    user's, open to others, not a regular file): it is never created in, attached or mapped."""
+
+
+class SharedMemoryFull(TierUnavailable):
+    """The shared-memory filesystem cannot hold the host arena (`host_capacity_bytes` exceeds its
+    free space): the store refuses to start rather than die of SIGBUS on a later write."""

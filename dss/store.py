@@ -18,11 +18,8 @@ that callers have one entry point.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import os
-import shutil
 from collections.abc import Sequence
-from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
@@ -95,10 +92,11 @@ class Store:
         self.keyring = Keyring(self.keys, self.sf)
         self.fingerprints = FingerprintRegistry(self.sf)
 
-        shm_dir = cfg.shm_dir or Path("/dev/shm") / f"dss-{_dir_tag(cfg.data_dir)}"
-        if shm_dir.exists():  # a previous owner died without cleaning up; we hold the lock now
-            shutil.rmtree(shm_dir, ignore_errors=True)
-        self.host = HostTier(cfg.host_capacity_bytes, directory=shm_dir)
+        # The tier makes its own unguessable directory (exclusively, 0700) under `shm_dir`; the
+        # record in our private run directory lets it remove the one a crashed owner left.
+        self.host = HostTier(
+            cfg.host_capacity_bytes, directory=cfg.shm_dir, record=cfg.run_dir / "host-arena-dir"
+        )
         self.disk: DiskTier | None = DiskTier(
             cfg.disk_dir, cfg.disk_capacity_bytes, make_codec(cfg.codec), fsync=cfg.fsync
         )
@@ -310,7 +308,3 @@ class Store:
             address = str(self.config.run_dir / "store.sock")
             self._rpc_server = StoreServer(self, address, self.identity.rpc_authkey())
         return self._rpc_server.address, self._rpc_server.authkey
-
-
-def _dir_tag(path: Path) -> str:
-    return hashlib.blake2b(str(path.resolve()).encode(), digest_size=6).hexdigest()

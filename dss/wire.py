@@ -46,6 +46,10 @@ class SlotRef:
     slot_nbytes: int
     slot: int
     n_slots: int = 0  # of the arena, so that another process can attach it from the ref alone
+    # The slot's generation when the ref was handed out. The owner bumps it whenever the slot's
+    # page stops being valid (released, deleted, scrubbed), before its bytes change; a copy taken
+    # through this ref is trusted only if the arena still shows this generation after the copy.
+    generation: int = 0
 
     @property
     def arena(self) -> ArenaInfo:
@@ -59,6 +63,7 @@ class SlotSpan:
     arena_path: str
     slot_nbytes: int
     slots: tuple[int, ...]
+    generations: tuple[int, ...]  # of each slot (`SlotRef.generation`), checked after a copy out
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +83,9 @@ def span_of(pages: tuple[PageSlot | None, ...] | tuple[PageSlot, ...]) -> SlotSp
     first = refs[0]
     if any((r.path, r.slot_nbytes) != (first.path, first.slot_nbytes) for r in refs):
         return None
-    return SlotSpan(first.path, first.slot_nbytes, tuple(r.slot for r in refs))
+    return SlotSpan(
+        first.path, first.slot_nbytes, tuple(r.slot for r in refs), tuple(r.generation for r in refs)
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -97,11 +97,19 @@ class KVBlocks:
 
 
 @dataclass(slots=True)
-class _Attached:
+class Attached:
+    """One arena attached in this process: its slots as a `[n_slots, num_layers,
+    layer_block_nbytes]` uint8 tensor over the shared memory, and the arena (for generations)."""
+
     arena: HostArena
     inode: int
     size: int
     pages: torch.Tensor
+
+    def unchanged(self, slots: Sequence[int], generations: Sequence[int]) -> int:
+        """How many of `slots`, from the first, still hold the pages the store named (same
+        generation): asked after a copy out, whose pages past that count are misses."""
+        return self.arena.unchanged(slots, generations)
 
 
 class ArenaViews:
@@ -109,37 +117,75 @@ class ArenaViews:
     uint8 tensor over the shared memory.
 
     An arena file is re-attached when its inode changes: a restarted store recreates the file at
-    the same path, and the old mapping must never be read again.
+    the same path, and the old mapping must never be read again. Attaching refuses a symlink or a
+    file or directory that is not ours and private (`UnsafeSharedMemory`, see `HostArena.attach`).
     """
 
     def __init__(self, num_layers: int, layer_block_nbytes: int) -> None:
         self.num_layers = num_layers
         self.layer_block_nbytes = layer_block_nbytes
         self._lock = threading.Lock()
-        self._arenas: dict[str, _Attached] = {}
+        self._arenas: dict[str, Attached] = {}
 
     def pages(self, path: str, slot_nbytes: int) -> torch.Tensor:
+        return self.attached(path, slot_nbytes).pages
+
+    def attached(self, path: str, slot_nbytes: int) -> Attached:
         if slot_nbytes != self.num_layers * self.layer_block_nbytes:
             raise InvalidInput(
                 f"arena slots of {slot_nbytes} bytes; pages here are "
                 f"{self.num_layers} x {self.layer_block_nbytes}"
             )
-        st = os.stat(path)
+        st = os.lstat(path)  # not following a symlink: one is refused by the attach below
         with self._lock:
             entry = self._arenas.get(path)
             if entry is not None and (entry.inode, entry.size) == (st.st_ino, st.st_size):
-                return entry.pages
-            if entry is not None:
-                entry.arena.close()
-            arena = HostArena.attach(path, slot_nbytes, st.st_size // slot_nbytes)
-            # A slot is a basic slice of the arena's single array; its base is the whole mapping.
-            whole = arena.numpy(0).base
-            if not isinstance(whole, np.ndarray) or whole.size != arena.info.nbytes:
-                arena.close()
-                raise InvalidInput(f"cannot view host arena {path} as one array")
-            pages = torch.from_numpy(whole).view(arena.n_slots, self.num_layers, self.layer_block_nbytes)
-            self._arenas[path] = _Attached(arena, st.st_ino, st.st_size, pages)
-            return pages
+                return entry
+            self._arenas.pop(path, None)
+        if entry is not None:
+            entry.arena.close()
+        # Attaching (open, checks, mmap) runs outside the lock; the slot count is in the file.
+        # The entry is keyed by the file actually mapped (its inode), not by the lstat above.
+        arena = HostArena.attach(path, slot_nbytes)
+        pages = torch.from_numpy(arena.data()).view(arena.n_slots, self.num_layers, self.layer_block_nbytes)
+        fresh = Attached(arena, arena.inode, arena.file_nbytes, pages)
+        with self._lock:
+            entry = self._arenas.get(path)
+            if entry is not None and (entry.inode, entry.size) == (fresh.inode, fresh.size):
+                keep = entry  # another thread attached the same file meanwhile
+            else:
+                self._arenas[path] = keep = fresh
+            others = [(p, e) for p, e in self._arenas.items() if p != path]
+        if keep is not fresh:
+            arena.close()
+        elif entry is not None:
+            entry.arena.close()
+        if keep is fresh:
+            self._drop_gone(others)
+        return keep
+
+    def _drop_gone(self, entries: list[tuple[str, Attached]]) -> None:
+        """Unmap arenas whose file is gone (a restarted store makes its arenas in a new directory):
+        the mapping alone keeps an unlinked arena's memory allocated in /dev/shm."""
+        gone = []
+        for path, e in entries:
+            try:
+                if os.lstat(path).st_ino == e.inode:
+                    continue
+            except FileNotFoundError:
+                pass
+            except OSError:
+                continue
+            gone.append((path, e))
+        if not gone:
+            return
+        with self._lock:
+            for path, e in gone:
+                if self._arenas.get(path) is e:
+                    del self._arenas[path]
+        for _, e in gone:
+            with contextlib.suppress(Exception):
+                e.arena.close()
 
     def close(self) -> None:
         with self._lock:

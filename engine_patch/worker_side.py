@@ -7,11 +7,12 @@ slots the store reserved, then committed. Any failure in a load reports the affe
 vLLM recomputes them (`kv_load_failure_policy="recompute"`); any failure in a save aborts it. The
 request itself never fails because of the store.
 
-Every copy out of the arena is validated after it is taken (`wait_loaded(..., release=True)`,
-which also ends the lease in the same round trip): a page erased or dropped while it was being
-copied comes back None and its block is recomputed. Store round trips per turn from this process:
-one per load (two for an async load: wait for the promotion, then validate), one `commit_save`
-per save plan.
+Every copy out of the arena is validated after it is taken, twice: here, against the generation
+of each slot (the store bumps it before a slot's bytes change, see `dss.pages.tiers.host`), and by
+the store (`wait_loaded(..., release=True)`, which also ends the lease in the same round trip): a
+page erased or dropped while it was being copied comes back None and its block is recomputed.
+Store round trips per turn from this process: one per load (two for an async load: wait for the
+promotion, then validate), one `commit_save` per save plan.
 """
 
 from __future__ import annotations
@@ -111,10 +112,23 @@ class WorkerSide:
             else:
                 self._sync_load(spec)
 
-    def _copy_in(self, span: SlotSpan, block_ids: tuple[int, ...]) -> None:
+    def _copy_in(self, span: SlotSpan, block_ids: tuple[int, ...]) -> int:
+        """Copy slots into blocks; returns how many pages, from the first, are still the pages
+        the store named once the copy is done (their slots' generations did not move). A slot
+        released and reused meanwhile may hold another page, another tenant's even: the pages
+        from there on are misses whatever the store's validation says."""
         assert self.blocks is not None and self.views is not None
-        pages = self.views.pages(span.arena_path, span.slot_nbytes)
-        self.blocks.load(pages, runs(block_ids, span.slots))
+        arena = self.views.attached(span.arena_path, span.slot_nbytes)
+        self.blocks.load(arena.pages, runs(block_ids, span.slots))
+        unchanged = arena.unchanged(span.slots, span.generations)  # after the copy, never before
+        if unchanged < len(span.slots):
+            logger.warning(
+                "DSS load: slot %d of %s changed while it was copied; recomputing from page %d",
+                span.slots[unchanged],
+                span.arena_path,
+                unchanged,
+            )
+        return unchanged
 
     def _sync_load(self, spec: LoadSpec) -> None:
         n_ok = 0
@@ -122,11 +136,11 @@ class WorkerSide:
         try:
             if not self.ready or spec.span is None or self._client is None:
                 raise DSSError("connector not ready for loads")
-            self._copy_in(spec.span, spec.block_ids)
+            n_copied = self._copy_in(spec.span, spec.block_ids)
             # Validate (after the copy) and release in one round trip.
             got = self._client.wait_loaded(spec.load_id, 0.0, release=True)
             released = True
-            n_ok = _usable_prefix(got, len(spec.block_ids))
+            n_ok = min(n_copied, _usable_prefix(got, len(spec.block_ids)))
         except Exception as exc:
             logger.warning("DSS sync load %s for %s failed, recomputing: %s", spec.load_id, spec.req_id, exc)
             n_ok = 0
@@ -156,11 +170,11 @@ class WorkerSide:
                 span = span_of(got[:n_ok])
                 if span is None:
                     raise DSSError("promoted pages came back without slots in one arena")
-                self._copy_in(span, spec.block_ids[:n_ok])
+                n_copied = self._copy_in(span, spec.block_ids[:n_ok])
                 # Validate the copies (and release) in one round trip.
                 valid = self._loader_client.wait_loaded(spec.load_id, 0.0, release=True)
                 released = True
-                n_ok = _usable_prefix(valid, n_ok)
+                n_ok = min(n_copied, _usable_prefix(valid, n_ok))
         except Exception as exc:
             logger.warning("DSS async load %s for %s failed, recomputing: %s", spec.load_id, spec.req_id, exc)
             n_ok = 0

@@ -14,7 +14,7 @@ import pytest
 
 from dss.errors import CapacityError, InvalidInput, PageMissing, StoreClosed
 from dss.pages.tiers.base import PageTier
-from dss.pages.tiers.host import ArenaInfo, HostArena, HostTier, SlotRef
+from dss.pages.tiers.host import ArenaInfo, HostArena, HostTier, SlotRef, arena_layout
 from dss.types import PageHash, Tier
 
 SLOT = 4096
@@ -64,7 +64,7 @@ def test_delete_zeroes_the_slot_in_shared_memory(tier: HostTier, tmp_path: Path)
     tier.delete(h(1))
     assert not other.numpy(ref.slot).any()
     with open(ref.path, "rb") as f:  # and the file itself holds zeros there
-        f.seek(ref.slot * SLOT)
+        f.seek(other.data_offset + ref.slot * SLOT)
         assert f.read(SLOT) == bytes(SLOT)
     other.close()
     tier.check()
@@ -126,7 +126,7 @@ def test_close_unlinks_default_directory() -> None:
 def test_arena_bounds_and_attach_checks(tmp_path: Path) -> None:
     arena = HostArena.create(tmp_path / "a.shm", 128, 4)
     try:
-        assert os.stat(arena.path).st_size == 512
+        assert os.stat(arena.path).st_size == arena_layout(128, 4)[1] == 4096 + 512  # header page + slots
         assert os.stat(arena.path).st_mode & 0o777 == 0o600
         with pytest.raises(InvalidInput):
             arena.numpy(4)

@@ -132,7 +132,8 @@ class TieredPages:
         return held
 
     def unlease(self, held: Iterable[Held]) -> None:
-        self.table.unlease(held)
+        for ref in self.table.unlease(held):  # slots of pages gone while these leases lasted
+            self.host.release(ref)
 
     def valid(self, held: Held, ref: SlotRef | None) -> bool:
         return self.table.valid(held, ref)
@@ -152,6 +153,15 @@ class TieredPages:
 
     def release_host(self, ref: SlotRef) -> None:
         self.host.release(ref)
+
+    def _free_page_slot(self, page: PageHash, serial: int, ref: SlotRef) -> None:
+        """Free the host slot a page no longer has (erased, dropped, demoted). Its bytes are
+        zeroed and its generation bumped now; the slot itself is freed only once no reader holds
+        a lease on the page: a reader may be copying from it, and a slot freed under it could be
+        refilled with another page (another tenant's) before that copy is done."""
+        scrubbed = self.host.scrub(ref)
+        if not self.table.park(page, serial, scrubbed):
+            self.host.release(scrubbed)
 
     def publish(self, meta: PageMeta, ref: SlotRef) -> bool:
         """Make a page written into a reserved host slot visible. False if it already existed
@@ -316,7 +326,7 @@ class TieredPages:
         page = entry.meta.hash
         try:
             ref = self.reserve_host(entry.meta.nbytes, gone)
-        except CapacityError:
+        except (CapacityError, TierUnavailable):  # no room, or no arena (no shared memory for it)
             return None, False, False
         try:
             key = self._data_key(entry.meta.tenant)
@@ -416,8 +426,9 @@ class TieredPages:
             e.host_ref = None
 
         ended = self.table.settle(victim.meta.hash, off_host)
-        if victim.host_ref is not None:
-            self.host.release(victim.host_ref)  # in every case: demoted, dropped or doomed
+        if victim.host_ref is not None:  # in every case: demoted, dropped or doomed
+            # A reader may have leased the page after it was picked: then the slot waits for it.
+            self._free_page_slot(victim.meta.hash, victim.serial, victim.host_ref)
         self.counters.count("evictions", Tier.HOST)
         if ended is not None:  # left every tier (or was doomed meanwhile)
             ended.host_ref = None
@@ -508,7 +519,7 @@ class TieredPages:
                 self.rows.delete(on_disk)
             for e in entries:
                 if e.host_ref is not None:
-                    self.host.release(e.host_ref)
+                    self._free_page_slot(e.meta.hash, e.serial, e.host_ref)
                 if self.disk is not None and (extra_disk or Tier.DISK in e.tiers):
                     self.disk.delete(e.meta.hash)
                 if self.device is not None and (extra_device or Tier.DEVICE in e.tiers):
@@ -521,7 +532,7 @@ class TieredPages:
         hashes may be stored again. Their host slots are freed; files stay for recovery."""
         for e in entries:
             if e.host_ref is not None:
-                self.host.release(e.host_ref)
+                self._free_page_slot(e.meta.hash, e.serial, e.host_ref)
         self.table.deleted(e.meta.hash for e in entries)
 
     def wait_settled(self, pages: Iterable[PageHash], timeout_s: float) -> bool:
@@ -530,7 +541,8 @@ class TieredPages:
     # ------------------------------------------------------------------ checks
     def check(self, reserved_elsewhere: Iterable[SlotRef] = ()) -> None:
         """Invariants at rest: every entry is in a tier and each tier agrees with the table.
-        `reserved_elsewhere`: host slots reserved for saves not committed yet."""
+        `reserved_elsewhere`: host slots reserved for saves not committed yet. Slots parked for
+        leases (pages gone while a reader held them) are reserved too."""
         entries = self.table.snapshot()
         refs: set[SlotRef] = set()
         for e in entries:
@@ -549,7 +561,7 @@ class TieredPages:
                 raise AssertionError(f"page {name} missing from device tier")
             if Tier.DISK in e.tiers and (self.disk is None or not self.disk.contains(e.meta.hash)):
                 raise AssertionError(f"page {name} missing from disk tier")
-        expected = refs | set(reserved_elsewhere)
+        expected = refs | set(reserved_elsewhere) | set(self.table.parked_slots())
         actual = self.host.reserved_slots()
         if actual != expected:
             raise AssertionError(

@@ -7,7 +7,10 @@ a caller. Tier work (copies, compression, encryption, files, database rows) is d
 
 Per page, two counters keep that work safe without holding the lock:
 - `leases`: readers in flight (a load being copied by an engine, a save being linked into the
-  index). A leased page is never evicted or demoted, so its host slot stays put.
+  index). A leased page is never picked for eviction, and its host slot is never freed while the
+  lease lasts: a slot that leaves a leased page (erasure, a drop, a demotion that raced the
+  lease) is zeroed and invalidated at once but `park`ed here, and handed back by the `unlease`
+  that ends the last lease, so no other page (another tenant's) lands where a reader is copying.
 - `busy`: one tier transition in flight (write-back to disk, promotion, demotion), owned by the
   thread that set it. Only the owner changes the page's tiers; eviction skips busy pages.
 
@@ -80,6 +83,10 @@ class PageTable:
         self._settled = threading.Condition(self._lock)  # notified when a busy page settles
         self._entries: dict[PageHash, PageEntry] = {}
         self._deleting: dict[PageHash, int] = {}  # hashes whose copies are being deleted
+        # Pages out of the table whose readers still hold leases: lease count by (hash, serial).
+        self._lingering: dict[tuple[PageHash, int], int] = {}
+        # Host slots whose freeing waits for those leases (or a present page's) to end.
+        self._parked: dict[tuple[PageHash, int], list[SlotRef]] = {}
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -136,12 +143,48 @@ class PageTable:
                 out.append(Held(h, e.serial, e.host_ref if Tier.HOST in e.tiers else None))
         return out
 
-    def unlease(self, held: Iterable[Held]) -> None:
+    def unlease(self, held: Iterable[Held]) -> list[SlotRef]:
+        """End leases. Returns the host slots parked for pages whose last lease this was: the
+        caller frees them (after this returns: no tier is touched under the lock)."""
+        due: list[SlotRef] = []
         with self._lock:
             for h in held:
+                key = (h.hash, h.serial)
                 e = self._entries.get(h.hash)
-                if e is not None and e.serial == h.serial and e.leases > 0:
-                    e.leases -= 1
+                if e is not None and e.serial == h.serial:
+                    if e.leases > 0:
+                        e.leases -= 1
+                    left = e.leases
+                elif key in self._lingering:
+                    left = self._lingering[key] - 1
+                    if left > 0:
+                        self._lingering[key] = left
+                    else:
+                        del self._lingering[key]
+                else:
+                    continue
+                if left == 0 and key in self._parked:
+                    due.extend(self._parked.pop(key))
+        return due
+
+    def park(self, page: PageHash, serial: int, ref: SlotRef) -> bool:
+        """Keep a host slot that left page (`page`, `serial`) from being freed while the page is
+        leased: True when parked (`unlease` hands it back later), False when the caller may free
+        it now. The caller has already scrubbed it (zeroed, new generation): parking only delays
+        the reuse, never the erasure of its bytes."""
+        key = (page, serial)
+        with self._lock:
+            e = self._entries.get(page)
+            leases = e.leases if e is not None and e.serial == serial else self._lingering.get(key, 0)
+            if leases <= 0:
+                return False
+            self._parked.setdefault(key, []).append(ref)
+            return True
+
+    def parked_slots(self) -> list[SlotRef]:
+        """Host slots waiting for leases to end (reserved in the host tier, owned by no page)."""
+        with self._lock:
+            return [ref for refs in self._parked.values() for ref in refs]
 
     def valid(self, held: Held, ref: SlotRef | None) -> bool:
         """Whether a reader's copy from `ref` is of the page it leased (not erased, not moved)."""
@@ -224,9 +267,12 @@ class PageTable:
             return None
 
     def _take(self, page: PageHash) -> None:
-        """Caller holds the lock: the entry leaves the table; its copies are being deleted."""
-        del self._entries[page]
+        """Caller holds the lock: the entry leaves the table; its copies are being deleted. Its
+        leases are remembered: its host slot must not be freed before they end (`park`)."""
+        e = self._entries.pop(page)
         self._deleting[page] = self._deleting.get(page, 0) + 1
+        if e.leases > 0:
+            self._lingering[(page, e.serial)] = e.leases
 
     def deleted(self, pages: Iterable[PageHash]) -> None:
         """The copies of these removed pages are gone: the hashes may be stored again."""
