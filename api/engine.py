@@ -28,7 +28,7 @@ from api.settings import Settings
 from dss.errors import ErasedDuringGeneration, InvalidInput
 from dss.store import Store
 from dss.types import FingerprintId, TenantId
-from dss.wire import SessionTag, TurnReport
+from dss.wire import SessionTag, TurnReport, tag_key
 
 log = logging.getLogger("dss.api.engine")
 
@@ -83,12 +83,14 @@ class ChatEngine:
         fingerprint: FingerprintId | None,
         max_inflight: int,
         retry_after_s: int,
+        tag_key: bytes,
     ) -> None:
         self.llm = llm
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.fingerprint = fingerprint
+        self._tag_key = tag_key  # signs the session tags the connector acts on
         self.created = int(time.time())
         # Accepted in a request's `model`: the served name, "default", or the model folder.
         self.model_names = {model_name, "default"}
@@ -133,6 +135,7 @@ class ChatEngine:
             fingerprint=fid,
             max_inflight=eng.max_inflight,
             retry_after_s=eng.retry_after_s,
+            tag_key=tag_key(authkey),
         )
         engine.model_names |= {Path(model_path).name, str(model_path)}
         return engine
@@ -245,7 +248,7 @@ class ChatEngine:
         # The connector acts only on requests that name a session; a plain chat gets a one-off
         # id so that it is still cached in (and served from) the user's namespace.
         sid = session_id if session_id is not None else f"anon-{uuid.uuid4().hex}"
-        extra = SessionTag(tenant, sid, state_version).extra_args()
+        extra = SessionTag(tenant, sid, state_version).extra_args(self._tag_key)
         params = SamplingParams(
             max_tokens=sampling.max_tokens,
             temperature=1.0 if sampling.temperature is None else sampling.temperature,

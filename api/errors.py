@@ -83,10 +83,32 @@ class EngineOverloaded(ApiError):
         super().__init__(message, code="engine_overloaded", headers={"Retry-After": str(retry_after_s)})
 
 
+class ServerStarting(ApiError):
+    """The server listens but its store is not open yet (`/readyz` says why)."""
+
+    status = 503
+    type = "service_unavailable_error"
+
+    def __init__(self, message: str, retry_after_s: int = 2) -> None:
+        super().__init__(message, code="server_starting", headers={"Retry-After": str(retry_after_s)})
+
+
+class HostNotAllowed(ApiError):
+    """Development mode answers only requests addressed to a loopback name: a page on a DNS name
+    rebound to 127.0.0.1 must not reach an unauthenticated admin API through the user's browser."""
+
+    status = 421  # Misdirected Request: this server does not serve that host
+    type = "invalid_request_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="host_not_allowed")
+
+
 # Most specific first: the first matching class decides.
 _STORE_ERRORS: tuple[tuple[type[e.DSSError], int, str], ...] = (
     (e.NotFoundError, 404, "not_found_error"),
     (e.ConflictError, 409, "conflict_error"),
+    (e.QuotaExceeded, 429, "rate_limit_error"),
     (e.InvalidInput, 400, "invalid_request_error"),
     (e.CapacityError, 503, "service_unavailable_error"),
     (e.TierUnavailable, 503, "service_unavailable_error"),
@@ -132,6 +154,8 @@ def response_for(exc: BaseException) -> JSONResponse:
         else:
             message = str(exc)
         headers = _RETRY_AFTER_503 if status == 503 else None
+        if isinstance(exc, e.QuotaExceeded):
+            headers = {"Retry-After": str(exc.retry_after_s)}
         return error_response(status, message, kind, _snake(type(exc).__name__), headers=headers)
     if isinstance(exc, UnicodeEncodeError):  # text with a lone surrogate reached an encoder
         return error_response(

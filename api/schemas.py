@@ -253,6 +253,11 @@ class VerificationOut(BaseModel):
     remnants: int
     chain_ok: bool
     details: list[str]
+    database_scrubbed: bool | None = Field(
+        default=None,
+        description="SQLite: whether the WAL was checkpointed into the (secure-delete) database file "
+        "just now, so no copy of erased rows is left in it; null on PostgreSQL",
+    )
 
 
 class ErasureReceiptOut(BaseModel):
@@ -261,6 +266,11 @@ class ErasureReceiptOut(BaseModel):
     erased_at: datetime
     subject: str = Field(description="salted hash of the user id, never the id itself")
     counts: dict[str, Any]
+    database_scrubbed: bool | None = Field(
+        default=None,
+        description="whether the WAL checkpoint right after the erasure finished (null: not SQLite, "
+        "or a receipt read back later; see verification.database_scrubbed)",
+    )
     verification: VerificationOut
 
 

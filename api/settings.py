@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from dss.config import GiB, StoreConfig
+from dss.dialogue.quotas import Quotas
 
 MiB = 1 << 20
 DEFAULT_DATA_DIR = Path("~/.local/share/dss")
@@ -35,6 +36,18 @@ class ServerSettings(BaseModel):
         return is_loopback_host(self.host)
 
 
+class QuotaSettings(BaseModel):
+    """Per-user limits on the dialogue state (0 turns one off); over them a request gets 429."""
+
+    max_sessions: int = Field(default=10_000, ge=0)
+    max_versions: int = Field(default=100_000, ge=0)
+    max_stored_bytes: int = Field(default=4 * GiB, ge=0)
+    retry_after_s: int = Field(default=3600, ge=1)
+
+    def to_quotas(self) -> Quotas:
+        return Quotas(self.max_sessions, self.max_versions, self.max_stored_bytes, self.retry_after_s)
+
+
 class StoreSettings(BaseModel):
     data_dir: Path = DEFAULT_DATA_DIR
     db_url: SecretStr | None = None  # default: SQLite in data_dir; may hold a password
@@ -47,6 +60,7 @@ class StoreSettings(BaseModel):
     write_through: bool = True
     fsync: bool = True
     loader_threads: int = Field(default=2, ge=1, le=64)
+    quotas: QuotaSettings = QuotaSettings()  # DSS_STORE__QUOTAS__MAX_SESSIONS=...
 
     @property
     def resolved_data_dir(self) -> Path:
@@ -65,6 +79,7 @@ class StoreSettings(BaseModel):
             write_through=self.write_through,
             fsync=self.fsync,
             loader_threads=self.loader_threads,
+            quotas=self.quotas.to_quotas(),
         )
 
 

@@ -147,7 +147,6 @@ async def _commit(
     committed = await asyncio.to_thread(
         commit_turn,
         state.store.versions,
-        state.store.sf,
         turn.user,
         turn.target,
         tokens,

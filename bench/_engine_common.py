@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dss.store import Store
 from engine_patch.factory import session_params
-from tests.engine_helpers import Engine, Result, make_conversations, open_store, session, wait_until, words
+from tests.engine_helpers import Engine, Result, make_conversations, open_store, wait_until, words
 
 BS = 128  # the CPU backend's default block size
 TOKENS_PER_WORD = 1.15  # measured for `words()` with the SmolLM2 tokenizer
@@ -50,7 +50,6 @@ __all__ = [
     "pin_cpu_reservation",
     "ratio",
     "root_cause",
-    "session",
     "session_params",
     "text_of_tokens",
     "wait_until",

@@ -43,7 +43,7 @@ def main() -> None:
         rng = np.random.default_rng(3)
         prompt = engine.chat_ids([{"role": "user", "content": text_of_tokens(rng, CONTEXT_TOKENS)}])
         reuse = ((len(prompt) - 1) // BS) * BS
-        sess = session_params(served.store.tenant_for("hot-user"), "hot-session", 1)
+        sess = session_params(served.authkey, served.store.tenant_for("hot-user"), "hot-session", 1)
         first = engine.timed(prompt, sess, reset=True)
         assert first.result.params is not None and first.result.params["stored_pages"] == len(prompt) // BS
         if not wait_until(lambda: served.host_pages() >= len(prompt) // BS, timeout_s=30):

@@ -29,7 +29,6 @@ from _engine_common import (
     median,
     ms,
     ratio,
-    session_params,
     text_of_tokens,
     wait_until,
 )
@@ -57,7 +56,7 @@ def measure(
     cold, loaded, apc = [], [], []
     for k, prompt in enumerate(prompts):
         c = engine.timed(prompt, None, reset=True)
-        d = engine.timed(prompt, session_params(tenant, f"restart-{k}", version), reset=True)
+        d = engine.timed(prompt, engine.session(tenant, f"restart-{k}", version), reset=True)
         if c.result.num_cached_tokens != 0:
             raise RuntimeError(f"{label}: the cold run reused {c.result.num_cached_tokens} tokens")
         if d.result.loaded_tokens != want[k]:
@@ -91,7 +90,7 @@ def main() -> None:
             turn1, turn2, want, saved_pages = [], [], [], 0
             for k in range(SESSIONS):
                 p1 = a.chat_ids([{"role": "user", "content": text_of_tokens(rng, TURN1_TOKENS)}])
-                t = a.timed(p1, session_params(tenant, f"restart-{k}", 1), ANSWER_TOKENS, reset=True)
+                t = a.timed(p1, a.session(tenant, f"restart-{k}", 1), ANSWER_TOKENS, reset=True)
                 p2 = a.continue_ids(p1, t.result.output_ids, text_of_tokens(rng, FOLLOWUP_TOKENS))
                 saved = (len(p1) + len(t.result.output_ids) - 1) // BS
                 saved_pages += saved

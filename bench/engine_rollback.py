@@ -27,7 +27,6 @@ from _engine_common import (
     median,
     ms,
     ratio,
-    session_params,
     text_of_tokens,
 )
 
@@ -54,7 +53,7 @@ def main() -> None:
         prompt = engine.chat_ids(messages)
         states: list[tuple[list[int], list[int]]] = []
         for turn in range(1, TURNS + 1):
-            t = engine.timed(prompt, session_params(tenant, sid, turn), ANSWER_TOKENS, reset=True)
+            t = engine.timed(prompt, engine.session(tenant, sid, turn), ANSWER_TOKENS, reset=True)
             out = t.result.output_ids
             messages.append({"role": "assistant", "content": t.result.text})
             v = store.versions.commit(USER, sid, tokens=[*prompt, *out], messages=messages)
@@ -84,7 +83,7 @@ def main() -> None:
             question = f"Instead, describe {text_of_tokens(rng, FOLLOWUP_TOKENS)}"
             new = engine.continue_ids(stored[:-1], stored[-1:], question)
             r = engine.timed(new, None, ANSWER_TOKENS, reset=True)
-            d = engine.timed(new, session_params(tenant, sid, TURNS + 1), ANSWER_TOKENS, reset=True)
+            d = engine.timed(new, engine.session(tenant, sid, TURNS + 1), ANSWER_TOKENS, reset=True)
             engine.timed(turn_after, None, reset=True)  # vLLM's cache as if it had kept the dialogue
             a = engine.timed(new, None, ANSWER_TOKENS)
             if r.result.num_cached_tokens != 0:
@@ -111,7 +110,7 @@ def main() -> None:
         assert first_continuation is not None
         new, out = first_continuation
         nxt = engine.continue_ids(new, out, f"And finally {text_of_tokens(rng, 60)}")
-        n = engine.timed(nxt, session_params(tenant, sid, TURNS + 2), ANSWER_TOKENS, reset=True)
+        n = engine.timed(nxt, engine.session(tenant, sid, TURNS + 2), ANSWER_TOKENS, reset=True)
         want_next = min((len(new) + len(out) - 1) // BS, (len(nxt) - 1) // BS) * BS
         if n.result.loaded_tokens != want_next:
             raise RuntimeError(f"the next turn loaded {n.result.loaded_tokens}, not {want_next}")

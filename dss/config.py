@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from dss.dialogue.quotas import Quotas
 
 GiB = 1 << 30
 
@@ -29,6 +31,7 @@ class StoreConfig:
     codec_process: bool = True
     max_tokens_per_sequence: int = 1 << 20
     lease_timeout_s: float = 600.0  # a load or save not finished by then is presumed dead
+    quotas: Quotas = field(default_factory=Quotas)  # per user: sessions, versions, stored bytes
 
     @property
     def resolved_db_url(self) -> str:

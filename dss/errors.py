@@ -61,6 +61,15 @@ class NotAnAncestor(ConflictError):
     """A rollback target is not on the branch's history."""
 
 
+# --- quotas (HTTP 429) ---------------------------------------------------------
+class QuotaExceeded(DSSError):
+    """A per-user quota (sessions, versions, stored bytes) would be exceeded; nothing was written."""
+
+    def __init__(self, message: str, retry_after_s: int = 3600) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 # --- bad input (HTTP 400) -----------------------------------------------------
 class InvalidInput(DSSError):
     """A value is malformed or out of the allowed range."""

@@ -86,7 +86,7 @@ class Store:
         upgrade_to_head(url)
         self.db = make_engine(url)
         self.sf = make_session_factory(self.db)
-        self.versions = VersionStore(self.sf)
+        self.versions = VersionStore(self.sf, self.config.quotas)
         self.keys = load_master_key(self.sf, cfg.resolved_key_file, cfg.create_master_key)
         self.identity = Identity.load(self.sf, self.keys)
         self.keyring = Keyring(self.keys, self.sf)

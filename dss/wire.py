@@ -16,6 +16,9 @@ vLLM carries `kv_transfer_params` as plain JSON-like dicts, so the two request-l
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,32 +107,67 @@ class SavePlan:
     pages: tuple[PageSlot, ...]
 
 
+_TAG_KEY_LABEL = b"dss/session-tag/v1"
+
+
+def tag_key(authkey: bytes) -> bytes:
+    """The key that signs `SessionTag`s: derived from the store's RPC authkey, which the API and
+    the connector both hold (and a client of a plain `vllm serve` does not)."""
+    return hmac.new(authkey, _TAG_KEY_LABEL, hashlib.sha256).digest()
+
+
 @dataclass(frozen=True, slots=True)
 class SessionTag:
     """What the API tells the connector about one session request. The tenant is derived on the
-    server from the authenticated user, never taken from a client."""
+    server from the authenticated user, never taken from a client.
+
+    The tag travels in `kv_transfer_params`, which vLLM's own OpenAI server lets a client set: so
+    it is signed (HMAC-SHA256 under `tag_key`), and the connector ignores a tag whose signature
+    does not verify (the request then runs as a plain vLLM request: no load, no save), which
+    keeps a client of an engine with this connector from naming someone else's tenant.
+    """
 
     tenant: TenantId
     session_id: str
     state_version: int | None = None
 
-    def to_params(self) -> dict[str, Any]:
-        return {"tenant": self.tenant, "session_id": self.session_id, "state_version": self.state_version}
+    def _mac(self, key: bytes) -> str:
+        body = json.dumps([self.tenant, self.session_id, self.state_version], separators=(",", ":"))
+        return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
 
-    def extra_args(self) -> dict[str, Any]:
+    def to_params(self, key: bytes) -> dict[str, Any]:
+        return {
+            "tenant": self.tenant,
+            "session_id": self.session_id,
+            "state_version": self.state_version,
+            "sig": self._mac(key),
+        }
+
+    def extra_args(self, key: bytes) -> dict[str, Any]:
         """`SamplingParams(extra_args=...)`: vLLM hands `kv_transfer_params` to the connector."""
-        return {KV_TRANSFER_PARAMS: self.to_params()}
+        return {KV_TRANSFER_PARAMS: self.to_params(key)}
 
     @classmethod
-    def from_params(cls, params: object) -> SessionTag | None:
-        """The tag in a request's `kv_transfer_params`, or None for a plain vLLM request."""
+    def from_params(cls, params: object, key: bytes) -> SessionTag | None:
+        """The tag in a request's `kv_transfer_params` if its signature verifies under `key`;
+        None for a plain vLLM request, and for a forged or unsigned tag (`forged` tells which)."""
         if not isinstance(params, Mapping):
             return None
         tenant, session_id = params.get("tenant"), params.get("session_id")
         if not isinstance(tenant, str) or not tenant or not isinstance(session_id, str) or not session_id:
             return None
         version = params.get("state_version")
-        return cls(TenantId(tenant), session_id, version if isinstance(version, int) else None)
+        tag = cls(TenantId(tenant), session_id, version if isinstance(version, int) else None)
+        sig = params.get("sig")
+        if not isinstance(sig, str) or not hmac.compare_digest(sig, tag._mac(key)):
+            return None
+        return tag
+
+    @staticmethod
+    def forged(params: object, key: bytes) -> bool:
+        """Whether `params` names a tenant without a valid signature (worth a log line)."""
+        named = isinstance(params, Mapping) and "tenant" in params
+        return named and SessionTag.from_params(params, key) is None
 
 
 @dataclass(frozen=True, slots=True)

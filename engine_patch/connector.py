@@ -19,6 +19,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from dss.namespace import ModelFingerprint
 from dss.rpc import StoreClient
+from dss.wire import tag_key
 from engine_patch.fingerprint import UnsupportedKVCache, build_fingerprint
 from engine_patch.metadata import DSSConnectorMetadata
 from engine_patch.scheduler_side import SchedulerSide
@@ -75,6 +76,7 @@ class DSSConnector(KVConnectorBase_V1):
                 settle_timeout_s=float(extra.get_from_extra_config("settle_timeout_s", 2.0)),
                 save_after_prefill=bool(extra.get_from_extra_config("save_after_prefill", True)),
                 block_ids_of=self._block_ids_of,
+                tag_key=tag_key(bytes.fromhex(str(authkey_hex))) if authkey_hex else None,
             )
         else:
             self._worker = WorkerSide(

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dss.types import TenantId
-from dss.wire import SessionTag
+from dss.wire import SessionTag, tag_key
 from engine_patch.connector import CONNECTOR_MODULE, CONNECTOR_NAME
 
 if TYPE_CHECKING:
@@ -127,7 +127,9 @@ def build_async_engine(
     return AsyncLLM.from_engine_args(async_engine_args(store_address, authkey, settings))
 
 
-def session_params(tenant: str, session_id: str, state_version: int | None = None) -> dict[str, Any]:
+def session_params(
+    authkey: bytes, tenant: str, session_id: str, state_version: int | None = None
+) -> dict[str, Any]:
     """`SamplingParams(extra_args=session_params(...))`: what the connector reads per request
-    (`dss.wire.SessionTag`, the one place that builds it)."""
-    return SessionTag(TenantId(tenant), session_id, state_version).extra_args()
+    (`dss.wire.SessionTag`, the one place that builds it), signed with the store's RPC authkey."""
+    return SessionTag(TenantId(tenant), session_id, state_version).extra_args(tag_key(authkey))

@@ -41,11 +41,6 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.dss_connector")
 
 
-def session_of(request: Request) -> SessionTag | None:
-    """The DSS session a request belongs to, or None for a plain vLLM request."""
-    return SessionTag.from_params(request.kv_transfer_params)
-
-
 def _key(tag: SessionTag) -> tuple[str, str]:
     return (tag.tenant, tag.session_id)
 
@@ -80,11 +75,14 @@ class SchedulerSide:
         settle_timeout_s: float = 2.0,
         save_after_prefill: bool = True,
         block_ids_of: Callable[[str], list[int]] | None = None,
+        tag_key: bytes | None = None,
     ) -> None:
         self.fingerprint = fingerprint
         self.client = client
+        self._tag_key = tag_key
         self.block_size = fingerprint.block_size if fingerprint is not None else 0
-        self.disabled = fingerprint is None or client is None
+        self.disabled = fingerprint is None or client is None or tag_key is None
+        self._forged_seen: set[str] = set()  # requests whose unsigned tag was already logged
         self.settle_timeout_s = settle_timeout_s
         self.save_after_prefill = save_after_prefill and block_ids_of is not None
         self._block_ids_of = block_ids_of
@@ -102,6 +100,23 @@ class SchedulerSide:
         # Registered at start so the store (and the API beside it) knows this engine's pages; a
         # store that is down now is retried at the first session request.
         self._fingerprint_id()
+
+    def session_of(self, request: Request) -> SessionTag | None:
+        """The DSS session a request belongs to; None for a plain vLLM request, and for a tag
+        whose signature does not verify (a client of this engine setting `kv_transfer_params`
+        itself: it must not name a tenant, so the request runs uncached)."""
+        if self._tag_key is None:
+            return None
+        params = request.kv_transfer_params
+        tag = SessionTag.from_params(params, self._tag_key)
+        if (
+            tag is None
+            and request.request_id not in self._forged_seen
+            and SessionTag.forged(params, self._tag_key)
+        ):
+            self._forged_seen.add(request.request_id)
+            logger.warning("request %s carries an unsigned DSS session tag; ignored", request.request_id)
+        return tag
 
     # ------------------------------------------------------------------ store access
     def _fingerprint_id(self) -> FingerprintId | None:
@@ -142,7 +157,7 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        session = session_of(request)
+        session = self.session_of(request)
         if session is None or self.disabled:
             return 0, False
         req_id = request.request_id
@@ -274,7 +289,7 @@ class SchedulerSide:
             if request.num_computed_tokens + scheduled[req_id] < request.num_prompt_tokens:
                 continue  # chunked prefill: not the last chunk yet
             del self._prefilling[req_id]
-            session = session_of(request)
+            session = self.session_of(request)
             assert session is not None and self._block_ids_of is not None
             n_pages = request.num_prompt_tokens // self.block_size
             block_ids = self._block_ids_of(req_id)
@@ -339,7 +354,8 @@ class SchedulerSide:
         self._prefilling.pop(req_id, None)
         self._deferred_since.pop(req_id, None)
         self._hit_sources.pop(req_id, None)
-        session = session_of(request)
+        session = self.session_of(request)
+        self._forged_seen.discard(req_id)
         if session is None:
             self._progress.pop(req_id, None)
             return False, None

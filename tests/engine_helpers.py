@@ -138,6 +138,7 @@ class Engine:
         **overrides: Any,
     ) -> None:
         self.settings = settings(**overrides)
+        self.authkey = authkey
         key = "VLLM_ENABLE_V1_MULTIPROCESSING"
         old = os.environ.get(key)
         self.in_process = deterministic_batches
@@ -151,6 +152,11 @@ class Engine:
             else:
                 os.environ[key] = old
         self.tokenizer = self.llm.get_tokenizer()
+
+    def session(self, tenant: str, session_id: str, version: int = 1) -> dict[str, Any]:
+        """The signed session tag of a request (the connector ignores unsigned ones)."""
+        assert self.authkey is not None, "a session request needs the store's authkey"
+        return session_params(self.authkey, tenant, session_id, version)
 
     def generate(
         self,
@@ -256,10 +262,6 @@ def make_conversations(n: int, seed: int = 7) -> list[Conversation]:
         ]
         convs.append(Conversation(f"c{i}", first, followups, max_tokens=int(rng.integers(12, 40))))
     return convs
-
-
-def session(tenant: str, session_id: str, version: int = 1) -> dict[str, Any]:
-    return session_params(tenant, session_id, version)
 
 
 def wait_until(predicate: Any, timeout_s: float = 10.0, interval_s: float = 0.05) -> bool:

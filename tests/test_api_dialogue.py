@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from dss.dialogue.turns import TurnTarget, chat_target, commit_turn, message_target
 from dss.dialogue.versions import VersionStore
-from dss.errors import ConflictError, SessionNotFound, StaleHead, VersionNotFound
+from dss.errors import ConflictError, StaleHead, VersionNotFound
 from dss.types import SessionId
 
 
@@ -30,7 +30,7 @@ def a(text: str) -> dict[str, Any]:
 def turn(vs: VersionStore, sf: sessionmaker[Session], user: str, sid: str, msgs: list[dict[str, Any]]) -> Any:
     target = chat_target(vs, user, sid, msgs, None)
     reply = [*msgs, a(f"reply to {msgs[-1]['content']}")]
-    return commit_turn(vs, sf, user, target, np.arange(len(reply), dtype=np.int32), reply, "fp"), reply
+    return commit_turn(vs, user, target, np.arange(len(reply), dtype=np.int32), reply, "fp"), reply
 
 
 def test_turns_extend_the_head_and_edits_fork(
@@ -75,10 +75,13 @@ def test_state_version_must_be_extended_exactly(
 
 def test_other_users_sessions_are_invisible(vs: VersionStore, session_factory: sessionmaker[Session]) -> None:
     turn(vs, session_factory, "al", "s", [u("one")])
-    with pytest.raises(SessionNotFound):
-        chat_target(vs, "bo", "s", [u("one")], None)  # never SessionExists: ids do not leak
-    with pytest.raises(SessionNotFound):
-        message_target(vs, "bo", "s", None, None)
+    # Bob's "s" is a new session of his own: al's history is neither reused nor revealed.
+    target = chat_target(vs, "bo", "s", [u("one")], None)
+    assert target.parent is None
+    with pytest.raises(VersionNotFound):
+        chat_target(vs, "bo", "s", [u("one"), u("two")], state_version=1)
+    t, base = message_target(vs, "bo", "s", None, None)
+    assert t.parent is None and base == []
 
 
 def test_stateful_target_and_races(vs: VersionStore, session_factory: sessionmaker[Session]) -> None:
@@ -88,20 +91,16 @@ def test_stateful_target_and_races(vs: VersionStore, session_factory: sessionmak
         SessionId("s"), None, "main", False
     )
     msgs = [*base, u("q"), a("r")]
-    commit_turn(vs, session_factory, "al", t, np.arange(4, dtype=np.int32), msgs, "fp")
+    commit_turn(vs, "al", t, np.arange(4, dtype=np.int32), msgs, "fp")
     t2, base2 = message_target(vs, "al", "s", None, None)
     assert t2.parent == 1 and base2 == msgs
     # Another writer moves main first: a branch-pinned stateful turn conflicts (409)...
     vs.commit("al", "s", tokens=[1], messages=[*msgs, u("x"), a("y")])
     with pytest.raises(StaleHead):
-        commit_turn(
-            vs, session_factory, "al", t2, np.arange(6, dtype=np.int32), [*msgs, u("q2"), a("r2")], None
-        )
+        commit_turn(vs, "al", t2, np.arange(6, dtype=np.int32), [*msgs, u("q2"), a("r2")], None)
     # ...while a chat turn, which only names its parent, forks instead.
     t3 = TurnTarget(SessionId("s"), 1, "main", fork_on_race=True)
-    c = commit_turn(
-        vs, session_factory, "al", t3, np.arange(6, dtype=np.int32), [*msgs, u("q3"), a("r3")], None
-    )
+    c = commit_turn(vs, "al", t3, np.arange(6, dtype=np.int32), [*msgs, u("q3"), a("r3")], None)
     assert c.version.parent == 1 and c.branch == "fork-v1"
     t4, base4 = message_target(vs, "al", "s", None, 1)
     assert t4.parent == 1 and t4.branch is None and base4 == msgs

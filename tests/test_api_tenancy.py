@@ -44,13 +44,15 @@ def test_another_users_session_is_404_and_their_cache_is_cold(api_server: ApiSer
         r = ben.request(method, path, json=body)
         assert r.status_code == 404, (method, path, r.status_code, r.text)
         assert r.json()["error"]["type"] == "not_found_error"
-    # Naming Ana's session in a chat neither reads nor extends it.
-    r = ben.post("/v1/chat/completions", json={"messages": msgs, "session_id": "tn-ana-1", "max_tokens": 4})
-    assert r.status_code == 404
-    # Ben sends Ana's exact private prompt: nothing of hers is served to him.
-    cold = chat(ben, msgs)
-    assert cached(cold) == 0 and cold["dss"]["loaded_tokens"] == 0
     assert ben.get("/v1/sessions").json()["data"] == []
+    # Ben's "tn-ana-1" is a session of his own (ids are per user): naming it neither reads nor
+    # extends Ana's, and Ana's exact private prompt serves him nothing of hers.
+    r = ben.post("/v1/chat/completions", json={"messages": msgs, "session_id": "tn-ana-1", "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    cold = r.json()
+    assert cached(cold) == 0 and cold["dss"]["loaded_tokens"] == 0 and cold["state_version"] == 1
+    assert [s["id"] for s in ben.get("/v1/sessions").json()["data"]] == ["tn-ana-1"]
+    assert ben.post("/v1/sessions", json={"session_id": "tn-ana-1"}).status_code == 409  # his own
     assert ana.get("/v1/sessions/tn-ana-1").json()["version_count"] == 1
     assert first["state_version"] == 1
 

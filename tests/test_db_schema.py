@@ -48,7 +48,7 @@ def _diff(url: str) -> list[object]:
 def test_upgrade_creates_the_model_schema(db_url: str) -> None:
     assert current_revision(db_url) is None
     upgrade_to_head(db_url)
-    assert current_revision(db_url) == "0002"
+    assert current_revision(db_url) == "0003"
     assert _diff(db_url) == []
     engine = make_engine(db_url)
     try:
@@ -64,7 +64,7 @@ def test_upgrade_twice_is_a_noop(db_url: str) -> None:
         with transaction(make_session_factory(engine)) as db:
             db.add(StoreMeta(key="format", value="1"))
         upgrade_to_head(db_url)
-        assert current_revision(db_url) == "0002"
+        assert current_revision(db_url) == "0003"
         with engine.connect() as conn:
             assert conn.execute(text("SELECT value FROM store_meta WHERE key = 'format'")).scalar_one() == "1"
             assert conn.execute(text("SELECT count(*) FROM alembic_version")).scalar_one() == 1
@@ -85,7 +85,7 @@ def test_sqlite_engine_settings_and_dir_creation(tmp_path: Path) -> None:
             assert conn.execute(text("PRAGMA journal_mode")).scalar_one() == "wal"
             assert conn.execute(text("PRAGMA foreign_keys")).scalar_one() == 1
             assert conn.execute(text("PRAGMA busy_timeout")).scalar_one() == 5000
-            assert conn.execute(text("PRAGMA synchronous")).scalar_one() == 1  # NORMAL
+            assert conn.execute(text("PRAGMA synchronous")).scalar_one() == 2  # FULL
     finally:
         engine.dispose()
 
@@ -94,7 +94,7 @@ def test_upgrade_works_from_any_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.chdir(tmp_path)
     url = f"sqlite:///{tmp_path / 'x.sqlite3'}"
     upgrade_to_head(url)
-    assert current_revision(url) == "0002"
+    assert current_revision(url) == "0003"
 
 
 def test_in_memory_sqlite_migrates_through_the_given_engine() -> None:
@@ -103,7 +103,7 @@ def test_in_memory_sqlite_migrates_through_the_given_engine() -> None:
         upgrade_to_head("sqlite://", engine=engine)
         with engine.connect() as conn:
             ctx = MigrationContext.configure(conn, opts={"compare_type": True})
-            assert ctx.get_current_revision() == "0002"
+            assert ctx.get_current_revision() == "0003"
             assert list(compare_metadata(ctx, Base.metadata)) == []
     finally:
         engine.dispose()
@@ -137,7 +137,7 @@ def test_concurrent_upgrades_from_several_processes_agree(db_url: str) -> None:
     ]
     errors = [p.communicate(timeout=120)[1] for p in procs if p.wait(timeout=120) != 0]
     assert errors == []
-    assert current_revision(db_url) == "0002"
+    assert current_revision(db_url) == "0003"
     assert _diff(db_url) == []
 
 
@@ -154,11 +154,77 @@ def test_0002_upgrades_a_0001_database_with_data_in_it(db_url: str) -> None:
             conn.execute(text("INSERT INTO store_meta (key, value) VALUES ('kept', 'yes')"))
             conn.execute(text("INSERT INTO sessions (id, user_id, version_count) VALUES ('s1', 'alice', 0)"))
         upgrade_to_head(db_url)
-        assert current_revision(db_url) == "0002"
+        assert current_revision(db_url) == "0003"
         with engine.connect() as conn:
             assert conn.execute(text("SELECT value FROM store_meta WHERE key = 'kept'")).scalar_one() == "yes"
             assert conn.execute(text("SELECT user_id FROM sessions WHERE id = 's1'")).scalar_one() == "alice"
             assert conn.execute(text("SELECT count(*) FROM erasure_epochs")).scalar_one() == 0
+    finally:
+        engine.dispose()
+    assert _diff(db_url) == []
+
+
+def test_0003_rekeys_sessions_per_user_and_keeps_every_version(db_url: str) -> None:
+    import json
+
+    from alembic import command
+
+    from dss.db.engine import alembic_config
+    from dss.dialogue.versions import VersionStore
+
+    command.upgrade(alembic_config(db_url), "0002")
+    engine = make_engine(db_url)
+    h1 = [{"role": "user", "content": "plan a day in Paris"}, {"role": "assistant", "content": "Louvre"}]
+    h2 = [*h1, {"role": "user", "content": "cheaper"}, {"role": "assistant", "content": "walk"}]
+    edit = [{"role": "user", "content": "plan a day in Rome"}, {"role": "assistant", "content": "Forum"}]
+    try:
+        with engine.begin() as conn:
+            for sid, user in (("trip", "alice"), ("bob-1", "bob")):
+                conn.execute(
+                    text("INSERT INTO sessions (id, user_id, version_count) VALUES (:s, :u, 0)"),
+                    {"s": sid, "u": user},
+                )
+                conn.execute(
+                    text("INSERT INTO branches (session_id, name, head_version) VALUES (:s, 'main', 0)"),
+                    {"s": sid},
+                )
+            rows = [(1, None, "main", h1), (2, 1, "main", h2), (3, None, "edit", edit)]
+            for number, parent, branch, msgs in rows:
+                conn.execute(
+                    text(
+                        "INSERT INTO versions (session_id, number, parent, branch, n_tokens, tokens,"
+                        " messages) VALUES ('trip', :n, :p, :b, 2, :t, :m)"
+                    ),
+                    {
+                        "n": number,
+                        "p": parent,
+                        "b": branch,
+                        "t": b"\x01\0\0\0\x02\0\0\0",
+                        "m": json.dumps(msgs),
+                    },
+                )
+            conn.execute(text("UPDATE sessions SET version_count = 3 WHERE id = 'trip'"))
+            conn.execute(text("UPDATE branches SET head_version = 2 WHERE session_id = 'trip'"))
+            conn.execute(
+                text("INSERT INTO branches (session_id, name, head_version) VALUES ('trip', 'edit', 3)")
+            )
+        upgrade_to_head(db_url)
+        assert current_revision(db_url) == "0003"
+        vs = VersionStore(make_session_factory(engine))
+        assert vs.check() == []
+        assert [v.messages for v in vs.list_versions("alice", "trip", with_body=True)] == [h1, h2, edit]
+        assert vs.get_version("alice", "trip", 2).messages == h2
+        assert vs.get_version("alice", "trip", 2).tokens.tolist() == [1, 2]
+        assert vs.get_branch("alice", "trip", "edit").head_version == 3
+        found = vs.find_deepest_prefix_version("alice", "trip", [*h2, {"role": "user", "content": "more"}])
+        assert found is not None and found.number == 2
+        # Stored once: version 2 keeps only what it added to version 1.
+        with engine.connect() as conn:
+            delta = conn.execute(text("SELECT messages FROM versions WHERE number = 2")).scalar_one()
+            assert len(json.loads(delta) if isinstance(delta, str) else delta) == 2
+        # The id is now per user: bob can have a "trip" of his own next to alice's.
+        assert vs.ensure_session("bob", "trip")[1] is True
+        assert vs.get_session("bob", "bob-1").version_count == 0
     finally:
         engine.dispose()
     assert _diff(db_url) == []

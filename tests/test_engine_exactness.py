@@ -24,7 +24,7 @@ import pytest
 from dss.store import Store
 from dss.types import PUBLIC_TENANT
 from engine_patch.fingerprint import frontend_fingerprint
-from tests.engine_helpers import Engine, Result, make_conversations, open_store, session, words
+from tests.engine_helpers import Engine, Result, make_conversations, open_store, words
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -118,7 +118,7 @@ def test_multiturn_conversations_are_token_identical(rig: Rig) -> None:
         res = run_turn(
             engine,
             [prompts[i] for i in active],
-            [session(tenant, convs[i].session_id, turn + 1) for i in active],
+            [engine.session(tenant, convs[i].session_id, turn + 1) for i in active],
             [convs[i].max_tokens for i in active],
             warm=turn > 0,
         )
@@ -151,7 +151,7 @@ def build_history(
     states: list[tuple[list[int], list[int]]] = []
     for turn in range(turns):
         engine.reset_prefix_cache()
-        (r,) = engine.generate([prompt], [session(tenant, sid, turn + 1)], 20)
+        (r,) = engine.generate([prompt], [engine.session(tenant, sid, turn + 1)], 20)
         assert r.loaded_tokens == (expected_loaded(*states[-1], prompt) if states else 0)
         states.append((prompt, r.output_ids))
         prompt = engine.continue_ids(prompt, r.output_ids, f"Tell me more about {words(rng, 30)}")
@@ -168,12 +168,12 @@ def test_rollback_or_branch_then_continue(rig: Rig, case: str) -> None:
         # Six turns, then back to the state after turn 3 and a different question, same session.
         states = build_history(engine, tenant, sid, rng, 6)
         base_prompt, base_output = states[2]
-        sess = session(tenant, sid, 7)
+        sess = engine.session(tenant, sid, 7)
     else:
         # Three turns, then a new session of the same user forked after turn 1.
         states = build_history(engine, tenant, sid, rng, 3)
         base_prompt, base_output = states[0]
-        sess = session(tenant, f"{sid}-fork", 1)
+        sess = engine.session(tenant, f"{sid}-fork", 1)
     prompt = engine.continue_ids(base_prompt, base_output, f"Instead, describe {words(rng, 25)}")
     want = expected_loaded(base_prompt, base_output, prompt)
     assert want > 0
@@ -215,10 +215,10 @@ def test_tenants_are_isolated_and_public_prefix_is_shared(rig: Rig) -> None:
     # Private prompts are never shared between users.
     private = engine.chat_ids([{"role": "user", "content": f"My secret notes: {words(rng, 400)}"}])
     engine.reset_prefix_cache()
-    (alice,) = engine.generate([private], [session(store.tenant_for("alice"), "a1")], [8])
+    (alice,) = engine.generate([private], [engine.session(store.tenant_for("alice"), "a1")], [8])
     assert alice.params is not None and alice.params["stored_pages"] > 0
     engine.reset_prefix_cache()
-    (bob,) = engine.generate([private], [session(store.tenant_for("bob"), "b1")], [8])
+    (bob,) = engine.generate([private], [engine.session(store.tenant_for("bob"), "b1")], [8])
     assert bob.loaded_tokens == 0 and bob.num_cached_tokens == 0
     assert bob.output_ids == alice.output_ids  # both computed from scratch
 
@@ -231,21 +231,21 @@ def test_tenants_are_isolated_and_public_prefix_is_shared(rig: Rig) -> None:
     assert len(public) >= 2 * BS
     store.prefixes.register(fid, public, text="policy", pin=True)
     engine.reset_prefix_cache()
-    (warm_up,) = engine.generate([public], [session(PUBLIC_TENANT, "admin-warmup")], [1])
+    (warm_up,) = engine.generate([public], [engine.session(PUBLIC_TENANT, "admin-warmup")], [1])
     assert warm_up.params is not None and warm_up.params["stored_pages"] == len(public) // BS
 
     engine.reset_prefix_cache()
-    (carol,) = engine.generate([carol_ids], [session(store.tenant_for("carol"), "c1")], [16])
+    (carol,) = engine.generate([carol_ids], [engine.session(store.tenant_for("carol"), "c1")], [16])
     assert carol.loaded_tokens == len(public)
     (carol_apc,) = engine.generate([carol_ids], [None], [16])  # vLLM's cache now holds Carol's blocks
     # Dave sends Carol's exact prompt: he gets the public pages, never Carol's private ones.
     engine.reset_prefix_cache()
-    (dave,) = engine.generate([carol_ids], [session(store.tenant_for("dave"), "d1")], [16])
+    (dave,) = engine.generate([carol_ids], [engine.session(store.tenant_for("dave"), "d1")], [16])
     assert dave.loaded_tokens == len(public)
     assert dave.output_ids == carol.output_ids  # same pages loaded, same tokens computed
     # Carol herself, next time, gets her private pages too: the same bytes vLLM's cache reused.
     engine.reset_prefix_cache()
-    (carol2,) = engine.generate([carol_ids], [session(store.tenant_for("carol"), "c1", 2)], [16])
+    (carol2,) = engine.generate([carol_ids], [engine.session(store.tenant_for("carol"), "c1", 2)], [16])
     assert carol2.loaded_tokens == ((len(carol_ids) - 1) // BS) * BS > len(public)
     assert carol2.num_cached_tokens == carol_apc.num_cached_tokens
     assert carol2.output_ids == carol_apc.output_ids

@@ -21,7 +21,7 @@ from dss.namespace import make_namespace
 from dss.rpc import StoreServer
 from dss.store import Store
 from dss.types import FingerprintId
-from tests.engine_helpers import Engine, Result, open_store, session, words
+from tests.engine_helpers import Engine, Result, open_store, words
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -76,7 +76,7 @@ def test_restart_fingerprints_and_failed_loads(served: ServedStore) -> None:
     try:
         p1 = a.chat_ids([{"role": "user", "content": f"Keep these words in mind: {words(rng, 1500)}"}])
         assert len(p1) > 12 * BS
-        t1 = one(a, p1, session(tenant, sid, 1))
+        t1 = one(a, p1, a.session(tenant, sid, 1))
         assert t1.params is not None and t1.params["stored_pages"] == (len(p1) + len(t1.output_ids) - 1) // BS
         fid = FingerprintId(t1.params["fingerprint"])
         p2 = a.continue_ids(p1, t1.output_ids, f"Which of them relate to {words(rng, 12)}?")
@@ -91,7 +91,7 @@ def test_restart_fingerprints_and_failed_loads(served: ServedStore) -> None:
     # --- engine C: another block size is another fingerprint; nothing of A's may load.
     c = Engine(served.address, served.authkey, block_size=64)
     try:
-        r = one(c, p2, session(tenant, sid, 2))
+        r = one(c, p2, c.session(tenant, sid, 2))
         assert r.loaded_tokens == 0 and r.num_cached_tokens == 0
         assert r.params is not None and r.params["fingerprint"] != fid
         cold_c = one(c, p2, None)
@@ -104,7 +104,7 @@ def test_restart_fingerprints_and_failed_loads(served: ServedStore) -> None:
     b = Engine(served.address, served.authkey)
     try:
         cold_b = one(b, p2, None)
-        r = one(b, p2, session(tenant, sid, 2))
+        r = one(b, p2, b.session(tenant, sid, 2))
         assert r.loaded_tokens == want_loaded
         assert r.output_ids == warm_a.output_ids
         # That turn saved the rest of p2's pages; B's own prefix cache now holds all of them.
@@ -122,7 +122,7 @@ def test_restart_fingerprints_and_failed_loads(served: ServedStore) -> None:
         hidden = arena.with_suffix(".hidden")
         os.rename(arena, hidden)
         try:
-            r = one(b, q, session(tenant, sid, 3))
+            r = one(b, q, b.session(tenant, sid, 3))
         finally:
             os.rename(hidden, arena)
         assert r.params is not None and r.params["loaded_tokens"] == 0
@@ -131,7 +131,7 @@ def test_restart_fingerprints_and_failed_loads(served: ServedStore) -> None:
         # Whole-store restart: the arena is gone, pages are on disk only -> async loads.
         served.restart()
         assert served.store.stats()["pages"]["host"] == 0
-        r = one(b, p2, session(tenant, sid, 4))
+        r = one(b, p2, b.session(tenant, sid, 4))
         assert r.loaded_tokens == warm_b.num_cached_tokens
         assert r.output_ids == warm_b.output_ids
         assert served.store.stats()["promotions"]["host"] >= warm_b.num_cached_tokens // BS
@@ -143,7 +143,7 @@ def test_restart_fingerprints_and_failed_loads(served: ServedStore) -> None:
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
-        r = one(b, p2, session(tenant, sid, 5))
+        r = one(b, p2, b.session(tenant, sid, 5))
         assert r.params is not None and r.params["loaded_tokens"] == 0
         assert r.output_ids == cold_b.output_ids
         assert served.store.stats()["corrupt_pages"] >= 1

@@ -19,12 +19,15 @@ from vllm.v1.request import Request
 
 from dss.rpc import StoreClient
 from dss.store import Store
-from dss.wire import TurnReport
+from dss.types import TenantId
+from dss.wire import SessionTag, TurnReport, tag_key
 from engine_patch.metadata import DSSConnectorMetadata, DSSWorkerMetadata
 from engine_patch.scheduler_side import SchedulerSide
 from tests.store_helpers import SMALL_FP, open_store, pages_for
 
 BS = SMALL_FP.block_size
+# The key the API signs session tags with; in the server it derives from the store's authkey.
+TAG_KEY = tag_key(b"scheduler-side tests")
 
 
 @pytest.fixture
@@ -42,7 +45,11 @@ def side(store: Store) -> Iterator[SchedulerSide]:
     address, authkey = store.serve_rpc()
     blocks: dict[str, list[int]] = {}
     sched = SchedulerSide(
-        SMALL_FP, StoreClient(address, authkey), settle_timeout_s=5.0, block_ids_of=blocks.__getitem__
+        SMALL_FP,
+        StoreClient(address, authkey),
+        settle_timeout_s=5.0,
+        block_ids_of=blocks.__getitem__,
+        tag_key=TAG_KEY,
     )
     sched.test_blocks = blocks  # type: ignore[attr-defined]
     try:
@@ -51,12 +58,10 @@ def side(store: Store) -> Iterator[SchedulerSide]:
         sched.shutdown()
 
 
-def request(req_id: str, tokens: list[int], tenant: str | None, session_id: str = "s1") -> Request:
-    extra = (
-        {"kv_transfer_params": {"tenant": tenant, "session_id": session_id, "state_version": 1}}
-        if tenant
-        else None
-    )
+def request(
+    req_id: str, tokens: list[int], tenant: str | None, session_id: str = "s1", key: bytes = TAG_KEY
+) -> Request:
+    extra = SessionTag(TenantId(tenant), session_id, 1).extra_args(key) if tenant else None
     return Request(req_id, tokens, SamplingParams(max_tokens=4, extra_args=extra), None)
 
 
@@ -107,6 +112,27 @@ def test_claims_are_capped_cached_and_released(store: Store, side: SchedulerSide
     assert store.stats()["leases"] == 2
     side.request_finished(r2, [])
     assert store.stats()["leases"] == 1  # r1's lease stays until its worker releases it
+
+
+def test_unsigned_or_forged_session_tags_are_ignored(store: Store, side: SchedulerSide) -> None:
+    # A client of an engine running this connector sets `kv_transfer_params` itself, naming
+    # alice's tenant: without the store's key it neither reads nor writes alice's pages.
+    tenant = store.tenant_for("alice")
+    tokens = stored(store, tenant, 4 * BS)
+    unsigned = Request(
+        "r1",
+        [*tokens, 1],
+        SamplingParams(
+            max_tokens=4, extra_args={"kv_transfer_params": {"tenant": tenant, "session_id": "s"}}
+        ),
+        None,
+    )
+    forged = request("r2", [*tokens, 1], tenant, key=tag_key(b"a guess"))
+    for r in (unsigned, forged):
+        assert side.get_num_new_matched_tokens(r, 0) == (0, False)
+        assert side.request_finished(r, list(range(5))) == (False, None)
+    assert store.stats()["leases"] == 0
+    assert side.get_num_new_matched_tokens(request("r3", [*tokens, 1], tenant), 0) == (4 * BS, False)
 
 
 def test_other_tenants_match_nothing(store: Store, side: SchedulerSide) -> None:
@@ -170,7 +196,8 @@ def test_a_hung_owner_is_a_miss_within_the_deadline(store: Store, monkeypatch: p
 
     monkeypatch.setattr(store, "begin_load", hung)
     address, authkey = store.serve_rpc()
-    sched = SchedulerSide(SMALL_FP, StoreClient(address, authkey, timeout_s=0.5), block_ids_of={}.__getitem__)
+    client = StoreClient(address, authkey, timeout_s=0.5)
+    sched = SchedulerSide(SMALL_FP, client, block_ids_of={}.__getitem__, tag_key=TAG_KEY)
     try:
         r = request("r1", [*tokens, 1], tenant)
         t0 = time.monotonic()

@@ -131,3 +131,28 @@ def test_recreated_user_starts_cold(tmp_path):
     assert store.verify_erasure(receipt.id).remnants == 0  # new data is not a remnant
     assert store.match(fid, PUBLIC_TENANT, seqs[0]).n_tokens == 0
     store.close()
+
+
+def test_a_busy_reader_is_reported_and_the_wal_is_scrubbed_once_it_is_gone(tmp_path):
+    import sqlite3
+
+    store = open_store(tmp_path / "data", shm_dir=tmp_path / "shm")
+    fid = store.register_fingerprint(SMALL_FP)
+    _fill_user(store, fid, "alice", n_sessions=1)
+    store.flush()
+    # A reader holding a snapshot from before the erasure keeps the checkpoint from finishing:
+    # the erased rows then stay in the WAL, and the receipt must say so instead of assuming.
+    reader = sqlite3.connect(tmp_path / "data" / "dss.sqlite3")
+    reader.execute("BEGIN")
+    assert reader.execute("SELECT count(*) FROM sessions").fetchone()[0] == 1
+    receipt = store.erase_user("alice")
+    assert receipt.database_scrubbed is False
+    held = store.verify_erasure(receipt.id)
+    assert held.database_scrubbed is False and any("WAL" in d for d in held.details)
+    reader.rollback()
+    reader.close()
+    v = store.verify_erasure(receipt.id)
+    assert v.database_scrubbed is True and v.remnants == 0, v.details
+    assert os.path.getsize(tmp_path / "data" / "dss.sqlite3-wal") == 0
+    assert _grep(tmp_path / "data", MARKER.encode()) == []
+    store.close()

@@ -161,7 +161,57 @@ def test_generated_ids_and_ensure_session(store: VersionStore) -> None:
     again, created_again = store.ensure_session(ALICE, "fixed")
     assert not created_again and again.created_at == info.created_at
     with pytest.raises(SessionExists):
-        store.ensure_session(BOB, "fixed")
+        store.create_session(ALICE, "fixed")
+
+
+def test_session_ids_are_per_user(store: VersionStore) -> None:
+    # Bob's "trip" is his own: Alice having one neither blocks it nor is visible through it.
+    store.create_session(ALICE, "trip")
+    alice_v = store.commit(ALICE, "trip", tokens=[1, 2], messages=turns("alice's"))
+    bob, created = store.ensure_session(BOB, "trip")
+    assert created and bob.version_count == 0
+    store.create_session(BOB, "other")
+    bob_v = store.commit(BOB, "trip", tokens=[7], messages=turns("bob's"))
+    assert alice_v.number == bob_v.number == 1
+    assert store.get_version(ALICE, "trip", 1).messages == turns("alice's")
+    assert store.get_version(BOB, "trip", 1).messages == turns("bob's")
+    assert store.find_deepest_prefix_version(BOB, "trip", turns("alice's")) is None
+    store.branch(BOB, "trip", 1, "side")
+    assert {b.name for b in store.list_branches(ALICE, "trip")} == {"main"}
+    assert store.delete_session(BOB, "trip") == 1
+    assert store.get_session(ALICE, "trip").version_count == 1
+    assert store.check() == []
+
+
+def test_messages_are_stored_once_and_rebuilt(
+    store: VersionStore, session_factory: sessionmaker[Session]
+) -> None:
+    from sqlalchemy import select
+
+    from dss.db.engine import transaction
+    from dss.db.models import VersionRow
+
+    store.create_session(ALICE, "long")
+    history: list[dict[str, str]] = []
+    for i in range(30):
+        history = [*history, {"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]
+        store.commit(ALICE, "long", tokens=[i], messages=history)
+    # An edit that does not extend the head is stored whole, and still rebuilt right.
+    edited = [{"role": "user", "content": "other start"}]
+    store.commit(ALICE, "long", tokens=[99], messages=edited)
+    with transaction(session_factory) as db:
+        stored = [
+            len(m) for m in db.scalars(select(VersionRow.messages).where(VersionRow.session_id == "long"))
+        ]
+    assert stored == [2] * 30 + [1]  # linear, not quadratic, in the number of turns
+    assert store.get_version(ALICE, "long", 30).messages == history
+    assert store.get_version(ALICE, "long", 7).messages == history[:14]
+    assert store.get_version(ALICE, "long", 31).messages == edited
+    assert [v.messages for v in store.list_versions(ALICE, "long", with_body=True)][6] == history[:14]
+    found = store.find_deepest_prefix_version(
+        ALICE, "long", [*history[:20], {"role": "user", "content": "x"}]
+    )
+    assert found is not None and found.number == 10 and found.messages == history[:20]
 
 
 def test_other_users_see_nothing(store: VersionStore) -> None:

@@ -24,8 +24,13 @@ def receipt_out(state: AppState, r: ErasureReceipt) -> ErasureReceiptOut:
         erased_at=r.erased_at,
         subject=r.subject,
         counts=r.counts,
+        database_scrubbed=r.database_scrubbed,
         verification=VerificationOut(
-            checked_at=v.checked_at, remnants=v.remnants, chain_ok=v.chain_ok, details=list(v.details)
+            checked_at=v.checked_at,
+            remnants=v.remnants,
+            chain_ok=v.chain_ok,
+            details=list(v.details),
+            database_scrubbed=v.database_scrubbed,
         ),
     )
 

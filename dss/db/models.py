@@ -14,7 +14,8 @@ from sqlalchemy import (
     JSON,
     Boolean,
     DateTime,
-    ForeignKey,
+    ForeignKeyConstraint,
+    Index,
     Integer,
     LargeBinary,
     MetaData,
@@ -88,10 +89,13 @@ class ErasureEpoch(Base):
 
 
 class SessionRow(Base):
+    """A session, keyed by its owner and its id: session ids are chosen per user, so two users
+    can both have a session "trip" and neither can learn that the other's exists."""
+
     __tablename__ = "sessions"
 
+    user_id: Mapped[str] = mapped_column(String(256), primary_key=True)
     id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
-    user_id: Mapped[str] = mapped_column(String(256), nullable=False, index=True)
     created_at: Mapped[datetime] = _timestamp()
     updated_at: Mapped[datetime] = mapped_column(
         DateTime(timezone=True), nullable=False, default=utcnow, onupdate=utcnow, server_default=func.now()
@@ -103,12 +107,18 @@ class SessionRow(Base):
     version_count: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
 
 
+def _session_fk() -> ForeignKeyConstraint:
+    return ForeignKeyConstraint(
+        ["user_id", "session_id"], ["sessions.user_id", "sessions.id"], ondelete="CASCADE"
+    )
+
+
 class BranchRow(Base):
     __tablename__ = "branches"
+    __table_args__ = (_session_fk(),)
 
-    session_id: Mapped[str] = mapped_column(
-        String(ID_LEN), ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True
-    )
+    user_id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    session_id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
     name: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
     # 0 means the branch has no versions yet (version numbers start at 1).
     head_version: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
@@ -116,11 +126,16 @@ class BranchRow(Base):
 
 
 class VersionRow(Base):
-    __tablename__ = "versions"
+    """One version. Its messages are stored once across the tree: `messages` holds only what this
+    version adds after the first `messages_base` messages of its parent (0: the whole list), and
+    `digest` chains over the whole list, so the deepest version a request extends is found by
+    an indexed lookup of the request's prefix digests (see `dss.dialogue.history`)."""
 
-    session_id: Mapped[str] = mapped_column(
-        String(ID_LEN), ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True
-    )
+    __tablename__ = "versions"
+    __table_args__ = (_session_fk(), Index("ix_versions_digest", "user_id", "session_id", "digest"))
+
+    user_id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    session_id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
     number: Mapped[int] = mapped_column(Integer, primary_key=True)
     parent: Mapped[int | None] = mapped_column(Integer, nullable=True)
     branch: Mapped[str] = mapped_column(String(ID_LEN), nullable=False)
@@ -128,6 +143,11 @@ class VersionRow(Base):
     n_tokens: Mapped[int] = mapped_column(Integer, nullable=False)
     tokens: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)  # int32 little-endian
     messages: Mapped[list[dict[str, Any]]] = mapped_column(JSON, nullable=False)
+    messages_base: Mapped[int] = mapped_column(Integer, nullable=False)
+    n_messages: Mapped[int] = mapped_column(Integer, nullable=False)
+    digest: Mapped[str] = mapped_column(String(64), nullable=False)
+    # Bytes this row stores (tokens + its messages' JSON): what the stored-bytes quota counts.
+    body_bytes: Mapped[int] = mapped_column(Integer, nullable=False)
     fingerprint: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 

@@ -13,13 +13,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
 
-from dss.db.engine import transaction
-from dss.db.models import BranchRow, utcnow
 from dss.dialogue.versions import EMPTY_HEAD, MAIN_BRANCH, SessionInfo, VersionInfo, VersionStore
-from dss.errors import BranchExists, ConflictError, InvalidInput, SessionExists, SessionNotFound, StaleHead
+from dss.errors import BranchExists, ConflictError, InvalidInput, StaleHead
 from dss.types import SessionId
 
 _MAX_FORK_NAMES = 64
@@ -79,11 +75,8 @@ def branch_at(session: SessionInfo, version: int | None) -> str | None:
 
 
 def open_session(versions: VersionStore, user: str, sid: str) -> SessionInfo:
-    """The user's session, created on first use. Another user's id answers like a missing one."""
-    try:
-        return versions.ensure_session(user, sid)[0]
-    except SessionExists:
-        raise SessionNotFound(f"session {sid!r} not found") from None
+    """The user's session, created on first use (ids are per user: another user's do not matter)."""
+    return versions.ensure_session(user, sid)[0]
 
 
 def chat_target(
@@ -128,7 +121,6 @@ def message_target(
 
 def commit_turn(
     versions: VersionStore,
-    session_factory: sessionmaker[Session],
     user: str,
     target: TurnTarget,
     tokens: np.ndarray,
@@ -139,7 +131,7 @@ def commit_turn(
     for _ in range(_MAX_COMMIT_TRIES):
         branch = target.branch
         if branch is None:
-            branch = _fork(versions, session_factory, user, target)
+            branch = _fork(versions, user, target)
         try:
             v = versions.commit(
                 user,
@@ -158,29 +150,13 @@ def commit_turn(
     raise StaleHead(f"session {target.session_id!r} kept moving under the commit; retry the request")
 
 
-def _fork(versions: VersionStore, sf: sessionmaker[Session], user: str, target: TurnTarget) -> str:
+def _fork(versions: VersionStore, user: str, target: TurnTarget) -> str:
     stem = f"fork-v{target.parent}" if target.parent is not None else "fork-root"
     for i in range(_MAX_FORK_NAMES):
         name = stem if i == 0 else f"{stem}-{i + 1}"
         try:
-            if target.parent is None:
-                _create_empty_branch(versions, sf, user, target.session_id, name)
-            else:
-                versions.branch(user, target.session_id, target.parent, name)
+            versions.branch(user, target.session_id, target.expected_head, name)
             return name
         except BranchExists:
             continue
     raise ConflictError(f"could not find a free branch name for a fork of {stem}")
-
-
-def _create_empty_branch(
-    versions: VersionStore, sf: sessionmaker[Session], user: str, sid: str, name: str
-) -> None:
-    # VersionStore.branch needs an existing version; a fork of the very first turn has none.
-    versions.get_session(user, sid)  # ownership check: SessionNotFound for anyone else
-    try:
-        with transaction(sf) as db:
-            db.add(BranchRow(session_id=sid, name=name, head_version=EMPTY_HEAD, created_at=utcnow()))
-            db.flush()
-    except IntegrityError as exc:
-        raise BranchExists(f"branch {name!r} already exists") from exc

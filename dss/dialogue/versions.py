@@ -25,12 +25,14 @@ from datetime import UTC, datetime
 from typing import Any, Literal, cast, overload
 
 import numpy as np
-from sqlalchemy import CursorResult, Delete, Select, Update, delete, func, select, tuple_, update
+from sqlalchemy import CursorResult, Delete, Update, and_, delete, func, select, tuple_, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from dss.db.engine import transaction
 from dss.db.models import BranchRow, SessionRow, VersionRow, utcnow
+from dss.dialogue.history import prefix_digests, rebuild, stored_form
+from dss.dialogue.quotas import Quotas, check_commit_quota, check_session_quota
 from dss.errors import (
     BranchExists,
     BranchNotFound,
@@ -54,6 +56,8 @@ MAX_SYSTEM_PROMPT_CHARS = 1 << 20
 MAX_LIST_LIMIT = 1000
 # Each retry means another writer committed in between; far more than that is a livelock.
 MAX_COMMIT_ATTEMPTS = 64
+# Bound parameters per IN (...) list; SQLite allows 32766 in all, PostgreSQL 65535.
+_IN_CHUNK = 500
 
 _NAME_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _INT32_MAX = np.iinfo(np.int32).max
@@ -199,7 +203,7 @@ def _summary(r: Any) -> VersionSummary:
     )
 
 
-def _full(r: VersionRow) -> VersionInfo:
+def _full(r: VersionRow, messages: list[dict[str, Any]]) -> VersionInfo:
     tokens = np.frombuffer(r.tokens, dtype=TOKEN_DTYPE) if r.tokens else _EMPTY_TOKENS
     return VersionInfo(
         session_id=SessionId(r.session_id),
@@ -210,7 +214,7 @@ def _full(r: VersionRow) -> VersionInfo:
         n_tokens=r.n_tokens,
         fingerprint=r.fingerprint,
         tokens=tokens,
-        messages=list(r.messages),
+        messages=messages,
     )
 
 
@@ -230,10 +234,15 @@ class _LostRace(StaleHead):
 
 
 class VersionStore:
-    """Sessions, branches and versions of every user, over a SQLAlchemy session factory."""
+    """Sessions, branches and versions of every user, over a SQLAlchemy session factory.
 
-    def __init__(self, session_factory: sessionmaker[Session]) -> None:
+    Every row is keyed by its owner first: `(user_id, session_id, ...)`. A query never names a
+    session without its user, so one user's ids say nothing about another's.
+    """
+
+    def __init__(self, session_factory: sessionmaker[Session], quotas: Quotas | None = None) -> None:
         self._factory = session_factory
+        self._quotas = quotas if quotas is not None else Quotas()
 
     # --- sessions ------------------------------------------------------------------------------
     def create_session(
@@ -243,12 +252,8 @@ class VersionStore:
         system_prompt: str | None = None,
         metadata: Mapping[str, Any] | None = None,
     ) -> SessionInfo:
-        """A new session with an empty `main` branch.
-
-        An id that exists raises `SessionExists` whoever owns it: ids are one global key, so a
-        taken id cannot be handed out again. That tells a caller the id is in use, but not whose
-        session it is or anything in it; generated ids are random and cannot be guessed.
-        """
+        """A new session of `user` with an empty `main` branch; `SessionExists` when the user
+        already has a session of that id (another user's sessions do not matter)."""
         _check_user(user)
         sid = _check_name("session id", session_id) if session_id is not None else f"sess_{uuid.uuid4().hex}"
         if system_prompt is not None and len(system_prompt) > MAX_SYSTEM_PROMPT_CHARS:
@@ -258,6 +263,7 @@ class VersionStore:
             raise LimitExceeded(f"metadata over {MAX_METADATA_BYTES} bytes of JSON")
         try:
             with transaction(self._factory) as db:
+                check_session_quota(db, user, self._quotas)
                 now = utcnow()
                 row = SessionRow(
                     id=sid,
@@ -270,7 +276,9 @@ class VersionStore:
                 )
                 db.add(row)
                 db.flush()
-                main = BranchRow(session_id=sid, name=MAIN_BRANCH, head_version=EMPTY_HEAD, created_at=now)
+                main = BranchRow(
+                    user_id=user, session_id=sid, name=MAIN_BRANCH, head_version=EMPTY_HEAD, created_at=now
+                )
                 db.add(main)
                 db.flush()
                 return _session_info(row, [main])
@@ -280,7 +288,7 @@ class VersionStore:
     def get_session(self, user: str, sid: str) -> SessionInfo:
         with transaction(self._factory) as db:
             row = self._owned(db, user, sid)
-            return _session_info(row, self._branch_rows(db, sid))
+            return _session_info(row, self._branch_rows(db, user, sid))
 
     def ensure_session(
         self,
@@ -297,12 +305,8 @@ class VersionStore:
         try:
             return self.create_session(user, sid, system_prompt=system_prompt, metadata=metadata), True
         except SessionExists:
-            # Lost a creation race, or the id belongs to someone else (then get raises, and the
-            # caller sees the same SessionExists as from create_session).
-            try:
-                return self.get_session(user, sid), False
-            except SessionNotFound:
-                raise SessionExists(f"session id {sid!r} is already in use") from None
+            # Lost a creation race with another request of the same user.
+            return self.get_session(user, sid), False
 
     def list_sessions(
         self, user: str, limit: int = 20, after: str | None = None
@@ -315,7 +319,7 @@ class VersionStore:
             if after is not None:
                 cursor = db.execute(
                     select(SessionRow.created_at, SessionRow.id).where(
-                        SessionRow.id == after, SessionRow.user_id == user
+                        SessionRow.user_id == user, SessionRow.id == after
                     )
                 ).one_or_none()
                 if cursor is None:
@@ -328,7 +332,7 @@ class VersionStore:
             if rows:
                 for b in db.scalars(
                     select(BranchRow)
-                    .where(BranchRow.session_id.in_(list(by_session)))
+                    .where(BranchRow.user_id == user, BranchRow.session_id.in_(list(by_session)))
                     .order_by(BranchRow.created_at, BranchRow.name)
                 ):
                     by_session[b.session_id].append(b)
@@ -338,7 +342,7 @@ class VersionStore:
         """Delete the session with its branches and versions; return the number of versions deleted."""
         with transaction(self._factory) as db:
             self._owned(db, user, sid)
-            return self._delete_where(db, select(SessionRow.id).where(SessionRow.id == sid))["versions"]
+            return self._delete_where(db, user, sid)["versions"]
 
     # --- commits, rollbacks, branches ----------------------------------------------------------
     def commit(
@@ -360,7 +364,7 @@ class VersionStore:
         whatever the head is when it lands.
         """
         arr = _coerce_tokens(tokens)
-        msgs = _check_messages(messages)
+        msgs = _normalised(messages)
         if fingerprint is not None and len(fingerprint) > 64:
             raise InvalidInput("fingerprint longer than 64 characters")
         pinned = {h for h in (parent, expected_head) if h is not None}
@@ -388,9 +392,19 @@ class VersionStore:
     ) -> VersionInfo:
         with transaction(self._factory) as db:
             count = self._owned(db, user, sid).version_count
-            head = self._branch_row(db, sid, branch).head_version
+            head = self._branch_row(db, user, sid, branch).head_version
             if want is not None and head != want:
                 raise StaleHead(f"branch {branch!r} head is {head}, expected {want}")
+            base = None
+            if head != EMPTY_HEAD:
+                base = db.execute(
+                    select(VersionRow.n_messages, VersionRow.digest).where(
+                        *_version_key(user, sid), VersionRow.number == head
+                    )
+                ).one()
+            stored = stored_form(msgs, *(base if base is not None else (None, None)))
+            delta_bytes = _json_size("messages", stored.delta)
+            check_commit_quota(db, user, self._quotas, len(body) + delta_bytes)
             number = count + 1
             now = utcnow()
             # Both compare-and-sets must hold for the commit to stand; a miss means another writer
@@ -398,15 +412,16 @@ class VersionStore:
             took_number = _rowcount(
                 db,
                 update(SessionRow)
-                .where(SessionRow.id == sid, SessionRow.version_count == count)
+                .where(SessionRow.user_id == user, SessionRow.id == sid, SessionRow.version_count == count)
                 .values(version_count=number, updated_at=now),
             )
             if took_number != 1:
                 raise _LostRace
-            self._move_head(db, sid, branch, head, number)
+            self._move_head(db, user, sid, branch, head, number)
             parent = head if head != EMPTY_HEAD else None
             db.add(
                 VersionRow(
+                    user_id=user,
                     session_id=sid,
                     number=number,
                     parent=parent,
@@ -414,7 +429,11 @@ class VersionStore:
                     created_at=now,
                     n_tokens=n_tokens,
                     tokens=body,
-                    messages=msgs,
+                    messages=stored.delta,
+                    messages_base=stored.base,
+                    n_messages=stored.n_messages,
+                    digest=stored.digest,
+                    body_bytes=len(body) + delta_bytes,
                     fingerprint=fingerprint,
                 )
             )
@@ -442,19 +461,19 @@ class VersionStore:
             try:
                 with transaction(self._factory) as db:
                     self._owned(db, user, sid)
-                    brow = self._branch_row(db, sid, branch)
+                    brow = self._branch_row(db, user, sid, branch)
                     head = brow.head_version
                     if expected_head is not None and head != expected_head:
                         raise StaleHead(f"branch {branch!r} head is {head}, expected {expected_head}")
-                    parents = self._parents(db, sid)
+                    parents = self._parents(db, user, sid)
                     if to_version not in parents:
                         raise VersionNotFound(f"version {to_version} not found in session {sid!r}")
                     if to_version not in _chain(parents, head):
                         raise NotAnAncestor(
                             f"version {to_version} is not on the history of branch {branch!r}"
                         )
-                    self._move_head(db, sid, branch, head, to_version)
-                    self._touch(db, sid)
+                    self._move_head(db, user, sid, branch, head, to_version)
+                    self._touch(db, user, sid)
                     return BranchInfo(
                         name=branch, head_version=to_version, created_at=_aware(brow.created_at)
                     )
@@ -464,25 +483,29 @@ class VersionStore:
         raise StaleHead(f"rollback of {sid!r}/{branch!r} lost {MAX_COMMIT_ATTEMPTS} races in a row")
 
     def branch(self, user: str, sid: str, from_version: int, name: str) -> BranchInfo:
-        """A new branch `name` whose head is the existing version `from_version`."""
+        """A new branch `name` whose head is the existing version `from_version`
+        (`EMPTY_HEAD`, 0: a branch with no versions yet, for a fork of a session's first turn)."""
         _check_name("branch name", name)
         _check_number(from_version, sid)
         try:
             with transaction(self._factory) as db:
                 self._owned(db, user, sid)
-                exists = db.scalar(
-                    select(VersionRow.number).where(
-                        VersionRow.session_id == sid, VersionRow.number == from_version
+                if from_version != EMPTY_HEAD:
+                    exists = db.scalar(
+                        select(VersionRow.number).where(
+                            *_version_key(user, sid), VersionRow.number == from_version
+                        )
                     )
-                )
-                if exists is None:
-                    raise VersionNotFound(f"version {from_version} not found in session {sid!r}")
-                if self._branch_row(db, sid, name, missing_ok=True) is not None:
+                    if exists is None:
+                        raise VersionNotFound(f"version {from_version} not found in session {sid!r}")
+                if self._branch_row(db, user, sid, name, missing_ok=True) is not None:
                     raise BranchExists(f"branch {name!r} already exists")
-                row = BranchRow(session_id=sid, name=name, head_version=from_version, created_at=utcnow())
+                row = BranchRow(
+                    user_id=user, session_id=sid, name=name, head_version=from_version, created_at=utcnow()
+                )
                 db.add(row)
                 db.flush()
-                self._touch(db, sid)
+                self._touch(db, user, sid)
                 return _branch_info(row)
         except IntegrityError as exc:
             # A concurrent writer created the same name (or deleted the session) in between.
@@ -493,12 +516,12 @@ class VersionStore:
     def list_branches(self, user: str, sid: str) -> list[BranchInfo]:
         with transaction(self._factory) as db:
             self._owned(db, user, sid)
-            return [_branch_info(b) for b in self._branch_rows(db, sid)]
+            return [_branch_info(b) for b in self._branch_rows(db, user, sid)]
 
     def get_branch(self, user: str, sid: str, name: str) -> BranchInfo:
         with transaction(self._factory) as db:
             self._owned(db, user, sid)
-            return _branch_info(self._branch_row(db, sid, name))
+            return _branch_info(self._branch_row(db, user, sid, name))
 
     @overload
     def list_versions(
@@ -513,9 +536,15 @@ class VersionStore:
         with transaction(self._factory) as db:
             self._owned(db, user, sid)
             if with_body:
-                q = select(VersionRow).where(VersionRow.session_id == sid).order_by(VersionRow.number)
-                return [_full(r) for r in db.scalars(q)]
-            q2 = select(*_SUMMARY_COLS).where(VersionRow.session_id == sid).order_by(VersionRow.number)
+                q = select(VersionRow).where(*_version_key(user, sid)).order_by(VersionRow.number)
+                full: dict[int, list[dict[str, Any]]] = {}
+                out: list[VersionInfo] = []
+                for r in db.scalars(q):  # parents have smaller numbers: rebuilt before children
+                    inherited = full[r.parent][: r.messages_base] if r.messages_base else []
+                    full[r.number] = inherited + list(r.messages)
+                    out.append(_full(r, full[r.number]))
+                return out
+            q2 = select(*_SUMMARY_COLS).where(*_version_key(user, sid)).order_by(VersionRow.number)
             return [_summary(r) for r in db.execute(q2)]
 
     @overload
@@ -528,12 +557,9 @@ class VersionStore:
         _check_number(number, sid)
         with transaction(self._factory) as db:
             self._owned(db, user, sid)
-            where = (VersionRow.session_id == sid, VersionRow.number == number)
             if with_body:
-                row = db.scalar(select(VersionRow).where(*where))
-                if row is None:
-                    raise VersionNotFound(f"version {number} not found in session {sid!r}")
-                return _full(row)
+                return self._full_version(db, user, sid, number)
+            where = (*_version_key(user, sid), VersionRow.number == number)
             r = db.execute(select(*_SUMMARY_COLS).where(*where)).one_or_none()
             if r is None:
                 raise VersionNotFound(f"version {number} not found in session {sid!r}")
@@ -543,7 +569,7 @@ class VersionStore:
         """Version `number` and its ancestors back to the root, `number` first."""
         with transaction(self._factory) as db:
             self._owned(db, user, sid)
-            parents = self._parents(db, sid)
+            parents = self._parents(db, user, sid)
             if number not in parents:
                 raise VersionNotFound(f"version {number} not found in session {sid!r}")
             return _chain(parents, number)
@@ -555,28 +581,33 @@ class VersionStore:
 
         Among equally deep matches, a version that is some branch's head wins, then the lowest
         number. Returns None when no version matches (a new turn then starts from scratch).
+        One indexed lookup of the prefix digests; no version's messages are read but the answer's.
         """
-        want = _normalised(messages)
+        want = prefix_digests(_normalised(messages))
         with transaction(self._factory) as db:
             self._owned(db, user, sid)
-            heads = set(db.scalars(select(BranchRow.head_version).where(BranchRow.session_id == sid)))
-            best: tuple[int, bool, int] | None = None
-            for number, stored in db.execute(
-                select(VersionRow.number, VersionRow.messages).where(VersionRow.session_id == sid)
-            ):
-                depth = len(stored)
-                if depth > len(want) or want[:depth] != stored:
-                    continue
-                key = (-depth, number not in heads, number)
-                if best is None or key < best:
-                    best = key
-            if best is None:
+            candidates: list[tuple[int, int]] = []
+            for chunk_start in range(0, len(want), _IN_CHUNK):
+                chunk = want[chunk_start : chunk_start + _IN_CHUNK]
+                for number, depth, digest in db.execute(
+                    select(VersionRow.number, VersionRow.n_messages, VersionRow.digest).where(
+                        *_version_key(user, sid), VersionRow.digest.in_(chunk)
+                    )
+                ).tuples():
+                    # The digest covers the whole stored list, so it must be that prefix's.
+                    if depth < len(want) and want[depth] == digest:
+                        candidates.append((number, depth))
+            if not candidates:
                 return None
-            row = db.scalar(
-                select(VersionRow).where(VersionRow.session_id == sid, VersionRow.number == best[2])
+            heads = set(
+                db.scalars(
+                    select(BranchRow.head_version).where(
+                        BranchRow.user_id == user, BranchRow.session_id == sid
+                    )
+                )
             )
-            assert row is not None  # read in this same transaction
-            return _full(row)
+            best = min(candidates, key=lambda c: (-c[1], c[0] not in heads, c[0]))
+            return self._full_version(db, user, sid, best[0])
 
     # --- erasure -------------------------------------------------------------------------------
     def delete_user_sessions(self, user: str, db: Session | None = None) -> dict[str, int]:
@@ -585,9 +616,9 @@ class VersionStore:
         Pass `db` to run inside the caller's transaction (erasure commits it with the rest).
         """
         if db is not None:
-            return self._delete_user(db, user)
+            return self._delete_where(db, user)
         with transaction(self._factory) as own:
-            return self._delete_user(own, user)
+            return self._delete_where(own, user)
 
     def count_user_rows(self, user: str, db: Session | None = None) -> dict[str, int]:
         """How many sessions, versions and branches `user` has (0s after an erasure)."""
@@ -609,119 +640,163 @@ class VersionStore:
         problems: list[str] = []
         with transaction(self._factory) as db:
             counts = {
-                sid: n for sid, n in db.execute(select(SessionRow.id, SessionRow.version_count)).tuples()
+                (u, sid): n
+                for u, sid, n in db.execute(
+                    select(SessionRow.user_id, SessionRow.id, SessionRow.version_count)
+                ).tuples()
             }
-            parents: dict[str, dict[int, int | None]] = {sid: {} for sid in counts}
-            for sid, number, parent in db.execute(
-                select(VersionRow.session_id, VersionRow.number, VersionRow.parent)
+            parents: dict[tuple[str, str], dict[int, int | None]] = {k: {} for k in counts}
+            for u, sid, number, parent in db.execute(
+                select(VersionRow.user_id, VersionRow.session_id, VersionRow.number, VersionRow.parent)
             ).tuples():
-                if sid not in parents:
+                if (u, sid) not in parents:
                     problems.append(f"version {sid}/{number} has no session")
                     continue
-                parents[sid][number] = parent
-            for sid, count in counts.items():
-                numbers = parents[sid]
+                parents[(u, sid)][number] = parent
+            for key, count in counts.items():
+                sid = key[1]
+                numbers = parents[key]
                 if sorted(numbers) != list(range(1, count + 1)):
                     problems.append(f"session {sid}: versions {sorted(numbers)} != 1..{count}")
                 for number, parent in numbers.items():
                     if parent is not None and (parent >= number or parent not in numbers):
                         problems.append(f"session {sid}: version {number} has bad parent {parent}")
             has_main = set()
-            for sid, name, head in db.execute(
-                select(BranchRow.session_id, BranchRow.name, BranchRow.head_version)
+            for u, sid, name, head in db.execute(
+                select(BranchRow.user_id, BranchRow.session_id, BranchRow.name, BranchRow.head_version)
             ).tuples():
-                if sid not in counts:
+                if (u, sid) not in counts:
                     problems.append(f"branch {sid}/{name} has no session")
                     continue
                 if name == MAIN_BRANCH:
-                    has_main.add(sid)
-                if head != EMPTY_HEAD and head not in parents[sid]:
+                    has_main.add((u, sid))
+                if head != EMPTY_HEAD and head not in parents[(u, sid)]:
                     problems.append(f"branch {sid}/{name} points at missing version {head}")
-            for sid in counts.keys() - has_main:
-                problems.append(f"session {sid} has no {MAIN_BRANCH!r} branch")
+            for key in counts.keys() - has_main:
+                problems.append(f"session {key[1]} has no {MAIN_BRANCH!r} branch")
         return problems
 
     # --- internals -----------------------------------------------------------------------------
     @staticmethod
     def _owned(db: Session, user: str, sid: str) -> SessionRow:
-        row = db.scalar(select(SessionRow).where(SessionRow.id == sid, SessionRow.user_id == user))
+        row = db.scalar(select(SessionRow).where(SessionRow.user_id == user, SessionRow.id == sid))
         if row is None:
             raise SessionNotFound(f"session {sid!r} not found")
         return row
 
     @staticmethod
-    def _branch_rows(db: Session, sid: str) -> list[BranchRow]:
+    def _full_version(db: Session, user: str, sid: str, number: int) -> VersionInfo:
+        """Version `number` with its whole message list, rebuilt from its chain of stored deltas
+        in one recursive query (it stops at the first ancestor that stores a whole list)."""
+        row = db.scalar(select(VersionRow).where(*_version_key(user, sid), VersionRow.number == number))
+        if row is None:
+            raise VersionNotFound(f"version {number} not found in session {sid!r}")
+        if row.messages_base == 0:
+            return _full(row, list(row.messages))
+        v = aliased(VersionRow)
+        cols = (VersionRow.number, VersionRow.parent, VersionRow.messages_base, VersionRow.messages)
+        chain = (
+            select(*cols)
+            .where(*_version_key(user, sid), VersionRow.number == row.parent)
+            .cte("chain", recursive=True)
+        )
+        chain = chain.union_all(
+            select(v.number, v.parent, v.messages_base, v.messages)
+            .join(chain, and_(v.number == chain.c.parent, chain.c.messages_base > 0))
+            .where(v.user_id == user, v.session_id == sid)
+        )
+        rows = db.execute(select(chain.c.messages_base, chain.c.messages).order_by(chain.c.number)).tuples()
+        return _full(row, rebuild([*rows, (row.messages_base, row.messages)]))
+
+    @staticmethod
+    def _branch_rows(db: Session, user: str, sid: str) -> list[BranchRow]:
         q = (
             select(BranchRow)
-            .where(BranchRow.session_id == sid)
+            .where(BranchRow.user_id == user, BranchRow.session_id == sid)
             .order_by(BranchRow.created_at, BranchRow.name)
         )
         return list(db.scalars(q))
 
     @overload
     @staticmethod
-    def _branch_row(db: Session, sid: str, name: str, missing_ok: Literal[False] = False) -> BranchRow: ...
+    def _branch_row(
+        db: Session, user: str, sid: str, name: str, missing_ok: Literal[False] = False
+    ) -> BranchRow: ...
     @overload
     @staticmethod
-    def _branch_row(db: Session, sid: str, name: str, missing_ok: Literal[True]) -> BranchRow | None: ...
+    def _branch_row(
+        db: Session, user: str, sid: str, name: str, missing_ok: Literal[True]
+    ) -> BranchRow | None: ...
     @staticmethod
-    def _branch_row(db: Session, sid: str, name: str, missing_ok: bool = False) -> BranchRow | None:
-        row = db.scalar(select(BranchRow).where(BranchRow.session_id == sid, BranchRow.name == name))
+    def _branch_row(
+        db: Session, user: str, sid: str, name: str, missing_ok: bool = False
+    ) -> BranchRow | None:
+        row = db.scalar(
+            select(BranchRow).where(
+                BranchRow.user_id == user, BranchRow.session_id == sid, BranchRow.name == name
+            )
+        )
         if row is None and not missing_ok:
             raise BranchNotFound(f"branch {name!r} not found in session {sid!r}")
         return row
 
     @staticmethod
-    def _parents(db: Session, sid: str) -> dict[int, int | None]:
-        q = select(VersionRow.number, VersionRow.parent).where(VersionRow.session_id == sid)
+    def _parents(db: Session, user: str, sid: str) -> dict[int, int | None]:
+        q = select(VersionRow.number, VersionRow.parent).where(*_version_key(user, sid))
         return {number: parent for number, parent in db.execute(q).tuples()}
 
     @staticmethod
-    def _move_head(db: Session, sid: str, branch: str, old: int, new: int) -> None:
+    def _move_head(db: Session, user: str, sid: str, branch: str, old: int, new: int) -> None:
         """Compare-and-set of a branch head; `_LostRace` when another writer moved it first."""
         moved = _rowcount(
             db,
             update(BranchRow)
-            .where(BranchRow.session_id == sid, BranchRow.name == branch, BranchRow.head_version == old)
+            .where(
+                BranchRow.user_id == user,
+                BranchRow.session_id == sid,
+                BranchRow.name == branch,
+                BranchRow.head_version == old,
+            )
             .values(head_version=new),
         )
         if moved != 1:
             raise _LostRace
 
     @staticmethod
-    def _touch(db: Session, sid: str) -> None:
+    def _touch(db: Session, user: str, sid: str) -> None:
         db.execute(
             update(SessionRow)
-            .where(SessionRow.id == sid)
+            .where(SessionRow.user_id == user, SessionRow.id == sid)
             .values(updated_at=utcnow())
             .execution_options(synchronize_session=False)
         )
 
     @staticmethod
-    def _delete_where(db: Session, owned: Select[tuple[str]]) -> dict[str, int]:
-        """Delete the sessions whose ids `owned` selects.
+    def _delete_where(db: Session, user: str, sid: str | None = None) -> dict[str, int]:
+        """Delete session `sid` of `user` (every session of the user when None).
 
         Children go first and explicitly, which stays correct where foreign-key cascades are off.
         """
-        versions = _rowcount(db, delete(VersionRow).where(VersionRow.session_id.in_(owned)))
-        branches = _rowcount(db, delete(BranchRow).where(BranchRow.session_id.in_(owned)))
-        sessions = _rowcount(db, delete(SessionRow).where(SessionRow.id.in_(owned)))
-        return {"sessions": sessions, "versions": versions, "branches": branches}
 
-    def _delete_user(self, db: Session, user: str) -> dict[str, int]:
-        return self._delete_where(db, select(SessionRow.id).where(SessionRow.user_id == user))
+        def scope(table: type[VersionRow] | type[BranchRow]) -> list[Any]:
+            return [table.user_id == user] + ([table.session_id == sid] if sid is not None else [])
+
+        versions = _rowcount(db, delete(VersionRow).where(*scope(VersionRow)))
+        branches = _rowcount(db, delete(BranchRow).where(*scope(BranchRow)))
+        own = [SessionRow.user_id == user] + ([SessionRow.id == sid] if sid is not None else [])
+        sessions = _rowcount(db, delete(SessionRow).where(*own))
+        return {"sessions": sessions, "versions": versions, "branches": branches}
 
     @staticmethod
     def _count_user(db: Session, user: str) -> dict[str, int]:
-        owned = select(SessionRow.id).where(SessionRow.user_id == user).scalar_subquery()
-        return {
-            "sessions": db.scalar(
-                select(func.count()).select_from(SessionRow).where(SessionRow.user_id == user)
-            )
-            or 0,
-            "versions": db.scalar(select(func.count()).where(VersionRow.session_id.in_(owned))) or 0,
-            "branches": db.scalar(select(func.count()).where(BranchRow.session_id.in_(owned))) or 0,
-        }
+        def count(table: type[SessionRow] | type[VersionRow] | type[BranchRow]) -> int:
+            return db.scalar(select(func.count()).select_from(table).where(table.user_id == user)) or 0
+
+        return {"sessions": count(SessionRow), "versions": count(VersionRow), "branches": count(BranchRow)}
+
+
+def _version_key(user: str, sid: str) -> tuple[Any, Any]:
+    return (VersionRow.user_id == user, VersionRow.session_id == sid)
 
 
 def _rowcount(db: Session, stmt: Update | Delete) -> int:

@@ -19,16 +19,17 @@ import json
 import logging
 import os
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Engine, delete, func, select, text
+from sqlalchemy import Engine, delete, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.db import models as m
-from dss.db.engine import transaction
+from dss.db.engine import BUSY_TIMEOUT_MS, transaction
 from dss.errors import ReceiptNotFound
 from dss.index.prefix_index import PrefixIndex
 from dss.keys.identity import Identity
@@ -39,6 +40,9 @@ from dss.types import PUBLIC_TENANT, TenantId, Tier
 
 log = logging.getLogger("dss.erasure")
 _SETTLE_S = 30.0
+_CHECKPOINT_ATTEMPTS = 5
+_CHECKPOINT_WAIT_MS = 200
+_CHECKPOINT_PAUSE_S = 0.1
 
 
 GENESIS = "0" * 64
@@ -54,6 +58,9 @@ class ErasureReceipt:
     counts: dict[str, Any]
     prev_hash: str
     entry_hash: str
+    # Whether SQLite's WAL was checkpointed and truncated after the erasure (None: not SQLite,
+    # or a receipt read back later; `verify` checks again). Not part of the hashed entry.
+    database_scrubbed: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +70,7 @@ class Verification:
     remnants: int
     details: tuple[str, ...]
     chain_ok: bool
+    database_scrubbed: bool | None = None
 
 
 def _entry_hash(
@@ -142,37 +150,34 @@ class Eraser:
             # Committed: now the irreversible part.
             self._keyring.forget_cached(tenant)
             self._pages.destroy(detached, rows_deleted=True)
-        _scrub_database(self._db)
-        return ErasureReceipt(rid, seq, erased_at, tenant, counts, prev, entry)
+        scrubbed = scrub_database(self._db)
+        return ErasureReceipt(rid, seq, erased_at, tenant, counts, prev, entry, scrubbed)
 
     def get_receipt(self, receipt_id: str) -> ErasureReceipt:
         return get_receipt(self._sf, receipt_id)
 
     def verify(self, receipt_id: str) -> Verification:
-        return verify(self._sf, self._identity, self._pages, receipt_id)
+        return verify(self._sf, self._db, self._identity, self._pages, receipt_id)
 
 
 def _delete_rows(
     s: Session, user: str, tenant: TenantId, keyring: Keyring, usage: dict[Tier, tuple[int, int]]
 ) -> dict[str, Any]:
-    sess_ids = list(s.execute(select(m.SessionRow.id).where(m.SessionRow.user_id == user)).scalars())
-    n_versions = n_branches = 0
-    if sess_ids:
-        n_versions = s.execute(
-            select(func.count()).select_from(m.VersionRow).where(m.VersionRow.session_id.in_(sess_ids))
-        ).scalar_one()
-        n_branches = s.execute(
-            select(func.count()).select_from(m.BranchRow).where(m.BranchRow.session_id.in_(sess_ids))
-        ).scalar_one()
-        s.execute(delete(m.VersionRow).where(m.VersionRow.session_id.in_(sess_ids)))
-        s.execute(delete(m.BranchRow).where(m.BranchRow.session_id.in_(sess_ids)))
-        s.execute(delete(m.SessionRow).where(m.SessionRow.id.in_(sess_ids)))
+    def count(table: type[m.SessionRow] | type[m.VersionRow] | type[m.BranchRow]) -> int:
+        return int(
+            s.execute(select(func.count()).select_from(table).where(table.user_id == user)).scalar_one()
+        )
+
+    n_sessions, n_versions, n_branches = count(m.SessionRow), count(m.VersionRow), count(m.BranchRow)
+    # Children first: correct where foreign-key cascades are off.
+    for table in (m.VersionRow, m.BranchRow, m.SessionRow):
+        s.execute(delete(table).where(table.user_id == user))
     n_page_rows = s.execute(delete(m.PageRow).where(m.PageRow.tenant == tenant)).rowcount or 0
     n_keys = keyring.destroy_in(s, tenant)
     return {
-        "sessions": len(sess_ids),
-        "versions": int(n_versions),
-        "branches": int(n_branches),
+        "sessions": n_sessions,
+        "versions": n_versions,
+        "branches": n_branches,
         "page_rows": int(n_page_rows),
         "data_keys_destroyed": n_keys,
         "pages": {t.value: usage[t][0] for t in Tier},
@@ -205,12 +210,29 @@ def _append_receipt(
     return seq, prev, entry
 
 
-def _scrub_database(db: Engine) -> None:
-    """SQLite keeps deleted rows in free pages and in the WAL; make them go away."""
+def scrub_database(db: Engine) -> bool | None:
+    """Make SQLite's copies of deleted rows go away; whether that worked (None: not SQLite).
+
+    `secure_delete` zeroes freed pages, but only once they are checkpointed from the WAL into
+    the database file, and a reader holding an old snapshot keeps the checkpoint from finishing
+    (the erased rows then stay in the WAL file). So the checkpoint is retried a few times, each
+    waiting briefly for readers, and its result is reported, not assumed.
+    """
     if db.dialect.name != "sqlite":
-        return
+        return None
     with db.connect() as c:
-        c.execute(text("PRAGMA wal_checkpoint(TRUNCATE)"))
+        try:
+            c.exec_driver_sql(f"PRAGMA busy_timeout={_CHECKPOINT_WAIT_MS}")
+            for attempt in range(_CHECKPOINT_ATTEMPTS):
+                busy, log_frames, moved = c.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)").one()
+                if busy == 0 and log_frames == moved:
+                    return True
+                if attempt + 1 < _CHECKPOINT_ATTEMPTS:
+                    time.sleep(_CHECKPOINT_PAUSE_S)
+            log.warning("erasure: a reader kept the WAL checkpoint from finishing; erased rows may linger")
+            return False
+        finally:
+            c.exec_driver_sql(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
 
 
 def get_receipt(sf: sessionmaker[Session], receipt_id: str) -> ErasureReceipt:
@@ -222,7 +244,7 @@ def get_receipt(sf: sessionmaker[Session], receipt_id: str) -> ErasureReceipt:
 
 
 def verify(
-    sf: sessionmaker[Session], identity: Identity, pages: TieredPages, receipt_id: str
+    sf: sessionmaker[Session], db: Engine, identity: Identity, pages: TieredPages, receipt_id: str
 ) -> Verification:
     """Re-scan the database and every tier for anything of the receipt's subject (since the erasure
     retired it: anything at all; for receipts older than erasure epochs: what predates them)."""
@@ -288,4 +310,7 @@ def verify(
                 mtime = os.path.getmtime(path) if os.path.exists(path) else 0.0
                 if mtime <= cutoff_ts:
                     details.append(f"disk: page file {h.hex()[:16]}")
-    return Verification(receipt.id, datetime.now(UTC), len(details), tuple(details), chain_ok)
+    scrubbed = scrub_database(db)
+    if scrubbed is False:
+        details.append("database: a reader keeps the WAL from being checkpointed; erased rows may linger")
+    return Verification(receipt.id, datetime.now(UTC), len(details), tuple(details), chain_ok, scrubbed)

@@ -1,0 +1,93 @@
+"""What durable commits cost, and how a turn's dialogue work grows with the session's length.
+
+Side by side on one machine, in one run, on SQLite files in a temporary folder:
+- commits with `synchronous=FULL` (what the store runs: a committed version survives a power
+  loss) and with `synchronous=NORMAL` (the WAL is synced only at checkpoints), through the real
+  `VersionStore`, one chat turn (user + assistant message) per commit;
+- the turn-time dialogue work (`find_deepest_prefix_version` + `commit`) at turn 10 and at the
+  last turn, and the bytes stored per version: with messages stored once, neither grows with
+  the square of the turn count.
+
+Run: .venv/bin/python bench/dialogue_commits.py [--turns 200]
+Ends with: RESULT commit_ms_full= commit_ms_normal= full_vs_normal= turn_ms_early= turn_ms_late=
+late_vs_early= bytes_per_version=
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import event, func, select
+
+from dss.db.engine import make_engine, make_session_factory, sqlite_url_for, transaction, upgrade_to_head
+from dss.db.models import VersionRow
+from dss.dialogue.versions import VersionStore
+
+USER = "bench-user"
+
+
+def _run(folder: Path, synchronous: str, turns: int) -> dict[str, Any]:
+    url = sqlite_url_for(folder)
+    upgrade_to_head(url)
+    engine = make_engine(url)
+
+    @event.listens_for(engine, "connect")
+    def _mode(dbapi_conn: Any, _record: Any) -> None:  # runs after the store's own pragmas
+        dbapi_conn.execute(f"PRAGMA synchronous={synchronous}")
+
+    vs = VersionStore(make_session_factory(engine))
+    vs.create_session(USER, "s")
+    history: list[dict[str, str]] = []
+    commit_ms: list[float] = []
+    turn_ms: list[float] = []
+    for i in range(turns):
+        question = {"role": "user", "content": f"question {i}: " + "lorem ipsum dolor sit amet " * 8}
+        answer = {"role": "assistant", "content": f"answer {i}: " + "consectetur adipiscing elit " * 20}
+        t0 = time.perf_counter()
+        found = vs.find_deepest_prefix_version(USER, "s", [*history, question])
+        t1 = time.perf_counter()
+        history = [*history, question, answer]
+        parent = found.number if found else 0
+        vs.commit(USER, "s", tokens=list(range(200 * (i + 1))), messages=history, parent=parent)
+        t2 = time.perf_counter()
+        commit_ms.append((t2 - t1) * 1e3)
+        turn_ms.append((t2 - t0) * 1e3)
+    with transaction(make_session_factory(engine)) as db:
+        body = db.scalar(select(func.sum(VersionRow.body_bytes))) or 0
+        tokens = db.scalar(select(func.sum(func.length(VersionRow.tokens)))) or 0
+    engine.dispose()
+    return {
+        "commit_ms": statistics.median(commit_ms),
+        "turn_ms_early": statistics.median(turn_ms[5:15]),
+        "turn_ms_late": statistics.median(turn_ms[-10:]),
+        "message_bytes_per_version": (body - tokens) / turns,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--turns", type=int, default=200)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:  # a real disk, not tmpfs
+        full = _run(Path(tmp) / "full", "FULL", args.turns)
+        normal = _run(Path(tmp) / "normal", "NORMAL", args.turns)
+    print(f"commit p50: FULL {full['commit_ms']:.2f} ms, NORMAL {normal['commit_ms']:.2f} ms")
+    early, late = full["turn_ms_early"], full["turn_ms_late"]
+    print(f"turn dialogue work p50: turns 5-15 {early:.2f} ms, last 10 {late:.2f} ms")
+    print(f"message bytes stored per version: {full['message_bytes_per_version']:.0f}")
+    print(
+        f"RESULT commit_ms_full={full['commit_ms']:.3f} commit_ms_normal={normal['commit_ms']:.3f} "
+        f"full_vs_normal={full['commit_ms'] / normal['commit_ms']:.3f} "
+        f"turn_ms_early={full['turn_ms_early']:.3f} turn_ms_late={full['turn_ms_late']:.3f} "
+        f"late_vs_early={full['turn_ms_late'] / full['turn_ms_early']:.3f} "
+        f"bytes_per_version={full['message_bytes_per_version']:.0f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
