@@ -21,6 +21,7 @@ import os
 import socket
 import stat
 import struct
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -48,6 +49,7 @@ __all__ = [
     "StoreTimeout",
     "StoreUnavailable",
     "rpc_authkey",
+    "socket_path_for",
 ]
 
 _AUTHKEY_LABEL = b"dss/rpc-authkey/v1"
@@ -64,6 +66,29 @@ class StoreTimeout(StoreUnavailable):
 
 class _Timeout(Exception):
     """Internal: a connect, handshake, send or reply missed the call's deadline."""
+
+
+def socket_path_for(run_dir: Path) -> str:
+    """Where a store in `run_dir` listens: `run_dir/store.sock`, or, when that path is over the
+    unix-socket limit (a deep data directory), a private folder of ours in the temp directory
+    named by the run dir's hash, so the address stays stable across restarts. That folder is
+    created 0700 and refused if it exists and is not ours or not private (planted by another
+    local user)."""
+    preferred = run_dir / "store.sock"
+    if len(os.fsencode(str(preferred))) <= _MAX_UNIX_PATH:
+        return str(preferred)
+    digest = hashlib.blake2b(os.fsencode(str(run_dir.resolve())), digest_size=12).hexdigest()
+    folder = Path(tempfile.gettempdir()) / f"dss-rpc-{os.getuid()}-{digest}"
+    try:
+        folder.mkdir(mode=0o700)
+    except FileExistsError:
+        st = os.lstat(folder)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise StoreUnavailable(
+                f"{folder} exists but is not a private folder of this user: remove it, or use a "
+                "shorter data directory"
+            ) from None
+    return str(folder / "store.sock")
 
 
 def rpc_authkey(server_secret: bytes) -> bytes:

@@ -47,7 +47,7 @@ from dss.pages.table import PageTable
 from dss.pages.tiers.device import DeviceTier
 from dss.pages.tiers.disk import DiskTier
 from dss.pages.tiers.host import HostTier
-from dss.rpc import StoreServer
+from dss.rpc import StoreServer, socket_path_for
 from dss.types import FingerprintId, TenantId, Tier
 from dss.wire import LoadPlan, PageSlot, SavePlan
 
@@ -305,6 +305,6 @@ class Store:
         """Start (once) the local RPC server engine processes use; returns (address, authkey).
         Both are stable for the data directory, so an engine reaches a restarted owner."""
         if self._rpc_server is None:
-            address = str(self.config.run_dir / "store.sock")
+            address = socket_path_for(self.config.run_dir)
             self._rpc_server = StoreServer(self, address, self.identity.rpc_authkey())
         return self._rpc_server.address, self._rpc_server.authkey

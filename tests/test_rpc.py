@@ -17,7 +17,15 @@ import pytest
 
 from dss.errors import DSSError, SessionNotFound
 from dss.namespace import ModelFingerprint
-from dss.rpc import StoreClient, StoreServer, StoreService, StoreTimeout, StoreUnavailable, rpc_authkey
+from dss.rpc import (
+    StoreClient,
+    StoreServer,
+    StoreService,
+    StoreTimeout,
+    StoreUnavailable,
+    rpc_authkey,
+    socket_path_for,
+)
 from dss.types import FingerprintId, PageHash, TenantId
 from dss.wire import LoadPlan, PageSlot, SavePlan, SlotRef
 
@@ -298,3 +306,29 @@ def test_rpc_authkey_is_stable_and_secret_dependent() -> None:
     assert rpc_authkey(b"t" * 32) != KEY
     with pytest.raises(ValueError):
         rpc_authkey(b"")
+
+
+def test_a_deep_run_dir_gets_a_short_private_socket_path(tmp_path: Path, service: FakeService) -> None:
+    # A data directory deep enough that run/store.sock is over the 107-byte unix-socket limit:
+    # the store must still serve its engines (it crashed at start before), at a stable path.
+    run_dir = tmp_path / ("d" * 60) / ("e" * 60) / "run"
+    address = socket_path_for(run_dir)
+    assert len(os.fsencode(address)) <= 107 and address == socket_path_for(run_dir)
+    folder = Path(address).parent
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    server = StoreServer(service, address, b"k" * 32)
+    try:
+        c = StoreClient(address, b"k" * 32, timeout_s=2.0)
+        try:
+            assert c.ping()
+        finally:
+            c.close()
+    finally:
+        server.close()
+    # Planted by someone else (here: made group/world-accessible): refused, never used.
+    folder.chmod(0o777)
+    with pytest.raises(StoreUnavailable, match="not a private folder"):
+        socket_path_for(run_dir)
+    folder.chmod(0o700)
+    short = tmp_path / "run"
+    assert socket_path_for(short) == str(short / "store.sock")
