@@ -86,3 +86,35 @@ def test_verification_counts_rows_written_after_the_erase(tmp_path):
     v = store.verify_erasure(receipt.id)
     assert v.remnants == 1 and "page row" in " ".join(v.details)
     store.close()
+
+
+def test_a_save_planned_before_an_erase_keeps_its_slots_until_the_engine_reports_it(tmp_path):
+    # The engine may still be copying the erased user's KV into a planned save's slots. Freed at
+    # the erase, the next reservation (LIFO) hands the same slot to another user's save, and the
+    # late copy lands in that user's page.
+    store = open_store(tmp_path / "data", shm_dir=tmp_path / "shm")
+    fid = store.register_fingerprint(SMALL_FP)
+    alice, bob = store.tenant_for("alice"), store.tenant_for("bob")
+    a_tokens = np.arange(100, 116, dtype=np.int32)
+    a_plan = store.plan_save(fid, alice, a_tokens, 4)
+    a_bytes = pages_for(SMALL_FP, a_tokens)
+    for ps in a_plan.pages:
+        store.host.slot_array(ps.slot)[:] = np.frombuffer(a_bytes[ps.page_index], np.uint8)
+    store.erase_user("alice")
+    for ps in a_plan.pages:  # zeroed at once, though still reserved
+        assert not store.host.slot_array(ps.slot).any()
+    b_tokens = np.arange(500, 516, dtype=np.int32)
+    b_plan = store.plan_save(fid, bob, b_tokens, 4)
+    assert {ps.slot.slot for ps in b_plan.pages}.isdisjoint({ps.slot.slot for ps in a_plan.pages})
+    b_bytes = pages_for(SMALL_FP, b_tokens)
+    for ps in b_plan.pages:
+        store.host.slot_array(ps.slot)[:] = np.frombuffer(b_bytes[ps.page_index], np.uint8)
+    for ps in a_plan.pages:  # the engine's late copy of alice's save
+        store.host.slot_array(ps.slot)[:] = np.frombuffer(a_bytes[ps.page_index], np.uint8)
+    assert store.commit_save(b_plan.save_id, [ps.page_index for ps in b_plan.pages]) == 4
+    assert store.commit_save(a_plan.save_id, [ps.page_index for ps in a_plan.pages]) == 0
+    for ps in a_plan.pages:  # freed (and zeroed) once the engine reported the save
+        assert not store.host.slot_array(ps.slot).any()
+    assert store.load_sequence(fid, bob, b_tokens) == (16, b_bytes)
+    store.check()
+    store.close()

@@ -71,6 +71,10 @@ class _PendingSave:
     namespaces: list[Namespace]
     slots: dict[int, SlotRef]
     created: float = field(default_factory=time.monotonic)
+    # Set while an erasure zeroes the slots (guarded by KVCache._lock): a commit or abort that
+    # arrives meanwhile only marks `reported`, and the eraser frees the slots when it is done.
+    scrubbing: bool = False
+    reported: bool = False
 
 
 class KVCache:
@@ -283,8 +287,7 @@ class KVCache:
 
     def commit_save(self, save_id: str, written: Sequence[int]) -> int:
         """Publish the pages the engine copied into their slots; returns how many were new."""
-        with self._lock:
-            pending = self._saves.pop(save_id, None)
+        pending = self._take_save(save_id)
         if pending is None:
             return 0
         with self._tenant_save(pending.namespace.tenant) as allowed:
@@ -330,10 +333,19 @@ class KVCache:
         return new
 
     def abort_save(self, save_id: str) -> None:
-        with self._lock:
-            pending = self._saves.pop(save_id, None)
+        pending = self._take_save(save_id)
         if pending is not None:
             self._free(pending)
+
+    def _take_save(self, save_id: str) -> _PendingSave | None:
+        """The pending save, now the caller's to publish or free; None if unknown, or if an
+        erasure is zeroing its slots (the eraser then frees them)."""
+        with self._lock:
+            pending = self._saves.pop(save_id, None)
+            if pending is not None and pending.scrubbing:
+                pending.reported = True
+                return None
+        return pending
 
     def _free(self, pending: _PendingSave) -> None:
         for ref in pending.slots.values():
@@ -385,15 +397,31 @@ class KVCache:
 
     @contextlib.contextmanager
     def erasing(self, tenant: TenantId) -> Iterator[None]:
-        """Refuse the tenant's saves, abort the ones planned, wait for the ones publishing now."""
+        """Refuse the tenant's saves, zero the ones planned, wait for the ones publishing now.
+
+        A planned save's slots are zeroed but stay reserved until the engine reports the save
+        (`commit_save`/`abort_save` then free them: the tenant is refused) or its lease expires.
+        Freeing them now would let another request reserve them while the engine may still be
+        copying the erased user's KV in: that late write would land in another tenant's page.
+        """
         deadline = time.monotonic() + _ERASE_WAIT_S
         with self._lock:
             self._erasing.add(tenant)
-            aborted = [k for k, p in self._saves.items() if p.namespace.tenant == tenant]
-            pending = [self._saves.pop(k) for k in aborted]
+            doomed = [p for p in self._saves.values() if p.namespace.tenant == tenant]
+            for p in doomed:
+                p.scrubbing = True
         try:
-            for p in pending:
-                self._free(p)
+            try:
+                for p in doomed:
+                    for ref in p.slots.values():
+                        self.pages.zero_host(ref)
+            finally:
+                with self._lock:
+                    for p in doomed:
+                        p.scrubbing = False
+                    reported = [p for p in doomed if p.reported]
+                for p in reported:
+                    self._free(p)
             with self._lock:
                 while self._active.get(tenant):
                     left = deadline - time.monotonic()

@@ -154,6 +154,11 @@ class TieredPages:
     def release_host(self, ref: SlotRef) -> None:
         self.host.release(ref)
 
+    def zero_host(self, ref: SlotRef) -> None:
+        """Zero a reserved slot that stays reserved (its owner may still write into it; it is
+        zeroed again when released)."""
+        self.host.slot_array(ref).fill(0)
+
     def _free_page_slot(self, page: PageHash, serial: int, ref: SlotRef) -> None:
         """Free the host slot a page no longer has (erased, dropped, demoted). Its bytes are
         zeroed and its generation bumped now; the slot itself is freed only once no reader holds
