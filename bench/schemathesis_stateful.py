@@ -1,0 +1,410 @@
+"""schemathesis with a large budget and stateful links between sessions, versions and branches.
+
+Starts `dss serve` (real engine, default model; short generations: `max_tokens` <= 16) in a fresh
+data directory with API keys (one user, one admin), fetches `/openapi.json` and adds OpenAPI
+`links` to it - the app's own schema declares none, and this script must not change the app:
+
+- `POST /v1/sessions` -> the session's reads, `/messages`, branches, versions, delete, and a chat
+  turn in it (`session_id` put into the generated body);
+- a chat turn or a `/messages` turn -> that version (`GET .../versions/{state_version}`), a
+  rollback to it, a branch from it, a `/messages` turn on it (`version`), the version list;
+- a new branch -> a `/messages` turn on it, a rollback of it, the branch list;
+- a rollback -> the session, a `/messages` turn on the branch;
+- the session and version lists -> their first entry.
+
+Then runs schemathesis on that schema: the fuzzing phase (`--max-examples` cases per operation)
+and the stateful phase (scenarios that follow the links, plus the links schemathesis infers
+itself), as the user; then the admin-only operations as the admin. Checks: no 5xx, status codes,
+content types and bodies as documented, the stateful `use_after_free` (a deleted session must
+stay gone) and `ensure_resource_availability` (a created one must be found; as
+`session_availability`, which lets the documented 404 of a branch or version that a generated
+body names pass), and `acknowledged_version_readable` (the version a turn acknowledged can be read
+through the link at once).
+
+Prints schemathesis' summaries, each 5xx found (request and response, from the JSON report) and
+`RESULT cases= unique_failures= server_5xx= ...`; exits 1 on any failure.
+
+    .venv/bin/python bench/schemathesis_stateful.py --max-examples 80
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import soak  # the server and key helpers of the soak
+
+CHECKS = ",".join(
+    [
+        "not_a_server_error",
+        "status_code_conformance",
+        "content_type_conformance",
+        "response_schema_conformance",
+        "use_after_free",
+        "session_availability",  # ensure_resource_availability, minus documented 404s (below)
+        "acknowledged_version_readable",
+    ]
+)
+HOOKS_MODULE = Path(__file__).stem  # schemathesis imports this file for the two custom checks
+ADMIN_ONLY = "create_prefix|delete_prefix|erase_user|metrics"
+
+# (method, path) of the operations the links connect; the operationIds are looked up.
+CREATE_SESSION = ("post", "/v1/sessions")
+LIST_SESSIONS = ("get", "/v1/sessions")
+GET_SESSION = ("get", "/v1/sessions/{session_id}")
+DELETE_SESSION = ("delete", "/v1/sessions/{session_id}")
+MESSAGES = ("post", "/v1/sessions/{session_id}/messages")
+VERSIONS = ("get", "/v1/sessions/{session_id}/versions")
+VERSION = ("get", "/v1/sessions/{session_id}/versions/{number}")
+ROLLBACK = ("post", "/v1/sessions/{session_id}/rollback")
+BRANCHES_POST = ("post", "/v1/sessions/{session_id}/branches")
+BRANCHES_GET = ("get", "/v1/sessions/{session_id}/branches")
+CHAT = ("post", "/v1/chat/completions")
+
+SID_BODY = "$response.body#/id"
+SID_TURN = "$response.body#/session_id"
+SID_REQ = "$request.path.session_id"
+NEW_VERSION = "$response.body#/state_version"
+FIRST_ID = "$response.body#/data/0/id"
+HEAD = "$response.body#/head_version"
+
+
+def _links() -> list[tuple[tuple[str, str], str, str, tuple[str, str], dict[str, Any]]]:
+    """(source, status, name, target, {parameters?, requestBody?})."""
+    turn_links: list[tuple[str, tuple[str, str], dict[str, Any]]] = [
+        ("TheVersion", VERSION, {"parameters": {"path.session_id": SID_TURN, "path.number": NEW_VERSION}}),
+        ("TheVersions", VERSIONS, {"parameters": {"path.session_id": SID_TURN}}),
+        (
+            "RollbackToIt",
+            ROLLBACK,
+            {"parameters": {"path.session_id": SID_TURN}, "requestBody": {"to_version": NEW_VERSION}},
+        ),
+        (
+            "BranchFromIt",
+            BRANCHES_POST,
+            {"parameters": {"path.session_id": SID_TURN}, "requestBody": {"from_version": NEW_VERSION}},
+        ),
+        (
+            "ContinueIt",
+            MESSAGES,
+            {"parameters": {"path.session_id": SID_TURN}, "requestBody": {"version": NEW_VERSION}},
+        ),
+        ("TheSession", GET_SESSION, {"parameters": {"path.session_id": SID_TURN}}),
+    ]
+    out: list[tuple[tuple[str, str], str, str, tuple[str, str], dict[str, Any]]] = []
+    for src in (CHAT, MESSAGES):
+        out += [(src, "200", name, dst, spec) for name, dst, spec in turn_links]
+    sid = {"parameters": {"path.session_id": SID_BODY}}
+    out += [
+        (CREATE_SESSION, "201", "GetIt", GET_SESSION, sid),
+        (CREATE_SESSION, "201", "ItsVersions", VERSIONS, sid),
+        (CREATE_SESSION, "201", "ItsBranches", BRANCHES_GET, sid),
+        (CREATE_SESSION, "201", "FirstMessage", MESSAGES, sid),
+        (CREATE_SESSION, "201", "DeleteIt", DELETE_SESSION, sid),
+        (CREATE_SESSION, "201", "ChatInIt", CHAT, {"requestBody": {"session_id": SID_BODY}}),
+        (GET_SESSION, "200", "ItsVersions", VERSIONS, sid),
+        (GET_SESSION, "200", "ItsBranches", BRANCHES_GET, sid),
+        (GET_SESSION, "200", "DeleteIt", DELETE_SESSION, sid),
+        (LIST_SESSIONS, "200", "FirstSession", GET_SESSION, {"parameters": {"path.session_id": FIRST_ID}}),
+        (
+            VERSIONS,
+            "200",
+            "FirstVersion",
+            VERSION,
+            {"parameters": {"path.session_id": SID_REQ, "path.number": "$response.body#/data/0/number"}},
+        ),
+        (
+            BRANCHES_POST,
+            "201",
+            "MessageOnIt",
+            MESSAGES,
+            {"parameters": {"path.session_id": SID_REQ}, "requestBody": {"branch": "$response.body#/name"}},
+        ),
+        (
+            BRANCHES_POST,
+            "201",
+            "RollItBack",
+            ROLLBACK,
+            {
+                "parameters": {"path.session_id": SID_REQ},
+                "requestBody": {"branch": "$response.body#/name", "to_version": HEAD},
+            },
+        ),
+        (BRANCHES_POST, "201", "TheBranches", BRANCHES_GET, {"parameters": {"path.session_id": SID_REQ}}),
+        (ROLLBACK, "200", "TheSession", GET_SESSION, {"parameters": {"path.session_id": SID_REQ}}),
+        (
+            ROLLBACK,
+            "200",
+            "MessageOnIt",
+            MESSAGES,
+            {"parameters": {"path.session_id": SID_REQ}, "requestBody": {"branch": "$response.body#/name"}},
+        ),
+    ]  # fmt: skip
+    return out
+
+
+def add_links(schema: dict[str, Any]) -> int:
+    """Add the links to a fetched schema (in place); returns how many were added."""
+    paths = schema["paths"]
+    ids = {
+        (m, p): op["operationId"] for p, ops in paths.items() for m, op in ops.items() if "operationId" in op
+    }
+    added = 0
+    for src, status, name, dst, spec in _links():
+        if src not in ids or dst not in ids:
+            print(f"warning: no operation {src if src not in ids else dst}; link {name} skipped", flush=True)
+            continue
+        response = paths[src[1]][src[0]].setdefault("responses", {}).setdefault(status, {"description": ""})
+        response.setdefault("links", {})[name] = {"operationId": ids[dst], **spec}
+        added += 1
+    return added
+
+
+def run_schemathesis(
+    schema_path: Path, base_url: str, key: str, cwd: Path, report: Path, *args: str, timeout: float
+) -> tuple[int, str]:
+    cmd = [
+        str(Path(sys.executable).with_name("schemathesis")), "run", str(schema_path),
+        "--url", base_url,
+        "--header", f"Authorization: Bearer {key}",
+        "--checks", CHECKS,
+        "--workers", "1",  # two workers race inside hypothesis (its lambda-source lookup asserts)
+        "--no-shrink",
+        "--generation-database", "none",
+        "--request-timeout", "120",
+        "--no-color",
+        "--report", "json",
+        "--report-json-path", str(report),
+        *args,
+    ]  # fmt: skip
+    print("$ " + " ".join(c if "Bearer" not in c else "Authorization: Bearer ***" for c in cmd), flush=True)
+    here = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": HOOKS_MODULE}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env, check=False
+        )
+        return proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        out = (
+            (exc.stdout or b"").decode(errors="replace")
+            if isinstance(exc.stdout, bytes)
+            else (exc.stdout or "")
+        )
+        return 124, out + f"\n(schemathesis ran past {timeout:.0f} s)"
+
+
+def report_counts(report: Path, out: str) -> tuple[dict[str, int], list[dict[str, Any]]]:
+    """Test-case counts and failure groups of a run (its JSON report), and the links it covered."""
+    counts: dict[str, int] = {}
+    groups: list[dict[str, Any]] = []
+    with contextlib.suppress(OSError, json.JSONDecodeError):
+        data = json.loads(report.read_text())
+        counts = {k: int(v) for k, v in (data.get("test_cases") or {}).items()}
+        groups = list(data.get("failures") or []) + [{"error": e} for e in data.get("errors") or []]
+    m = re.search(r"API Links:\s*(\d+) covered / (\d+) selected", out)
+    if m:
+        counts["links_covered"], counts["links_selected"] = int(m.group(1)), int(m.group(2))
+    m = re.search(r"Scenarios:\s*(\d+)", out)
+    if m:
+        counts["scenarios"] = int(m.group(1))
+    return counts, groups
+
+
+def _error_code(response: Any) -> str | None:
+    with contextlib.suppress(Exception):
+        body = response.json()
+        if isinstance(body, dict) and isinstance(body.get("error"), dict):
+            code = body["error"].get("code")
+            return str(code) if code is not None else None
+    return None
+
+
+def _register_checks() -> None:
+    """The custom checks, registered when schemathesis imports this file (SCHEMATHESIS_HOOKS)."""
+    import schemathesis
+    from schemathesis.specs.openapi.checks import ensure_resource_availability
+
+    @schemathesis.check
+    def session_availability(ctx: Any, response: Any, case: Any) -> bool | None:
+        """schemathesis' `ensure_resource_availability` (a session just created must be found),
+        except for the documented 404 of a *branch* or *version* that a generated body names
+        inside an existing session (`branch_not_found`, `version_not_found`): the session is there."""
+        if response.status_code != 404 or _error_code(response) in ("branch_not_found", "version_not_found"):
+            return None
+        result: bool | None = ensure_resource_availability(ctx, response, case)
+        return result
+
+    @schemathesis.check
+    def acknowledged_version_readable(ctx: Any, response: Any, case: Any) -> bool | None:
+        """A turn the server acknowledged (200 with `state_version`) must be readable right after
+        through the link to `GET /v1/sessions/{sid}/versions/{state_version}`."""
+        if response.status_code != 404 or case.operation.path != VERSION[1]:
+            return None
+        internals = getattr(ctx, "internals", None)
+        if internals is None:
+            return None
+        parent = internals.find_parent(case_id=case.id)
+        parent_response = internals.find_response(case_id=parent.id) if parent is not None else None
+        if parent_response is None or parent_response.status_code != 200:
+            return None
+        with contextlib.suppress(Exception):
+            body = parent_response.json()
+            params = case.path_parameters or {}
+            if (
+                isinstance(body, dict)
+                and body.get("session_id") == params.get("session_id")
+                and body.get("state_version") == params.get("number")
+            ):
+                raise AssertionError(
+                    f"{parent.operation.label} acknowledged version {body['state_version']} of session "
+                    f"{body['session_id']!r}, but reading it answers 404: {response.text[:300]}"
+                )
+        return None
+
+
+if os.environ.get("SCHEMATHESIS_HOOKS") == HOOKS_MODULE:
+    _register_checks()
+
+
+class FuzzServer(soak.Server):
+    def env(self) -> dict[str, str]:
+        env = super().env()
+        env.update(
+            {
+                # A fuzzer's max_tokens must not keep the CPU engine busy for minutes.
+                "DSS_LIMITS__MAX_OUTPUT_TOKENS": "16",
+                "DSS_LIMITS__DEFAULT_MAX_TOKENS": "4",
+                "DSS_STORE__HOST_CAPACITY_BYTES": str(256 * soak.MIB),
+                "DSS_STORE__DISK_CAPACITY_BYTES": str(2 << 30),
+                "DSS_STORE__FSYNC": "false",
+            }
+        )
+        return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--max-examples", type=int, default=80, help="fuzzing cases per operation")
+    p.add_argument("--timeout-s", type=float, default=1500, help="kill the user run after this long")
+    p.add_argument("--max-steps", type=int, default=10, help="steps per stateful scenario")
+    p.add_argument("--admin-examples", type=int, default=20)
+    p.add_argument("--seed", type=int, default=20250101)
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--server-root", type=Path, default=None, help="run this copy of the code")
+    args = p.parse_args(argv)
+    if args.server_root is not None:
+        soak.SERVER_ROOT = args.server_root.resolve()
+    out = args.out or Path(tempfile.mkdtemp(prefix="dss-schemathesis-"))
+    out.mkdir(parents=True, exist_ok=True)
+    data_dir = out / "data"
+    if data_dir.exists() and any(data_dir.iterdir()):
+        raise SystemExit(f"{data_dir} is not empty")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    admin_key = soak.create_key(data_dir, None)
+    user_key = soak.create_key(data_dir, "st-fuzz")
+    server = FuzzServer(data_dir, args.port or soak.free_port(), out / "server.log", admin_key)
+    t0 = time.monotonic()
+    try:
+        server.start()
+        print(f"server ready in {time.monotonic() - t0:.0f} s ({server.base_url})", flush=True)
+        schema = httpx.get(server.base_url + "/openapi.json", timeout=30).json()
+        n_links = add_links(schema)
+        schema_path = out / "openapi-with-links.json"
+        schema_path.write_text(json.dumps(schema, indent=1))
+        print(f"{n_links} links added -> {schema_path}", flush=True)
+        (out / "schemathesis.toml").write_text(f"[phases.stateful]\nmax-steps = {args.max_steps}\n")
+        runs = [
+            (
+                "user: fuzzing + stateful",
+                user_key,
+                [
+                    "--phases", "fuzzing,stateful",
+                    "--max-examples", str(args.max_examples),
+                    "--seed", str(args.seed),
+                    "--exclude-operation-id-regex", ADMIN_ONLY,
+                ],
+                args.timeout_s,
+            ),
+            (
+                "admin: admin-only operations",
+                admin_key,
+                [
+                    "--phases", "fuzzing",
+                    "--max-examples", str(args.admin_examples),
+                    "--seed", str(args.seed),
+                    "--include-operation-id-regex", ADMIN_ONLY,
+                ],
+                600,
+            ),
+        ]  # fmt: skip
+        totals: dict[str, int] = {}
+        rcs: list[int] = []
+        failures: list[dict[str, Any]] = []
+        for i, (title, key, extra, timeout) in enumerate(runs):
+            report = out / f"report-{i}.json"
+            t1 = time.monotonic()
+            rc, text = run_schemathesis(
+                schema_path, server.base_url, key, out, report, *extra, timeout=timeout
+            )
+            (out / f"schemathesis-{i}.log").write_text(text)
+            counts, groups = report_counts(report, text)
+            for k, v in counts.items():
+                totals[k] = totals.get(k, 0) + v
+            rcs.append(rc)
+            failures += groups
+            tail = text[text.find("SUMMARY") :] if "SUMMARY" in text else text[-6000:]
+            print(
+                f"=== {title}: rc={rc} in {time.monotonic() - t1:.0f} s; {counts}\n{tail[-12000:]}",
+                flush=True,
+            )
+        metrics = server.scrape() or {}
+    finally:
+        server.stop()
+    log = (out / "server.log").read_text(errors="replace") if (out / "server.log").exists() else ""
+    tracebacks = log.count("Traceback (most recent call last)")
+    if tracebacks:
+        first = log.index("Traceback (most recent call last)")
+        print("--- first server traceback:\n" + log[first : first + 4000], flush=True)
+    result = {
+        "cases": totals.get("generated", 0),
+        "with_failures": totals.get("with_failures", 0),
+        "unique_failures": totals.get("unique_failures", 0),
+        "errored": totals.get("errored", 0),
+        "scenarios": totals.get("scenarios", 0),
+        "links_covered": totals.get("links_covered", 0),
+        "links_selected": totals.get("links_selected", 0),
+        "links_added": n_links,
+        "server_5xx": int(metrics.get("server_5xx", 0)),
+        "server_tracebacks": tracebacks,
+        "rcs": "/".join(map(str, rcs)),
+    }
+    for g in failures:
+        print(f"failure group: {json.dumps(g, default=str)}", flush=True)
+    (out / "result.json").write_text(
+        json.dumps({"result": result, "failures": failures[:50]}, indent=1, default=str)
+    )
+    print(f"out: {out}", flush=True)
+    print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()), flush=True)
+    ok = all(rc == 0 for rc in rcs) and not failures and result["server_5xx"] == 0
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
+    os._exit(130)

@@ -1,0 +1,57 @@
+"""A short soak (`bench/soak.py`): the real server under mixed traffic from a few clients, SIGKILLed
+once and restarted on its data directory; every acknowledged version must survive, nothing may
+hang or answer 5xx, no page may fail its checksum, erased users must leave nothing behind.
+
+About two and a half minutes on two cores (two server starts of ~25-45 s and 60 s of traffic).
+The long campaign is the same script with `--duration-s 1200 --kill-every-s 180`
+(docs/operations.md, "Soak and fault campaign").
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.api_server import model_dir
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[1]
+MUST_BE_ZERO = ("hangs", "errors_5xx", "lost_versions", "corrupt_served", "remnants", "unexpected")
+
+
+def parse_result(out: str) -> dict[str, str]:
+    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    assert lines, out[-6000:]
+    return dict(kv.split("=", 1) for kv in lines[-1].split()[1:])
+
+
+def test_short_soak_with_one_kill(tmp_path: Path) -> None:
+    model = model_dir()
+    if model is None:
+        pytest.skip("the default model is not prepared (run `make model` or set DSS_MODEL_DIR)")
+    cmd = [
+        sys.executable, str(REPO / "bench" / "soak.py"),
+        "--duration-s", "60",
+        "--kill-every-s", "30",
+        "--max-kills", "1",
+        "--clients", "3",
+        "--erase-weight", "2",
+        "--seed", "7",
+        "--out", str(tmp_path / "soak"),
+    ]  # fmt: skip
+    env = {**os.environ, "DSS_MODEL_DIR": str(model)}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+    out = proc.stdout + proc.stderr
+    result = parse_result(out)
+    print(out[out.rfind("RESULT ") :])  # shown with `pytest -s` / `-rP`
+    assert {k: result[k] for k in MUST_BE_ZERO} == dict.fromkeys(MUST_BE_ZERO, "0"), out[-6000:]
+    assert result["restarts"] == "1" and result["restart_failures"] == "0", out[-6000:]
+    assert int(result["acked_versions"]) >= 20, out[-6000:]
+    assert int(result["verified_versions"]) >= 5, out[-6000:]  # checked after the restart and at the end
+    assert int(result["erasures"]) >= 1, out[-6000:]
+    assert proc.returncode == 0, out[-6000:]
