@@ -46,7 +46,7 @@ test-gpu: install
 	$(BIN)/pytest -m gpu $(PYTEST_ARGS)
 
 serve: install model
-	$(BIN)/dss serve --model $(DSS_MODEL_DIR) --data-dir $(DSS_DATA_DIR)
+	$(BIN)/dss serve --dev --model $(DSS_MODEL_DIR) --data-dir $(DSS_DATA_DIR)
 
 bench: install model
 	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

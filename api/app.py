@@ -1,36 +1,49 @@
-"""The app factory and its lifespan: open the store, check the auth mode, start the engine.
+"""The app factory and its lifespan: listen first, then open the store and start the engine.
 
-`create_app(settings)` only builds the FastAPI object; the lifespan does the work when the server
-starts (store open with migrations and recovery, refusal to serve a non-loopback address without
-API keys, the embedded vLLM engine), and undoes it in reverse order when it stops.
+`create_app(settings)` only builds the FastAPI object. Its lifespan refuses a configuration that
+must not serve (development mode off loopback) before anything listens, then starts the store
+(open with migrations and recovery) and the embedded vLLM engine in a background task, so that
+the server answers `/healthz` at once and `/readyz` (503, with the reason) while a CPU engine
+loads for a minute; routes that need the store or the engine answer 503 with Retry-After until
+then. When the server stops, the lifespan undoes what was started, in reverse order.
+
+A start that fails in the background (the data directory taken by another process, a model that
+does not load) is logged in one line and reported by `/readyz`; `dss serve` then stops and exits
+non-zero (`on_start_failure`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import logging
-from collections.abc import AsyncIterator
+import os
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from api.auth import ApiKeys
+from api.auth import ApiKeys, check_user_name
 from api.errors import install_error_handlers
 from api.metrics import Metrics
-from api.middleware import BodyLimit, RequestMetrics
+from api.middleware import BodyLimit, DevHostGuard, RequestMetrics
 from api.routes import branches, chat, health, metrics, models, prefixes, sessions, users, versions
 from api.settings import Settings
-from api.state import AppState
-from dss.errors import DSSError
+from api.state import AppState, Phase, Startup
+from dss.config import StoreConfig
+from dss.errors import DSSError, InvalidInput, StorageError
 from dss.store import Store
 
 log = logging.getLogger("dss.api")
 
 API_VERSION = "0.1.0"
+EXIT_REFUSED = 2  # the configuration or the data directory does not allow this server to start
+EXIT_FAILED = 1  # something broke while starting (the engine, the store)
 
 
 class StartupRefused(DSSError):
-    """The server must not start with this configuration (e.g. public bind without API keys)."""
+    """The server must not start with this configuration (e.g. development mode on a public bind)."""
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -43,63 +56,170 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.metrics = Metrics()
+    app.state.startup = Startup()
+    # Set by `dss serve`: whether uvicorn listens yet, and what to do when the start fails.
+    app.state.listening = None
+    app.state.on_start_failure = None
     install_error_handlers(app)
     for module in (chat, sessions, versions, branches, users, prefixes, models, health, metrics):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=settings.server.max_body_bytes)
+    if settings.auth.dev_mode:
+        app.add_middleware(DevHostGuard, extra=settings.auth.dev_allowed_hosts)
     app.add_middleware(RequestMetrics, metrics=app.state.metrics)
     return app
 
 
-def check_auth_mode(settings: Settings, keys: ApiKeys) -> bool:
-    """True for development mode; refuses a non-loopback bind without any API key."""
-    if keys.any_active():
-        return False
-    if not settings.server.is_loopback:
+def check_startup(settings: Settings) -> None:
+    """Refuse what must never serve, before anything listens (`StartupRefused`, one line)."""
+    auth = settings.auth
+    if auth.dev_mode and not settings.server.is_loopback:
         raise StartupRefused(
-            f"refusing to serve on {settings.server.host} without API keys: create one with "
-            "`dss keys create --user NAME` (or bind to 127.0.0.1 for local development)"
+            f"refusing development mode on {settings.server.host}: it serves without keys, so it binds "
+            "to loopback only; use --host 127.0.0.1, or drop --dev and create keys with "
+            "`dss keys create --user NAME`"
         )
-    if not settings.auth.allow_dev_mode:
-        raise StartupRefused("no API key exists and development mode is disabled (DSS_AUTH__ALLOW_DEV_MODE)")
-    log.warning(
-        "DEVELOPMENT MODE: no API key is configured, so requests are NOT authenticated; the user comes "
-        "from the X-DSS-User header or the request's `user` field and every caller is an admin. "
-        "This is only allowed on loopback; create a key with `dss keys create --user NAME`."
+    if auth.dev_mode:
+        try:
+            check_user_name(auth.dev_default_user)
+        except InvalidInput as exc:
+            raise StartupRefused(f"DSS_AUTH__DEV_DEFAULT_USER: {exc}") from None
+
+
+def log_auth_mode(settings: Settings, keys: ApiKeys) -> None:
+    if settings.auth.dev_mode:
+        log.warning(
+            "DEVELOPMENT MODE (--dev): requests without a dss- key are NOT authenticated; the user comes "
+            "from the X-DSS-User header or the request's `user` field and every such caller is an admin. "
+            "Loopback only, and only for Host headers naming localhost."
+        )
+    elif not keys.any_active():
+        log.warning(
+            "no API key exists: every request is refused (401) until one is created with "
+            "`dss keys create --user NAME` (for local development without keys: `dss serve --dev`)"
+        )
+
+
+def data_dir_in_use(config: StoreConfig) -> bool:
+    """Whether another process owns the data directory: the lock `Store.open` takes, tried and let
+    go at once. `dss serve` asks before it listens, so that a second server on one directory
+    exits with one line instead of starting and failing; the store itself still decides."""
+    path = config.run_dir / "owner.lock"
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False  # no lock file yet: nobody ever owned it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing the descriptor drops the lock, if this process took it
+    return False
+
+
+def data_dir_refusal(config: StoreConfig) -> str:
+    return (
+        f"another process owns the data directory {config.data_dir}: stop that server first, or give "
+        "this one another --data-dir"
     )
-    return True
+
+
+def refusal_of(exc: BaseException, settings: Settings) -> str | None:
+    """The one line that says why the server cannot start, for failures that are a situation to
+    fix rather than a bug (no traceback helps with those); None for anything else."""
+    if isinstance(exc, StartupRefused):
+        return str(exc)
+    config = settings.store.to_config()
+    if isinstance(exc, StorageError) and data_dir_in_use(config):
+        return data_dir_refusal(config)
+    return None
 
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
-    metrics: Metrics = app.state.metrics
-    store = await asyncio.to_thread(Store.open, settings.store.to_config())
-    state: AppState | None = None
-    collector = None
+    check_startup(settings)
+    startup: Startup = app.state.startup
+    boot = asyncio.create_task(_start(app), name="dss-start")
     try:
-        keys = ApiKeys(store.sf, settings.auth.key_cache_ttl_s)
-        check_auth_mode(settings, keys)
-        state = AppState(settings=settings, store=store, keys=keys, metrics=metrics)
-        collector = metrics.watch_store(store.stats)
-        app.state.dss = state
-        if settings.engine.enabled:
-            from api.engine import ChatEngine
-
-            engine = await asyncio.wait_for(
-                ChatEngine.start(settings, store), settings.engine.startup_timeout_s
-            )
-            engine.on_inflight_change = metrics.inflight.set
-            state.engine = engine
-        state.started = True
-        log.info("DSS serving on %s:%d", settings.server.host, settings.server.port)
         yield
     finally:
-        if state is not None:
-            state.started = False
-            if state.engine is not None:
-                await asyncio.to_thread(state.engine.shutdown)
-                state.engine = None
-        if collector is not None:
-            metrics.registry.unregister(collector)
+        if startup.phase is not Phase.FAILED:
+            startup.phase = Phase.STOPPING
+        # The step in progress runs in a worker thread (store open, engine load) that a cancel
+        # would not stop, only abandon with a lock or engine processes held: let it finish.
+        with contextlib.suppress(Exception):
+            await asyncio.shield(boot)
+        await _stop(app)
+
+
+async def _start(app: FastAPI) -> None:
+    settings: Settings = app.state.settings
+    startup: Startup = app.state.startup
+    listening: Callable[[], bool] | None = app.state.listening
+    while listening is not None and not listening() and startup.phase is not Phase.STOPPING:
+        await asyncio.sleep(0.02)  # uvicorn binds right after the lifespan started
+    if startup.phase is Phase.STOPPING:  # stopped before it listened: open nothing
+        return
+    try:
+        await _open(app, settings, startup)
+    except Exception as exc:
+        refusal = refusal_of(exc, settings)
+        if refusal is not None:
+            startup.error, startup.exit_code = refusal, EXIT_REFUSED
+            log.error("cannot start: %s", refusal)
+        else:
+            startup.error, startup.exit_code = f"{type(exc).__name__}: {exc}", EXIT_FAILED
+            # One line; the traceback only helps with what is not a typed store or model error.
+            hint = "" if isinstance(exc, DSSError) else " (--log-level debug shows where)"
+            log.debug("start-up failure", exc_info=exc)
+            log.error("start-up failed: %s%s", startup.error, hint)
+        startup.phase = Phase.FAILED
+        on_failure: Callable[[Startup], None] | None = app.state.on_start_failure
+        if on_failure is not None:
+            on_failure(startup)
+
+
+async def _open(app: FastAPI, settings: Settings, startup: Startup) -> None:
+    metrics: Metrics = app.state.metrics
+    store = await asyncio.to_thread(Store.open, settings.store.to_config())
+    try:
+        keys = ApiKeys(store.sf, settings.auth.key_cache_ttl_s)
+        await asyncio.to_thread(log_auth_mode, settings, keys)
+        state = AppState(settings=settings, store=store, keys=keys, metrics=metrics)
+        app.state.collector = metrics.watch_store(store.stats)
+    except BaseException:
         await asyncio.to_thread(store.close)
+        raise
+    app.state.dss = state  # from here on, routes that need only the store answer
+    if startup.phase is Phase.STOPPING:
+        return
+    if settings.engine.enabled:
+        from api.engine import ChatEngine
+
+        startup.phase = Phase.ENGINE_STARTING
+        engine = await asyncio.wait_for(ChatEngine.start(settings, store), settings.engine.startup_timeout_s)
+        engine.on_inflight_change = metrics.inflight.set
+        state.engine = engine
+    if startup.phase is Phase.STOPPING:
+        return
+    state.started = True
+    startup.phase = Phase.READY
+    log.info("DSS ready on %s:%d", settings.server.host, settings.server.port)
+
+
+async def _stop(app: FastAPI) -> None:
+    state: AppState | None = getattr(app.state, "dss", None)
+    if state is None:
+        return
+    state.started = False
+    if state.engine is not None:
+        await asyncio.to_thread(state.engine.shutdown)
+        state.engine = None
+    collector = getattr(app.state, "collector", None)
+    if collector is not None:
+        state.metrics.registry.unregister(collector)
+        app.state.collector = None
+    await asyncio.to_thread(state.store.close)
+    del app.state.dss

@@ -4,15 +4,20 @@ A key is shown once when it is created; the database keeps only its SHA-256 (the
 random bits, so a fast hash is enough: nothing can be brute-forced from it). A user key acts
 as its user; an admin key may also erase users, manage public prefixes and read metrics.
 
-With no active key at all, the server may run in a development mode, and only bound to a
-loopback address: the user is then taken from the `X-DSS-User` header (or the request's `user`
-field) and every caller counts as an admin. The check for "any active key" is refreshed every
-few seconds, so creating the first key switches a running server out of development mode.
+Admin keys act as the user `admin`, a name no user key and no development-mode request may take:
+a user key made with `--user admin` would otherwise read and erase the admin's sessions.
+
+Development mode (`dss serve --dev`, loopback only) is a flag of the server, never a fallback:
+without it, a server with no key answers every request 401. In development mode a request with
+no DSS key (no bearer token, or one not starting with `dss-`, such as the placeholder the openai
+client insists on) acts as the user named by `X-DSS-User` (or the request's `user` field) with
+admin rights; a `dss-` token is still checked, and acts as its key's owner or is refused.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import secrets
 import threading
 import time
@@ -29,6 +34,8 @@ from dss.db.models import ApiKeyRow
 from dss.errors import InvalidInput
 from dss.types import UserId
 
+log = logging.getLogger("dss.api.auth")
+
 KEY_PREFIX = "dss-"
 ADMIN_USER = UserId("admin")
 _MAX_USER_LEN = 256
@@ -41,12 +48,12 @@ class Principal:
 
     user: UserId
     is_admin: bool
-    key_id: str | None  # None in development mode
+    key_id: str | None  # None for a development-mode identity
     dev_mode: bool = False
 
     def as_user(self, user: str) -> Principal:
         """Development mode only: act as another user named by the request."""
-        return replace(self, user=UserId(check_user_id(user)))
+        return replace(self, user=UserId(check_user_name(user)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +83,14 @@ def check_user_id(user: str) -> str:
     return user
 
 
+def check_user_name(user: str) -> str:
+    """A user id a user may act as: any valid id except the admin keys' own."""
+    check_user_id(user)
+    if user == ADMIN_USER:
+        raise InvalidInput(f"the user id {ADMIN_USER!r} is reserved for admin keys")
+    return user
+
+
 class ApiKeys:
     """The `api_keys` table, with a short-lived cache of validated keys."""
 
@@ -87,9 +102,15 @@ class ApiKeys:
         self._any: tuple[float, bool] | None = None
 
     def create(self, user: str | None = None, admin: bool = False) -> CreatedKey:
-        if user is None and not admin:
+        if admin:
+            # One admin identity: an admin key "for bob" would share bob's sessions with his keys.
+            if user is not None and user != ADMIN_USER:
+                raise InvalidInput(f"an admin key acts as the user {ADMIN_USER!r}; give no user for it")
+            owner = ADMIN_USER
+        elif user is None:
             raise InvalidInput("a user key needs a user id")
-        owner = UserId(check_user_id(user)) if user is not None else ADMIN_USER
+        else:
+            owner = UserId(check_user_name(user))
         key = KEY_PREFIX + secrets.token_urlsafe(32)
         kid = "key_" + uuid.uuid4().hex[:16]
         with transaction(self._sf) as db:
@@ -113,6 +134,10 @@ class ApiKeys:
             if row is None:
                 return None
             principal = Principal(UserId(row.user_id or ADMIN_USER), bool(row.is_admin), row.id)
+        if principal.user == ADMIN_USER and not principal.is_admin:
+            # Made before the name was reserved: it would act on the admin's sessions.
+            log.warning("refusing user key %s: it names the reserved user %r", principal.key_id, ADMIN_USER)
+            return None
         with self._lock:
             if len(self._cache) > 10_000:
                 self._cache.clear()

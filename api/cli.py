@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -51,28 +51,49 @@ def serve(
     no_engine: Annotated[
         bool, typer.Option("--no-engine", help="Serve the store API without a model")
     ] = False,
+    dev: Annotated[
+        bool,
+        typer.Option(
+            "--dev",
+            help="Development mode: no API key needed, the user comes from X-DSS-User, every caller is "
+            "an admin (loopback only; DSS_AUTH__DEV_MODE)",
+        ),
+    ] = False,
 ) -> None:
-    """Start the OpenAI-compatible, session-aware chat server."""
+    """Start the OpenAI-compatible, session-aware chat server.
+
+    It listens at once: `/healthz` answers 200, `/readyz` 503 with the reason until the store is
+    open and the engine loaded. A refused start (development mode off loopback, a data directory
+    another server owns) prints one line and exits 2; a start that fails later exits 1.
+    """
     import uvicorn
 
-    from api.app import create_app
+    from api.app import (
+        EXIT_FAILED,
+        StartupRefused,
+        check_startup,
+        create_app,
+        data_dir_in_use,
+        data_dir_refusal,
+    )
+    from api.state import Startup
 
     settings = load_settings(
         server={"host": host, "port": port, "log_level": log_level},
         store={"data_dir": data_dir, "db_url": db_url},
         engine={"model": model, "enabled": False if no_engine else None},
+        auth={"dev_mode": True if dev else None},
     )
-    if not settings.server.is_loopback and not _any_key(settings.store.to_config().resolved_db_url):
-        typer.echo(
-            f"refusing to serve on {settings.server.host} without API keys: create one with "
-            "`dss keys create --user NAME` (or bind to 127.0.0.1 for local development)",
-            err=True,
-        )
-        raise typer.Exit(2)
+    try:
+        check_startup(settings)
+    except StartupRefused as exc:
+        _refuse(str(exc))
+    if data_dir_in_use(settings.store.to_config()):
+        _refuse(data_dir_refusal(settings.store.to_config()))
     level = settings.server.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.server.host,
         port=settings.server.port,
@@ -80,18 +101,24 @@ def serve(
         access_log=False,  # ours (api.middleware) logs route templates, not paths with user ids
         timeout_graceful_shutdown=int(settings.server.graceful_shutdown_s),
     )
+    server = uvicorn.Server(config)
+    failed: list[Startup] = []
+
+    def on_start_failure(startup: Startup) -> None:
+        failed.append(startup)  # the lifespan logged it; stop serving and exit with its code
+        server.should_exit = True
+
+    app.state.listening = lambda: server.started
+    app.state.on_start_failure = on_start_failure
+    server.run()
+    if failed:
+        raise typer.Exit(failed[0].exit_code or EXIT_FAILED)
 
 
-def _any_key(url: str) -> bool:
-    from api.auth import ApiKeys
-    from dss.db.engine import make_engine, make_session_factory, upgrade_to_head
-
-    upgrade_to_head(url)
-    engine = make_engine(url)
-    try:
-        return ApiKeys(make_session_factory(engine)).any_active()
-    finally:
-        engine.dispose()
+def _refuse(message: str) -> NoReturn:
+    """One line on stderr and exit 2: a start refused for a reason the operator can fix."""
+    typer.echo(f"dss serve: {message}", err=True)
+    raise typer.Exit(2)
 
 
 @keys_app.command("create")

@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from api.auth import Principal, check_user_id
-from api.errors import EngineUnavailable, Forbidden, Unauthorized
-from api.state import AppState
+from api.auth import KEY_PREFIX, Principal, check_user_name
+from api.errors import EngineUnavailable, Forbidden, ServerStarting, Unauthorized
+from api.state import AppState, Phase, Startup
 from dss.errors import InvalidInput
 from dss.store import Store
 from dss.types import UserId
@@ -22,8 +22,17 @@ DEV_USER_HEADER = "X-DSS-User"
 _bearer = HTTPBearer(auto_error=False, description="An API key made by `dss keys create`")
 
 
+NO_KEY_YET = (
+    "this server has no API key yet: create one with `dss keys create --user NAME` "
+    "(or run `dss serve --dev` on loopback for local development without keys)"
+)
+
+
 def get_state(request: Request) -> AppState:
-    state: AppState = request.app.state.dss
+    state: AppState | None = getattr(request.app.state, "dss", None)
+    if state is None:  # listening already, the store still opening (or it failed to)
+        startup: Startup = request.app.state.startup
+        raise ServerStarting(f"the server is not ready: {startup.reason}")
     return state
 
 
@@ -42,17 +51,27 @@ def get_principal(
     state: StateDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> Principal:
-    if state.dev_mode:
-        # Development mode ignores Authorization (the openai client always sends one).
+    token = credentials.credentials if credentials is not None else None
+    if state.dev_mode and (token is None or not token.startswith(KEY_PREFIX)):
+        # No DSS key: the openai client always sends some api_key, so a placeholder ("dev", an
+        # OPENAI_API_KEY) means "no key" here. A `dss-` token is checked below: a typo or a
+        # revoked key must fail, not quietly turn into an admin.
         user = request.headers.get(DEV_USER_HEADER) or state.settings.auth.dev_default_user
         try:
-            return Principal(UserId(check_user_id(user)), is_admin=True, key_id=None, dev_mode=True)
+            return Principal(UserId(check_user_name(user)), is_admin=True, key_id=None, dev_mode=True)
         except InvalidInput as exc:
             raise Unauthorized(f"{DEV_USER_HEADER}: {exc}") from None
-    if credentials is None:
-        raise Unauthorized()
-    principal = state.keys.authenticate(credentials.credentials)
+    if token is None:
+        raise Unauthorized() if state.keys.any_active() else Unauthorized(NO_KEY_YET)
+    principal = state.keys.authenticate(token)
     if principal is None:
+        if state.dev_mode:
+            raise Unauthorized(
+                f"invalid or revoked API key (development mode checks {KEY_PREFIX} tokens; send none "
+                f"to act as the {DEV_USER_HEADER} user)"
+            )
+        if not state.keys.any_active():
+            raise Unauthorized(NO_KEY_YET)
         raise Unauthorized("invalid or revoked API key")
     return principal
 
@@ -79,11 +98,14 @@ def acting_principal(request: Request, principal: Principal, body_user: str | No
     return principal
 
 
-def get_engine(state: StateDep) -> ChatEngine:
+def get_engine(request: Request, state: StateDep) -> ChatEngine:
     if state.engine is None:
-        enabled = state.settings.engine.enabled
-        reason = "the engine is starting" if enabled else "the engine is disabled on this server"
-        raise EngineUnavailable(reason, headers={"Retry-After": "5"})
+        startup: Startup = request.app.state.startup
+        if not state.settings.engine.enabled:
+            raise EngineUnavailable("the engine is disabled on this server", headers={"Retry-After": "5"})
+        if startup.phase is Phase.FAILED:
+            raise EngineUnavailable(f"the engine is not running: {startup.reason}")
+        raise EngineUnavailable("the engine is starting", headers={"Retry-After": "5"})
     return state.engine
 
 

@@ -1,4 +1,5 @@
-"""ASGI middleware: the request body size limit and per-route request metrics."""
+"""ASGI middleware: the request body size limit, per-route request metrics, and development mode's
+Host-header allow-list."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import PayloadTooLarge, response_for
+from api.errors import HostNotAllowed, PayloadTooLarge, response_for
 from api.metrics import Metrics
 
 access_log = logging.getLogger("dss.access")
@@ -97,3 +98,62 @@ def _route_of(scope: Scope) -> str:
     route: Any = scope.get("route")
     path = getattr(route, "path", None)
     return str(path) if path else "unmatched"
+
+
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+class DevHostGuard:
+    """Development mode only: refuse (421) a request whose Host is not a loopback name or one of
+    `extra` (any port). Binding to loopback keeps other machines out, but not a web page the
+    developer opens: its script can rebind its own DNS name to 127.0.0.1 and, being same-origin
+    then, call an API where every caller is an admin. Such a request carries the attacker's name
+    in its Host header, which is what this checks."""
+
+    def __init__(self, app: ASGIApp, extra: list[str] | tuple[str, ...] = ()) -> None:
+        self.app = app
+        self.allowed = LOOPBACK_HOSTS | {h.strip().lower() for h in extra if h.strip()}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        host = _host_header(scope)
+        name = host_name(host) if host is not None else None
+        if name is None or name not in self.allowed:
+            shown = "no Host header" if host is None else f"the Host {host[:100]!r}"
+            exc = HostNotAllowed(
+                f"development mode answers only loopback hosts, not {shown}; add a name to "
+                "DSS_AUTH__DEV_ALLOWED_HOSTS to allow it"
+            )
+            await response_for(exc)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _host_header(scope: Scope) -> str | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"host":
+            return bytes(value).decode("latin-1")
+    return None
+
+
+def host_name(host: str) -> str | None:
+    """The name of a Host header without its port, lower case; `[::1]:8000` is `::1`. None for
+    one that is not a plain host[:port]."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        end = host.find("]")
+        if end < 0 or (host[end + 1 :] and not _is_port(host[end + 1 :])):
+            return None
+        return host[1:end]
+    name, sep, port = host.rpartition(":")
+    if not sep:
+        return host or None
+    if not _is_port(":" + port) or ":" in name:  # an unbracketed IPv6 address is not a Host
+        return None
+    return name or None
+
+
+def _is_port(s: str) -> bool:
+    return len(s) > 1 and s[0] == ":" and s[1:].isdigit()

@@ -112,9 +112,14 @@ class LimitsSettings(BaseModel):
 
 
 class AuthSettings(BaseModel):
-    # Without any API key the server runs in a development mode, and only on loopback.
-    allow_dev_mode: bool = True
+    # Development mode (`dss serve --dev`): no key needed, the user comes from the request and every
+    # caller is an admin. Only ever entered because it was asked for, never because no key exists,
+    # and only on a loopback bind.
+    dev_mode: bool = False
     dev_default_user: str = "local"
+    # Host headers accepted in development mode besides localhost, 127.0.0.1 and ::1 (any port):
+    # a browser page on a rebound DNS name must not reach an unauthenticated admin API.
+    dev_allowed_hosts: list[str] = Field(default_factory=list)
     # Seconds a validated key stays cached; a revoked key stops working within this delay.
     key_cache_ttl_s: float = Field(default=10.0, ge=0)
 

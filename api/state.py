@@ -1,7 +1,9 @@
-"""What a running server holds: settings, the store, the keys, the metrics and (maybe) the engine."""
+"""What a running server holds: settings, the store, the keys, the metrics and (maybe) the engine;
+and, while it starts, how far it got (`Startup`)."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -12,6 +14,32 @@ from dss.store import Store
 
 if TYPE_CHECKING:
     from api.engine import ChatEngine
+
+
+class Phase(enum.Enum):
+    """Where a server's start-up is; the value is the reason `/readyz` gives while not ready."""
+
+    STORE_OPENING = "store opening"
+    ENGINE_STARTING = "engine starting"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPING = "shutting down"
+
+
+@dataclass
+class Startup:
+    """The server listens before the store is open and the engine runs (a CPU engine takes a
+    minute to load): this is what `/readyz` and the 503s of the other routes report meanwhile."""
+
+    phase: Phase = Phase.STORE_OPENING
+    error: str | None = None  # one line, when the phase is FAILED
+    exit_code: int = 0  # what `dss serve` exits with after a failed start (2: refused, 1: failed)
+
+    @property
+    def reason(self) -> str:
+        if self.phase is Phase.FAILED:
+            return f"start-up failed: {self.error}"
+        return self.phase.value
 
 
 @dataclass
@@ -25,9 +53,5 @@ class AppState:
 
     @property
     def dev_mode(self) -> bool:
-        """No active API key and a loopback bind: identities come from the request."""
-        return (
-            self.settings.auth.allow_dev_mode
-            and self.settings.server.is_loopback
-            and not self.keys.any_active()
-        )
+        """Asked for with `dss serve --dev` (loopback only, checked before the server starts)."""
+        return self.settings.auth.dev_mode

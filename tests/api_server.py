@@ -1,18 +1,22 @@
 """The real DSS server for API tests: `dss serve` in a subprocess on a free loopback port.
 
-One server per test session (a vLLM engine takes ~40 s to start): every `tests/test_api_*.py`
-module uses the `api_server` fixture, which returns the same process-wide `ApiServer`; it is
-stopped when the test process exits. The model comes from `DSS_MODEL_DIR`, else the default
-model prepared under `<repo>/.dss` (`dss model pull`); without either, engine tests skip.
+One server per configuration and test session (a vLLM engine takes ~40 s to start): the API test
+modules use the `api_server` fixture, which returns the same process-wide `ApiServer`, or
+`small_api_server` (two generation slots, for admission tests); they are stopped when the test
+process exits. The model comes from `DSS_MODEL_DIR`, else the default model prepared under
+`<repo>/.dss` (`dss model pull`); without either, engine tests skip.
 
 Keys are real: `server.key(user)` creates an API key for `user` directly in the server's
 database (as `dss keys create` does), so requests are authenticated like in production.
+`ApiServer(..., dev=True)` runs `dss serve --dev` instead, where `X-DSS-User` names the user.
+
+The server listens before it is ready; `start()` waits for `/readyz` and keeps, in `start_trace`,
+what `/healthz`, `/readyz` and a chat request answered meanwhile (the readiness tests read it).
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import shutil
 import signal
@@ -22,6 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +65,30 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class Answer:
+    """What one probe got while the server started: `status` None for no connection."""
+
+    at_s: float
+    probe: str  # "healthz", "readyz" or "chat"
+    status: int | None
+    body: dict[str, Any] | None = None
+    retry_after: str | None = None
+
+
 class ApiServer:
-    def __init__(self, model: Path, root: Path) -> None:
-        self.model = model
+    def __init__(
+        self,
+        model: Path | None,
+        root: Path,
+        *,
+        dev: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.model = model  # None: `--no-engine`
+        self.dev = dev
+        self.extra_env = dict(env or {})
+        self.start_trace: list[Answer] = []
         self.root = root
         self.data_dir = root / "data"
         self.log_path = root / "server.log"
@@ -86,41 +112,76 @@ class ApiServer:
                 "DSS_STORE__DISK_CAPACITY_BYTES": str(2 << 30),
                 "DSS_STORE__FSYNC": "false",
                 "PYTHONUNBUFFERED": "1",
+                **self.extra_env,
             }
         )
         return env
+
+    def command(self) -> list[str]:
+        engine = ["--model", str(self.model)] if self.model is not None else ["--no-engine"]
+        return [
+            sys.executable, "-m", "api.cli", "serve", *engine,
+            "--data-dir", str(self.data_dir),
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--log-level", "warning",
+            *(["--dev"] if self.dev else []),
+        ]  # fmt: skip
 
     def start(self) -> None:
         if self.proc is not None:
             raise RuntimeError("the server is running")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if not self._keys:
-            self.key("admin", admin=True)  # keys exist before the start: no development mode
+            self.key("admin", admin=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the subprocess
-        cmd = [
-            sys.executable, "-m", "api.cli", "serve",
-            "--model", str(self.model),
-            "--data-dir", str(self.data_dir),
-            "--host", "127.0.0.1",
-            "--port", str(self.port),
-            "--log-level", "warning",
-        ]  # fmt: skip
         self.proc = subprocess.Popen(
-            cmd, cwd=REPO, env=self.env(), stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+            self.command(),
+            cwd=REPO,
+            env=self.env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,
         )
         log.close()
         self.starts += 1
-        deadline = time.monotonic() + START_TIMEOUT_S
+        self.start_trace = []
+        began = time.monotonic()
+        deadline = began + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.proc = None
                 raise RuntimeError(f"the server exited during start-up:\n{self.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.base_url + "/readyz", timeout=2).status_code == 200:
+            for probe in ("healthz", "readyz", "chat"):
+                answer = self._probe(probe, time.monotonic() - began)
+                last = next((a for a in reversed(self.start_trace) if a.probe == probe), None)
+                if last is None or (last.status, last.body) != (answer.status, answer.body):
+                    self.start_trace.append(answer)  # changes only: a start makes hundreds of probes
+                if probe == "readyz" and answer.status == 200:
                     return
-            time.sleep(0.5)
+            time.sleep(0.25)
         self.stop()
         raise RuntimeError(f"the server was not ready after {START_TIMEOUT_S} s:\n{self.log_tail()}")
+
+    def _probe(self, probe: str, at_s: float) -> Answer:
+        try:
+            if probe == "chat":
+                body = {"messages": [user_msg("hi")], "max_tokens": 1}
+                r = httpx.post(
+                    self.base_url + "/v1/chat/completions", json=body, headers=self.headers("admin", True),
+                    timeout=5,
+                )  # fmt: skip
+            else:
+                r = httpx.get(f"{self.base_url}/{probe}", timeout=2)
+        except httpx.HTTPError:
+            return Answer(at_s, probe, None)
+        try:
+            data = r.json()
+        except ValueError:
+            data = None
+        if probe == "chat" and r.status_code == 200:
+            data = None  # the answer's text and ids differ every time: only the status matters
+        return Answer(at_s, probe, r.status_code, data, r.headers.get("retry-after"))
 
     def stop(self) -> int | None:
         """Graceful stop (SIGTERM): the store flushes and closes. Returns the exit code."""
@@ -184,43 +245,56 @@ class ApiServer:
         )
 
 
-_SERVER: ApiServer | None = None
-_FAILED: str | None = None
+# The configurations tests share, each started once per test process on first use.
+VARIANTS: dict[str, dict[str, str]] = {
+    "default": {},
+    # Two generation slots: admission tests overrun them with a few requests.
+    "small": {"DSS_ENGINE__MAX_INFLIGHT": "2", "DSS_ENGINE__RETRY_AFTER_S": "3"},
+}
+_SERVERS: dict[str, ApiServer] = {}
+_FAILED: dict[str, str] = {}
 
 
 def _shutdown() -> None:
-    global _SERVER
-    if _SERVER is not None:
-        _SERVER.stop()
-        shutil.rmtree(_SERVER.root, ignore_errors=True)
-        _SERVER = None
+    for name in list(_SERVERS):
+        server = _SERVERS.pop(name)
+        server.stop()
+        shutil.rmtree(server.root, ignore_errors=True)
 
 
-def get_server() -> ApiServer:
-    """The process-wide server, started on first use."""
-    global _SERVER, _FAILED
-    if _FAILED is not None:
-        pytest.fail(_FAILED)
-    if _SERVER is None:
+def get_server(variant: str = "default") -> ApiServer:
+    """The process-wide server of `variant`, started on first use."""
+    if variant in _FAILED:
+        pytest.fail(_FAILED[variant])
+    server = _SERVERS.get(variant)
+    if server is None:
         model = model_dir()
         if model is None:
             pytest.skip("the default model is not prepared (run `make model` or set DSS_MODEL_DIR)")
-        server = ApiServer(model, Path(tempfile.mkdtemp(prefix="dss-api-test-")))
+        server = ApiServer(
+            model, Path(tempfile.mkdtemp(prefix=f"dss-api-test-{variant}-")), env=VARIANTS[variant]
+        )
         try:
             server.start()
         except RuntimeError as exc:
-            _FAILED = str(exc)
+            _FAILED[variant] = str(exc)
             raise
-        _SERVER = server
-        atexit.register(_shutdown)
-    if _SERVER.proc is None:
-        _SERVER.start()
-    return _SERVER
+        if not _SERVERS:
+            atexit.register(_shutdown)
+        _SERVERS[variant] = server
+    if server.proc is None:
+        server.start()
+    return server
 
 
 @pytest.fixture(scope="session")
 def api_server() -> Iterator[ApiServer]:
     yield get_server()
+
+
+@pytest.fixture(scope="session")
+def small_api_server() -> Iterator[ApiServer]:
+    yield get_server("small")
 
 
 def chat(client: httpx.Client, messages: list[dict[str, str]], **extra: Any) -> dict[str, Any]:

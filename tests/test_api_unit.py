@@ -4,6 +4,7 @@ branches, erasure and metrics, over FastAPI's test client and a real store in a 
 from __future__ import annotations
 
 import sqlite3
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,11 +38,26 @@ def settings_for(data_dir: Path, **groups: dict[str, Any]) -> Settings:
     return load_settings(**base)
 
 
+# Development mode as `dss serve --dev` has it, plus the test client's own Host name.
+DEV = {"dev_mode": True, "dev_allowed_hosts": ["testserver"]}
+
+
+def started(c: TestClient, timeout_s: float = 30.0) -> TestClient:
+    """The client once `/readyz` says ready: the server listens (here: the test client runs the
+    app) before its store is open."""
+    deadline = time.monotonic() + timeout_s
+    while (r := c.get("/readyz")).status_code != 200:
+        assert r.status_code == 503 and "failed" not in r.json()["reason"], r.text
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.01)
+    return c
+
+
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[TestClient]:
-    """Development mode (loopback, no keys): users come from the X-DSS-User header."""
-    with TestClient(create_app(settings_for(tmp_path / "data"))) as c:
-        yield c
+    """Development mode (`--dev`): users come from the X-DSS-User header."""
+    with TestClient(create_app(settings_for(tmp_path / "data", auth=DEV))) as c:
+        yield started(c)
 
 
 def as_user(user: str) -> dict[str, str]:
@@ -177,10 +193,11 @@ def test_cli_creates_keys(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_cli_serve_refuses_a_public_bind_without_keys(tmp_path: Path) -> None:
-    args = ["serve", "--no-engine", "--data-dir", str(tmp_path), "--host", "0.0.0.0", "--port", "0"]
+def test_cli_serve_refuses_dev_mode_on_a_public_bind(tmp_path: Path) -> None:
+    args = ["serve", "--dev", "--no-engine", "--data-dir", str(tmp_path), "--host", "0.0.0.0", "--port", "0"]
     res = CliRunner().invoke(cli, args)
-    assert res.exit_code == 2 and "without API keys" in res.output
+    assert res.exit_code == 2 and "refusing development mode on 0.0.0.0" in res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
 
 
 # ---------------------------------------------------------------------------------------- auth modes
@@ -188,6 +205,7 @@ def test_keys_required_once_any_exists(tmp_path: Path) -> None:
     data = tmp_path / "data"
     alice, admin = make_key(data, "alice"), make_key(data, None, admin=True)
     with TestClient(create_app(settings_for(data))) as c:
+        started(c)
         assert c.get("/v1/sessions").status_code == 401
         assert c.get("/v1/sessions", headers=as_user("alice")).status_code == 401
         r = c.get("/v1/sessions", headers={"Authorization": "Bearer nope"})
@@ -203,14 +221,13 @@ def test_keys_required_once_any_exists(tmp_path: Path) -> None:
         assert c.get("/healthz").status_code == 200
 
 
-def test_public_bind_without_keys_refuses_to_start(tmp_path: Path) -> None:
-    app = create_app(settings_for(tmp_path / "data", server={"host": "0.0.0.0"}))
-    with pytest.raises(StartupRefused, match="without API keys"), TestClient(app):
+def test_dev_mode_on_a_public_bind_refuses_to_start(tmp_path: Path) -> None:
+    app = create_app(settings_for(tmp_path / "data", server={"host": "0.0.0.0"}, auth=DEV))
+    with pytest.raises(StartupRefused, match="refusing development mode"), TestClient(app):
         pass
-    # With a key it starts (the test client never binds the address).
-    make_key(tmp_path / "data", "alice")
+    # Without --dev a public bind starts, keys or not (the test client never binds the address).
     with TestClient(create_app(settings_for(tmp_path / "data", server={"host": "0.0.0.0"}))) as c:
-        assert c.get("/readyz").status_code == 200
+        assert started(c).get("/v1/sessions").status_code == 401
 
 
 # ------------------------------------------------------------------------------------- bad input
@@ -260,7 +277,9 @@ def test_bad_input_is_400_and_unknown_fields_are_ignored(client: TestClient) -> 
 
 
 def test_body_size_limit(tmp_path: Path) -> None:
-    with TestClient(create_app(settings_for(tmp_path / "d", server={"max_body_bytes": 2048}))) as c:
+    settings = settings_for(tmp_path / "d", server={"max_body_bytes": 2048}, auth=DEV)
+    with TestClient(create_app(settings)) as c:
+        started(c)
         r = c.post("/v1/sessions", json={"system_prompt": "x" * 4096}, headers=as_user("a"))
         assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
 
@@ -441,6 +460,7 @@ def test_engine_admission_answers_503_with_retry_after() -> None:
 
     engine = ChatEngine(
         None, None, model_name="m", max_model_len=64, fingerprint=None, max_inflight=1, retry_after_s=3,
+        tag_key=b"k" * 32,
     )  # fmt: skip
     seen: list[int] = []
     engine.on_inflight_change = seen.append

@@ -1,14 +1,23 @@
-"""Liveness (`/healthz`: the process answers) and readiness (`/readyz`: store open, engine ready)."""
+"""Liveness (`/healthz`: the process answers) and readiness (`/readyz`: store open, engine ready).
+
+The server listens before its store is open and its engine loaded, so `/healthz` answers 200 from
+the first moment and `/readyz` answers 503 with a `reason` ("store opening", "engine starting",
+"start-up failed: ...", "engine not healthy", "shutting down") until it can serve chats.
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from api.deps import StateDep
 from api.schemas import Health
+from api.state import AppState, Phase, Startup
 
 router = APIRouter(tags=["health"])
+
+
+class Readiness(Health):
+    reason: str | None = None  # why not ready; absent when ready
 
 
 @router.get("/healthz", response_model=Health, response_model_exclude_none=True)
@@ -16,13 +25,30 @@ def healthz() -> Health:
     return Health(status="ok")
 
 
-@router.get("/readyz", response_model=Health, responses={503: {"model": Health, "description": "Not ready"}})
-async def readyz(state: StateDep) -> JSONResponse:
-    store_ok = state.started
-    engine_ok = state.engine is not None and await state.engine.ready()
-    needs_engine = state.settings.engine.enabled
+@router.get(
+    "/readyz",
+    response_model=Readiness,
+    response_model_exclude_none=True,
+    responses={503: {"model": Readiness, "description": "Not ready, with the reason"}},
+)
+async def readyz(request: Request) -> JSONResponse:
+    startup: Startup = request.app.state.startup
+    state: AppState | None = getattr(request.app.state, "dss", None)
+    dev_mode = bool(request.app.state.settings.auth.dev_mode)
+    store_ok = state is not None and state.started
+    engine_ok = state is not None and state.engine is not None and await state.engine.ready()
+    needs_engine = bool(request.app.state.settings.engine.enabled)
     ok = store_ok and (engine_ok or not needs_engine)
-    body = Health(
-        status="ready" if ok else "not ready", store=store_ok, engine=engine_ok, dev_mode=state.dev_mode
+    reason = None
+    if not ok:
+        reason = startup.reason
+        if startup.phase is Phase.READY:  # it was ready: the engine died since
+            reason = "engine not healthy"
+    body = Readiness(
+        status="ready" if ok else "not ready",
+        reason=reason,
+        store=state is not None,
+        engine=engine_ok,
+        dev_mode=dev_mode,
     )
-    return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
+    return JSONResponse(body.model_dump(exclude_none=True), status_code=200 if ok else 503)
