@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
 import time
@@ -70,6 +71,27 @@ class _Admission:
     limit: int
     retry_after_s: int
     inflight: int = 0
+
+
+@dataclass(eq=False)
+class Slot:
+    """A generation slot taken by `ChatEngine.admit` for one request; `release` gives it back
+    (once, however often it is called)."""
+
+    engine: ChatEngine
+    adopted: bool = False  # a generation of the request runs in it (`ChatEngine.admitted`)
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.engine._release()
+
+
+# The slot of the request being answered: set by `admit` in the route, read by the generation
+# that follows in the same request, also from the task a streaming response runs its body in
+# (tasks start with a copy of their creator's context).
+_HELD: contextvars.ContextVar[Slot | None] = contextvars.ContextVar("dss_admission_slot", default=None)
 
 
 class ChatEngine:
@@ -188,9 +210,28 @@ class ChatEngine:
             )
         return max_tokens
 
-    # --------------------------------------------------------------------------------- generation
+    # --------------------------------------------------------------------------------- admission
+    def admit(self) -> Slot:
+        """Take a generation slot for the request being answered, now, or fail with
+        `EngineOverloaded` (503, Retry-After). Counted from here on, before the response starts:
+        a stream counted only once its body began let a whole burst past the limit. The request's
+        generation (in this context) then uses this slot: `check_capacity` passes, `admitted`
+        adopts it and gives it back when the generation ends; the caller releases it as well
+        (idempotent), for the requests that end before they generate."""
+        self._check_free()
+        slot = Slot(self)
+        self._admission.inflight += 1  # one event loop: no lock between the check and the increment
+        self._report_inflight()
+        _HELD.set(slot)
+        return slot
+
     def check_capacity(self) -> None:
-        """Fail fast with `EngineOverloaded` when every generation slot is taken."""
+        """Fail fast with `EngineOverloaded` when every generation slot is taken (a request that
+        holds one from `admit` passes)."""
+        if self._held() is None:
+            self._check_free()
+
+    def _check_free(self) -> None:
         adm = self._admission
         if adm.inflight >= adm.limit:
             raise EngineOverloaded(
@@ -198,20 +239,36 @@ class ChatEngine:
                 adm.retry_after_s,
             )
 
+    def _held(self) -> Slot | None:
+        slot = _HELD.get()
+        return slot if slot is not None and slot.engine is self and not slot.released else None
+
+    def _release(self) -> None:
+        self._admission.inflight -= 1
+        self._report_inflight()
+
     @contextlib.asynccontextmanager
     async def admitted(self, strict: bool = True) -> AsyncIterator[None]:
-        """Hold a generation slot. `strict`: fail with `EngineOverloaded` when none is free;
-        otherwise take it anyway (a stream whose capacity was checked before its 200 went out)."""
+        """Hold a generation slot: the one this request took with `admit`, else a new one.
+        `strict`: fail with `EngineOverloaded` when none is free; otherwise take it anyway (a
+        stream whose capacity was checked before its 200 went out)."""
+        held = self._held()
+        if held is not None and not held.adopted:
+            held.adopted = True
+            try:
+                yield
+            finally:
+                held.release()
+            return
         adm = self._admission
         if strict:
-            self.check_capacity()
+            self._check_free()
         adm.inflight += 1  # one event loop: no lock needed between the check and the increment
         self._report_inflight()
         try:
             yield
         finally:
-            adm.inflight -= 1
-            self._report_inflight()
+            self._release()
 
     async def abort_tenant(self, tenant: TenantId) -> int:
         """Stop every generation of `tenant` (its user is being erased): each ends with
