@@ -18,7 +18,7 @@ def test_access_log_has_templates_not_user_ids(tmp_path: Path) -> None:
     port = free_port()
     log_path = tmp_path / "server.log"
     cmd = [
-        sys.executable, "-m", "api.cli", "serve", "--no-engine",
+        sys.executable, "-m", "api.cli", "serve", "--no-engine", "--dev",
         "--data-dir", str(tmp_path / "data"), "--host", "127.0.0.1", "--port", str(port),
         "--log-level", "info",
     ]  # fmt: skip
@@ -31,7 +31,7 @@ def test_access_log_has_templates_not_user_ids(tmp_path: Path) -> None:
         deadline = time.monotonic() + 60
         while True:
             try:
-                if httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
+                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
