@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
-import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -31,8 +29,7 @@ from api.middleware import BodyLimit, DevHostGuard, RequestMetrics
 from api.routes import branches, chat, health, metrics, models, prefixes, sessions, users, versions
 from api.settings import Settings
 from api.state import AppState, Phase, Startup
-from dss.config import StoreConfig
-from dss.errors import DSSError, InvalidInput, StorageError
+from dss.errors import DataDirInUse, DSSError, InvalidInput
 from dss.store import Store
 
 log = logging.getLogger("dss.api")
@@ -100,39 +97,11 @@ def log_auth_mode(settings: Settings, keys: ApiKeys) -> None:
         )
 
 
-def data_dir_in_use(config: StoreConfig) -> bool:
-    """Whether another process owns the data directory: the lock `Store.open` takes, tried and let
-    go at once. `dss serve` asks before it listens, so that a second server on one directory
-    exits with one line instead of starting and failing; the store itself still decides."""
-    path = config.run_dir / "owner.lock"
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False  # no lock file yet: nobody ever owned it
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # closing the descriptor drops the lock, if this process took it
-    return False
-
-
-def data_dir_refusal(config: StoreConfig) -> str:
-    return (
-        f"another process owns the data directory {config.data_dir}: stop that server first, or give "
-        "this one another --data-dir"
-    )
-
-
 def refusal_of(exc: BaseException, settings: Settings) -> str | None:
     """The one line that says why the server cannot start, for failures that are a situation to
     fix rather than a bug (no traceback helps with those); None for anything else."""
-    if isinstance(exc, StartupRefused):
+    if isinstance(exc, StartupRefused | DataDirInUse):
         return str(exc)
-    config = settings.store.to_config()
-    if isinstance(exc, StorageError) and data_dir_in_use(config):
-        return data_dir_refusal(config)
     return None
 
 

@@ -73,10 +73,10 @@ def serve(
         StartupRefused,
         check_startup,
         create_app,
-        data_dir_in_use,
-        data_dir_refusal,
     )
     from api.state import Startup
+    from dss.errors import DataDirInUse
+    from dss.store import Store
 
     settings = load_settings(
         server={"host": host, "port": port, "log_level": log_level},
@@ -88,8 +88,10 @@ def serve(
         check_startup(settings)
     except StartupRefused as exc:
         _refuse(str(exc))
-    if data_dir_in_use(settings.store.to_config()):
-        _refuse(data_dir_refusal(settings.store.to_config()))
+    try:
+        Store.ensure_data_dir_free(settings.store.to_config())
+    except DataDirInUse as exc:
+        _refuse(str(exc))
     level = settings.server.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)

@@ -50,3 +50,7 @@ class StoreConfig:
     @property
     def run_dir(self) -> Path:
         return self.data_dir / "run"
+
+    @property
+    def owner_lock_path(self) -> Path:
+        return self.run_dir / "owner.lock"

@@ -92,6 +92,10 @@ class StorageError(DSSError):
     pass
 
 
+class DataDirInUse(StorageError):
+    """Another process owns the data directory (one store per directory)."""
+
+
 class TierUnavailable(StorageError):
     """A tier cannot be used (disk full, read-only, gone). The store keeps serving from the others."""
 

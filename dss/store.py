@@ -27,7 +27,7 @@ import numpy as np
 from dss.config import StoreConfig
 from dss.db.engine import make_engine, make_session_factory, upgrade_to_head
 from dss.dialogue.versions import VersionStore
-from dss.errors import StorageError, StoreClosed
+from dss.errors import DataDirInUse, StoreClosed
 from dss.index.fingerprints import FingerprintRegistry
 from dss.index.prefix_index import PrefixIndex
 from dss.keys.identity import Identity, load_master_key
@@ -119,7 +119,9 @@ class Store:
         self.recovery_report = recovery.rebuild(self.sf, self.disk, self.pages, self.index, self.fingerprints)
         self.kv = KVCache(cfg, self.fingerprints, self.index, self.pages, self.keyring.is_retired)
         self.prefixes = PublicPrefixes(self.sf, self.fingerprints, self.kv)
-        self.eraser = Eraser(self.sf, self.db, self.identity, self.keyring, self.index, self.pages, self.kv)
+        self.eraser = Eraser(
+            self.sf, self.db, self.versions, self.identity, self.keyring, self.index, self.pages, self.kv
+        )
         self.check()
 
     def close(self) -> None:
@@ -145,16 +147,29 @@ class Store:
         if self._closed:
             raise StoreClosed("the store is closed")
 
+    @staticmethod
+    def ensure_data_dir_free(config: StoreConfig) -> None:
+        """`DataDirInUse` when another process owns `config`'s data directory: the owner lock,
+        tried and let go at once (a server asks before it listens; `open` still decides)."""
+        try:
+            fd = os.open(config.owner_lock_path, os.O_RDONLY)
+        except OSError:
+            return  # no lock file yet: nobody ever owned it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _data_dir_in_use(config) from None
+        finally:
+            os.close(fd)  # closing the descriptor drops the lock, if this process took it
+
     def _take_owner_lock(self) -> None:
-        path = self.config.run_dir / "owner.lock"
+        path = self.config.owner_lock_path
         f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o600), "a+b")  # held for the store's lifetime
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.close()
-            raise StorageError(
-                f"another process owns the data directory {self.config.data_dir} ({path} is locked)"
-            ) from None
+            raise _data_dir_in_use(self.config) from None
         self._owner_lock = f
 
     def _release_owner_lock(self) -> None:
@@ -308,3 +323,10 @@ class Store:
             address = socket_path_for(self.config.run_dir)
             self._rpc_server = StoreServer(self, address, self.identity.rpc_authkey())
         return self._rpc_server.address, self._rpc_server.authkey
+
+
+def _data_dir_in_use(config: StoreConfig) -> DataDirInUse:
+    return DataDirInUse(
+        f"another process owns the data directory {config.data_dir}: stop that server first, or give "
+        "this one another --data-dir"
+    )

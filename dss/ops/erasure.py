@@ -30,6 +30,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from dss.db import models as m
 from dss.db.engine import BUSY_TIMEOUT_MS, transaction
+from dss.dialogue.versions import VersionStore
 from dss.errors import ReceiptNotFound
 from dss.index.prefix_index import PrefixIndex
 from dss.keys.identity import Identity
@@ -104,6 +105,7 @@ class Eraser:
         self,
         session_factory: sessionmaker[Session],
         db: Engine,
+        versions: VersionStore,
         identity: Identity,
         keyring: Keyring,
         index: PrefixIndex,
@@ -112,6 +114,7 @@ class Eraser:
     ) -> None:
         self._sf = session_factory
         self._db = db
+        self._versions = versions
         self._identity = identity
         self._keyring = keyring
         self._index = index
@@ -138,7 +141,7 @@ class Eraser:
             rid = "era_" + uuid.uuid4().hex[:24]
             try:
                 with transaction(self._sf) as s:
-                    counts = _delete_rows(s, user, tenant, self._keyring, usage)
+                    counts = _delete_rows(s, user, tenant, self._versions, self._keyring, usage)
                     # The user's next tenant: a re-created user starts cold everywhere.
                     counts["epoch"] = self._identity.next_epoch_in(s, user)
                     seq, prev, entry = _append_receipt(s, rid, erased_at, tenant, counts)
@@ -161,23 +164,20 @@ class Eraser:
 
 
 def _delete_rows(
-    s: Session, user: str, tenant: TenantId, keyring: Keyring, usage: dict[Tier, tuple[int, int]]
+    s: Session,
+    user: str,
+    tenant: TenantId,
+    versions: VersionStore,
+    keyring: Keyring,
+    usage: dict[Tier, tuple[int, int]],
 ) -> dict[str, Any]:
-    def count(table: type[m.SessionRow] | type[m.VersionRow] | type[m.BranchRow]) -> int:
-        return int(
-            s.execute(select(func.count()).select_from(table).where(table.user_id == user)).scalar_one()
-        )
-
-    n_sessions, n_versions, n_branches = count(m.SessionRow), count(m.VersionRow), count(m.BranchRow)
-    # Children first: correct where foreign-key cascades are off.
-    for table in (m.VersionRow, m.BranchRow, m.SessionRow):
-        s.execute(delete(table).where(table.user_id == user))
+    dialogue = versions.delete_user_sessions(user, s)
     n_page_rows = s.execute(delete(m.PageRow).where(m.PageRow.tenant == tenant)).rowcount or 0
     n_keys = keyring.destroy_in(s, tenant)
     return {
-        "sessions": n_sessions,
-        "versions": n_versions,
-        "branches": n_branches,
+        "sessions": dialogue["sessions"],
+        "versions": dialogue["versions"],
+        "branches": dialogue["branches"],
         "page_rows": int(n_page_rows),
         "data_keys_destroyed": n_keys,
         "pages": {t.value: usage[t][0] for t in Tier},
