@@ -122,7 +122,7 @@ class StoreService(Protocol):
     def release(self, load_id: str) -> None: ...
 
     def plan_save(
-        self, fid: FingerprintId, tenant: TenantId, tokens: np.ndarray, n_pages: int
+        self, fid: FingerprintId, tenant: TenantId, tokens: np.ndarray, n_pages: int, with_tail: bool = False
     ) -> SavePlan: ...
 
     def commit_save(self, save_id: str, written: Sequence[int]) -> int: ...
@@ -231,8 +231,10 @@ class StoreServer:
     def _wait_loaded(self, load_id: str, timeout_s: float, release: bool) -> tuple[PageSlot | None, ...]:
         return tuple(self.service.wait_loaded(load_id, timeout_s, release=release))
 
-    def _plan_save(self, fid: str, tenant: str, tokens: np.ndarray, n_pages: int) -> SavePlan:
-        return self.service.plan_save(FingerprintId(fid), TenantId(tenant), tokens, n_pages)
+    def _plan_save(
+        self, fid: str, tenant: str, tokens: np.ndarray, n_pages: int, with_tail: bool = False
+    ) -> SavePlan:
+        return self.service.plan_save(FingerprintId(fid), TenantId(tenant), tokens, n_pages, bool(with_tail))
 
     def _commit_save(self, save_id: str, written: list[int]) -> int:
         return int(self.service.commit_save(save_id, written))
@@ -551,11 +553,13 @@ class StoreClient:
         tokens: Sequence[int] | np.ndarray,
         n_pages: int,
         *,
+        with_tail: bool = False,
         timeout_s: float | None = None,
     ) -> SavePlan:
+        """Reserve slots for the pages of `tokens` the store lacks (`KVCache.plan_save`)."""
         arr = np.asarray(tokens, dtype="<i4")
         plan: SavePlan = self._call(
-            "plan_save", str(fingerprint), str(tenant), arr, n_pages, timeout_s=timeout_s
+            "plan_save", str(fingerprint), str(tenant), arr, n_pages, with_tail, timeout_s=timeout_s
         )
         return plan
 

@@ -230,10 +230,15 @@ class Store:
         self.kv.release(load_id)
 
     def plan_save(
-        self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray, n_pages: int
+        self,
+        fid: FingerprintId,
+        tenant: TenantId,
+        tokens: Sequence[int] | np.ndarray,
+        n_pages: int,
+        with_tail: bool = False,
     ) -> SavePlan:
         self._ensure_open()
-        return self.kv.plan_save(fid, tenant, tokens, n_pages)
+        return self.kv.plan_save(fid, tenant, tokens, n_pages, with_tail)
 
     def commit_save(self, save_id: str, written: Sequence[int]) -> int:
         return self.kv.commit_save(save_id, written)

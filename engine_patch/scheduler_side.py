@@ -2,7 +2,11 @@
 
 It decides, per request, how many prompt tokens beyond vLLM's own prefix-cache hit can be
 loaded from the store, pins those pages until the worker has copied them, and when a request
-finishes asks the store which of its full pages are new and hands their copy to the worker.
+finishes asks the store which of its pages are new and hands their copy to the worker. A
+request's last, partial block is saved too, as a tail page (the whole block, valid for its first
+tokens), and loaded into the block vLLM allocates for it, so that the next turn of a session
+computes only its new tokens: vLLM accepts a matched-token count that is not a multiple of the
+block size and computes the rest of that block itself.
 
 Only requests whose `kv_transfer_params` carry a `dss.wire.SessionTag` (set by our server, never
 by an end client) are touched; every other request is left exactly to plain vLLM. Every store
@@ -10,9 +14,9 @@ failure (an error, or an RPC past its deadline) is a cache miss, never an error 
 each one is counted in the request's `dss.wire.TurnReport`.
 
 Store round trips per session turn from this process: one `lookup` when the request is first
-scheduled (unless vLLM's own cache already covers every whole page), one `plan_save` when its
-prefill completes, and one `plan_save` at finish only when decoding completed a page that the
-prefill save did not cover.
+scheduled (unless vLLM's own cache covers all but the last prompt token), one `plan_save` when
+its prefill completes (its whole prompt pages), and one `plan_save` at finish (the pages decoding
+completed and the tail).
 """
 
 from __future__ import annotations
@@ -59,10 +63,11 @@ class _Progress:
 
     engine_cached: int = 0  # vLLM's own prefix-cache hit when the store was asked
     page_tiers: list[str] = field(default_factory=list)  # tier of each page handed to the worker
+    loaded_tokens: int = 0  # tokens those pages hold (the last one may be a tail page)
     found_in: dict[str, int] = field(default_factory=dict)  # what the store had, by tier
     failed_tokens: int = 0
     stored_pages: int = 0
-    planned_pages: int = 0  # pages covered by a save plan already (prompt pages after prefill)
+    planned_tokens: int = 0  # tokens covered by a save plan already (prompt pages after prefill)
     store_errors: int = 0
 
 
@@ -178,10 +183,10 @@ class SchedulerSide:
             if time.monotonic() - since < self.settle_timeout_s:
                 return None, False
         self._deferred_since.pop(req_id, None)
-        bs = self.block_size
         # A sync hit must leave at least one token to compute (the scheduler asserts it); async
         # hits may not, but one rule for both keeps the plan valid whichever the store answers.
-        max_tokens = ((request.num_tokens - 1) // bs) * bs
+        # The limit need not be a whole page: a tail page may end anywhere before it.
+        max_tokens = request.num_tokens - 1
         if max_tokens <= num_computed_tokens:
             return 0, False
         fid = self._fingerprint_id()
@@ -223,7 +228,7 @@ class SchedulerSide:
         first = start // bs
         ok = (
             plan.n_tokens > 0
-            and plan.n_tokens == len(plan.pages) * bs
+            and (len(plan.pages) - 1) * bs < plan.n_tokens <= len(plan.pages) * bs
             and start + plan.n_tokens <= max_tokens
             and [p.page_index for p in plan.pages] == list(range(first, first + len(plan.pages)))
             and (plan.is_async or span_of(plan.pages) is not None)
@@ -240,12 +245,12 @@ class SchedulerSide:
         if claim is None:
             return  # not ours, or the second call after an async load
         bs = self.block_size
-        n_pages = min(num_external_tokens // bs, len(claim.plan.pages))
+        # The last page may be partial (a tail page, or vLLM taking fewer tokens than offered):
+        # its whole block is copied, and vLLM computes the block's remaining positions.
+        n_pages = min(-(-num_external_tokens // bs), len(claim.plan.pages))
         if n_pages == 0:
             self._release(req_id, claim.plan.load_id)
             return
-        if num_external_tokens % bs:
-            logger.error("vLLM admitted %d external tokens, not whole pages", num_external_tokens)
         first = claim.start_token // bs
         block_ids = tuple(blocks.get_block_ids()[0][first : first + n_pages])
         pages = claim.plan.pages[:n_pages]
@@ -254,10 +259,13 @@ class SchedulerSide:
         # A page whose slot the plan names is read from the host arena; the others are promoted
         # from disk on the way.
         tiers = [Tier.HOST.value if p.slot is not None else Tier.DISK.value for p in pages]
-        self._of(req_id).page_tiers = tiers
+        progress = self._of(req_id)
+        progress.page_tiers = tiers
+        progress.loaded_tokens = min(num_external_tokens, claim.plan.n_tokens)
         if claim.plan.is_async:
             self._async_inflight.add(req_id)
-        host, disk = tiers.count(Tier.HOST.value) * bs, tiers.count(Tier.DISK.value) * bs
+        per_tier = _tokens_by_tier(tiers, progress.loaded_tokens, bs)
+        host, disk = per_tier.get(Tier.HOST.value, 0), per_tier.get(Tier.DISK.value, 0)
         self._hit_sources[req_id] = {
             k: v for k, v in ((CacheHitSource.HOST, host), (CacheHitSource.DISK, disk)) if v
         }
@@ -291,32 +299,35 @@ class SchedulerSide:
             del self._prefilling[req_id]
             session = self.session_of(request)
             assert session is not None and self._block_ids_of is not None
-            n_pages = request.num_prompt_tokens // self.block_size
+            # Whole pages only: the prompt's last block fills up while the answer is decoded and
+            # is saved at finish (with the answer's own tail).
+            n_whole = request.num_prompt_tokens // self.block_size * self.block_size
             block_ids = self._block_ids_of(req_id)
-            spec = self._plan_save(request, session, n_pages, block_ids, on_finish=False)
+            spec = self._plan_save(request, session, n_whole, block_ids, on_finish=False)
             if spec is not None:
                 self._saves.append(spec)
                 self._of(req_id).stored_pages += len(spec.page_indexes)
 
     def _plan_save(
-        self, request: Request, session: SessionTag, n_pages: int, block_ids: list[int], on_finish: bool
+        self, request: Request, session: SessionTag, n_tokens: int, block_ids: list[int], on_finish: bool
     ) -> SaveSpec | None:
-        """Ask the store which of the first `n_pages` pages it lacks; None when there is nothing to copy."""
+        """Ask the store which pages of the first `n_tokens` tokens it lacks (whole pages, then
+        the tail page when `n_tokens` ends inside a block); None when there is nothing to copy."""
         fid = self._fingerprint_id()
-        n_pages = min(n_pages, len(block_ids))
-        progress = self._of(request.request_id)
-        if n_pages <= progress.planned_pages or fid is None or self.disabled:
-            return None  # nothing beyond what an earlier plan of this request covered
         bs = self.block_size
+        n_tokens = min(n_tokens, len(block_ids) * bs)
+        progress = self._of(request.request_id)
+        if n_tokens <= progress.planned_tokens or fid is None or self.disabled:
+            return None  # nothing beyond what an earlier plan of this request covered
         try:
             plan = self.client.plan_save(  # type: ignore[union-attr]
-                fid, session.tenant, request.all_token_ids[: n_pages * bs], n_pages
+                fid, session.tenant, request.all_token_ids[:n_tokens], n_tokens // bs, with_tail=True
             )
         except DSSError as exc:
             progress.store_errors += 1
             logger.warning("DSS plan_save for %s failed; not saved: %s", request.request_id, exc)
             return None
-        progress.planned_pages = n_pages
+        progress.planned_tokens = n_tokens
         if not plan.pages:
             return None  # the store has every page already
         span = span_of(plan.pages)
@@ -364,8 +375,9 @@ class SchedulerSide:
         progress = self._of(req_id)
         if not aborted_mid_load and not self.disabled:
             # Aborted while its pages were still arriving: its blocks hold nothing to save yet.
-            n_full = request.num_computed_tokens // self.block_size
-            spec = self._plan_save(request, session, n_full, block_ids, on_finish=True)
+            # Otherwise every computed token is saved: whole pages and the tail page.
+            n_computed = int(request.num_computed_tokens)
+            spec = self._plan_save(request, session, n_computed, block_ids, on_finish=True)
             if spec is not None:
                 self._saves.append(spec)
                 self._saving.setdefault(_key(session), {})[req_id] = time.monotonic()
@@ -377,9 +389,8 @@ class SchedulerSide:
     def _report(self, request: Request, session: SessionTag, p: _Progress) -> TurnReport:
         bs = self.block_size
         n_ok = max(0, len(p.page_tiers) - (p.failed_tokens + bs - 1) // bs) if bs else 0
-        loaded: dict[str, int] = {}
-        for tier in p.page_tiers[:n_ok]:  # failed pages are the tail: vLLM recomputes from there
-            loaded[tier] = loaded.get(tier, 0) + bs
+        # Failed pages are the last ones: vLLM recomputes from there.
+        loaded = _tokens_by_tier(p.page_tiers[:n_ok], min(p.loaded_tokens, n_ok * bs), bs)
         return TurnReport(
             session_id=session.session_id,
             state_version=session.state_version,
@@ -410,3 +421,13 @@ class SchedulerSide:
         claim = self._claims.pop(req_id, None)
         if claim is not None:
             self._release(req_id, claim.plan.load_id)
+
+
+def _tokens_by_tier(tiers: list[str], n_tokens: int, block_size: int) -> dict[str, int]:
+    """`n_tokens` spread over pages of `block_size` read from `tiers` (the last may be partial)."""
+    out: dict[str, int] = {}
+    for i, tier in enumerate(tiers):
+        n = min(block_size, n_tokens - i * block_size)
+        if n > 0:
+            out[tier] = out.get(tier, 0) + n
+    return out

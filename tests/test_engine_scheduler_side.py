@@ -20,7 +20,7 @@ from vllm.v1.request import Request
 from dss.rpc import StoreClient
 from dss.store import Store
 from dss.types import TenantId
-from dss.wire import SessionTag, TurnReport, tag_key
+from dss.wire import SessionTag, SlotRef, TurnReport, tag_key
 from engine_patch.metadata import DSSConnectorMetadata, DSSWorkerMetadata
 from engine_patch.scheduler_side import SchedulerSide
 from tests.store_helpers import SMALL_FP, open_store, pages_for
@@ -149,10 +149,11 @@ def test_finish_saves_only_new_pages_and_settles_the_next_turn(store: Store, sid
     done, params = side.request_finished(r, [10, 11, 12, 13, 14])
     assert done and params is not None
     assert (
-        params["stored_pages"] == 2 and params["session_id"] == "s1" and params["fingerprint"] == SMALL_FP.id
+        params["stored_pages"] == 3 and params["session_id"] == "s1" and params["fingerprint"] == SMALL_FP.id
     )
     (save,) = step(side).saves
-    assert save.page_indexes == (2, 3) and save.block_ids == (12, 13) and save.on_finish
+    # Pages 2 and 3 are whole; page 4 holds one computed token: it is saved as the tail page.
+    assert save.page_indexes == (2, 3, 4) and save.block_ids == (12, 13, 14) and save.on_finish
     # The session's next turn waits until the worker reports the save done...
     nxt = request("r2", [*r.all_token_ids, 7, 7], tenant)
     assert side.get_num_new_matched_tokens(nxt, 0) == (None, False)
@@ -210,3 +211,39 @@ def test_a_hung_owner_is_a_miss_within_the_deadline(store: Store, monkeypatch: p
     finally:
         answer.set()
         sched.shutdown()
+
+
+def test_a_turn_loads_the_previous_turns_tail_page_and_computes_only_new_tokens(
+    store: Store, side: SchedulerSide
+) -> None:
+    """The previous turn ended 2 tokens into its third block: its tail page is offered, vLLM
+    admits a count that is not a whole number of pages, and the worker copies 3 blocks."""
+    tenant = store.tenant_for("u")
+    prev = list(range(300, 300 + 2 * BS + 2))
+    r1 = request("r1", [*prev, 9], tenant)  # the last sampled token (9) has no KV yet
+    r1.num_computed_tokens = len(prev)
+    assert side.request_finished(r1, [20, 21, 22])[0]
+    (save,) = step(side).saves
+    assert save.page_indexes == (0, 1, 2) and save.block_ids == (20, 21, 22)
+    # The worker's copy, as the store sees it: the reserved slots are written, then committed.
+    written = [*pages_for(SMALL_FP, np.asarray(prev, dtype=np.int32)), bytes(SMALL_FP.page_nbytes)]
+    for idx, slot in zip(save.page_indexes, save.span.slots, strict=True):
+        ref = SlotRef(save.span.arena_path, save.span.slot_nbytes, slot)
+        store.pages.host.slot_array(ref)[:] = np.frombuffer(written[idx], dtype=np.uint8)
+    assert store.commit_save(save.save_id, save.page_indexes) == 3
+    side.update_connector_output(KVConnectorOutput(finished_sending={"r1"}))
+
+    nxt = request("r2", [*prev, 9, 7, 7, 7], tenant)
+    assert side.get_num_new_matched_tokens(nxt, 0) == (2 * BS + 2, False)
+    side.update_state_after_alloc(nxt, blocks_of([1, 2, 3, 4]), 2 * BS + 2)
+    (load,) = step(side).loads
+    assert load.block_ids == (1, 2, 3) and load.span is not None and len(load.span.slots) == 3
+    nxt.num_computed_tokens = len(nxt.all_token_ids) - 1
+    _, params = side.request_finished(nxt, [1, 2, 3, 4])
+    report = TurnReport.from_params(params)
+    assert (
+        report is not None
+        and report.loaded_tokens == 2 * BS + 2
+        and report.loaded_from == {"host": 2 * BS + 2}
+    )
+    step(side)

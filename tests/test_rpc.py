@@ -73,8 +73,10 @@ class FakeService:
     def release(self, load_id: str) -> None:
         self.calls.append(("release", (load_id,)))
 
-    def plan_save(self, fid: FingerprintId, tenant: TenantId, tokens: np.ndarray, n_pages: int) -> SavePlan:
-        self.calls.append(("plan_save", (fid, tenant, tokens, n_pages)))
+    def plan_save(
+        self, fid: FingerprintId, tenant: TenantId, tokens: np.ndarray, n_pages: int, with_tail: bool = False
+    ) -> SavePlan:
+        self.calls.append(("plan_save", (fid, tenant, tokens, n_pages, with_tail)))
         return SavePlan("S1", (PAGE,))
 
     def commit_save(self, save_id: str, written: Sequence[int]) -> int:

@@ -5,6 +5,10 @@ under the lock touches the page table, a tier, the database or a caller. The ind
 name a page the page table no longer has (a page dropped between the two): readers always pass
 the index's answer through the page table (`present_prefix`, `lease_prefix`), and whoever removes
 a page from the table unlinks it here afterwards (`unlink`), so at rest the two agree.
+
+Beside the tries, one `TailIndex` holds the tail pages: the partial last page of a sequence, keyed
+by the full page it follows. A match that ends on a full page continues into the longest tail
+the query goes on with; a page cut from a trie takes the tails under it along.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dss.index.hashing import ROOT_PARENT
+from dss.index.tails import Tail, TailIndex
 from dss.index.trie import RadixTrie
 from dss.namespace import make_namespace, public_namespace
 from dss.types import PUBLIC_TENANT, FingerprintId, Namespace, NamespaceId, PageHash, TenantId
@@ -24,6 +30,11 @@ from dss.types import PUBLIC_TENANT, FingerprintId, Namespace, NamespaceId, Page
 class IndexMatch:
     pages: tuple[PageHash, ...]  # the longest indexed prefix, own or public, in whole pages
     public_pages: int  # how many of the leading pages the public namespace's trie holds
+    tail: PageHash | None = None  # the tail page after `pages` the query continues with
+    tail_tokens: int = 0  # its valid tokens (0 without a tail)
+
+    def n_tokens(self, block_size: int) -> int:
+        return len(self.pages) * block_size + self.tail_tokens
 
 
 class PrefixIndex:
@@ -31,21 +42,40 @@ class PrefixIndex:
         self._lock = threading.Lock()
         self._tries: dict[NamespaceId, RadixTrie] = {}
         self._namespaces: dict[NamespaceId, Namespace] = {}
+        self._tails = TailIndex()
 
     # ------------------------------------------------------------------ queries
     def match(
         self, fid: FingerprintId, tenant: TenantId, tokens: np.ndarray, touch: bool = True
     ) -> IndexMatch:
-        """The longer of the tenant's own match and the public namespace's."""
+        """The longer of the tenant's own match and the public namespace's, each continued into
+        the longest tail page the query goes on with."""
         pub_id = public_namespace(fid).id
         own_id = make_namespace(fid, tenant).id if tenant != PUBLIC_TENANT else None
+        spaces = (pub_id,) if own_id is None else (own_id, pub_id)
         with self._lock:
             pub_trie = self._tries.get(pub_id)
             pub = pub_trie.match(tokens, touch=touch).pages if pub_trie is not None else ()
             own_trie = self._tries.get(own_id) if own_id is not None else None
             own = own_trie.match(tokens, touch=touch).pages if own_trie is not None else ()
-        best = own if len(own) >= len(pub) else pub
-        return IndexMatch(tuple(best), len(pub))
+            bs = (own_trie or pub_trie).page_size if (own_trie or pub_trie) is not None else 0
+            own_tail = self._tail_after(own, spaces, tokens, bs) if bs else None
+            pub_tail = self._tail_after(pub, (pub_id,), tokens, bs) if bs else None
+        own_n = len(own) * bs + (own_tail.n_tokens if own_tail else 0)
+        pub_n = len(pub) * bs + (pub_tail.n_tokens if pub_tail else 0)
+        best, tail = (own, own_tail) if own_n >= pub_n else (pub, pub_tail)
+        if tail is None:
+            return IndexMatch(tuple(best), len(pub))
+        return IndexMatch(tuple(best), len(pub), tail.page, tail.n_tokens)
+
+    def _tail_after(
+        self, pages: Sequence[PageHash], spaces: Sequence[NamespaceId], tokens: np.ndarray, bs: int
+    ) -> Tail | None:
+        """Caller holds the lock."""
+        if not len(self._tails):
+            return None
+        parent = pages[-1] if pages else ROOT_PARENT
+        return self._tails.match(parent, spaces, tokens[len(pages) * bs : (len(pages) + 1) * bs])
 
     def public_match(self, fid: FingerprintId, tokens: np.ndarray) -> tuple[PageHash, ...]:
         with self._lock:
@@ -54,40 +84,58 @@ class PrefixIndex:
 
     def indexed_tokens(self) -> int:
         with self._lock:
-            return sum(len(t) for t in self._tries.values())
+            return sum(len(t) for t in self._tries.values()) + self._tails.n_tokens()
 
     def iter_pages(self) -> Iterator[PageHash]:
-        """Every indexed page (a snapshot)."""
+        """Every indexed page, tails included (a snapshot)."""
         with self._lock:
             pages = [h for t in self._tries.values() for h in t.iter_pages()]
+            pages.extend(self._tails.iter_pages())
         return iter(pages)
 
     def check(self) -> None:
         with self._lock:
             for trie in self._tries.values():
                 trie.check()
+            self._tails.check({k: t.page_size for k, t in self._tries.items()})
+            for tail in self._tails.tails():
+                if tail.parent != ROOT_PARENT and not any(tail.parent in t for t in self._tries.values()):
+                    raise AssertionError("a tail page follows a page no trie holds")
 
     # ------------------------------------------------------------------ changes
     def insert(
         self, ns: Namespace, block_size: int, tokens: np.ndarray, pages: Sequence[PageHash]
     ) -> list[PageHash]:
-        """Index `pages` for `tokens` in `ns`. A stale path that hashes the same tokens
-        differently (a public prefix registered after the user cached the same tokens privately)
-        is cut first; returns the cut pages no trie reaches any more (the caller drops them)."""
+        """Index `pages` for `tokens` in `ns`; when `tokens` end inside a page, the last hash is
+        that tail page. A stale path that hashes the same tokens differently (a public prefix
+        registered after the user cached the same tokens privately) is cut first; returns the
+        pages cut or pushed out that nothing reaches any more (the caller drops them)."""
         if not pages:
             return []
+        n_full = len(tokens) // block_size
+        has_tail = len(tokens) % block_size != 0
+        if len(pages) != n_full + has_tail:
+            raise ValueError(f"{len(pages)} page hashes for {len(tokens)} tokens of {block_size}-token pages")
+        full = pages[:n_full]
         with self._lock:
             trie = self._tries.get(ns.id)
             if trie is None:
                 trie = self._tries[ns.id] = RadixTrie(block_size)
                 self._namespaces[ns.id] = ns
-            existing = trie.match(tokens, touch=False).pages
             cut: list[PageHash] = []
-            for i, h in enumerate(existing):
-                if i < len(pages) and h != pages[i]:
-                    cut = trie.remove_from(h)
-                    break
-            trie.insert(tokens, pages)
+            if full:
+                full_tokens = tokens[: n_full * block_size]
+                existing = trie.match(full_tokens, touch=False).pages
+                for i, h in enumerate(existing):
+                    if i < len(full) and h != full[i]:
+                        cut = trie.remove_from(h)
+                        break
+                trie.insert(full_tokens, full)
+                cut.extend(self._tails.remove_under(cut))
+            if has_tail:
+                parent = full[-1] if full else ROOT_PARENT
+                tail = Tail(pages[-1], parent, ns.id, tokens[n_full * block_size :])
+                cut.extend(self._tails.add(tail, block_size))
             return self._unreached(cut)
 
     def unlink(self, gone: Sequence[PageHash]) -> list[PageHash]:
@@ -97,10 +145,15 @@ class PrefixIndex:
         orphans: list[PageHash] = []
         gone_set = set(gone)
         with self._lock:
+            cut: list[PageHash] = []
             for h in gone:
+                if self._tails.remove(h):
+                    continue
                 for trie in self._tries.values():
                     if h in trie:
-                        orphans.extend(p for p in trie.remove_from(h) if p not in gone_set)
+                        cut.extend(trie.remove_from(h))
+            orphans.extend(p for p in cut if p not in gone_set)
+            orphans.extend(p for p in self._tails.remove_under([*gone_set, *cut]) if p not in gone_set)
             return self._unreached(orphans)
 
     def remove_paths(
@@ -115,24 +168,41 @@ class PrefixIndex:
                 return []
             public = self._tries.get(pub_id)
             kept = {h for t in keep for h in trie.match(t, touch=False).pages}
+            spaces = (ns.id,)
+            bs = trie.page_size
+            kept_tails = {self._tail_of_path(trie, t, spaces, bs) for t in keep}
             removed: list[PageHash] = []
             for tokens in drop:
+                tail = self._tail_of_path(trie, tokens, spaces, bs)
+                if tail is not None and tail not in kept_tails and self._tails.remove(tail):
+                    removed.append(tail)
                 for h in trie.match(tokens, touch=False).pages:
                     if h in kept or h not in trie or (public is not None and h in public):
                         continue
                     # The first private page of the path that no kept path shares: it and
                     # everything below it belong to dropped paths only.
-                    removed.extend(trie.remove_from(h))
+                    cut = trie.remove_from(h)
+                    removed.extend(cut)
+                    removed.extend(self._tails.remove_under(cut))
                     break
             return self._unreached(removed)
+
+    def _tail_of_path(
+        self, trie: RadixTrie, tokens: np.ndarray, spaces: Sequence[NamespaceId], bs: int
+    ) -> PageHash | None:
+        """Caller holds the lock."""
+        tail = self._tail_after(trie.match(tokens, touch=False).pages, spaces, tokens, bs)
+        return tail.page if tail is not None else None
 
     def drop_tenant(self, tenant: TenantId) -> None:
         """Forget every trie of the tenant (erasure)."""
         with self._lock:
-            for ns_id in [k for k, ns in self._namespaces.items() if ns.tenant == tenant]:
+            doomed = {k for k, ns in self._namespaces.items() if ns.tenant == tenant}
+            for ns_id in doomed:
                 self._tries.pop(ns_id, None)
                 self._namespaces.pop(ns_id, None)
+            self._tails.remove_namespaces(doomed)
 
     def _unreached(self, pages: list[PageHash]) -> list[PageHash]:
         """Caller holds the lock."""
-        return [p for p in pages if not any(p in t for t in self._tries.values())]
+        return [p for p in pages if p not in self._tails and not any(p in t for t in self._tries.values())]

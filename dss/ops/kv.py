@@ -33,7 +33,8 @@ from dss.config import StoreConfig
 from dss.errors import InvalidInput, LimitExceeded, PageShapeMismatch, StorageError
 from dss.index.fingerprints import FingerprintRegistry
 from dss.index.hashing import ROOT_PARENT, as_tokens, chain_hashes
-from dss.index.prefix_index import PrefixIndex
+from dss.index.prefix_index import IndexMatch, PrefixIndex
+from dss.index.tails import tail_hash
 from dss.namespace import make_namespace, public_namespace
 from dss.ops.writeback import DiskWriter
 from dss.pages.manager import TieredPages
@@ -50,8 +51,16 @@ _ERASE_WAIT_S = 30.0
 @dataclass(frozen=True, slots=True)
 class MatchInfo:
     n_tokens: int
-    pages: tuple[PageHash, ...]
+    pages: tuple[PageHash, ...]  # whole pages, then the tail page when the match ends inside one
     public_tokens: int
+    tail_tokens: int = 0  # valid tokens of the last page when it is a tail (0: it is whole)
+
+    def page_tokens(self, block_size: int) -> list[int]:
+        """Valid tokens of each page of the match."""
+        sizes = [block_size] * len(self.pages)
+        if self.tail_tokens and sizes:
+            sizes[-1] = self.tail_tokens
+        return sizes
 
 
 @dataclass
@@ -117,24 +126,26 @@ class KVCache:
         return arr
 
     def match(self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray) -> MatchInfo:
-        """Longest stored prefix (whole pages) for `tokens` in the tenant's namespace, public
-        prefixes included. Pages that left every tier end the match."""
+        """Longest stored prefix for `tokens` in the tenant's namespace, public prefixes
+        included: whole pages, then a tail page when one continues the match. Pages that left
+        every tier end the match."""
         bs = self.fingerprints.get(fid).block_size
         m = self.index.match(fid, tenant, self._tokens(tokens))
-        n_ok = self.pages.table.present_prefix(m.pages)
-        return MatchInfo(n_ok * bs, m.pages[:n_ok], min(m.public_pages, n_ok) * bs)
+        pages = _with_tail(m)
+        n_ok = self.pages.table.present_prefix(pages)
+        return _match_info(m, n_ok, bs)
 
     def residency(
         self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray
     ) -> dict[str, int]:
-        """Tokens of `tokens` whose KV is resident in each tier now (fastest copy counts)."""
+        """Tokens of `tokens` whose KV each tier holds now. A page on two tiers (host and its
+        write-through copy on disk) counts in both."""
         m = self.match(fid, tenant, tokens)
         bs = self.fingerprints.get(fid).block_size
         out = {t.value: 0 for t in Tier}
-        for h in m.pages:
-            t = self.pages.fastest_tier(h)
-            if t is not None:
-                out[t.value] += bs
+        for h, n in zip(m.pages, m.page_tokens(bs), strict=True):
+            for t in self.pages.tiers_of(h):
+                out[t.value] += n
         return out
 
     def forget(self, gone: Sequence[PageHash]) -> None:
@@ -160,15 +171,17 @@ class KVCache:
         if start_token % bs:
             raise InvalidInput(f"start_token {start_token} is not a multiple of the block size {bs}")
         self._expire_stale()
-        m = self.index.match(fid, tenant, self._tokens(tokens))
+        arr = self._tokens(tokens)
+        m = self.index.match(fid, tenant, arr if max_tokens is None else arr[: max(0, max_tokens)])
+        pages = _with_tail(m)
         first = start_token // bs
-        last = len(m.pages) if max_tokens is None else min(len(m.pages), max_tokens // bs)
-        if last <= first:
+        if len(pages) <= first:
             return None
-        held = self.pages.lease_prefix(m.pages[:last])
+        held = self.pages.lease_prefix(pages)
         if len(held) <= first:
             self.pages.unlease(held)
             return None
+        sizes = _match_info(m, len(held), bs).page_tokens(bs)
         futures: dict[int, Future[SlotRef | None]] = {}
         tier_tokens = {t.value: 0 for t in Tier}
         plan_pages: list[PageSlot] = []
@@ -176,14 +189,14 @@ class KVCache:
             ref = held[i].host_ref
             if ref is None:
                 futures[i] = self._loader.submit(self._promote, held[i].hash)
-                tier_tokens[Tier.DISK.value] += bs
+                tier_tokens[Tier.DISK.value] += sizes[i]
             else:
-                tier_tokens[Tier.HOST.value] += bs
+                tier_tokens[Tier.HOST.value] += sizes[i]
             plan_pages.append(PageSlot(i, held[i].hash, ref))
         load_id = uuid.uuid4().hex
         with self._lock:
             self._leases[load_id] = _Lease(held, tuple(plan_pages), futures)
-        n_tokens = (len(held) - first) * bs
+        n_tokens = sum(sizes[first:])
         return LoadPlan(load_id, n_tokens, start_token, tuple(plan_pages), bool(futures), tier_tokens)
 
     def _promote(self, page: PageHash) -> SlotRef | None:
@@ -242,22 +255,33 @@ class KVCache:
 
     # ------------------------------------------------------------------ saving
     def plan_save(
-        self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray, n_pages: int
+        self,
+        fid: FingerprintId,
+        tenant: TenantId,
+        tokens: Sequence[int] | np.ndarray,
+        n_pages: int,
+        with_tail: bool = False,
     ) -> SavePlan:
-        """Reserve host slots for the pages of `tokens[: n_pages * block_size]` that the store lacks."""
+        """Reserve host slots for the pages of `tokens[: n_pages * block_size]` that the store
+        lacks. `with_tail`: the tokens after those pages, when fewer than a page, are saved too,
+        as a tail page (the engine copies their whole block; its first tokens are valid)."""
         self._expire_stale()
         fp = self.fingerprints.get(fid)
         bs = fp.block_size
         arr = self._tokens(tokens)
         n_pages = max(0, min(n_pages, len(arr) // bs))
-        arr = arr[: n_pages * bs]
+        n_tail = len(arr) - n_pages * bs if with_tail and len(arr) - n_pages * bs < bs else 0
+        arr = arr[: n_pages * bs + n_tail]
         own_ns = make_namespace(fid, tenant)
         pub_ns = public_namespace(fid)
-        pub_pages = self.index.public_match(fid, arr) if tenant != PUBLIC_TENANT else ()
+        pub_pages = self.index.public_match(fid, arr[: n_pages * bs]) if tenant != PUBLIC_TENANT else ()
         k_pub = len(pub_pages)
         parent = pub_pages[-1] if k_pub else ROOT_PARENT
         hashes = list(pub_pages) + chain_hashes(own_ns.id, arr, bs, parent=parent, start_page=k_pub)
         namespaces = [pub_ns] * k_pub + [own_ns] * (n_pages - k_pub)
+        if n_tail:
+            hashes.append(tail_hash(own_ns.id, hashes[-1] if hashes else ROOT_PARENT, arr[n_pages * bs :]))
+            namespaces.append(own_ns)
         save_id = uuid.uuid4().hex
         with self._tenant_save(tenant) as allowed:
             if not allowed:
@@ -456,12 +480,16 @@ class KVCache:
         tokens: Sequence[int] | np.ndarray,
         pages: Sequence[bytes | memoryview],
     ) -> int:
-        """Store whole pages for `tokens` (page i = bytes of block i). Returns new pages stored."""
+        """Store pages for `tokens` (page i = bytes of block i; when `tokens` end inside the last
+        page, that page is stored as their tail page). Returns new pages stored."""
         fp = self.fingerprints.get(fid)
         for p in pages:
             if len(p) != fp.page_nbytes:
                 raise PageShapeMismatch(f"page of {len(p)} bytes; fingerprint {fid} needs {fp.page_nbytes}")
-        plan = self.plan_save(fid, tenant, tokens, len(pages))
+        n_tokens = len(as_tokens(tokens))
+        with_tail = n_tokens % fp.block_size != 0 and len(pages) == n_tokens // fp.block_size + 1
+        n_whole = len(pages) - 1 if with_tail else len(pages)
+        plan = self.plan_save(fid, tenant, tokens, n_whole, with_tail=with_tail)
         for ps in plan.pages:
             assert ps.slot is not None
             self.pages.host.slot_array(ps.slot)[:] = np.frombuffer(pages[ps.page_index], dtype=np.uint8)
@@ -470,8 +498,9 @@ class KVCache:
     def load_sequence(
         self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray
     ) -> tuple[int, list[bytes]]:
-        """Tokens matched and a copy of each matched page's bytes (stops at a failed page). The
-        copies are validated after they are taken, like an engine's."""
+        """Tokens matched (a tail page counts its valid tokens) and a copy of each matched page's
+        bytes (stops at a failed page). The copies are validated after they are taken, like an
+        engine's."""
         plan = self.begin_load(fid, tenant, tokens)
         if plan is None:
             return 0, []
@@ -488,8 +517,21 @@ class KVCache:
             if ps is None:
                 break
             n += 1
-        return n * self.fingerprints.get(fid).block_size, copies[:n]
+        return min(n * self.fingerprints.get(fid).block_size, plan.n_tokens), copies[:n]
 
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"leases": len(self._leases), "pending_saves": len(self._saves)}
+
+
+def _with_tail(m: IndexMatch) -> tuple[PageHash, ...]:
+    return (*m.pages, m.tail) if m.tail is not None else m.pages
+
+
+def _match_info(m: IndexMatch, n_ok: int, block_size: int) -> MatchInfo:
+    """The match cut to its first `n_ok` pages (those still in the page table)."""
+    n_full = min(n_ok, len(m.pages))
+    tail = m.tail_tokens if m.tail is not None and n_ok > len(m.pages) else 0
+    pages = (*m.pages[:n_full], m.tail) if tail and m.tail is not None else m.pages[:n_full]
+    public = min(m.public_pages, n_full) * block_size
+    return MatchInfo(n_full * block_size + tail, tuple(pages), public, tail)
