@@ -11,6 +11,23 @@ GiB = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
+class RetentionConfig:
+    """Session retention hints and warm-up (`dss.ops.retention`)."""
+
+    # How often the sweeper reclassifies updated sessions and demotes idle ones (0: no sweeper
+    # thread; `Retention.sweep()` can still be called).
+    sweep_interval_s: float = 5.0
+    # Caps on the bytes `pinned` sessions may keep in the host tier, as fractions of its capacity:
+    # all users together, and each user.
+    pinned_fraction: float = 0.5
+    pinned_user_fraction: float = 0.25
+    warm_threads: int = 2  # promotions of warm-ups run on this many threads
+    max_warm_pages: int = 4096  # pages queued for warming at once; more are not warmed
+    sessions_per_sweep: int = 1000  # sessions reclassified per sweep (the rest wait for the next)
+    wait_s: float = 30.0  # how long a request waits for its session's reclassification
+
+
+@dataclass(frozen=True, slots=True)
 class StoreConfig:
     data_dir: Path
     db_url: str | None = None  # default: SQLite in data_dir
@@ -32,6 +49,7 @@ class StoreConfig:
     max_tokens_per_sequence: int = 1 << 20
     lease_timeout_s: float = 600.0  # a load or save not finished by then is presumed dead
     quotas: Quotas = field(default_factory=Quotas)  # per user: sessions, versions, stored bytes
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
 
     @property
     def resolved_db_url(self) -> str:

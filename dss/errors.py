@@ -149,3 +149,8 @@ class UnsafeSharedMemory(TierUnavailable):
 class SharedMemoryFull(TierUnavailable):
     """The shared-memory filesystem cannot hold the host arena (`host_capacity_bytes` exceeds its
     free space): the store refuses to start rather than die of SIGBUS on a later write."""
+
+
+class PinnedCapExceeded(ConflictError):
+    """Pinning a session would keep more bytes in the host tier than the pinned caps allow (all
+    users together, or this user); nothing was changed. Unpin another session, or leave it `normal`."""

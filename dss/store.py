@@ -8,6 +8,7 @@ with one job and its own leaf lock (see each module; no lock is ever held while 
 - `pages` (`dss.pages.manager` over `dss.pages.table`): the page table and the tiers;
 - `kv` (`dss.ops.kv`): loads, saves and leases for engines, with the disk writer;
 - `eraser`, `prefixes`, `dss.ops.recovery`, `dss.ops.sessions`: operations over several parts;
+- `retention` (`dss.ops.retention`): session retention hints, idle demotion, warm-ups (own threads);
 - `identity`, `keyring` (`dss.keys`): tenants, receipt subjects, per-tenant data keys.
 
 Engine processes reach the owner through `dss.rpc` (this object is its `StoreService`) and move
@@ -37,6 +38,7 @@ from dss.ops import recovery
 from dss.ops.erasure import Eraser, ErasureReceipt, Verification
 from dss.ops.kv import KVCache, MatchInfo
 from dss.ops.prefixes import PrefixInfo, PublicPrefixes
+from dss.ops.retention import Retention
 from dss.ops.sessions import delete_session
 from dss.pages.codec import make_codec
 from dss.pages.encoder import PageCodecProcess
@@ -122,7 +124,11 @@ class Store:
         self.eraser = Eraser(
             self.sf, self.db, self.versions, self.identity, self.keyring, self.index, self.pages, self.kv
         )
+        self.retention = Retention(
+            cfg.retention, self.versions, self.identity.tenant_for, self.fingerprints, self.kv, self.pages
+        )
         self.check()
+        self.retention.start()
 
     def close(self) -> None:
         if self._closed:
@@ -130,6 +136,7 @@ class Store:
         self._closed = True
         if self._rpc_server is not None:
             self._rpc_server.close()
+        self.retention.close()
         self.kv.close()
         if self.pages.encoder is not None:
             self.pages.encoder.close()
@@ -265,13 +272,17 @@ class Store:
     # ================================================================== sessions, prefixes, erasure
     def delete_session(self, user: str, sid: str) -> int:
         """Delete a session and the cached pages only it used; returns the pages dropped."""
-        return delete_session(
+        dropped = delete_session(
             self.versions, self.identity, self.fingerprints, self.index, self.pages, user, sid
         )
+        self.retention.forget_session(user, sid)
+        return dropped
 
     def erase_user(self, user: str) -> ErasureReceipt:
         self._ensure_open()
-        return self.eraser.erase_user(user)
+        receipt = self.eraser.erase_user(user)
+        self.retention.forget_user(user)
+        return receipt
 
     def verify_erasure(self, receipt_id: str) -> Verification:
         return self.eraser.verify(receipt_id)
@@ -317,6 +328,8 @@ class Store:
             "disk_available": self.pages.disk_available,
             "disk_backlog": self.kv.writer.backlog if self.kv.writer is not None else 0,
             "indexed_tokens": self.index.indexed_tokens(),
+            "demoted_pages": c.demoted_pages,
+            "retention": self.retention.stats(),
             **self.kv.stats(),
         }
 

@@ -105,6 +105,12 @@ class SessionRow(Base):
     meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON(none_as_null=True), nullable=True)
     # Highest version number allocated so far; bumped with a compare-and-set on every commit.
     version_count: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    # The KV retention hint (`pinned`, `normal`, `evict`) and the idle TTL after which the
+    # session's host pages move to disk (None: never); see `dss.ops.retention` (migration 0004).
+    kv_retention: Mapped[str] = mapped_column(
+        String(16), nullable=False, default="normal", server_default="normal"
+    )
+    kv_idle_ttl_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 def _session_fk() -> ForeignKeyConstraint:

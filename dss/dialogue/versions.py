@@ -59,6 +59,10 @@ MAX_COMMIT_ATTEMPTS = 64
 # Bound parameters per IN (...) list; SQLite allows 32766 in all, PostgreSQL 65535.
 _IN_CHUNK = 500
 
+KV_RETENTIONS = ("pinned", "normal", "evict")
+MIN_IDLE_TTL_S = 1
+MAX_IDLE_TTL_S = 30 * 24 * 3600
+
 _NAME_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _INT32_MAX = np.iinfo(np.int32).max
 _EMPTY_TOKENS = np.zeros(0, dtype=TOKEN_DTYPE)
@@ -86,6 +90,8 @@ class SessionInfo:
     metadata: dict[str, Any]
     version_count: int
     branches: tuple[BranchInfo, ...]
+    kv_retention: str = "normal"  # one of KV_RETENTIONS (see `dss.ops.retention`)
+    kv_idle_ttl_s: int | None = None  # idle seconds before its host pages move to disk; None: never
 
     def branch(self, name: str) -> BranchInfo:
         for b in self.branches:
@@ -177,6 +183,8 @@ def _session_info(row: SessionRow, branches: Iterable[BranchRow]) -> SessionInfo
         metadata=dict(row.meta or {}),
         version_count=row.version_count,
         branches=tuple(_branch_info(b) for b in branches),
+        kv_retention=row.kv_retention,
+        kv_idle_ttl_s=row.kv_idle_ttl_s,
     )
 
 
@@ -226,6 +234,17 @@ def _chain(parents: Mapping[int, int | None], start: int) -> list[int]:
         out.append(cur)
         cur = parents[cur]
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionHint:
+    """A session's KV retention hint, without its branches (what the retention sweeper reads)."""
+
+    user_id: UserId
+    session_id: SessionId
+    kv_retention: str
+    kv_idle_ttl_s: int | None
+    updated_at: datetime
 
 
 class _LostRace(StaleHead):
@@ -337,6 +356,38 @@ class VersionStore:
                 ):
                     by_session[b.session_id].append(b)
             return [_session_info(r, by_session[r.id]) for r in rows], has_more
+
+    def set_retention(self, user: str, sid: str, kv_retention: str, kv_idle_ttl_s: int | None) -> SessionInfo:
+        """Set the session's KV retention hint and idle TTL (None: none). `InvalidInput` for a hint
+        outside KV_RETENTIONS or a TTL outside [MIN_IDLE_TTL_S, MAX_IDLE_TTL_S]."""
+        check_retention(kv_retention, kv_idle_ttl_s)
+        with transaction(self._factory) as db:
+            row = self._owned(db, user, sid)
+            row.kv_retention = kv_retention
+            row.kv_idle_ttl_s = kv_idle_ttl_s
+            db.flush()
+            return _session_info(row, self._branch_rows(db, user, sid))
+
+    def retention_hints(
+        self, *, updated_after: datetime | None = None, hinted_only: bool = False, limit: int = MAX_LIST_LIMIT
+    ) -> list[RetentionHint]:
+        """Sessions of every user (for the retention sweeper, never for a user's request): those
+        updated after `updated_after`, and/or (`hinted_only`) those whose hint is not the default
+        (not `normal`, or an idle TTL); oldest update first, at most `limit`."""
+        q = select(
+            SessionRow.user_id, SessionRow.id, SessionRow.kv_retention, SessionRow.kv_idle_ttl_s,
+            SessionRow.updated_at,
+        )  # fmt: skip
+        if updated_after is not None:
+            q = q.where(SessionRow.updated_at > updated_after)
+        if hinted_only:
+            q = q.where((SessionRow.kv_retention != "normal") | SessionRow.kv_idle_ttl_s.is_not(None))
+        q = q.order_by(SessionRow.updated_at, SessionRow.user_id, SessionRow.id).limit(limit)
+        with transaction(self._factory) as db:
+            return [
+                RetentionHint(UserId(u), SessionId(sid), r, ttl, _aware(ts))
+                for u, sid, r, ttl, ts in db.execute(q).tuples()
+            ]
 
     def delete_session(self, user: str, sid: str) -> int:
         """Delete the session with its branches and versions; return the number of versions deleted."""
@@ -803,6 +854,19 @@ def _rowcount(db: Session, stmt: Update | Delete) -> int:
     """Rows matched by a bulk UPDATE/DELETE (the ORM session is not synchronised: rows are re-read)."""
     result = db.execute(stmt.execution_options(synchronize_session=False))
     return cast(CursorResult[Any], result).rowcount
+
+
+def check_retention(kv_retention: str, kv_idle_ttl_s: int | None) -> None:
+    """`InvalidInput` unless the hint is one of KV_RETENTIONS and the TTL None or in range."""
+    if kv_retention not in KV_RETENTIONS:
+        raise InvalidInput(f"kv_retention must be one of {', '.join(KV_RETENTIONS)}, got {kv_retention!r}")
+    ttl = kv_idle_ttl_s
+    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < MIN_IDLE_TTL_S):
+        raise InvalidInput(
+            f"kv_idle_ttl_s must be an integer of at least {MIN_IDLE_TTL_S} or null, got {ttl!r}"
+        )
+    if ttl is not None and ttl > MAX_IDLE_TTL_S:
+        raise LimitExceeded(f"kv_idle_ttl_s {ttl} exceeds the limit of {MAX_IDLE_TTL_S} s")
 
 
 def _check_user(user: str) -> None:

@@ -2,6 +2,12 @@
 
 A LOWER priority is evicted FIRST. Policies are chosen by name from `POLICIES`; `choose_victims`
 turns a policy and a set of candidate pages into an eviction order.
+
+Above every policy sits the page's retention class (`Retention`, set from the session hints by
+`dss.ops.retention`): pages are evicted class by class, lowest first (pages only versions off
+every branch reach, then pages of `evict` sessions, then the rest), and the policy orders the
+pages within a class. `PINNED` pages, like pinned public prefixes, are never chosen. A store
+whose pages all keep the default class (`NORMAL`) evicts exactly in the policy's order.
 """
 
 from __future__ import annotations
@@ -10,10 +16,20 @@ import heapq
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from dss.errors import InvalidInput
 from dss.types import PageHash
+
+
+class Retention(IntEnum):
+    """A page's retention class; lower classes are evicted first (the value is the order)."""
+
+    ORPHAN = 0  # only versions that no branch head leads to reach it (after a rollback)
+    EVICT = 1  # of sessions whose hint is `evict` (and of no `normal` or `pinned` one)
+    NORMAL = 2  # the default
+    PINNED = 3  # of a `pinned` session: never chosen for eviction
 
 
 @dataclass(slots=True)
@@ -26,6 +42,7 @@ class PageStats:
     index: int  # position of the page in its sequence (0 = first page)
     nbytes: int
     pinned: bool = False
+    retention: Retention = Retention.NORMAL
 
 
 @runtime_checkable
@@ -132,22 +149,23 @@ def choose_victims(
     now: float,
     need_bytes: int,
 ) -> list[PageHash]:
-    """Unpinned candidates in eviction order, until their bytes reach `need_bytes` (or all of them).
+    """Unpinned candidates in eviction order, until their bytes reach `need_bytes` (or all of them):
+    by retention class first (lowest first), then by the policy's priority.
 
     Equal priorities keep the candidates' order, so the result is deterministic.
     """
     if need_bytes <= 0:
         return []
     heap = [
-        (policy.priority(stats, now), seq, page, stats.nbytes)
+        (int(stats.retention), policy.priority(stats, now), seq, page, stats.nbytes)
         for seq, (page, stats) in enumerate(candidates)
-        if not stats.pinned
+        if not stats.pinned and stats.retention is not Retention.PINNED
     ]
     heapq.heapify(heap)
     victims: list[PageHash] = []
     freed = 0
     while heap and freed < need_bytes:
-        _, _, page, nbytes = heapq.heappop(heap)
+        _, _, _, page, nbytes = heapq.heappop(heap)
         victims.append(page)
         freed += nbytes
     return victims

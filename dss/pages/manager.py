@@ -20,13 +20,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from dss.errors import CapacityError, CorruptPage, KeyDestroyed, PageMissing, StorageError, TierUnavailable
 from dss.pages.encoder import PageCodecProcess
-from dss.pages.eviction import EvictionPolicy, PageStats
+from dss.pages.eviction import EvictionPolicy, PageStats, Retention
 from dss.pages.meta import PageMeta
 from dss.pages.rows import PageRows
 from dss.pages.table import Held, PageEntry, PageTable
@@ -56,6 +56,7 @@ class TierCounters:
     disk_write_errors: int = 0
     disk_full_skips: int = 0  # write-throughs skipped: the disk was full of pages it may not evict
     pages_dropped: int = 0
+    demoted_pages: int = 0  # host pages moved to disk on request (`demote_to_disk`), not for room
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def count(self, name: str, tier: Tier | None = None, n: int = 1) -> None:
@@ -140,6 +141,11 @@ class TieredPages:
 
     def set_pinned(self, pages: Iterable[PageHash], pinned: bool) -> None:
         self.table.set_pinned(pages, pinned)
+
+    def set_retention(self, classes: Mapping[PageHash, Retention]) -> int:
+        """The retention class of each present page (eviction goes class by class, see
+        `dss.pages.eviction`); returns how many pages were present."""
+        return self.table.set_retention(classes)
 
     # ------------------------------------------------------------------ writing
     def reserve_host(self, nbytes: int, gone: list[PageHash]) -> SlotRef:
@@ -395,6 +401,50 @@ class TieredPages:
             return None
         self.counters.count("promotions", Tier.DEVICE)
         return self.device.get(page)
+
+    # ------------------------------------------------------------------ demotion on request
+    def demote_to_disk(self, pages: Iterable[PageHash], gone: list[PageHash]) -> int:
+        """Move these pages off the host tier onto the disk tier (written back first when only
+        the host has them); returns how many left the host. A page stays on the host when it is
+        leased, being moved, or cannot be written to disk (no disk tier, disk unavailable or
+        full): demotion never loses a page, unlike eviction. A page whose bytes fail their
+        checksum is dropped (appended to `gone`)."""
+        if self.disk is None:
+            return 0
+        moved = 0
+        for page in pages:
+            claimed = self.table.claim(page, lambda e: Tier.HOST in e.tiers and e.leases == 0)
+            if claimed is None:
+                continue
+            written = 0
+            if Tier.DISK not in claimed.tiers:
+                written = self._write_claimed(claimed, gone)
+                if written <= 0:
+                    doomed = self.table.settle(page)
+                    if doomed is not None:
+                        self._destroy([doomed])
+                    elif written < 0:
+                        self.counters.count("corrupt_pages")
+                        gone.extend(self.drop([page]))
+                    continue
+
+            def off_host(e: PageEntry, written: int = written) -> None:
+                if written:
+                    e.tiers.add(Tier.DISK)
+                    e.disk_bytes = written
+                e.tiers.discard(Tier.HOST)
+                e.host_ref = None
+
+            ended = self.table.settle(page, off_host)
+            if ended is not None:  # doomed while we wrote: every copy goes
+                self._destroy([ended], extra_disk=bool(written))
+                continue
+            assert claimed.host_ref is not None
+            self._free_page_slot(page, claimed.serial, claimed.host_ref)
+            moved += 1
+        if moved:
+            self.counters.count("demoted_pages", n=moved)
+        return moved
 
     # ------------------------------------------------------------------ eviction
     def _make_room_host(self, nbytes: int, gone: list[PageHash]) -> None:

@@ -28,10 +28,10 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from dss.pages.eviction import EvictionPolicy, PageStats, choose_victims
+from dss.pages.eviction import EvictionPolicy, PageStats, Retention, choose_victims
 from dss.pages.meta import PageMeta
 from dss.types import PageHash, TenantId, Tier
 from dss.wire import SlotRef
@@ -206,6 +206,17 @@ class PageTable:
                 if e is not None:
                     e.stats.pinned = pinned
 
+    def set_retention(self, classes: Mapping[PageHash, Retention]) -> int:
+        """Set the retention class of present pages; returns how many were present."""
+        n = 0
+        with self._lock:
+            for h, c in classes.items():
+                e = self._entries.get(h)
+                if e is not None and not e.doomed:
+                    e.stats.retention = c
+                    n += 1
+        return n
+
     # ------------------------------------------------------------------ adding
     def insert(self, entry: PageEntry) -> bool:
         """Add a page; False when it is already present or its old copies are still being deleted
@@ -351,4 +362,6 @@ def _sized(stats: PageStats, nbytes: int) -> PageStats:
     """Eviction counts the bytes a page frees in the tier at hand (disk pages are compressed)."""
     if stats.nbytes == nbytes:
         return stats
-    return PageStats(stats.last_access, stats.hits, stats.created, stats.index, nbytes, stats.pinned)
+    return PageStats(
+        stats.last_access, stats.hits, stats.created, stats.index, nbytes, stats.pinned, stats.retention
+    )

@@ -1,0 +1,597 @@
+"""Session retention hints and warm-up: which KV pages stay in the host tier, and which go first.
+
+Each session carries a hint (`kv_retention`: `pinned`, `normal` or `evict`) and an optional idle
+TTL (`kv_idle_ttl_s`), stored on its row (`VersionStore.set_retention`). This module turns them
+into page retention classes (`dss.pages.eviction.Retention`) and tier moves:
+
+- the pages some branch head's history reaches get the session's class (`PINNED` within the
+  caps, `EVICT`, or `NORMAL`); pages only versions off every branch reach (after a rollback) get
+  `ORPHAN`. A page several sessions reach keeps the highest class any of them gives it; public
+  prefix pages are never classed here (they have their own pins).
+- `evict`: the session's host pages move to disk now (`TieredPages.demote_to_disk`) and are the
+  first eviction candidates after orphans.
+- an idle TTL: once the session was neither updated nor warmed for that long, the sweeper moves
+  its host pages to disk (when a disk tier exists) instead of letting them compete with active
+  sessions. A page another, active session also reaches stays.
+- `pinned`: the pages are never evicted (in any tier) while pinned, and are warmed into the host
+  tier; bounded by `RetentionConfig.pinned_fraction` of the host tier for all users together and
+  `pinned_user_fraction` per user (`PinnedCapExceeded` beyond; pages a pinned session grows past
+  the cap later stay `NORMAL`).
+- warm-up (`warm`, `warm_version`): promote a version's disk pages into the host tier on a bounded
+  executor, each page once however many warm-ups ask for it.
+
+Classes are refreshed for every session the database says was updated since the last sweep (a
+commit, a rollback, a new branch, a new hint all update it), so they follow rollbacks within a
+sweep interval; a hint set through `set_hint` applies before it returns.
+
+Lock: `Retention._lock` is a leaf around the registry (per session: hint, pages by class; per page:
+the class each session gives it), the warm-ups in flight and the last-use times. The database
+(`VersionStore`), the index (`KVCache.match`) and the tiers (`TieredPages`) are called with no lock
+held. Order of calls, never nested: versions → kv.match → own lock → pages → kv.forget.
+
+Serialisation: every reclassification and demotion runs on one worker thread (`dss-retention`):
+`set_hint` and the sweeper submit to it and wait, so two reclassifications never interleave their
+writes to the page table. Warm-ups run on their own executor (`warm_threads`) and only promote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from dss.config import RetentionConfig
+from dss.dialogue.versions import MAIN_BRANCH, SessionInfo, VersionInfo, VersionStore, check_retention
+from dss.errors import DSSError, PinnedCapExceeded, SessionNotFound, StoreClosed
+from dss.index.fingerprints import FingerprintRegistry
+from dss.ops.kv import KVCache
+from dss.pages.eviction import Retention as PageClass
+from dss.pages.manager import TieredPages
+from dss.types import FingerprintId, PageHash, TenantId, Tier
+
+log = logging.getLogger("dss.retention")
+
+T = TypeVar("T")
+SessionKey = tuple[str, str]  # (user, session id)
+
+_OVERLAP_S = 2.0  # the sweep re-reads sessions updated this long before its last read
+_MAX_PENDING_RESOLVES = 64  # `warm_version` calls waiting for their version to be read
+
+
+class Keep(enum.Enum):
+    """`set_hint`'s marker for a field the call leaves as it is."""
+
+    KEEP = "keep"
+
+
+KEEP = Keep.KEEP
+
+
+@dataclass(frozen=True, slots=True)
+class WarmPlan:
+    """What a warm-up found and started: the version's pages, where their tokens are now (fastest
+    copy, before the warm-up), and how many pages it queued for promotion from disk."""
+
+    session_id: str
+    version: int  # 0: the branch has no version (nothing to warm)
+    pages: int
+    tokens: int
+    resident: dict[str, int]  # tokens per tier now
+    warming_pages: int  # queued by this call
+    warming_tokens: int
+    already_warming: int  # pages another warm-up is promoting already
+    skipped_pages: int  # not queued: too many warm-ups in flight
+
+
+@dataclass
+class _Tracked:
+    """What the registry knows of one session (its pages as of its last reclassification)."""
+
+    retention: str
+    idle_ttl_s: int | None
+    updated_at: float  # wall-clock seconds of the session's last update
+    live: dict[PageHash, int] = field(default_factory=dict)  # reached from a branch head -> bytes
+    orphan: dict[PageHash, int] = field(default_factory=dict)  # reached only from versions off every branch
+    pinned: frozenset[PageHash] = frozenset()  # the live pages kept pinned (within the caps)
+    cold_at: float | None = None  # when its host pages were demoted (idle or evict)
+
+
+@dataclass(frozen=True, slots=True)
+class _Pages:
+    """A session's pages, collected from its versions (no lock held)."""
+
+    live: dict[PageHash, int]  # page -> bytes
+    orphan: dict[PageHash, int]
+
+
+class Retention:
+    def __init__(
+        self,
+        config: RetentionConfig,
+        versions: VersionStore,
+        tenant_for: Callable[[str], TenantId],
+        fingerprints: FingerprintRegistry,
+        kv: KVCache,
+        pages: TieredPages,
+    ) -> None:
+        self.config = config
+        self._versions = versions
+        self._tenant_for = tenant_for
+        self._fingerprints = fingerprints
+        self._kv = kv
+        self._pages = pages
+        self._lock = threading.Lock()
+        self._sessions: dict[SessionKey, _Tracked] = {}
+        self._refs: dict[PageHash, dict[SessionKey, PageClass]] = {}
+        self._nbytes: dict[PageHash, int] = {}  # of every page in `_refs`
+        self._touched: dict[SessionKey, float] = {}  # wall time of the last warm-up
+        self._warming: set[PageHash] = set()
+        self._resolving = 0
+        self._counts = {"warmed_pages": 0, "warm_skipped_pages": 0, "idle_demotions": 0, "demoted_pages": 0}
+        self._closed = False
+        self._cursor: datetime | None = None  # the sweep's read position in `updated_at`
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dss-retention")
+        self._warmers = ThreadPoolExecutor(max_workers=config.warm_threads, thread_name_prefix="dss-warm")
+        self._stop = threading.Event()
+        self._sweeper: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the sweeper thread (once; not with `sweep_interval_s` 0)."""
+        if self._sweeper is None and self.config.sweep_interval_s > 0:
+            self._sweeper = threading.Thread(target=self._run, name="dss-retention-sweeper", daemon=True)
+            self._sweeper.start()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._stop.set()
+        if self._sweeper is not None:
+            self._sweeper.join(timeout=60)
+        self._worker.shutdown(wait=True, cancel_futures=True)
+        self._warmers.shutdown(wait=True, cancel_futures=True)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._on_worker(self.sweep_now)
+            except StoreClosed:
+                return
+            except Exception:
+                log.exception("retention sweep failed")
+            if self._stop.wait(self.config.sweep_interval_s):
+                return
+
+    def _on_worker(self, fn: Callable[..., T], *args: Any) -> T:
+        with self._lock:
+            if self._closed:
+                raise StoreClosed("the store is closed")
+        try:
+            fut = self._worker.submit(fn, *args)
+        except RuntimeError as exc:  # shut down in between
+            raise StoreClosed("the store is closed") from exc
+        return fut.result(timeout=self.config.wait_s)
+
+    # ------------------------------------------------------------------ hints
+    def set_hint(
+        self,
+        user: str,
+        sid: str,
+        kv_retention: str | Keep = KEEP,
+        kv_idle_ttl_s: int | Keep | None = KEEP,
+    ) -> SessionInfo:
+        """Set a session's hint and/or idle TTL (KEEP: as it is), persist it and apply it: classes
+        now, `evict` demotes the session's host pages now, `pinned` warms them. Raises
+        `SessionNotFound`, `InvalidInput`/`LimitExceeded`, `PinnedCapExceeded` (nothing changed)."""
+        return self._on_worker(self._set_hint, user, sid, kv_retention, kv_idle_ttl_s)
+
+    def _set_hint(
+        self, user: str, sid: str, kv_retention: str | Keep, kv_idle_ttl_s: int | Keep | None
+    ) -> SessionInfo:
+        current = self._versions.get_session(user, sid)
+        retention = current.kv_retention if isinstance(kv_retention, Keep) else kv_retention
+        ttl = current.kv_idle_ttl_s if isinstance(kv_idle_ttl_s, Keep) else kv_idle_ttl_s
+        check_retention(retention, ttl)
+        if retention == "pinned":
+            self._check_caps(user, sid, self._collect(user, sid, current))
+        info = self._versions.set_retention(user, sid, retention, ttl)
+        tracked = self._refresh(user, sid, info)
+        if tracked is not None and retention == "evict":
+            self._demote((user, sid), tracked)
+        return info
+
+    def _check_caps(self, user: str, sid: str, pages: _Pages) -> None:
+        cap_all, cap_user = self._caps()
+        with self._lock:
+            others = {k: t for k, t in self._sessions.items() if t.retention == "pinned" and k != (user, sid)}
+            all_pinned = {h: self._nbytes.get(h, 0) for t in others.values() for h in t.pinned}
+            user_pinned = {
+                h: self._nbytes.get(h, 0) for k, t in others.items() if k[0] == user for h in t.pinned
+            }
+        want = pages.live
+        total = sum({**all_pinned, **want}.values())
+        mine = sum({**user_pinned, **want}.values())
+        if total > cap_all:
+            raise PinnedCapExceeded(
+                f"pinning session {sid!r} would pin {total} bytes of KV, over the cap of {cap_all} bytes "
+                "for all sessions"
+            )
+        if mine > cap_user:
+            raise PinnedCapExceeded(
+                f"pinning session {sid!r} would pin {mine} bytes of your KV, over the cap of {cap_user} "
+                "bytes per user"
+            )
+
+    def _caps(self) -> tuple[int, int]:
+        host = self._pages.host.capacity_bytes
+        return int(host * self.config.pinned_fraction), int(host * self.config.pinned_user_fraction)
+
+    # ------------------------------------------------------------------ classes
+    def _collect(self, user: str, sid: str, info: SessionInfo) -> _Pages:
+        """The session's pages from its versions: those its branch heads' histories reach, and
+        those only versions off every branch reach. Public prefix pages are left out."""
+        versions = self._versions.list_versions(user, sid, with_body=True)
+        parents = {v.number: v.parent for v in versions}
+        on_branch: set[int] = set()
+        for b in info.branches:
+            cur: int | None = b.head_version
+            while cur is not None and cur != 0 and cur not in on_branch and cur in parents:
+                on_branch.add(cur)
+                cur = parents[cur]
+        tenant = self._tenant_for(user)
+        live: dict[PageHash, int] = {}
+        off: dict[PageHash, int] = {}
+        for v in versions:
+            for h, n, _ in self._version_pages(tenant, v):
+                (live if v.number in on_branch else off)[h] = n
+        return _Pages(live, {h: n for h, n in off.items() if h not in live})
+
+    def _version_pages(self, tenant: TenantId, v: VersionInfo) -> list[tuple[PageHash, int, int]]:
+        """(page, bytes, tokens) of each stored page of the version, public prefix pages left out
+        (the last page may hold fewer tokens than a block)."""
+        if not v.fingerprint or v.n_tokens == 0 or v.fingerprint not in self._fingerprints:
+            return []
+        fid = FingerprintId(v.fingerprint)
+        fp = self._fingerprints.get(fid)
+        try:
+            m = self._kv.match(fid, tenant, v.tokens)
+        except DSSError as exc:  # e.g. a version longer than the store's sequence limit
+            log.debug("no pages for version %d: %s", v.number, exc)
+            return []
+        if not m.pages:
+            return []
+        bs = fp.block_size
+        sizes = [bs] * len(m.pages)
+        sizes[-1] = m.n_tokens - bs * (len(m.pages) - 1)
+        k_pub = m.public_tokens // bs
+        return [(h, fp.page_nbytes, n) for h, n in zip(m.pages[k_pub:], sizes[k_pub:], strict=True)]
+
+    def _refresh(self, user: str, sid: str, info: SessionInfo | None = None) -> _Tracked | None:
+        """Re-read a session's pages and set their classes (on the worker). None when the
+        session is gone (then it is forgotten)."""
+        key = (user, sid)
+        try:
+            info = info if info is not None else self._versions.get_session(user, sid)
+            pages = self._collect(user, sid, info)
+        except SessionNotFound:
+            self._forget([key])
+            return None
+        if (
+            not pages.live
+            and not pages.orphan
+            and info.kv_retention == "normal"
+            and info.kv_idle_ttl_s is None
+        ):
+            self._forget([key])  # nothing of it is stored, nothing to remember
+            return None
+        pinned: frozenset[PageHash] = frozenset()
+        if info.kv_retention == "pinned":
+            pinned = self._pin_within_caps(key, pages.live)
+        cls = {"pinned": PageClass.NORMAL, "normal": PageClass.NORMAL, "evict": PageClass.EVICT}
+        mine = dict.fromkeys(pages.orphan, PageClass.ORPHAN)
+        for h in pages.live:
+            mine[h] = PageClass.PINNED if h in pinned else cls[info.kv_retention]
+        tracked = _Tracked(
+            retention=info.kv_retention,
+            idle_ttl_s=info.kv_idle_ttl_s,
+            updated_at=info.updated_at.timestamp(),
+            live=pages.live,
+            orphan=pages.orphan,
+            pinned=pinned,
+        )
+        with self._lock:
+            old = self._sessions.get(key)
+            if old is not None and old.cold_at is not None and old.cold_at >= tracked.updated_at:
+                tracked.cold_at = old.cold_at  # not used since it went cold
+            self._sessions[key] = tracked
+            affected = self._set_refs(key, old, mine, {**pages.live, **pages.orphan})
+            classes = self._resolve(affected)
+        self._pages.set_retention(classes)
+        if pinned:
+            self._queue_warm([h for h in pinned if self._pages.fastest_tier(h) is Tier.DISK])
+        return tracked
+
+    def _pin_within_caps(self, key: SessionKey, live: dict[PageHash, int]) -> frozenset[PageHash]:
+        cap_all, cap_user = self._caps()
+        with self._lock:
+            used_all: set[PageHash] = set()
+            used_user: set[PageHash] = set()
+            for k, t in self._sessions.items():
+                if k != key:
+                    used_all |= t.pinned
+                    if k[0] == key[0]:
+                        used_user |= t.pinned
+            sizes = {h: self._nbytes.get(h, 0) for h in used_all}
+        left_all = cap_all - sum(sizes.values())
+        left_user = cap_user - sum(sizes[h] for h in used_user)
+        out: set[PageHash] = set()
+        for h, n in live.items():  # in version order: older pages first
+            if h in used_all:
+                out.add(h)
+                if h not in used_user:
+                    left_user -= n
+                continue
+            if n > left_all or n > left_user:
+                log.warning("session %r outgrew the pinned caps; its newer pages are not pinned", key[1])
+                break
+            out.add(h)
+            left_all -= n
+            left_user -= n
+        return frozenset(out)
+
+    def _set_refs(
+        self,
+        key: SessionKey,
+        old: _Tracked | None,
+        mine: dict[PageHash, PageClass],
+        nbytes: dict[PageHash, int],
+    ) -> set[PageHash]:
+        """Caller holds the lock: replace `key`'s class of each page; returns the pages touched."""
+        before = set(old.live) | set(old.orphan) if old is not None else set()
+        for h in before - mine.keys():
+            refs = self._refs.get(h)
+            if refs is not None:
+                refs.pop(key, None)
+                if not refs:
+                    del self._refs[h]
+                    self._nbytes.pop(h, None)
+        for h, c in mine.items():
+            self._refs.setdefault(h, {})[key] = c
+            self._nbytes[h] = nbytes[h]
+        return before | mine.keys()
+
+    def _resolve(self, pages: Iterable[PageHash]) -> dict[PageHash, PageClass]:
+        """Caller holds the lock: each page's class, the highest any session gives it."""
+        out: dict[PageHash, PageClass] = {}
+        for h in pages:
+            refs = self._refs.get(h)
+            out[h] = max(refs.values()) if refs else PageClass.NORMAL
+        return out
+
+    def forget_session(self, user: str, sid: str) -> None:
+        """The session was deleted: drop it from the registry (its pages' classes follow)."""
+        self._submit_quietly(self._forget, [(user, sid)])
+
+    def forget_user(self, user: str) -> None:
+        """The user was erased: drop their sessions from the registry."""
+        with self._lock:
+            keys = [k for k in self._sessions if k[0] == user]
+            self._touched = {k: v for k, v in self._touched.items() if k[0] != user}
+        self._submit_quietly(self._forget, keys)
+
+    def _forget(self, keys: list[SessionKey]) -> None:
+        with self._lock:
+            affected: set[PageHash] = set()
+            for key in keys:
+                old = self._sessions.pop(key, None)
+                self._touched.pop(key, None)
+                if old is not None:
+                    affected |= self._set_refs(key, old, {}, {})
+            classes = self._resolve(affected)
+        self._pages.set_retention(classes)
+
+    def _submit_quietly(self, fn: Callable[..., object], *args: Any) -> None:
+        with self._lock:
+            if self._closed:
+                return
+        with contextlib.suppress(RuntimeError):  # closing
+            self._worker.submit(fn, *args)
+
+    # ------------------------------------------------------------------ demotion
+    def _demote(self, key: SessionKey, tracked: _Tracked) -> int:
+        """Move the session's host pages to disk, except pages an active session also reaches
+        (one not cold and not `evict`) and pinned pages. On the worker."""
+        now = time.time()
+        with self._lock:
+            pages = [h for h in (*tracked.live, *tracked.orphan) if self._demotable(h, key)]
+            t = self._sessions.get(key)
+            if t is not None:
+                t.cold_at = now
+        gone: list[PageHash] = []
+        try:
+            moved = self._pages.demote_to_disk(pages, gone)
+        finally:
+            self._kv.forget(gone)
+        with self._lock:
+            self._counts["demoted_pages"] += moved
+        return moved
+
+    def _demotable(self, page: PageHash, key: SessionKey) -> bool:
+        """Caller holds the lock."""
+        for k, c in self._refs.get(page, {}).items():
+            if c is PageClass.PINNED:
+                return False
+            if k == key:
+                continue
+            other = self._sessions.get(k)
+            if other is None or (other.retention != "evict" and not self._is_cold(k, other)):
+                return False
+        return True
+
+    def _is_cold(self, key: SessionKey, t: _Tracked) -> bool:
+        """Caller holds the lock: demoted and not used since."""
+        return t.cold_at is not None and t.cold_at >= max(t.updated_at, self._touched.get(key, 0.0))
+
+    # ------------------------------------------------------------------ sweeping
+    def sweep_now(self) -> dict[str, int]:
+        """One sweep (the sweeper calls it on the worker; tests may call `sweep()`): reclassify
+        the sessions updated since the last one, then demote the idle ones."""
+        read_at = time.time()
+        limit = self.config.sessions_per_sweep
+        hints = self._versions.retention_hints(updated_after=self._cursor, limit=limit)
+        for h in hints:
+            self._refresh(h.user_id, h.session_id)
+        if len(hints) >= limit:
+            self._cursor = hints[-1].updated_at  # more to read: go on from there next time
+        else:  # caught up; commits land a little after their `updated_at`: read those again
+            self._cursor = datetime.fromtimestamp(read_at - _OVERLAP_S, tz=UTC)
+        now = time.time()
+        with self._lock:
+            idle = [
+                (k, t)
+                for k, t in self._sessions.items()
+                if t.idle_ttl_s is not None
+                and t.retention != "pinned"
+                and not self._is_cold(k, t)
+                and now - max(t.updated_at, self._touched.get(k, 0.0)) >= t.idle_ttl_s
+            ]
+        moved = 0
+        for k, t in idle:
+            moved += self._demote(k, t)
+        with self._lock:
+            self._counts["idle_demotions"] += len(idle)
+        return {"reclassified": len(hints), "idle_sessions": len(idle), "demoted_pages": moved}
+
+    def sweep(self) -> dict[str, int]:
+        """Run one sweep on the worker now and wait for it."""
+        return self._on_worker(self.sweep_now)
+
+    # ------------------------------------------------------------------ warm-up
+    def warm(self, user: str, sid: str, *, version: int | None = None, branch: str | None = None) -> WarmPlan:
+        """Start promoting a version's disk pages into the host tier and return at once with what
+        was found and queued. `version`, else `branch`'s head (default `main`). Raises
+        `SessionNotFound`, `VersionNotFound`, `BranchNotFound`."""
+        number = version
+        if number is None:
+            number = self._versions.get_branch(user, sid, branch or MAIN_BRANCH).head_version
+        empty = WarmPlan(sid, number, 0, 0, {t.value: 0 for t in Tier}, 0, 0, 0, 0)
+        if number == 0:
+            return empty
+        v = self._versions.get_version(user, sid, number)
+        self._touch((user, sid))
+        if not v.fingerprint or v.fingerprint not in self._fingerprints:
+            return empty
+        pages = self._version_pages(self._tenant_for(user), v)
+        resident = {t.value: 0 for t in Tier}
+        on_disk: dict[PageHash, int] = {}
+        for h, _, n in pages:
+            tier = self._pages.fastest_tier(h)
+            if tier is not None:
+                resident[tier.value] += n
+            if tier is Tier.DISK:
+                on_disk[h] = n
+        queued, already, skipped = self._queue_warm(list(on_disk))
+        warming = sum(on_disk[h] for h in queued)
+        tokens = sum(n for _, _, n in pages)
+        return WarmPlan(sid, number, len(pages), tokens, resident, len(queued), warming, already, skipped)
+
+    def warm_version(self, user: str, sid: str, version: int) -> None:
+        """Warm a version's pages in the background, without waiting for anything (the session
+        turn's hook, called when a turn arrives, before it is rendered). Never raises; a version
+        that does not exist warms nothing; beyond a bounded backlog the call does nothing."""
+        if version <= 0:
+            return
+        with self._lock:
+            if self._closed or self._resolving >= _MAX_PENDING_RESOLVES:
+                return
+            self._resolving += 1
+        try:
+            self._warmers.submit(self._warm_quietly, user, sid, version)
+        except RuntimeError:
+            with self._lock:
+                self._resolving -= 1
+
+    def _warm_quietly(self, user: str, sid: str, version: int) -> None:
+        try:
+            self.warm(user, sid, version=version)
+        except Exception as exc:
+            log.debug("warm-up of %r v%d skipped: %s", sid, version, exc)
+        finally:
+            with self._lock:
+                self._resolving -= 1
+
+    def _touch(self, key: SessionKey) -> None:
+        with self._lock:
+            self._touched[key] = time.time()
+
+    def _queue_warm(self, pages: list[PageHash]) -> tuple[list[PageHash], int, int]:
+        """Queue promotions of `pages` (each page once); (queued, already warming, skipped)."""
+        queued: list[PageHash] = []
+        already = skipped = 0
+        with self._lock:
+            if self._closed:
+                return [], 0, len(pages)
+            for h in pages:
+                if h in self._warming:
+                    already += 1
+                elif len(self._warming) >= self.config.max_warm_pages:
+                    skipped += 1
+                else:
+                    self._warming.add(h)
+                    queued.append(h)
+            self._counts["warm_skipped_pages"] += skipped
+        for i, h in enumerate(queued):
+            try:
+                self._warmers.submit(self._promote, h)
+            except RuntimeError:  # closing: the rest are not warmed
+                with self._lock:
+                    self._warming.difference_update(queued[i:])
+                return queued[:i], already, skipped + len(queued) - i
+        return queued, already, skipped
+
+    def _promote(self, page: PageHash) -> None:
+        gone: list[PageHash] = []
+        ok = False
+        try:
+            held = self._pages.table.lease_prefix([page])  # no eviction while it is promoted
+            try:
+                ok = bool(held) and self._pages.promote_to_host(page, gone) is not None
+            finally:
+                self._pages.unlease(held)
+        except Exception:
+            log.exception("warm-up of a page failed")
+        finally:
+            self._kv.forget(gone)
+            with self._lock:
+                self._warming.discard(page)
+                if ok:
+                    self._counts["warmed_pages"] += 1
+
+    def idle(self, timeout_s: float = 30.0) -> bool:
+        """Wait until no warm-up is in flight (tests, benchmarks). True when none is."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._warming and not self._resolving:
+                    return True
+            time.sleep(0.01)
+        return False
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            pinned = {h for t in self._sessions.values() for h in t.pinned}
+            return {
+                "tracked_sessions": len(self._sessions),
+                "pinned_pages": len(pinned),
+                "pinned_bytes": sum(self._nbytes.get(h, 0) for h in pinned),
+                "warming_pages": len(self._warming),
+                **self._counts,
+            }

@@ -1,0 +1,396 @@
+"""Session retention hints and warm-up on a real store: hints persist, `evict` and the idle TTL move
+host pages to disk, pinned pages survive host pressure, orphan pages go first, warm-ups promote.
+Also migration 0004 on a 0003 database with data, on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sqlalchemy import text
+
+from dss.config import RetentionConfig
+from dss.db.engine import current_revision, make_engine, make_session_factory, upgrade_to_head
+from dss.dialogue.versions import VersionStore
+from dss.errors import InvalidInput, LimitExceeded, PinnedCapExceeded, SessionNotFound, VersionNotFound
+from dss.ops.retention import KEEP
+from dss.pages.eviction import Retention as PageClass
+from dss.store import Store
+from dss.types import FingerprintId, PageHash, Tier
+from tests.store_helpers import SMALL_FP, open_store, pages_for
+
+BS = SMALL_FP.block_size
+PAGE = SMALL_FP.page_nbytes
+
+
+def _store(path: Path, host_pages: int = 64, write_through: bool = False, **retention: object) -> Store:
+    cfg = RetentionConfig(**{"sweep_interval_s": 0.0, **retention})  # type: ignore[arg-type]
+    return open_store(
+        path,
+        host_capacity_bytes=host_pages * PAGE,
+        write_through=write_through,
+        codec_process=False,
+        retention=cfg,
+    )
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    s = _store(tmp_path / "data")
+    yield s
+    s.close()
+
+
+def _tokens(start: int, n_pages: int) -> np.ndarray:
+    return np.arange(start, start + n_pages * BS, dtype=np.int32)
+
+
+def turn(store: Store, user: str, sid: str, tokens: np.ndarray, branch: str = "main") -> int:
+    """A committed version with its pages stored, as a chat turn leaves them."""
+    fid = store.register_fingerprint(SMALL_FP)
+    store.versions.ensure_session(user, sid)
+    v = store.versions.commit(
+        user, sid, tokens=tokens, messages=[{"role": "user", "content": f"{len(tokens)}"}],
+        branch=branch, fingerprint=fid,
+    )  # fmt: skip
+    store.put_sequence(fid, store.tenant_for(user), tokens, pages_for(SMALL_FP, tokens))
+    return v.number
+
+
+def pages_of(store: Store, user: str, tokens: np.ndarray) -> tuple[PageHash, ...]:
+    fid = store.register_fingerprint(SMALL_FP)
+    return store.match(fid, store.tenant_for(user), tokens).pages
+
+
+def resident(store: Store, user: str, tokens: np.ndarray) -> dict[str, int]:
+    return store.residency(
+        FingerprintId(store.register_fingerprint(SMALL_FP)), store.tenant_for(user), tokens
+    )
+
+
+def klass(store: Store, page: PageHash) -> PageClass:
+    e = store.pages.table.get(page)
+    assert e is not None
+    return e.stats.retention
+
+
+def wait_for(cond: object, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():  # type: ignore[operator]
+            return True
+        time.sleep(0.02)
+    return False
+
+
+# ------------------------------------------------------------------------------------------ hints
+def test_hint_round_trips_and_persists(tmp_path: Path) -> None:
+    s = _store(tmp_path / "d")
+    try:
+        s.versions.create_session("alice", "trip")
+        info = s.retention.set_hint("alice", "trip", "evict", 600)
+        assert (info.kv_retention, info.kv_idle_ttl_s) == ("evict", 600)
+        info = s.retention.set_hint("alice", "trip", kv_retention="normal")  # the TTL is kept
+        assert (info.kv_retention, info.kv_idle_ttl_s) == ("normal", 600)
+        assert s.retention.set_hint("alice", "trip", KEEP, None).kv_idle_ttl_s is None
+        s.retention.set_hint("alice", "trip", "pinned", 30)
+    finally:
+        s.close()
+    s = _store(tmp_path / "d")
+    try:
+        got = s.versions.get_session("alice", "trip")
+        assert (got.kv_retention, got.kv_idle_ttl_s) == ("pinned", 30)
+        listed, _ = s.versions.list_sessions("alice")
+        assert [(x.kv_retention, x.kv_idle_ttl_s) for x in listed] == [("pinned", 30)]
+        s.versions.create_session("alice", "other")
+        assert s.versions.get_session("alice", "other").kv_retention == "normal"
+    finally:
+        s.close()
+
+
+def test_bad_values_are_refused_and_change_nothing(store: Store) -> None:
+    store.versions.create_session("alice", "trip")
+    with pytest.raises(InvalidInput, match="kv_retention"):
+        store.retention.set_hint("alice", "trip", "forever")
+    with pytest.raises(InvalidInput, match="kv_idle_ttl_s"):
+        store.retention.set_hint("alice", "trip", kv_idle_ttl_s=0)
+    with pytest.raises(InvalidInput, match="kv_idle_ttl_s"):
+        store.retention.set_hint("alice", "trip", kv_idle_ttl_s=True)
+    with pytest.raises(LimitExceeded):
+        store.retention.set_hint("alice", "trip", kv_idle_ttl_s=10**9)
+    with pytest.raises(SessionNotFound):
+        store.retention.set_hint("bob", "trip", "evict")  # alice's session is not bob's
+    got = store.versions.get_session("alice", "trip")
+    assert (got.kv_retention, got.kv_idle_ttl_s) == ("normal", None)
+
+
+# --------------------------------------------------------------------------------------- demotion
+def test_evict_moves_the_sessions_host_pages_to_disk_now(store: Store) -> None:
+    a = _tokens(1, 3)
+    b = _tokens(1000, 2)
+    turn(store, "alice", "trip", a)
+    turn(store, "alice", "other", b)
+    assert resident(store, "alice", a) == {"device": 0, "host": 12, "disk": 0}  # only in memory so far
+    store.retention.set_hint("alice", "trip", "evict")
+    assert resident(store, "alice", a) == {"device": 0, "host": 0, "disk": 12}  # written back, then moved
+    assert resident(store, "alice", b)["host"] == 8  # the other session is untouched
+    assert {klass(store, h) for h in pages_of(store, "alice", a)} == {PageClass.EVICT}
+    assert store.stats()["demoted_pages"] == 3
+    fid = store.register_fingerprint(SMALL_FP)
+    n, copies = store.load_sequence(fid, store.tenant_for("alice"), a)  # still served, from disk
+    assert n == 12 and copies == pages_for(SMALL_FP, a)
+    store.check()
+
+
+def test_a_page_an_active_session_shares_stays_on_the_host(store: Store) -> None:
+    shared = _tokens(1, 2)
+    turn(store, "alice", "trip", np.concatenate([shared, _tokens(500, 1)]))
+    turn(store, "alice", "busy", np.concatenate([shared, _tokens(600, 1)]))
+    store.retention.set_hint("alice", "busy", kv_idle_ttl_s=3600)  # tracked, and active
+    store.retention.set_hint("alice", "trip", "evict")
+    assert resident(store, "alice", shared)["host"] == 8  # the shared pages stay: "busy" uses them
+    assert resident(store, "alice", np.concatenate([shared, _tokens(500, 1)]))["disk"] == 4
+    assert {klass(store, h) for h in pages_of(store, "alice", shared)} == {PageClass.NORMAL}
+    store.check()
+
+
+def test_idle_ttl_sweeper_demotes_after_the_ttl(tmp_path: Path) -> None:
+    s = _store(tmp_path / "d", sweep_interval_s=0.05)
+    try:
+        a, b = _tokens(1, 3), _tokens(1000, 2)
+        turn(s, "alice", "idle", a)
+        turn(s, "alice", "kept", b)
+        s.retention.set_hint("alice", "idle", kv_idle_ttl_s=1)
+        began = time.monotonic()
+        assert resident(s, "alice", a)["host"] == 12  # not before the TTL
+        assert wait_for(lambda: resident(s, "alice", a)["disk"] == 12, 10.0)
+        assert time.monotonic() - began >= 0.9
+        assert resident(s, "alice", a)["host"] == 0
+        assert resident(s, "alice", b)["host"] == 8  # no TTL: stays
+        assert s.stats()["retention"]["idle_demotions"] == 1
+        # A new turn makes it active again; it is demoted again only after another TTL.
+        turn(s, "alice", "idle", np.concatenate([a, _tokens(2000, 1)]))
+        assert resident(s, "alice", np.concatenate([a, _tokens(2000, 1)]))["host"] == 4
+        assert wait_for(lambda: s.stats()["retention"]["idle_demotions"] == 2, 10.0)
+    finally:
+        s.close()
+
+
+def test_demotion_that_cannot_write_to_disk_keeps_the_page(tmp_path: Path) -> None:
+    cfg = RetentionConfig(sweep_interval_s=0.0)
+    s = open_store(
+        tmp_path / "d", host_capacity_bytes=64 * PAGE, write_through=False, disk_capacity_bytes=100,
+        codec_process=False, retention=cfg,
+    )  # fmt: skip
+    try:
+        a = _tokens(1, 2)
+        turn(s, "alice", "trip", a)
+        s.retention.set_hint("alice", "trip", "evict")  # a disk too small for a page: nothing moves
+        assert resident(s, "alice", a) == {"device": 0, "host": 8, "disk": 0}
+        assert s.stats()["disk_full_skips"] == 2
+        s.check()
+    finally:
+        s.close()
+
+
+# ------------------------------------------------------------------------------------------- pins
+def test_pinned_pages_survive_host_pressure_that_evicts_normal_ones(tmp_path: Path) -> None:
+    s = _store(tmp_path / "d", host_pages=8, pinned_fraction=0.5, pinned_user_fraction=0.5)
+    try:
+        hot, cold = _tokens(1, 3), _tokens(1000, 3)
+        turn(s, "alice", "hot", hot)
+        turn(s, "alice", "cold", cold)
+        s.retention.set_hint("alice", "hot", "pinned")
+        assert {klass(s, h) for h in pages_of(s, "alice", hot)} == {PageClass.PINNED}
+        for i in range(6):  # 12 more pages through an 8-page host tier
+            turn(s, "alice", f"filler{i}", _tokens(5000 + 100 * i, 2))
+        assert resident(s, "alice", hot) == {"device": 0, "host": 12, "disk": 0}
+        split = resident(s, "alice", cold)
+        assert split["host"] < 12 and split["host"] + split["disk"] == 12
+        assert s.stats()["pages"]["host"] == 8  # full: the rest were evicted around the pinned ones
+        assert s.stats()["retention"]["pinned_bytes"] == 3 * PAGE
+        s.retention.set_hint("alice", "hot", "normal")  # unpinned: evictable again
+        assert {klass(s, h) for h in pages_of(s, "alice", hot)} == {PageClass.NORMAL}
+        s.check()
+    finally:
+        s.close()
+
+
+def test_pinning_beyond_the_caps_is_refused(tmp_path: Path) -> None:
+    s = _store(tmp_path / "d", host_pages=8, pinned_fraction=0.5, pinned_user_fraction=0.25)
+    try:
+        turn(s, "alice", "big", _tokens(1, 3))  # 3 pages > 2 pages per user
+        turn(s, "alice", "small", _tokens(1000, 2))
+        turn(s, "bob", "b", _tokens(3000, 2))
+        turn(s, "carol", "c", _tokens(4000, 1))
+        with pytest.raises(PinnedCapExceeded, match="per user"):
+            s.retention.set_hint("alice", "big", "pinned")
+        assert s.versions.get_session("alice", "big").kv_retention == "normal"
+        s.retention.set_hint("alice", "small", "pinned")
+        s.retention.set_hint("bob", "b", "pinned")  # 4 pages pinned: the global cap
+        with pytest.raises(PinnedCapExceeded, match="all sessions"):
+            s.retention.set_hint("carol", "c", "pinned")
+        s.retention.set_hint("bob", "b", "normal")
+        s.retention.set_hint("carol", "c", "pinned")
+    finally:
+        s.close()
+
+
+# ---------------------------------------------------------------------------------------- orphans
+def test_pages_of_versions_no_branch_leads_to_go_first(tmp_path: Path) -> None:
+    s = _store(tmp_path / "d", host_pages=8)
+    try:
+        old = _tokens(1, 3)
+        turn(s, "alice", "other", old)  # least recently used: plain LRU would evict it first
+        v1 = _tokens(1000, 2)
+        turn(s, "alice", "trip", v1)
+        v2 = np.concatenate([v1, _tokens(2000, 2)])
+        turn(s, "alice", "trip", v2)
+        s.versions.rollback("alice", "trip", "main", 1)  # version 2 is off every branch now
+        s.retention.sweep()  # the rollback updated the session: reclassified
+        v2_only = pages_of(s, "alice", v2)[2:]
+        assert [klass(s, h) for h in v2_only] == [PageClass.ORPHAN] * 2
+        assert {klass(s, h) for h in pages_of(s, "alice", v1)} == {PageClass.NORMAL}
+        turn(s, "bob", "new", _tokens(7000, 3))  # 3 pages into a host tier with 1 free
+        assert [s.pages.fastest_tier(h) for h in v2_only] == [Tier.DISK, Tier.DISK]
+        assert resident(s, "alice", old)["host"] == 12  # older, but reachable: kept
+        # A branch at version 2 makes its pages reachable again.
+        s.versions.branch("alice", "trip", 2, "again")
+        s.retention.sweep()
+        assert [klass(s, h) for h in v2_only] == [PageClass.NORMAL] * 2
+        s.check()
+    finally:
+        s.close()
+
+
+# ------------------------------------------------------------------------------------------ warm-up
+def test_warm_promotes_a_versions_disk_pages_to_host(store: Store) -> None:
+    a = _tokens(1, 3)
+    turn(store, "alice", "trip", a)
+    store.retention.set_hint("alice", "trip", "evict")
+    plan = store.retention.warm("alice", "trip")
+    assert (plan.version, plan.pages, plan.tokens) == (1, 3, 12)
+    assert plan.resident == {"device": 0, "host": 0, "disk": 12}
+    assert plan.warming_pages + plan.already_warming == 3
+    assert store.retention.idle(10)
+    assert resident(store, "alice", a) == {"device": 0, "host": 12, "disk": 12}
+    again = store.retention.warm("alice", "trip", version=1)
+    assert (again.warming_pages, again.resident["host"]) == (0, 12)  # nothing left to warm
+    assert store.stats()["retention"]["warmed_pages"] == 3
+    store.check()
+
+
+def test_warm_version_runs_in_the_background_and_warms_each_page_once(store: Store) -> None:
+    a = _tokens(1, 4)
+    turn(store, "alice", "trip", a)
+    store.retention.set_hint("alice", "trip", "evict")
+    for _ in range(5):
+        store.retention.warm_version("alice", "trip", 1)
+    store.retention.warm_version("alice", "nope", 1)  # unknown: nothing, no error
+    store.retention.warm_version("alice", "trip", 0)
+    assert store.retention.idle(10)
+    assert resident(store, "alice", a)["host"] == 16
+    assert store.stats()["retention"]["warmed_pages"] == 4  # each page promoted once
+    store.check()
+
+
+def test_warm_of_an_empty_branch_or_a_missing_version(store: Store) -> None:
+    store.versions.create_session("alice", "empty")
+    plan = store.retention.warm("alice", "empty")
+    assert (plan.version, plan.pages, plan.warming_pages) == (0, 0, 0)
+    with pytest.raises(VersionNotFound):
+        store.retention.warm("alice", "empty", version=9)
+    with pytest.raises(SessionNotFound):
+        store.retention.warm("bob", "empty")
+
+
+def test_after_a_restart_pinned_sessions_are_warmed(tmp_path: Path) -> None:
+    s = _store(tmp_path / "d", write_through=True)
+    a = _tokens(1, 3)
+    try:
+        turn(s, "alice", "hot", a)
+        s.retention.set_hint("alice", "hot", "pinned")
+        s.flush()
+    finally:
+        s.close()
+    s = _store(tmp_path / "d", sweep_interval_s=0.05)
+    try:
+        assert wait_for(lambda: resident(s, "alice", a)["host"] == 12, 10.0)  # from disk, by the sweeper
+        assert {klass(s, h) for h in pages_of(s, "alice", a)} == {PageClass.PINNED}
+    finally:
+        s.close()
+
+
+def test_deleting_and_erasing_forget_the_session(store: Store) -> None:
+    turn(store, "alice", "trip", _tokens(1, 2))
+    turn(store, "bob", "b", _tokens(1, 2))
+    store.retention.set_hint("alice", "trip", "evict")
+    store.retention.set_hint("bob", "b", kv_idle_ttl_s=60)
+    assert store.retention.stats()["tracked_sessions"] == 2
+    store.delete_session("alice", "trip")
+    store.erase_user("bob")
+    assert wait_for(lambda: store.retention.stats()["tracked_sessions"] == 0, 5.0)
+
+
+# --------------------------------------------------------------------------------------- migration
+def test_0004_upgrades_a_0003_database_with_data_in_it(db_url: str) -> None:
+    from alembic import command
+
+    from dss.db.engine import alembic_config
+
+    command.upgrade(alembic_config(db_url), "0003")
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                text("INSERT INTO sessions (user_id, id, version_count) VALUES ('alice', 'trip', 1)")
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO branches (user_id, session_id, name, head_version)"
+                    " VALUES ('alice', 'trip', 'main', 1)"
+                )
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO versions (user_id, session_id, number, branch, n_tokens, tokens, messages,"
+                    " messages_base, n_messages, digest, body_bytes) VALUES ('alice', 'trip', 1, 'main', 2,"
+                    " :t, '[]', 0, 0, 'd', 8)"
+                ),
+                {"t": b"\x01\0\0\0\x02\0\0\0"},
+            )
+        upgrade_to_head(db_url)
+        assert current_revision(db_url) == "0004"
+        vs = VersionStore(make_session_factory(engine))
+        got = vs.get_session("alice", "trip")
+        assert (got.kv_retention, got.kv_idle_ttl_s, got.version_count) == ("normal", None, 1)
+        assert vs.get_version("alice", "trip", 1).tokens.tolist() == [1, 2]
+        assert vs.check() == []
+        vs.set_retention("alice", "trip", "evict", 120)
+        assert [
+            (h.session_id, h.kv_retention, h.kv_idle_ttl_s) for h in vs.retention_hints(hinted_only=True)
+        ] == [("trip", "evict", 120)]
+    finally:
+        engine.dispose()
+
+
+def test_eviction_goes_class_by_class_then_by_the_policy() -> None:
+    from dss.pages.eviction import LRUPolicy, PageStats, choose_victims
+
+    def st(age: float, c: PageClass) -> PageStats:
+        return PageStats(last_access=100.0 - age, hits=1, created=0.0, index=0, nbytes=1, retention=c)
+
+    pages = {
+        "old_normal": st(90, PageClass.NORMAL),
+        "new_orphan": st(1, PageClass.ORPHAN),
+        "new_evict": st(2, PageClass.EVICT),
+        "old_evict": st(50, PageClass.EVICT),
+        "pinned": st(99, PageClass.PINNED),
+        "new_normal": st(3, PageClass.NORMAL),
+    }
+    cands = [(PageHash(n.encode().ljust(32, b"\0")), s) for n, s in pages.items()]
+    order = [v.rstrip(b"\0").decode() for v in choose_victims(cands, LRUPolicy(), 100.0, 10**6)]
+    assert order == ["new_orphan", "old_evict", "new_evict", "old_normal", "new_normal"]
