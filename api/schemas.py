@@ -211,6 +211,10 @@ class BranchOut(BaseModel):
     created_at: datetime
 
 
+KvRetention = Literal["pinned", "normal", "evict"]
+MAX_IDLE_TTL_S = 30 * 24 * 3600  # dss.dialogue.versions.MAX_IDLE_TTL_S
+
+
 class SessionOut(BaseModel):
     id: str
     object: Literal["session"] = "session"
@@ -220,6 +224,51 @@ class SessionOut(BaseModel):
     metadata: dict[str, Any]
     version_count: int
     branches: list[BranchOut]
+    kv_retention: KvRetention = Field(default="normal", description="the session's KV retention hint")
+    kv_idle_ttl_s: int | None = Field(
+        default=None, description="idle seconds after which its host KV pages move to disk; null: never"
+    )
+
+
+class SessionPatch(_Request):
+    """Fields left out stay as they are; `kv_idle_ttl_s: null` clears the TTL."""
+
+    kv_retention: KvRetention | None = Field(
+        default=None,
+        description="`pinned`: kept in the host tier (within the pinned caps); `normal`: the default; "
+        "`evict`: moved to disk now and evicted first",
+    )
+    kv_idle_ttl_s: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_IDLE_TTL_S,
+        description="after this many idle seconds the session's host pages move to the disk tier",
+    )
+
+
+class WarmRequest(_Request):
+    """Which version to warm: `version`, or the head of `branch` (default: `main`)."""
+
+    branch: str | None = Field(default=None, pattern=NAME_PATTERN)
+    version: int | None = Field(default=None, ge=1, le=2**31 - 1)
+
+    @model_validator(mode="after")
+    def _one_target(self) -> WarmRequest:
+        if self.branch is not None and self.version is not None:
+            raise ValueError("give branch or version, not both")
+        return self
+
+
+class WarmOut(BaseModel):
+    object: Literal["session.warm"] = "session.warm"
+    session_id: str
+    version: int = Field(description="the version warmed; 0 when the branch has none")
+    pages: int = Field(description="its stored pages")
+    tokens: int = Field(description="tokens of those pages")
+    resident: TierTokens = Field(description="where those tokens are now, before the warm-up")
+    warming_pages: int = Field(description="pages being promoted from disk into the host tier")
+    warming_tokens: int
+    already_warming: int = Field(description="pages another warm-up is promoting already")
 
 
 class VersionOut(BaseModel):

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from dss.config import GiB, StoreConfig
+from dss.config import GiB, RetentionConfig, StoreConfig
 from dss.dialogue.quotas import Quotas
 
 MiB = 1 << 20
@@ -48,6 +48,25 @@ class QuotaSettings(BaseModel):
         return Quotas(self.max_sessions, self.max_versions, self.max_stored_bytes, self.retry_after_s)
 
 
+class RetentionSettings(BaseModel):
+    """Session retention hints and warm-up (`DSS_STORE__RETENTION__SWEEP_INTERVAL_S=...`)."""
+
+    sweep_interval_s: float = Field(default=5.0, ge=0)
+    pinned_fraction: float = Field(default=0.5, ge=0, le=0.9)
+    pinned_user_fraction: float = Field(default=0.25, ge=0, le=0.9)
+    warm_threads: int = Field(default=2, ge=1, le=16)
+    max_warm_pages: int = Field(default=4096, ge=1)
+
+    def to_config(self) -> RetentionConfig:
+        return RetentionConfig(
+            sweep_interval_s=self.sweep_interval_s,
+            pinned_fraction=self.pinned_fraction,
+            pinned_user_fraction=self.pinned_user_fraction,
+            warm_threads=self.warm_threads,
+            max_warm_pages=self.max_warm_pages,
+        )
+
+
 class StoreSettings(BaseModel):
     data_dir: Path = DEFAULT_DATA_DIR
     db_url: SecretStr | None = None  # default: SQLite in data_dir; may hold a password
@@ -61,6 +80,7 @@ class StoreSettings(BaseModel):
     fsync: bool = True
     loader_threads: int = Field(default=2, ge=1, le=64)
     quotas: QuotaSettings = QuotaSettings()  # DSS_STORE__QUOTAS__MAX_SESSIONS=...
+    retention: RetentionSettings = RetentionSettings()
 
     @property
     def resolved_data_dir(self) -> Path:
@@ -80,6 +100,7 @@ class StoreSettings(BaseModel):
             fsync=self.fsync,
             loader_threads=self.loader_threads,
             quotas=self.quotas.to_quotas(),
+            retention=self.retention.to_config(),
         )
 
 

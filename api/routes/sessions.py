@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
-from fastapi import APIRouter, Query, Request, status
+from fastapi import APIRouter, Body, Query, Request, status
 
 from api.deps import EngineDep, PrincipalDep, StateDep, acting_principal
 from api.errors import error_responses
@@ -13,14 +13,20 @@ from api.schemas import (
     BranchOut,
     ChatCompletion,
     Deleted,
+    KvRetention,
     ListResponse,
     SessionCreate,
     SessionMessageRequest,
     SessionOut,
+    SessionPatch,
+    TierTokens,
+    WarmOut,
+    WarmRequest,
 )
 from api.turns import Turn, run_turn
 from dss.dialogue.turns import message_target
 from dss.dialogue.versions import SessionInfo
+from dss.ops.retention import KEEP
 
 router = APIRouter(tags=["sessions"])
 
@@ -38,6 +44,8 @@ def session_out(s: SessionInfo) -> SessionOut:
         branches=[
             BranchOut(name=b.name, head_version=b.head_version, created_at=b.created_at) for b in s.branches
         ],
+        kv_retention=cast(KvRetention, s.kv_retention),  # checked when it was stored
+        kv_idle_ttl_s=s.kv_idle_ttl_s,
     )
 
 
@@ -75,6 +83,54 @@ def list_sessions(
 @router.get("/v1/sessions/{session_id}", response_model=SessionOut, responses=error_responses(401, 404))
 def get_session(session_id: str, state: StateDep, principal: PrincipalDep) -> SessionOut:
     return session_out(state.store.versions.get_session(principal.user, session_id))
+
+
+@router.patch(
+    "/v1/sessions/{session_id}", response_model=SessionOut, responses=error_responses(400, 401, 404, 409)
+)
+def patch_session(
+    session_id: str, body: SessionPatch, state: StateDep, principal: PrincipalDep
+) -> SessionOut:
+    """Set the session's KV retention hint and/or idle TTL (fields left out stay as they are).
+    `409 pinned_cap_exceeded` when pinning would go over the pinned caps."""
+    given = body.model_fields_set
+    s = state.store.retention.set_hint(
+        principal.user,
+        session_id,
+        kv_retention=body.kv_retention if body.kv_retention is not None else KEEP,
+        kv_idle_ttl_s=body.kv_idle_ttl_s if "kv_idle_ttl_s" in given else KEEP,
+    )
+    return session_out(s)
+
+
+@router.post(
+    "/v1/sessions/{session_id}/warm",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=WarmOut,
+    responses=error_responses(400, 401, 404),
+)
+def warm_session(
+    session_id: str,
+    state: StateDep,
+    principal: PrincipalDep,
+    body: Annotated[WarmRequest | None, Body()] = None,
+) -> WarmOut:
+    """Start promoting a version's KV pages from disk into the host tier (default: the head of
+    `main`); answers at once with what is being warmed and where its tokens are now."""
+    target = body if body is not None else WarmRequest()
+    plan = state.store.retention.warm(
+        principal.user, session_id, version=target.version, branch=target.branch
+    )
+    return WarmOut(
+        session_id=plan.session_id,
+        version=plan.version,
+        pages=plan.pages,
+        tokens=plan.tokens,
+        resident=TierTokens(**plan.resident),
+        warming_pages=plan.warming_pages,
+        warming_tokens=plan.warming_tokens,
+        already_warming=plan.already_warming,
+    )
 
 
 @router.delete("/v1/sessions/{session_id}", response_model=Deleted, responses=error_responses(401, 404))

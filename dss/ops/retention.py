@@ -339,7 +339,7 @@ class Retention:
                     left_user -= n
                 continue
             if n > left_all or n > left_user:
-                log.warning("session %r outgrew the pinned caps; its newer pages are not pinned", key[1])
+                log.debug("session %r outgrew the pinned caps; its newer pages are not pinned", key[1])
                 break
             out.add(h)
             left_all -= n
