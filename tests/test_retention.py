@@ -4,9 +4,11 @@ Also migration 0004 on a 0003 database with data, on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -394,3 +396,40 @@ def test_eviction_goes_class_by_class_then_by_the_policy() -> None:
     cands = [(PageHash(n.encode().ljust(32, b"\0")), s) for n, s in pages.items()]
     order = [v.rstrip(b"\0").decode() for v in choose_victims(cands, LRUPolicy(), 100.0, 10**6)]
     assert order == ["new_orphan", "old_evict", "new_evict", "old_normal", "new_normal"]
+
+
+def test_a_warm_up_blocked_on_disk_blocks_no_request(store: Store) -> None:
+    """The promotion of a warm-up is paused inside its disk read: `warm` has answered already, a
+    second warm-up of the same version queues nothing, and hints of other sessions still apply."""
+    a, b = _tokens(1, 2), _tokens(1000, 2)
+    turn(store, "alice", "trip", a)
+    turn(store, "alice", "other", b)
+    store.retention.set_hint("alice", "trip", "evict")
+    assert store.disk is not None
+    disk = store.disk
+    inside, release = threading.Event(), threading.Event()
+    real_read = disk.read
+
+    def paused_read(*args: Any, **kwargs: Any) -> Any:
+        inside.set()
+        release.wait(20)
+        return real_read(*args, **kwargs)
+
+    disk.read = paused_read  # type: ignore[method-assign]
+    try:
+        began = time.monotonic()
+        plan = store.retention.warm("alice", "trip")
+        assert plan.warming_pages == 2 and time.monotonic() - began < 2.0
+        assert inside.wait(10)
+        again = store.retention.warm("alice", "trip")
+        assert (again.warming_pages, again.already_warming) == (0, 2)
+        began = time.monotonic()
+        store.retention.set_hint("alice", "other", "evict")  # the worker is not the warmers
+        assert time.monotonic() - began < 3.0
+        assert resident(store, "alice", b)["host"] == 0
+    finally:
+        release.set()
+        disk.read = real_read  # type: ignore[method-assign]
+    assert store.retention.idle(10)
+    assert resident(store, "alice", a)["host"] == 8
+    store.check()

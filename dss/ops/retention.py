@@ -380,11 +380,14 @@ class Retention:
         self._submit_quietly(self._forget, [(user, sid)])
 
     def forget_user(self, user: str) -> None:
-        """The user was erased: drop their sessions from the registry."""
+        """The user was erased: drop their sessions from the registry. On the worker, after any
+        reclassification in progress (one that read the user's sessions before the erasure)."""
+        self._submit_quietly(self._forget_user, user)
+
+    def _forget_user(self, user: str) -> None:
         with self._lock:
-            keys = [k for k in self._sessions if k[0] == user]
-            self._touched = {k: v for k, v in self._touched.items() if k[0] != user}
-        self._submit_quietly(self._forget, keys)
+            keys = [k for k in {*self._sessions, *self._touched} if k[0] == user]
+        self._forget(keys)
 
     def _forget(self, keys: list[SessionKey]) -> None:
         with self._lock:
