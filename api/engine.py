@@ -176,13 +176,51 @@ class ChatEngine:
     # ------------------------------------------------------------------------------------ prompts
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """Prompt token ids of `messages` through the model's chat template."""
+        return self.encode(self.render_text(messages, add_generation_prompt))
+
+    def render_text(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
         try:
             text = self.tokenizer.apply_chat_template(
                 [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except Exception as exc:  # templates raise plain exceptions for unsupported role orders
             raise InvalidInput(f"the chat template rejected the messages: {exc}") from exc
-        return self.encode(str(text))
+        return str(text)
+
+    def continue_from(
+        self,
+        stored: Sequence[int],
+        stored_messages: Sequence[Mapping[str, Any]],
+        new_messages: Sequence[Mapping[str, Any]],
+    ) -> list[int] | None:
+        """The prompt of a turn that extends a version: the version's stored token ids exactly
+        (its prompt and its answer as generated, end token included), then the template's text
+        for the new messages, tokenized. None when the stored ids are not the start of what the
+        template writes for the version's messages (a stop string cut the answer's text short
+        of its tokens, say); the caller then renders the whole dialogue.
+
+        Generated ids do not always survive a round trip through text ("A|im|ing" comes back as
+        "Aiming"), so a prompt re-rendered from the messages can differ from the stored tokens
+        early in the answer, and every page from there on would be recomputed. Where the ids do
+        round-trip, the result equals `render(stored_messages + new_messages)`.
+        """
+        before = self.render_text(stored_messages, add_generation_prompt=False)
+        after = self.render_text([*stored_messages, *new_messages], add_generation_prompt=True)
+        if not after.startswith(before):
+            return None  # a template that rewrites earlier turns when one is added
+        as_stored = self.decode(stored)
+        if not before.startswith(as_stored):
+            return None
+        # What the template writes after the stored ids: the rest of the closing of the answer
+        # (the newline after its end token, or the end token itself for an answer cut by
+        # max_tokens), then the new messages and the generation prompt.
+        return [*stored, *self.encode(before[len(as_stored) :] + after[len(before) :])]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of token ids exactly as the tokenizer has them, special tokens included."""
+        return str(
+            self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        )
 
     def encode(self, text: str) -> list[int]:
         # The template already wrote the special tokens it wants.

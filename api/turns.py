@@ -78,7 +78,7 @@ def check_limits(state: AppState, params: GenerationParams, messages: list[dict[
 
 async def _prepare(state: AppState, engine: ChatEngine, turn: Turn) -> _Prepared:
     check_limits(state, turn.params, turn.messages)
-    prompt_ids = await asyncio.to_thread(engine.render, turn.messages)
+    prompt_ids = await asyncio.to_thread(prompt_for, engine, turn)
     max_tokens = engine.check_length(
         len(prompt_ids), turn.params.requested_max_tokens, state.settings.limits.default_max_tokens
     )
@@ -96,6 +96,21 @@ async def _prepare(state: AppState, engine: ChatEngine, turn: Turn) -> _Prepared
     tenant = store.tenant_for(turn.user)
     salt = await asyncio.to_thread(store.cache_salt, turn.user)
     return _Prepared(prompt_ids, sampling, tenant, salt)
+
+
+def prompt_for(engine: ChatEngine, turn: Turn) -> list[int]:
+    """The turn's prompt token ids. A turn that extends a version continues from the version's
+    stored token ids (they are what the KV cache holds); its messages stay the record for
+    listings and clients. Other turns render the whole dialogue."""
+    base = turn.target.base if turn.target is not None else None
+    fingerprint = engine.fingerprint
+    if base is not None and base.n_tokens and fingerprint is not None and base.fingerprint == fingerprint:
+        n = len(base.messages)
+        if len(turn.messages) > n:
+            ids = engine.continue_from(base.tokens.tolist(), base.messages, turn.messages[n:])
+            if ids is not None:
+                return ids
+    return engine.render(turn.messages)
 
 
 async def run_turn(state: AppState, engine: ChatEngine, turn: Turn, request: Request) -> Any:

@@ -146,3 +146,13 @@ def test_deleting_a_session_drops_its_tail_but_not_a_kept_one(tmp_path):
     assert store.match(fid, alice, b).n_tokens == 9
     store.check()
     store.close()
+
+
+def test_a_namespace_holding_only_tails_is_matched(tmp_path):
+    # Its trie is empty (every sequence is shorter than a page); an empty trie must still count.
+    store = open_store(tmp_path)
+    fid = store.register_fingerprint(SMALL_FP)
+    alice = store.tenant_for("alice")
+    store.put_sequence(fid, alice, np.asarray([5, 6], dtype=np.int32), [page_bytes(SMALL_FP, 1)])
+    assert store.match(fid, alice, np.asarray([5, 6, 7], dtype=np.int32)).n_tokens == 2
+    store.close()

@@ -9,7 +9,7 @@ All of this runs after the generation: a turn that is cancelled leaves no branch
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -28,6 +28,8 @@ class TurnTarget:
     parent: int | None  # the version the turn extends; None = a first turn (a root version)
     branch: str | None  # the branch to commit on; None = fork a new branch at `parent`
     fork_on_race: bool  # if the branch head moves meanwhile: fork (True) or answer 409 (False)
+    # The parent version itself: its stored token ids are the start of the turn's prompt.
+    base: VersionInfo | None = field(default=None, compare=False, repr=False)
 
     @property
     def expected_head(self) -> int:
@@ -96,10 +98,12 @@ def chat_target(
                 f"the messages do not extend version {state_version}: send its {len(stored)} messages "
                 "followed by the new ones"
             )
-        return TurnTarget(session.id, state_version, branch_at(session, state_version), fork_on_race=True)
+        return TurnTarget(
+            session.id, state_version, branch_at(session, state_version), fork_on_race=True, base=base
+        )
     found = versions.find_deepest_prefix_version(user, sid, messages)
     parent = found.number if found is not None else None
-    return TurnTarget(session.id, parent, branch_at(session, parent), fork_on_race=True)
+    return TurnTarget(session.id, parent, branch_at(session, parent), fork_on_race=True, base=found)
 
 
 def message_target(
@@ -109,14 +113,15 @@ def message_target(
     session = versions.get_session(user, sid)
     if version is not None:
         base = versions.get_version(user, sid, version)
-        return TurnTarget(session.id, version, branch_at(session, version), fork_on_race=True), base.messages
+        target = TurnTarget(session.id, version, branch_at(session, version), fork_on_race=True, base=base)
+        return target, base.messages
     name = branch or MAIN_BRANCH
     head = session.branch(name).head_version
     if head == EMPTY_HEAD:
         start = [{"role": "system", "content": session.system_prompt}] if session.system_prompt else []
         return TurnTarget(session.id, None, name, fork_on_race=False), start
     base = versions.get_version(user, sid, head)
-    return TurnTarget(session.id, head, name, fork_on_race=False), base.messages
+    return TurnTarget(session.id, head, name, fork_on_race=False, base=base), base.messages
 
 
 def commit_turn(

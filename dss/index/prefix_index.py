@@ -58,7 +58,8 @@ class PrefixIndex:
             pub = pub_trie.match(tokens, touch=touch).pages if pub_trie is not None else ()
             own_trie = self._tries.get(own_id) if own_id is not None else None
             own = own_trie.match(tokens, touch=touch).pages if own_trie is not None else ()
-            bs = (own_trie or pub_trie).page_size if (own_trie or pub_trie) is not None else 0
+            trie = own_trie if own_trie is not None else pub_trie  # (an empty trie is falsy)
+            bs = trie.page_size if trie is not None else 0
             own_tail = self._tail_after(own, spaces, tokens, bs) if bs else None
             pub_tail = self._tail_after(pub, (pub_id,), tokens, bs) if bs else None
         own_n = len(own) * bs + (own_tail.n_tokens if own_tail else 0)
