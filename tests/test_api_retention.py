@@ -205,9 +205,12 @@ def test_evict_and_warm_a_real_turns_pages(api_server: ApiServer) -> None:
         v = out["state_version"]
         # The connector saves the last pages just after the answer: wait until they stay put.
         seen: list[dict[str, int]] = []
-        assert wait_for(
-            lambda: seen.append(resident(c, "walks", v)) or (len(seen) > 4 and seen[-1] == seen[-5])
-        )
+
+        def settled() -> bool:
+            seen.append(resident(c, "walks", v))
+            return len(seen) > 4 and seen[-1] == seen[-5]
+
+        assert wait_for(settled)
         total = seen[-1]["host"]
         assert total > 0
         r = c.patch("/v1/sessions/walks", json={"kv_retention": "evict"})
