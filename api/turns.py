@@ -78,6 +78,9 @@ def check_limits(state: AppState, params: GenerationParams, messages: list[dict[
 
 async def _prepare(state: AppState, engine: ChatEngine, turn: Turn) -> _Prepared:
     check_limits(state, turn.params, turn.messages)
+    if turn.target is not None and turn.target.parent is not None:
+        # Start promoting the version's pages that sit on disk while the prompt is rendered.
+        state.store.retention.warm_version(turn.user, turn.target.session_id, turn.target.parent)
     prompt_ids = await asyncio.to_thread(prompt_for, engine, turn)
     max_tokens = engine.check_length(
         len(prompt_ids), turn.params.requested_max_tokens, state.settings.limits.default_max_tokens
