@@ -2,8 +2,9 @@
 
 Policy across the tier backends (which know nothing of each other): promotion on hit
 (disk → host → device), demotion under pressure (host → disk first: write-back), write-through
-of committed pages (called by `dss.ops.writeback`), pins for hot public prefixes, and dropping
-pages everywhere (eviction from the last tier, erasure, corruption).
+of committed pages (called by `dss.ops.writeback`), pins for hot public prefixes, retention
+classes and demotion on request (host → disk, for `dss.ops.retention`), and dropping pages
+everywhere (eviction from the last tier, erasure, corruption).
 
 Every move follows one pattern: claim the page in the `PageTable` (a short critical section),
 copy / compress / encrypt / write / fsync with no lock held, then settle the result in another
