@@ -31,7 +31,10 @@ class EngineSettings:
     enable_prefix_caching: bool = True
     block_size: int | None = None  # platform default (128 on CPU)
     num_gpu_blocks_override: int | None = None
-    dtype: str = "bfloat16"
+    # float32: in bfloat16 the default model's greedy answers drift from its full-precision ones
+    # (the README's France question tips to "L'Étoile..."); `dss model pull` verifies in this
+    # dtype. Costs and numbers: docs/operations.md, "Served dtype" (bench/served_dtype.py).
+    dtype: str = "float32"
     seed: int = 0
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int | None = None

