@@ -21,8 +21,9 @@ __all__ = ["small_api_server"]
 
 SLOTS = 2  # DSS_ENGINE__MAX_INFLIGHT of the "small" server
 # Greedy and long: the model writes all 400 tokens (many seconds on a CPU), outlasting the burst.
+STORY = "Write a very long story about a dragon who learns to cook. Make it long."
 LONG = {
-    "messages": [user_msg("Write a very long story about a dragon who learns to cook. Make it long.")],
+    "messages": [user_msg(STORY)],
     "temperature": 0,
     "max_tokens": 400,
 }
@@ -44,6 +45,35 @@ def wait_idle(server: ApiServer, within_s: float) -> float:
     return time.monotonic() - began
 
 
+def burst(
+    server: ApiServer, user: str, requests: list[tuple[str, dict[str, object]]]
+) -> tuple[list[int], float]:
+    """Send every streaming request at once, hold each open at its status line, read how many
+    generations run, then disconnect them all. Returns the status codes and that count."""
+    n = len(requests)
+
+    async def run() -> tuple[list[tuple[int, str | None]], float]:
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+        client = httpx.AsyncClient(
+            base_url=server.base_url, headers=server.headers(user), timeout=60, limits=limits
+        )
+        async with client as c:
+            # Connections first, so that the requests reach the server together.
+            await asyncio.gather(*(c.get("/healthz") for _ in range(n)))
+            opened = [c.stream("POST", path, json=body) for path, body in requests]
+            # All sent at once, each held open at its status line: admitted streams keep generating.
+            responses = await asyncio.gather(*(o.__aenter__() for o in opened))
+            statuses = [(r.status_code, r.headers.get("retry-after")) for r in responses]
+            running = await asyncio.to_thread(gauge, server, "dss_generations_inflight")
+            for o in opened:
+                await o.__aexit__(None, None, None)  # disconnect: the streams stop
+            return statuses, running
+
+    statuses, running = asyncio.run(run())
+    assert all(ra == "3" for s, ra in statuses if s == 503), statuses
+    return sorted(s for s, _ in statuses), running
+
+
 # The old check let a burst through whenever several requests passed it in one turn of the event
 # loop, before any of their streams began: most bursts of this size, not all (6 of 8 in a trial),
 # hence several rounds. Now every round is exact.
@@ -54,31 +84,26 @@ def test_a_burst_of_streams_gets_exactly_the_excess_refused(
     server = small_api_server
     wait_idle(server, 60)
     n = SLOTS + 14
-
-    async def burst() -> tuple[list[tuple[int, str | None]], float]:
-        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
-        client = httpx.AsyncClient(
-            base_url=server.base_url, headers=server.headers("adm-burst"), timeout=60, limits=limits
-        )
-        async with client as c:
-            # Connections first, so that the requests reach the server together.
-            await asyncio.gather(*(c.get("/healthz") for _ in range(n)))
-            stream = {**LONG, "stream": True}
-            opened = [c.stream("POST", "/v1/chat/completions", json=stream) for _ in range(n)]
-            # All sent at once, each held open at its status line: admitted streams keep generating.
-            responses = await asyncio.gather(*(o.__aenter__() for o in opened))
-            statuses = [(r.status_code, r.headers.get("retry-after")) for r in responses]
-            running = await asyncio.to_thread(gauge, server, "dss_generations_inflight")
-            for o in opened:
-                await o.__aexit__(None, None, None)  # disconnect: the streams stop
-            return statuses, running
-
-    statuses, running = asyncio.run(burst())
-    codes = sorted(s for s, _ in statuses)
-    assert codes == [200] * SLOTS + [503] * (n - SLOTS), statuses
-    assert all(ra == "3" for s, ra in statuses if s == 503), statuses
+    codes, running = burst(server, "adm-burst", [("/v1/chat/completions", {**LONG, "stream": True})] * n)
+    assert codes == [200] * SLOTS + [503] * (n - SLOTS)
     assert running == SLOTS
-    wait_idle(server, 10)
+
+
+def test_the_stateful_route_takes_its_slot_on_arrival_too(small_api_server: ApiServer) -> None:
+    """`/v1/sessions/{sid}/messages` shares the chat route's admission: before, its streams took
+    their slots only once their bodies began, and a burst ran past the limit."""
+    server = small_api_server
+    wait_idle(server, 60)
+    n = SLOTS + 10
+    c = server.client("adm-stateful")
+    for i in range(n):
+        assert c.post("/v1/sessions", json={"session_id": f"adm-s{i}"}).status_code == 201
+    body = {"content": STORY, "max_tokens": 400, "temperature": 0, "stream": True}
+    codes, running = burst(
+        server, "adm-stateful", [(f"/v1/sessions/adm-s{i}/messages", body) for i in range(n)]
+    )
+    assert codes == [200] * SLOTS + [503] * (n - SLOTS)
+    assert running == SLOTS
 
 
 def test_a_vanished_client_stops_its_generation(small_api_server: ApiServer) -> None:

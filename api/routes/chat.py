@@ -1,27 +1,21 @@
 """`POST /v1/chat/completions`: OpenAI-compatible chat, session-aware when `session_id` is given.
 
-Admission happens first: the request takes its generation slot before any work and before its
-response starts, streaming or not, so a burst beyond `max_inflight` gets its 503s at once. A
-non-streaming request whose client goes away is stopped: its generation is aborted in the engine
-and nothing is committed (a stream is stopped the same way by the streaming response itself).
+The request takes its generation slot on arrival, and a client that goes away stops its
+generation (`api.admission`, shared with the stateful `/messages` route).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
-from starlette.types import Receive, Scope, Send
 
+from api.admission import serve_turn
 from api.deps import EngineDep, PrincipalDep, StateDep, acting_principal
-from api.engine import ChatEngine, Slot
-from api.errors import BadRequest, EngineOverloaded, error_responses
+from api.errors import error_responses
 from api.schemas import ChatCompletion, ChatCompletionRequest
-from api.state import AppState
-from api.turns import Turn, check_limits, run_turn
+from api.turns import Turn, check_limits
 from dss.dialogue.turns import chat_target
 from dss.errors import ModelNotFound
 
@@ -43,9 +37,8 @@ async def create_chat_completion(
     who = acting_principal(request, principal, body.user)
     if body.model and body.model not in engine.model_names:
         raise ModelNotFound(f"the model {body.model!r} does not exist on this server")
-    slot = admit(state, engine)
-    stream: Response | None = None
-    try:
+
+    async def build() -> Turn:
         messages = [m.plain() for m in body.messages]
         check_limits(state, body, messages)
         target = None
@@ -53,75 +46,6 @@ async def create_chat_completion(
             target = await asyncio.to_thread(
                 chat_target, state.store.versions, who.user, body.session_id, messages, body.state_version
             )
-        turn = Turn(who.user, messages, body, target)
-        if not body.stream:
-            return await stop_if_client_leaves(request, state, run_turn(state, engine, turn, request))
-        stream = await run_turn(state, engine, turn, request)
-        return HoldingSlot(stream, slot)
-    finally:
-        if stream is None:
-            slot.release()  # answered, or failed, without a stream (a stream gives it back itself)
+        return Turn(who.user, messages, body, target)
 
-
-def admit(state: AppState, engine: ChatEngine) -> Slot:
-    try:
-        return engine.admit()
-    except EngineOverloaded:
-        state.metrics.rejected.inc()
-        raise
-
-
-async def stop_if_client_leaves(request: Request, state: AppState, answer: Coroutine[Any, Any, Any]) -> Any:
-    """`answer`, unless the client disconnects first: then it is cancelled, which aborts its
-    generation in the engine (vLLM aborts a request whose output stream is closed) before any
-    version is committed. Without this a vanished client's answer ran to its last token."""
-    work = asyncio.ensure_future(answer)
-    gone = asyncio.ensure_future(_client_gone(request))
-    try:
-        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # this request itself is cancelled (the server stops): take both down
-        work.cancel()
-        gone.cancel()
-        raise
-    if work.done():
-        gone.cancel()
-        if gone.done() and not gone.cancelled():
-            gone.exception()  # retrieved: a broken receive is no news once the answer is ready
-        return work.result()
-    if gone.exception() is not None:  # receive failed, no disconnect seen: just answer
-        return await work
-    work.cancel()
-    await asyncio.wait((work,))  # let the generation unwind (abort, slot back) before answering
-    if not work.cancelled():  # it finished just then: answer as usual (nobody reads it)
-        return work.result()
-    state.metrics.aborted.inc()
-    raise BadRequest(
-        "the client went away: its generation was stopped and nothing was committed",
-        code="client_disconnected",
-    )
-
-
-async def _client_gone(request: Request) -> None:
-    # The body is read: what the server receives from here on is the disconnect (or nothing).
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-class HoldingSlot(Response):
-    """A streaming response that gives its request's slot back however it ends. The generation
-    gives it back when it finishes, but a stream whose client left before its body started never
-    runs its generator at all."""
-
-    def __init__(self, inner: Response, slot: Slot) -> None:  # no super().__init__: nothing to render
-        self.inner = inner
-        self.slot = slot
-        self.status_code = inner.status_code
-        self.background = inner.background
-        self.raw_headers = inner.raw_headers
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.inner.background = self.background  # FastAPI may have set the route's background tasks
-        try:
-            await self.inner(scope, receive, send)
-        finally:
-            self.slot.release()
+    return await serve_turn(state, engine, request, bool(body.stream), build)

@@ -7,6 +7,7 @@ from typing import Annotated, Any, cast
 
 from fastapi import APIRouter, Body, Query, Request, status
 
+from api.admission import serve_turn
 from api.deps import EngineDep, PrincipalDep, StateDep, acting_principal
 from api.errors import error_responses
 from api.schemas import (
@@ -23,7 +24,7 @@ from api.schemas import (
     WarmOut,
     WarmRequest,
 )
-from api.turns import Turn, run_turn
+from api.turns import Turn
 from dss.dialogue.turns import message_target
 from dss.dialogue.versions import SessionInfo
 from dss.ops.retention import KEEP
@@ -158,8 +159,11 @@ async def post_message(
 ) -> Any:
     """Stateful mode: send only the new user message; the server continues the stored dialogue."""
     who = acting_principal(request, principal, body.user)
-    target, base = await asyncio.to_thread(
-        message_target, state.store.versions, who.user, session_id, body.branch, body.version
-    )
-    messages = [*base, {"role": "user", "content": body.text()}]
-    return await run_turn(state, engine, Turn(who.user, messages, body, target), request)
+
+    async def build() -> Turn:
+        target, base = await asyncio.to_thread(
+            message_target, state.store.versions, who.user, session_id, body.branch, body.version
+        )
+        return Turn(who.user, [*base, {"role": "user", "content": body.text()}], body, target)
+
+    return await serve_turn(state, engine, request, bool(body.stream), build)
