@@ -1,7 +1,7 @@
 """Time to first token of a session turn whose KV is on disk, with and without a warm-up first.
 
 Starts `dss serve` (real vLLM CPU engine, default model) in a temp data directory, runs one long
-first turn in each of N sessions (each its own text, ~9 pages of KV), then restarts the server:
+first turn in each of N sessions (each its own text, ~1,100 tokens of KV), then restarts the server:
 the host arena and vLLM's own prefix cache are gone, every page is on disk only. Then, in
 interleaved pairs, the next turn of one session is sent at once (cold: its pages are promoted
 from disk while the turn waits) and the next turn of another is sent after `POST
@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.api_server import ApiServer  # noqa: E402 - a real `dss serve` in a subprocess, as in the tests
 
-FIRST_WORDS = 180  # ~1,100 tokens of the default model (about 6 per word): 8 pages of 128
+FIRST_WORDS = 180  # ~1,100 tokens of the default model (about 6 per word)
 
 
 def model_dir() -> Path:
