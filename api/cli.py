@@ -9,11 +9,11 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 
-from api.settings import load_settings
+from api.settings import Settings, load_settings
 
 main = typer.Typer(
     name="dss", help="DSS, the dialogue state store.", no_args_is_help=True, add_completion=False
@@ -34,7 +34,7 @@ DbUrlOpt = Annotated[
 
 
 def _db_url(data_dir: Path | None, db_url: str | None) -> str:
-    settings = load_settings(store={"data_dir": data_dir, "db_url": db_url})
+    settings = _settings("dss keys", store={"data_dir": data_dir, "db_url": db_url})
     return settings.store.to_config().resolved_db_url
 
 
@@ -78,7 +78,8 @@ def serve(
     from dss.errors import DataDirInUse
     from dss.store import Store
 
-    settings = load_settings(
+    settings = _settings(
+        "dss serve",
         server={"host": host, "port": port, "log_level": log_level},
         store={"data_dir": data_dir, "db_url": db_url},
         engine={"model": model, "enabled": False if no_engine else None},
@@ -115,6 +116,20 @@ def serve(
     server.run()
     if failed:
         raise typer.Exit(failed[0].exit_code or EXIT_FAILED)
+
+
+def _settings(command: str, **overrides: Any) -> Settings:
+    """The settings, or one line per invalid value on stderr and exit 2 (no traceback): a
+    `DSS_*` variable or flag the operator can fix."""
+    from pydantic import ValidationError
+
+    try:
+        return load_settings(**overrides)
+    except ValidationError as exc:
+        for err in exc.errors():
+            where = "DSS_" + "__".join(str(part) for part in err["loc"]).upper()
+            typer.echo(f"{command}: invalid setting {where}: {err['msg']}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _refuse(message: str) -> NoReturn:
@@ -195,8 +210,13 @@ def model_pull(
         bool | None,
         typer.Option("--verify/--no-verify", help="Check the model answers correctly (default: when new)"),
     ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(help="Verify in this dtype (default: the served one, DSS_ENGINE__DTYPE)"),
+    ] = None,
 ) -> None:
     """Prepare the default model (SmolLM2-135M-Instruct) under DATA_DIR/models/."""
+    from dss.errors import DSSError
     from engine_patch.model import (
         default_data_dir,
         default_model_dir,
@@ -207,10 +227,15 @@ def model_pull(
 
     root = (data_dir or default_data_dir()).expanduser()
     fresh = not is_ready(default_model_dir(root))
-    path = pull_default_model(root)
-    typer.echo(str(path))
-    if verify if verify is not None else fresh:
-        typer.echo(f"verified: {verify_model(path)}", err=True)
+    dtype = dtype or _settings("dss model pull").engine.dtype
+    try:
+        path = pull_default_model(root)
+        typer.echo(str(path))
+        if verify if verify is not None else fresh:
+            typer.echo(f"verified: {verify_model(path, dtype=dtype)}", err=True)
+    except DSSError as exc:  # one line, not a traceback: the message says what failed
+        typer.echo(f"dss model pull: {type(exc).__name__}: {exc}", err=True)
+        raise typer.Exit(1) from None
 
 
 if __name__ == "__main__":

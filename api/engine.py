@@ -449,6 +449,8 @@ def _engine_settings(factory: Any, settings: Settings, model_path: Path) -> Any:
         kwargs["max_model_len"] = eng.max_model_len
     if eng.max_num_seqs is not None:
         kwargs["max_num_seqs"] = eng.max_num_seqs
+    if eng.dtype is not None:
+        kwargs["dtype"] = eng.dtype
     if eng.served_model_name is not None:
         kwargs["served_model_name"] = eng.served_model_name
     fields = getattr(factory.EngineSettings, "__dataclass_fields__", None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -112,6 +112,8 @@ class EngineGroup(BaseModel):
     served_model_name: str | None = None  # default: the model folder's name
     max_model_len: int | None = Field(default=None, ge=16)
     kv_cache_space_gib: int = Field(default=1, ge=1)  # VLLM_CPU_KVCACHE_SPACE on CPU
+    # None: the factory's default (float32, chosen by measurement: docs/operations.md "Served dtype").
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
     enforce_eager: bool = True
     max_num_seqs: int | None = Field(default=None, ge=1)
     seed: int = 0

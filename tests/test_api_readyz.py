@@ -47,13 +47,15 @@ def test_listens_before_the_engine_is_ready(small_api_server: ApiServer) -> None
     assert ready.body == {"status": "ready", "store": True, "engine": True, "dev_mode": False}
 
 
-def serve(data_dir: Path, *extra: str) -> tuple[subprocess.Popen[str], int]:
+def serve(
+    data_dir: Path, *extra: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], int]:
     port = free_port()
     cmd = [
         sys.executable, "-m", "api.cli", "serve", "--data-dir", str(data_dir),
         "--host", "127.0.0.1", "--port", str(port), *extra,
     ]  # fmt: skip
-    env = {"PYTHONUNBUFFERED": "1", "PATH": "/usr/bin:/bin", "HOME": str(data_dir.parent)}
+    env = {"PYTHONUNBUFFERED": "1", "PATH": "/usr/bin:/bin", "HOME": str(data_dir.parent), **(env or {})}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return proc, port
 
@@ -86,6 +88,20 @@ def test_a_second_server_on_one_data_dir_exits_2_with_one_line(tmp_path: Path) -
     finally:
         first.terminate()
         first.communicate(timeout=30)
+
+
+@pytest.mark.timeout(60)
+def test_an_invalid_setting_exits_2_with_one_line_per_value(tmp_path: Path) -> None:
+    # Before: a pydantic traceback of some 40 lines, exit 1.
+    bad = {"DSS_ENGINE__NICE": "99", "DSS_ENGINE__DTYPE": "float33"}
+    proc, _ = serve(tmp_path / "data", "--no-engine", env=bad)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 2 and all(
+        line.startswith("dss serve: invalid setting DSS_ENGINE__") for line in lines
+    )
+    assert "DSS_ENGINE__NICE" in err and "DSS_ENGINE__DTYPE" in err
 
 
 @pytest.mark.timeout(60)
