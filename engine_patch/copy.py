@@ -95,6 +95,30 @@ class KVBlocks:
             for layer, kv in enumerate(self.layers):
                 self._slot_layer(pages, r, layer).copy_(kv[r.block : r.block + r.n])
 
+    def scrub_after(self, pages: torch.Tensor, slot: int, valid_tokens: int, isa: str) -> None:
+        """Zero the token positions from `valid_tokens` on in a copied block (a tail page).
+
+        An engine block is reused without being cleared, so the positions a partial block has
+        not reached yet still hold KV of whatever request used the block before, another
+        tenant's even; a tail page must not carry them into the store. The block interior is
+        ISA-packed, so the positions are overwritten through the CPU backend's own cache-write
+        kernel (with zero K and V), which touches exactly those positions, as decoding does.
+        """
+        from vllm import _custom_ops as ops
+
+        self._check(pages, [Run(0, slot, 1)])
+        n_heads, block_size, width = (int(d) for d in self.block_shape)
+        if not 0 < valid_tokens < block_size:
+            raise InvalidInput(f"a tail page holds 1..{block_size - 1} tokens, not {valid_tokens}")
+        head_size = width // 2
+        n = block_size - valid_tokens
+        zeros = torch.zeros((n, n_heads, head_size), dtype=self.dtype)
+        positions = torch.arange(valid_tokens, block_size, dtype=torch.int64)
+        for layer in range(len(self.layers)):
+            block = self._slot_layer(pages, Run(0, slot, 1), layer)  # [1, H, N, 2D] over the slot
+            key_cache, value_cache = block.view(1, n_heads, 2 * block_size, head_size).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(zeros, zeros, key_cache, value_cache, positions, isa)
+
 
 @dataclass(slots=True)
 class Attached:

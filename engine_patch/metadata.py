@@ -45,6 +45,7 @@ class SaveSpec:
     block_ids: tuple[int, ...]
     span: SlotSpan
     on_finish: bool = True
+    tail_tokens: int = 0  # the last page is a tail page valid for this many tokens (0: it is whole)
 
 
 @dataclass(slots=True)

@@ -336,8 +336,15 @@ class SchedulerSide:
             self._abort(request.request_id, plan.save_id)
             return None
         indexes = tuple(p.page_index for p in plan.pages)
+        tail = n_tokens % bs if indexes[-1] == n_tokens // bs else 0  # the tail page is planned too
         return SaveSpec(
-            request.request_id, plan.save_id, indexes, tuple(block_ids[i] for i in indexes), span, on_finish
+            request.request_id,
+            plan.save_id,
+            indexes,
+            tuple(block_ids[i] for i in indexes),
+            span,
+            on_finish,
+            tail_tokens=tail,
         )
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:

@@ -217,8 +217,11 @@ class WorkerSide:
             assert self.blocks is not None and self.views is not None
             pages = self.views.pages(spec.span.arena_path, spec.span.slot_nbytes)
             self.blocks.save(pages, runs(spec.block_ids, spec.span.slots))
-            self._client.commit_save(spec.save_id, spec.page_indexes)
-            self.stats["saved_pages"] += len(spec.page_indexes)
+            written = spec.page_indexes
+            if spec.tail_tokens and not self._scrub_tail(pages, spec):
+                written = written[:-1]  # the store releases the tail's slot unpublished
+            self._client.commit_save(spec.save_id, written)
+            self.stats["saved_pages"] += len(written)
         except Exception as exc:
             logger.warning("DSS save %s for %s failed; aborted: %s", spec.save_id, spec.req_id, exc)
             self.stats["aborted_saves"] += 1
@@ -229,6 +232,21 @@ class WorkerSide:
                     logger.warning("DSS abort_save %s failed: %s", spec.save_id, abort_exc)
         if spec.on_finish:
             self._saved.add(spec.req_id)
+
+    def _scrub_tail(self, pages: torch.Tensor, spec: SaveSpec) -> bool:
+        """Zero the positions of the tail page's block that its sequence has not reached (they
+        hold KV of the block's previous user). False when that cannot be done here: the tail
+        page is then not saved."""
+        assert self.blocks is not None and self.fingerprint is not None
+        isa = self.fingerprint.isa
+        if not isa.startswith("cpu-"):
+            return False  # only the CPU backend's packing is known
+        try:
+            self.blocks.scrub_after(pages, spec.span.slots[-1], spec.tail_tokens, isa.removeprefix("cpu-"))
+        except Exception as exc:
+            logger.warning("DSS save %s: cannot clear its tail page, not saving it: %s", spec.save_id, exc)
+            return False
+        return True
 
     # ------------------------------------------------------------------ per-step reporting
     def get_finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str] | None, set[str] | None]:

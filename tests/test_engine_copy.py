@@ -137,3 +137,50 @@ def test_model_revision_follows_content(tmp_path: Path) -> None:
     weights.write_bytes(bytes(data))
     assert model_revision(str(tmp_path)) != r1
     assert model_revision("org/some-hub-model", "abc").startswith("hub:")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_tail_page_keeps_only_its_valid_positions(tmp_path: Path, dtype: torch.dtype) -> None:
+    """An engine block is reused uncleared: a tail page copied from it would carry the previous
+    user's KV in the positions the new sequence has not reached. After `scrub_after`, the page
+    is exactly what the block would hold had it been zero when the valid tokens were written."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    bs, hd, valid = 128, 64, 37  # the CPU kernel's shapes (block 128, head 64)
+    isa = _get_attn_isa(dtype, bs, hd, "auto")
+
+    def write(kv: torch.Tensor, positions: range, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        n = len(positions)
+        key = torch.randn(n, H, hd, generator=gen).to(dtype)
+        value = torch.randn(n, H, hd, generator=gen).to(dtype)
+        key_cache, value_cache = kv.view(kv.shape[0], H, 2 * bs, hd).chunk(2, dim=2)
+        slots = torch.arange(positions.start, positions.stop, dtype=torch.int64)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+
+    layers = [torch.zeros(2, H, bs, 2 * hd, dtype=dtype) for _ in range(2)]
+    expected = [torch.zeros_like(t) for t in layers]
+    for i, (kv, want) in enumerate(zip(layers, expected, strict=True)):
+        write(kv, range(0, bs), seed=100 + i)  # another request filled block 0 before
+        write(kv, range(0, valid), seed=i)  # this sequence's tokens
+        write(want, range(0, valid), seed=i)
+    page_nbytes = 2 * layers[0][0].numel() * layers[0].element_size()
+    arena = HostArena.create(
+        Path("/dev/shm") / f"dss-test-tail-{os.getpid()}-{time.monotonic_ns()}.shm", page_nbytes, 2
+    )
+    try:
+        views = ArenaViews(2, page_nbytes // 2)
+        pages = views.pages(str(arena.path), arena.slot_nbytes)
+        blocks = KVBlocks(layers)
+        blocks.save(pages, [Run(0, 1, 1)])
+        want = np.concatenate([w[0].contiguous().view(torch.uint8).numpy().reshape(-1) for w in expected])
+        assert not np.array_equal(arena.numpy(1), want), "precondition: the copy holds stale positions"
+        blocks.scrub_after(pages, 1, valid, isa)
+        assert np.array_equal(arena.numpy(1), want)
+        with pytest.raises(InvalidInput):
+            blocks.scrub_after(pages, 1, bs, isa)
+        views.close()
+    finally:
+        arena.close()
+        arena.unlink()

@@ -154,6 +154,7 @@ def test_finish_saves_only_new_pages_and_settles_the_next_turn(store: Store, sid
     (save,) = step(side).saves
     # Pages 2 and 3 are whole; page 4 holds one computed token: it is saved as the tail page.
     assert save.page_indexes == (2, 3, 4) and save.block_ids == (12, 13, 14) and save.on_finish
+    assert save.tail_tokens == 1  # the worker clears the rest of that block before it commits
     # The session's next turn waits until the worker reports the save done...
     nxt = request("r2", [*r.all_token_ids, 7, 7], tenant)
     assert side.get_num_new_matched_tokens(nxt, 0) == (None, False)
@@ -179,6 +180,7 @@ def test_prompt_pages_are_saved_when_prefill_completes(store: Store, side: Sched
     r.num_computed_tokens = 2 * BS
     (save,) = step(side, {"r1": BS + 2}).saves
     assert save.page_indexes == (0, 1, 2) and save.block_ids == (4, 5, 6) and not save.on_finish
+    assert save.tail_tokens == 0  # after prefill: whole pages only
     assert step(side, {"r1": 1}).saves == []
     store.abort_save(save.save_id)
 
@@ -224,7 +226,7 @@ def test_a_turn_loads_the_previous_turns_tail_page_and_computes_only_new_tokens(
     r1.num_computed_tokens = len(prev)
     assert side.request_finished(r1, [20, 21, 22])[0]
     (save,) = step(side).saves
-    assert save.page_indexes == (0, 1, 2) and save.block_ids == (20, 21, 22)
+    assert save.page_indexes == (0, 1, 2) and save.block_ids == (20, 21, 22) and save.tail_tokens == 2
     # The worker's copy, as the store sees it: the reserved slots are written, then committed.
     written = [*pages_for(SMALL_FP, np.asarray(prev, dtype=np.int32)), bytes(SMALL_FP.page_nbytes)]
     for idx, slot in zip(save.page_indexes, save.span.slots, strict=True):
