@@ -122,6 +122,7 @@ def _settings(command: str, **overrides: Any) -> Settings:
     """The settings, or one line per invalid value on stderr and exit 2 (no traceback): a
     `DSS_*` variable or flag the operator can fix."""
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
 
     try:
         return load_settings(**overrides)
@@ -129,6 +130,9 @@ def _settings(command: str, **overrides: Any) -> Settings:
         for err in exc.errors():
             where = "DSS_" + "__".join(str(part) for part in err["loc"]).upper()
             typer.echo(f"{command}: invalid setting {where}: {err['msg']}", err=True)
+        raise typer.Exit(2) from None
+    except SettingsError as exc:  # a DSS_* variable that does not parse (bad JSON, say)
+        typer.echo(f"{command}: invalid setting: {exc}", err=True)
         raise typer.Exit(2) from None
 
 
@@ -228,6 +232,9 @@ def model_pull(
     root = (data_dir or default_data_dir()).expanduser()
     fresh = not is_ready(default_model_dir(root))
     dtype = dtype or _settings("dss model pull").engine.dtype
+    if dtype not in (None, "float32", "bfloat16", "float16"):
+        typer.echo(f"dss model pull: --dtype must be float32, bfloat16 or float16, not {dtype!r}", err=True)
+        raise typer.Exit(2)
     try:
         path = pull_default_model(root)
         typer.echo(str(path))

@@ -204,7 +204,11 @@ class ChatEngine:
         early in the answer, and every page from there on would be recomputed. Where the ids do
         round-trip, the result equals `render(stored_messages + new_messages)`.
         """
-        before = self.render_text(stored_messages, add_generation_prompt=False)
+        try:
+            # A template may refuse a dialogue that ends on an answer: render it whole instead.
+            before = self.render_text(stored_messages, add_generation_prompt=False)
+        except InvalidInput:
+            return None
         after = self.render_text([*stored_messages, *new_messages], add_generation_prompt=True)
         if not after.startswith(before):
             return None  # a template that rewrites earlier turns when one is added

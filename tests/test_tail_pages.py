@@ -156,3 +156,36 @@ def test_a_namespace_holding_only_tails_is_matched(tmp_path):
     store.put_sequence(fid, alice, np.asarray([5, 6], dtype=np.int32), [page_bytes(SMALL_FP, 1)])
     assert store.match(fid, alice, np.asarray([5, 6, 7], dtype=np.int32)).n_tokens == 2
     store.close()
+
+
+def test_a_stale_private_path_cut_keeps_other_namespaces_tails_under_a_public_page() -> None:
+    """A user's trie holds the public pages at the head of their paths. Cutting a stale path of
+    that trie (its hashes changed when a public prefix was registered) must not take the tails
+    other tenants, or the public namespace, keep under a public page that stays."""
+    from dss.index.hashing import chain_hashes
+    from dss.index.prefix_index import PrefixIndex
+    from dss.index.tails import tail_hash
+    from dss.namespace import make_namespace, public_namespace
+
+    fid = SMALL_FP.id
+    index = PrefixIndex()
+    pub, alice, bob = public_namespace(fid), make_namespace(fid, "alice"), make_namespace(fid, "bob")
+    head = np.arange(1, 9, dtype=np.int32)  # two public pages
+    q = chain_hashes(pub.id, head, BS)
+    index.insert(pub, BS, head, q)
+    a3 = np.concatenate([head, [20, 21, 22, 23]]).astype(np.int32)
+    index.insert(alice, BS, a3, [*q, *chain_hashes(alice.id, a3, BS, parent=q[-1], start_page=2)])
+    for ns, extra in ((bob, [30]), (pub, [40, 41])):
+        tokens = np.concatenate([head, extra]).astype(np.int32)
+        index.insert(ns, BS, tokens, [*q, tail_hash(ns.id, q[-1], np.asarray(extra, dtype=np.int32))])
+    alice_tail = np.concatenate([head, [50]]).astype(np.int32)
+    index.insert(alice, BS, alice_tail, [*q, tail_hash(alice.id, q[-1], np.asarray([50], dtype=np.int32))])
+
+    # Alice's path through the same tokens now hashes differently from page 1 on.
+    stale = [q[0], *chain_hashes(alice.id, head, BS, parent=q[0], start_page=1)]
+    dropped = index.insert(alice, BS, head, stale)
+    assert index.match(fid, "bob", np.concatenate([head, [30, 0]]).astype(np.int32)).tail_tokens == 1
+    assert index.match(fid, "carol", np.concatenate([head, [40, 41]]).astype(np.int32)).tail_tokens == 2
+    assert index.match(fid, "alice", alice_tail).tail_tokens == 0  # hers went with her stale path
+    assert len(dropped) == 2  # her page after the public ones, and her tail under them
+    index.check()

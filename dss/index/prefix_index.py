@@ -132,12 +132,20 @@ class PrefixIndex:
                         cut = trie.remove_from(h)
                         break
                 trie.insert(full_tokens, full)
-                cut.extend(self._tails.remove_under(cut))
+                cut.extend(self._tails_under_cut(cut, ns.id))
             if has_tail:
                 parent = full[-1] if full else ROOT_PARENT
                 tail = Tail(pages[-1], parent, ns.id, tokens[n_full * block_size :])
                 cut.extend(self._tails.add(tail, block_size))
             return self._unreached(cut)
+
+    def _tails_under_cut(self, cut: list[PageHash], ns_id: NamespaceId) -> list[PageHash]:
+        """Drop the tails under pages cut from `ns_id`'s trie: every namespace's under a page no
+        trie holds any more, only `ns_id`'s under a page another trie still holds (a public page
+        at the head of a private path). Caller holds the lock."""
+        held = {p for p in cut if any(p in t for t in self._tries.values())}
+        gone = [p for p in cut if p not in held]
+        return [*self._tails.remove_under(gone), *self._tails.remove_under(held, ns_id)]
 
     def unlink(self, gone: Sequence[PageHash]) -> list[PageHash]:
         """Cut pages that left the page table (and everything below them) out of every trie.

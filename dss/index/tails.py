@@ -116,14 +116,23 @@ class TailIndex:
                 del self._under[tail.parent]
         return True
 
-    def remove_under(self, parents: Iterable[PageHash]) -> list[PageHash]:
-        """Drop the tails that follow these pages (pages cut from a trie); returns them."""
+    def remove_under(
+        self, parents: Iterable[PageHash], namespace: NamespaceId | None = None
+    ) -> list[PageHash]:
+        """Drop the tails that follow these pages (pages cut from a trie), of every namespace or
+        of `namespace` only; returns them."""
         out: list[PageHash] = []
         for parent in parents:
-            for ns in self._under.pop(parent, ()):
+            spaces = self._under.get(parent)
+            if not spaces:
+                continue
+            for ns in [n for n in spaces if namespace is None or n == namespace]:
+                spaces.discard(ns)
                 for page in self._groups.pop((parent, ns)):
                     del self._tails[page]
                     out.append(page)
+            if not spaces:
+                del self._under[parent]
         return out
 
     def remove_namespaces(self, namespaces: set[NamespaceId]) -> list[PageHash]:

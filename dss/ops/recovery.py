@@ -81,7 +81,7 @@ def rebuild(
 
     for h, meta in keep.items():
         pages.add_disk_resident(meta, files[h])
-    _rebuild_index(index, fingerprints, keep)
+    _rebuild_index(index, fingerprints, pages, keep)
     report = RecoveryReport(len(keep), temp_removed, len(orphans), missing_file, len(unusable) - missing_file)
     if temp_removed or orphans or unusable:
         log.warning("recovery: %s", report)
@@ -105,7 +105,7 @@ def _reachable(rows: dict[PageHash, PageMeta]) -> set[PageHash]:
 
 
 def _rebuild_index(
-    index: PrefixIndex, fingerprints: FingerprintRegistry, rows: dict[PageHash, PageMeta]
+    index: PrefixIndex, fingerprints: FingerprintRegistry, pages: TieredPages, rows: dict[PageHash, PageMeta]
 ) -> None:
     """Insert, for each page that has no child in its own namespace, the whole path from the root
     into that namespace's trie. Public pages at the head of a private path are part of it."""
@@ -125,4 +125,8 @@ def _rebuild_index(
         path.reverse()
         ns = make_namespace(leaf_meta.fingerprint, leaf_meta.tenant)
         tokens = np.concatenate([rows[h].tokens for h in path])
-        index.insert(ns, fingerprints.get(leaf_meta.fingerprint).block_size, tokens, path)
+        # A tail page is a leaf whose metadata holds fewer than block_size tokens. Tails beyond
+        # the per-page bound (a crash between an insert and its drop) go now.
+        pushed_out = index.insert(ns, fingerprints.get(leaf_meta.fingerprint).block_size, tokens, path)
+        if pushed_out:
+            pages.drop(pushed_out)

@@ -13,8 +13,9 @@ from dss.types import FingerprintId, NamespaceId, PageHash, TenantId
 class PageMeta:
     """Identity and provenance of one page (one engine block of KV, all layers).
 
-    `tokens` are the page's own `block_size` token ids; with `parent` they let the trie be rebuilt
-    from the page table after a restart.
+    `tokens` are the page's own `block_size` token ids (fewer for a tail page: the valid ones of a
+    sequence's partial last block); with `parent` they let the index be rebuilt from the page
+    table after a restart.
     """
 
     hash: PageHash
