@@ -407,14 +407,15 @@ class TieredPages:
     def demote_to_disk(self, pages: Iterable[PageHash], gone: list[PageHash]) -> int:
         """Move these pages off the host tier onto the disk tier (written back first when only
         the host has them); returns how many left the host. A page stays on the host when it is
-        leased, being moved, or cannot be written to disk (no disk tier, disk unavailable or
-        full): demotion never loses a page, unlike eviction. A page whose bytes fail their
-        checksum is dropped (appended to `gone`)."""
+        leased, pinned (a public prefix's pin, or the `PINNED` retention class: such a page stays
+        where it is for everyone), being moved, or cannot be written to disk (no disk tier, disk
+        unavailable or full): demotion never loses a page, unlike eviction. A page whose bytes fail
+        their checksum is dropped (appended to `gone`)."""
         if self.disk is None:
             return 0
         moved = 0
         for page in pages:
-            claimed = self.table.claim(page, lambda e: Tier.HOST in e.tiers and e.leases == 0)
+            claimed = self.table.claim(page, _demotable)
             if claimed is None:
                 continue
             written = 0
@@ -629,6 +630,16 @@ class TieredPages:
             for h in self.disk.keys():  # noqa: SIM118 - a tier, not a dict
                 if h not in on_disk:
                     raise AssertionError(f"disk tier holds untracked page {h.hex()[:16]}")
+
+
+def _demotable(e: PageEntry) -> bool:
+    """`demote_to_disk`'s claim test (called under the table's lock): on the host, unleased, unpinned."""
+    return (
+        Tier.HOST in e.tiers
+        and e.leases == 0
+        and not e.stats.pinned
+        and e.stats.retention is not Retention.PINNED
+    )
 
 
 def _raw_size(e: PageEntry) -> int:
