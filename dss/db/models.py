@@ -98,7 +98,12 @@ class SessionRow(Base):
     id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)
     created_at: Mapped[datetime] = _timestamp()
     updated_at: Mapped[datetime] = mapped_column(
-        DateTime(timezone=True), nullable=False, default=utcnow, onupdate=utcnow, server_default=func.now()
+        DateTime(timezone=True),
+        nullable=False,
+        default=utcnow,
+        onupdate=utcnow,
+        server_default=func.now(),
+        index=True,  # the retention sweeper reads sessions by it (migration 0004)
     )
     system_prompt: Mapped[str | None] = mapped_column(Text, nullable=True)
     # `metadata` is reserved on declarative classes, hence the attribute name.

@@ -389,6 +389,21 @@ class VersionStore:
                 for u, sid, r, ttl, ts in db.execute(q).tuples()
             ]
 
+    def version_tokens(self, user: str, sid: str, numbers: Iterable[int]) -> dict[int, np.ndarray]:
+        """The token ids of these versions of the session (for the retention sweeper: no messages
+        are read or rebuilt); numbers it does not have are left out."""
+        want = sorted(set(numbers))
+        out: dict[int, np.ndarray] = {}
+        with transaction(self._factory) as db:
+            self._owned(db, user, sid)
+            for i in range(0, len(want), 500):
+                q = select(VersionRow.number, VersionRow.tokens).where(
+                    *_version_key(user, sid), VersionRow.number.in_(want[i : i + 500])
+                )
+                for number, raw in db.execute(q).tuples():
+                    out[number] = np.frombuffer(raw, dtype=TOKEN_DTYPE) if raw else _EMPTY_TOKENS
+        return out
+
     def delete_session(self, user: str, sid: str) -> int:
         """Delete the session with its branches and versions; return the number of versions deleted."""
         with transaction(self._factory) as db:

@@ -3,7 +3,8 @@
 `sessions.kv_retention` (`pinned`, `normal` or `evict`; existing rows get `normal`) and
 `sessions.kv_idle_ttl_s` (seconds of idleness after which the session's host pages move to the
 disk tier; NULL: never). Both are plain added columns: no table is rebuilt, so SQLite's foreign-key
-actions on branches and versions never run.
+actions on branches and versions never run. And an index on `sessions.updated_at`, which the
+retention sweeper filters and orders on (`VersionStore.retention_hints`).
 
 Revision ID: 0004
 Revises: 0003
@@ -29,9 +30,11 @@ def upgrade() -> None:
         sa.Column("kv_retention", sa.String(length=16), server_default="normal", nullable=False),
     )
     op.add_column("sessions", sa.Column("kv_idle_ttl_s", sa.Integer(), nullable=True))
+    op.create_index("ix_sessions_updated_at", "sessions", ["updated_at"])
 
 
 def downgrade() -> None:
+    op.drop_index("ix_sessions_updated_at", table_name="sessions")
     # ALTER TABLE ... DROP COLUMN (SQLite 3.35+): no table rebuild, no cascade.
     op.drop_column("sessions", "kv_idle_ttl_s")
     op.drop_column("sessions", "kv_retention")
