@@ -113,6 +113,7 @@ _STORE_ERRORS: tuple[tuple[type[e.DSSError], int, str], ...] = (
     (e.CapacityError, 503, "service_unavailable_error"),
     (e.TierUnavailable, 503, "service_unavailable_error"),
     (e.StoreClosed, 503, "service_unavailable_error"),
+    (e.RetentionBusy, 503, "overloaded_error"),
     (e.DSSError, 500, "server_error"),
 )
 
@@ -147,14 +148,16 @@ def response_for(exc: BaseException) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.type, exc.code, exc.param, exc.headers)
     if isinstance(exc, e.DSSError):
         status, kind = store_error_status(exc)
-        if status >= 500:
+        if isinstance(exc, e.RetentionBusy):  # an overload, like `EngineOverloaded`: not a failure
+            message = str(exc)
+        elif status >= 500:
             # Storage and key failures are logged in full and answered without internals.
             log.error("store error answering a request", exc_info=exc)
             message = "the store failed to serve the request" if status == 500 else str(exc)
         else:
             message = str(exc)
         headers = _RETRY_AFTER_503 if status == 503 else None
-        if isinstance(exc, e.QuotaExceeded):
+        if isinstance(exc, e.QuotaExceeded | e.RetentionBusy):
             headers = {"Retry-After": str(exc.retry_after_s)}
         return error_response(status, message, kind, _snake(type(exc).__name__), headers=headers)
     if isinstance(exc, UnicodeEncodeError):  # text with a lone surrogate reached an encoder

@@ -154,3 +154,13 @@ class SharedMemoryFull(TierUnavailable):
 class PinnedCapExceeded(ConflictError):
     """Pinning a session would keep more bytes in the host tier than the pinned caps allow (all
     users together, or this user); nothing was changed. Unpin another session, or leave it `normal`."""
+
+
+class RetentionBusy(DSSError):
+    """The retention worker did not get to a session's hint within `RetentionConfig.wait_s` (busy
+    with other sessions' reclassifications and demotions); the hint was withdrawn, nothing changed.
+    Retry after `retry_after_s` seconds."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

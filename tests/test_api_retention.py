@@ -227,3 +227,27 @@ def test_evict_and_warm_a_real_turns_pages(api_server: ApiServer) -> None:
 @pytest.fixture(scope="module")
 def api_server() -> Iterator[ApiServer]:
     yield get_server()
+
+
+def test_a_busy_retention_worker_is_503_with_retry_after() -> None:
+    """`RetentionBusy` (a hint the worker did not reach in time, withdrawn) is an overload the
+    client can retry, never a 500."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from api.errors import install_error_handlers
+    from dss import errors
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.patch("/busy")
+    def busy() -> None:
+        raise errors.RetentionBusy("the retention worker is busy; nothing was changed, retry")
+
+    r = TestClient(app).patch("/busy")
+    assert r.status_code == 503
+    assert r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "overloaded_error"
+    assert r.json()["error"]["code"] == "retention_busy"
+    assert "busy" in r.json()["error"]["message"]

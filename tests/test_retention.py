@@ -433,3 +433,182 @@ def test_a_warm_up_blocked_on_disk_blocks_no_request(store: Store) -> None:
     assert store.retention.idle(10)
     assert resident(store, "alice", a)["host"] == 8
     store.check()
+
+
+# ------------------------------------------------------------------------------ review fixes
+def test_a_hint_the_busy_worker_does_not_reach_is_withdrawn(tmp_path: Path) -> None:
+    """A hint still queued after `wait_s` is cancelled: `RetentionBusy`, and it is never applied."""
+    from dss.errors import RetentionBusy
+
+    s = _store(tmp_path / "d", wait_s=0.3)
+    try:
+        a = _tokens(1, 2)
+        turn(s, "alice", "trip", a)
+        release = threading.Event()
+        blocker = s.retention._worker.submit(release.wait, 20)  # the worker busy with other work
+        try:
+            with pytest.raises(RetentionBusy):
+                s.retention.set_hint("alice", "trip", "evict")
+        finally:
+            release.set()
+        blocker.result(10)
+        s.retention._worker.submit(lambda: None).result(10)  # whatever was queued has run
+        assert s.versions.get_session("alice", "trip").kv_retention == "normal"  # told it failed: it did
+        assert resident(s, "alice", a)["host"] == 8
+    finally:
+        s.close()
+
+
+def test_a_hint_gets_in_between_the_sessions_of_a_sweep(tmp_path: Path) -> None:
+    """The sweep's sessions are separate jobs: a hint waits for one of them, not for the sweep."""
+    s = _store(tmp_path / "d", wait_s=0.5)
+    try:
+        for i in range(6):
+            turn(s, "alice", f"s{i}", _tokens(100 * i + 1, 1))
+        turn(s, "bob", "b", _tokens(5000, 1))
+        real = s.versions.list_versions
+
+        def slow(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(0.25)
+            return real(*args, **kwargs)
+
+        s.versions.list_versions = slow  # type: ignore[method-assign]
+        sweeper = threading.Thread(target=s.retention.sweep)
+        sweeper.start()
+        time.sleep(0.1)
+        s.retention.set_hint("bob", "b", kv_idle_ttl_s=600)  # the sweep alone takes 1.75 s
+        sweeper.join(20)
+        assert s.versions.get_session("bob", "b").kv_idle_ttl_s == 600
+    finally:
+        s.close()
+
+
+def test_a_refresh_matches_branch_heads_and_orphan_leaves_only(tmp_path: Path) -> None:
+    s = _store(tmp_path / "d")
+    try:
+        seq = _tokens(1, 1)
+        for i in range(8):  # eight versions, each a prefix of the next
+            seq = np.concatenate([seq, _tokens(1000 + 100 * i, 1)])
+            turn(s, "alice", "trip", seq)
+        calls: list[int] = []
+        real = s.kv.match
+
+        def counted(fid: Any, tenant: Any, tokens: Any) -> Any:
+            calls.append(len(tokens))
+            return real(fid, tenant, tokens)
+
+        s.kv.match = counted  # type: ignore[method-assign]
+        s.retention.set_hint("alice", "trip", kv_idle_ttl_s=600)
+        assert calls == [len(seq)]  # the head only, not every version
+        v4 = seq[: 5 * BS]
+        s.versions.rollback("alice", "trip", "main", 4)
+        calls.clear()
+        s.retention.sweep()
+        assert sorted(calls) == [len(v4), len(seq)]  # the head, and the one leaf off every branch
+        s.kv.match = real  # type: ignore[method-assign]
+        assert {klass(s, h) for h in pages_of(s, "alice", v4)} == {PageClass.NORMAL}
+        assert {klass(s, h) for h in pages_of(s, "alice", seq)[5:]} == {PageClass.ORPHAN}
+    finally:
+        s.close()
+
+
+def test_sessions_updated_at_is_indexed(tmp_path: Path) -> None:
+    from sqlalchemy import inspect
+
+    from dss.db.engine import sqlite_url_for
+
+    url = sqlite_url_for(tmp_path / "db")
+    upgrade_to_head(url)
+    engine = make_engine(url)
+    try:
+        indexes = {ix["name"]: ix["column_names"] for ix in inspect(engine).get_indexes("sessions")}
+        assert indexes.get("ix_sessions_updated_at") == ["updated_at"]
+    finally:
+        engine.dispose()
+
+
+def test_the_registry_keeps_nothing_of_a_normal_session_but_its_orphans(tmp_path: Path) -> None:
+    s = _store(tmp_path / "d")
+    try:
+        turn(s, "alice", "plain", _tokens(1, 3))
+        s.retention.sweep()
+        assert s.retention.stats()["tracked_sessions"] == 0  # its pages keep the default class
+        assert not s.retention._refs
+        v1 = _tokens(1000, 1)
+        turn(s, "alice", "trip", v1)
+        turn(s, "alice", "trip", np.concatenate([v1, _tokens(2000, 2)]))
+        s.versions.rollback("alice", "trip", "main", 1)
+        s.retention.sweep()
+        assert s.retention.stats()["tracked_sessions"] == 1
+        assert len(s.retention._refs) == 2  # the two orphan pages, nothing else
+    finally:
+        s.close()
+
+
+def test_orphans_of_normal_sessions_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import dss.ops.retention as retention_mod
+
+    monkeypatch.setattr(retention_mod, "_MAX_ORPHAN_ONLY_PAGES", 3, raising=False)
+    s = _store(tmp_path / "d")
+    try:
+        orphans = {}
+        for i, sid in enumerate(("old", "new")):
+            v1 = _tokens(1000 * (i + 1), 1)
+            v2 = np.concatenate([v1, _tokens(1000 * (i + 1) + 500, 2)])
+            turn(s, "alice", sid, v1)
+            turn(s, "alice", sid, v2)
+            s.versions.rollback("alice", sid, "main", 1)
+            s.retention.sweep()
+            orphans[sid] = pages_of(s, "alice", v2)[1:]
+        assert s.retention.stats()["tracked_sessions"] == 1  # 4 orphan pages > 3: the older went
+        assert [klass(s, h) for h in orphans["new"]] == [PageClass.ORPHAN] * 2
+        assert [klass(s, h) for h in orphans["old"]] == [PageClass.NORMAL] * 2
+    finally:
+        s.close()
+
+
+def test_a_warm_up_racing_an_erasure_records_nothing_for_the_user(store: Store) -> None:
+    turn(store, "alice", "trip", _tokens(1, 2))
+    store.retention.set_hint("alice", "trip", kv_idle_ttl_s=600)  # tracked
+    real = store.versions.get_version
+
+    def then_erased(*args: Any, **kwargs: Any) -> Any:
+        v = real(*args, **kwargs)  # read before the erasure ...
+        store.erase_user("alice")
+        store.retention._worker.submit(lambda: None).result(10)  # ... forgotten before the touch
+        return v
+
+    store.versions.get_version = then_erased  # type: ignore[method-assign]
+    store.retention.warm("alice", "trip", version=1)
+    store.versions.get_version = real  # type: ignore[method-assign]
+    assert store.retention.idle(10)
+    assert not store.retention._touched
+    assert store.retention.stats()["tracked_sessions"] == 0
+
+
+def test_public_prefix_pages_are_never_classed_or_demoted(store: Store) -> None:
+    """A version that ends inside a public prefix's tail page: neither that page nor the public
+    whole page is given the session's class or moved to disk."""
+    from dss.types import PUBLIC_TENANT
+
+    fid = store.register_fingerprint(SMALL_FP)
+    system = np.arange(500, 500 + BS + 2, dtype=np.int32)  # one whole page and a tail
+    store.prefixes.register(fid, system, text="system prompt", pin=True)
+    public_pages = [*pages_for(SMALL_FP, system), pages_for(SMALL_FP, _tokens(9000, 1))[0]]
+    store.put_sequence(fid, PUBLIC_TENANT, system, public_pages)
+    m = store.match(fid, store.tenant_for("alice"), system)
+    assert m.n_tokens == len(system) and len(m.pages) == 2  # the public tail page matches
+    turn(store, "alice", "trip", system)
+    store.retention.set_hint("alice", "trip", "evict")
+    assert [klass(store, h) for h in m.pages] == [PageClass.NORMAL] * 2
+    assert [store.pages.fastest_tier(h) for h in m.pages] == [Tier.HOST] * 2
+
+
+def test_demote_to_disk_leaves_pinned_pages_alone(store: Store) -> None:
+    a = _tokens(1, 2)
+    turn(store, "alice", "trip", a)
+    pages = pages_of(store, "alice", a)
+    store.pages.set_pinned(pages[:1], True)  # as a public prefix's pin does
+    assert store.pages.demote_to_disk(pages, []) == 1
+    assert [store.pages.fastest_tier(h) for h in pages] == [Tier.HOST, Tier.DISK]
+    store.check()

@@ -22,7 +22,18 @@ into page retention classes (`dss.pages.eviction.Retention`) and tier moves:
 
 Classes are refreshed for every session the database says was updated since the last sweep (a
 commit, a rollback, a new branch, a new hint all update it), so they follow rollbacks within a
-sweep interval; a hint set through `set_hint` applies before it returns.
+sweep interval; a hint set through `set_hint` applies before it returns. A refresh matches only the
+versions whose pages no other version's match covers (a version's tokens are a prefix of its
+children's): branch heads, and the leaves off every branch; never every version of the session.
+
+What the registry keeps: sessions with a hint (not `normal`, or an idle TTL) with their pages, and
+of a `normal` session without a TTL only its orphan pages, for at most `_MAX_ORPHAN_ONLY_PAGES`
+pages over all such sessions (the oldest are dropped first: their pages go back to `NORMAL`). A
+page a `normal` session reaches from a branch head is not recorded for it: it keeps the default
+class unless a hinted session gives it another (an `evict` session sharing a prefix with a
+`normal` one can demote the shared pages; they stay served, from disk). An erased user is
+remembered for `_ERASED_MEMORY_S`: a warm-up or refresh that read their data before the erasure
+does not record anything for them afterwards.
 
 Lock: `Retention._lock` is a leaf around the registry (per session: hint, pages by class; per page:
 the class each session gives it), the warm-ups in flight and the last-use times. The database
@@ -31,7 +42,12 @@ held. Order of calls, never nested: versions → kv.match → own lock → pages
 
 Serialisation: every reclassification and demotion runs on one worker thread (`dss-retention`):
 `set_hint` and the sweeper submit to it and wait, so two reclassifications never interleave their
-writes to the page table. Warm-ups run on their own executor (`warm_threads`) and only promote.
+writes to the page table. The sweeper submits one job per session (a reclassification, or an idle
+demotion) and waits for each before it submits the next, so a hint waits behind one session's job
+at most, never behind a whole sweep. A hint still queued after `RetentionConfig.wait_s` is
+withdrawn (cancelled: nothing of it was applied) and `RetentionBusy` raised; a hint the worker
+has started is waited for to its end (its work is that one session's). Warm-ups run on their own
+executor (`warm_threads`) and only promote.
 """
 
 from __future__ import annotations
@@ -41,20 +57,23 @@ import enum
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+import numpy as np
+
 from dss.config import RetentionConfig
-from dss.dialogue.versions import MAIN_BRANCH, SessionInfo, VersionInfo, VersionStore, check_retention
-from dss.errors import DSSError, PinnedCapExceeded, SessionNotFound, StoreClosed
+from dss.dialogue.versions import MAIN_BRANCH, SessionInfo, VersionStore, check_retention
+from dss.errors import DSSError, PinnedCapExceeded, RetentionBusy, SessionNotFound, StoreClosed
 from dss.index.fingerprints import FingerprintRegistry
 from dss.ops.kv import KVCache
 from dss.pages.eviction import Retention as PageClass
 from dss.pages.manager import TieredPages
-from dss.types import FingerprintId, PageHash, TenantId, Tier
+from dss.types import PUBLIC_TENANT, FingerprintId, PageHash, TenantId, Tier
 
 log = logging.getLogger("dss.retention")
 
@@ -63,6 +82,9 @@ SessionKey = tuple[str, str]  # (user, session id)
 
 _OVERLAP_S = 2.0  # the sweep re-reads sessions updated this long before its last read
 _MAX_PENDING_RESOLVES = 64  # `warm_version` calls waiting for their version to be read
+_MAX_ORPHAN_ONLY_PAGES = 1 << 16  # orphan pages remembered for `normal` sessions without a TTL
+_ERASED_MEMORY_S = 600.0  # how long an erased user is remembered (late warm-ups/refreshes refused)
+_MAX_ERASED = 100_000  # erased users remembered at most (the oldest are dropped first)
 
 
 class Keep(enum.Enum):
@@ -131,7 +153,12 @@ class Retention:
         self._sessions: dict[SessionKey, _Tracked] = {}
         self._refs: dict[PageHash, dict[SessionKey, PageClass]] = {}
         self._nbytes: dict[PageHash, int] = {}  # of every page in `_refs`
-        self._touched: dict[SessionKey, float] = {}  # wall time of the last warm-up
+        self._touched: dict[SessionKey, float] = {}  # wall time of the last warm-up (tracked sessions)
+        # `normal` sessions without a TTL that are tracked for their orphan pages only, oldest
+        # refresh first, with how many pages each holds (bounded by `_MAX_ORPHAN_ONLY_PAGES`).
+        self._orphan_only: OrderedDict[SessionKey, int] = OrderedDict()
+        self._orphan_only_pages = 0
+        self._erased: dict[str, float] = {}  # user -> monotonic time of the erasure, oldest first
         self._warming: set[PageHash] = set()
         self._resolving = 0
         self._counts = {"warmed_pages": 0, "warm_skipped_pages": 0, "idle_demotions": 0, "demoted_pages": 0}
@@ -161,7 +188,7 @@ class Retention:
     def _run(self) -> None:
         while True:
             try:
-                self._on_worker(self.sweep_now)
+                self.sweep_now()
             except StoreClosed:
                 return
             except Exception:
@@ -169,7 +196,10 @@ class Retention:
             if self._stop.wait(self.config.sweep_interval_s):
                 return
 
-    def _on_worker(self, fn: Callable[..., T], *args: Any) -> T:
+    def _on_worker(self, fn: Callable[..., T], *args: Any, wait: bool = False) -> T:
+        """Run `fn` on the worker and return its result. A job still queued after `wait_s` is
+        cancelled (it never runs) and `RetentionBusy` raised, unless `wait` (the sweeper's own
+        jobs); one the worker has started is waited for to its end."""
         with self._lock:
             if self._closed:
                 raise StoreClosed("the store is closed")
@@ -177,7 +207,15 @@ class Retention:
             fut = self._worker.submit(fn, *args)
         except RuntimeError as exc:  # shut down in between
             raise StoreClosed("the store is closed") from exc
-        return fut.result(timeout=self.config.wait_s)
+        try:
+            try:
+                return fut.result(timeout=None if wait else self.config.wait_s)
+            except TimeoutError:
+                if fut.cancel():
+                    raise RetentionBusy("the retention worker is busy; nothing was changed, retry") from None
+                return fut.result()  # running: one session's work, its outcome is the answer
+        except CancelledError as exc:  # the store closed with the job still queued
+            raise StoreClosed("the store is closed") from exc
 
     # ------------------------------------------------------------------ hints
     def set_hint(
@@ -236,61 +274,87 @@ class Retention:
     # ------------------------------------------------------------------ classes
     def _collect(self, user: str, sid: str, info: SessionInfo) -> _Pages:
         """The session's pages from its versions: those its branch heads' histories reach, and
-        those only versions off every branch reach. Public prefix pages are left out."""
-        versions = self._versions.list_versions(user, sid, with_body=True)
-        parents = {v.number: v.parent for v in versions}
+        those only versions off every branch reach. Public prefix pages are left out.
+
+        A version's tokens are a prefix of its children's, so a child with the same fingerprint
+        and at least as many tokens reaches every page of its parent: only the versions no such
+        child covers are matched (branch heads that no other head descends from, for the live
+        pages; leaves off every branch, for the orphans), never every version."""
+        versions = self._versions.list_versions(user, sid)  # summaries: no bodies read
+        by_number = {v.number: v for v in versions}
         on_branch: set[int] = set()
         for b in info.branches:
             cur: int | None = b.head_version
-            while cur is not None and cur != 0 and cur not in on_branch and cur in parents:
+            while cur is not None and cur != 0 and cur not in on_branch and cur in by_number:
                 on_branch.add(cur)
-                cur = parents[cur]
+                cur = by_number[cur].parent
+        covered_live: set[int] = set()  # by a child on a branch
+        covered: set[int] = set()  # by any child
+        for v in versions:
+            p = by_number.get(v.parent) if v.parent else None
+            if p is None or not v.fingerprint or v.fingerprint != p.fingerprint or v.n_tokens < p.n_tokens:
+                continue
+            covered.add(p.number)
+            if v.number in on_branch:
+                covered_live.add(p.number)
+        heads = [n for n in sorted(on_branch) if n not in covered_live]
+        leaves = [v.number for v in versions if v.number not in on_branch and v.number not in covered]
+        tokens = self._versions.version_tokens(user, sid, heads + leaves) if heads or leaves else {}
         tenant = self._tenant_for(user)
         live: dict[PageHash, int] = {}
         off: dict[PageHash, int] = {}
-        for v in versions:
-            for h, n, _ in self._version_pages(tenant, v):
-                (live if v.number in on_branch else off)[h] = n
+        for numbers, out in ((heads, live), (leaves, off)):
+            for n in numbers:
+                v = by_number[n]
+                if n in tokens:
+                    for h, nb, _ in self._version_pages(tenant, v.fingerprint, tokens[n], n):
+                        out.setdefault(h, nb)
         return _Pages(live, {h: n for h, n in off.items() if h not in live})
 
-    def _version_pages(self, tenant: TenantId, v: VersionInfo) -> list[tuple[PageHash, int, int]]:
-        """(page, bytes, tokens) of each stored page of the version, public prefix pages left out
-        (the last page may hold fewer tokens than a block)."""
-        if not v.fingerprint or v.n_tokens == 0 or v.fingerprint not in self._fingerprints:
+    def _version_pages(
+        self, tenant: TenantId, fingerprint: str | None, tokens: np.ndarray, number: int
+    ) -> list[tuple[PageHash, int, int]]:
+        """(page, bytes, tokens) of each stored page of a version's tokens, pages of the public
+        namespace left out (whole public pages and a public tail page alike; they have their own
+        pins). The last page may hold fewer tokens than a block."""
+        if not fingerprint or len(tokens) == 0 or fingerprint not in self._fingerprints:
             return []
-        fid = FingerprintId(v.fingerprint)
+        fid = FingerprintId(fingerprint)
         fp = self._fingerprints.get(fid)
         try:
-            m = self._kv.match(fid, tenant, v.tokens)
+            m = self._kv.match(fid, tenant, tokens)
         except DSSError as exc:  # e.g. a version longer than the store's sequence limit
-            log.debug("no pages for version %d: %s", v.number, exc)
+            log.debug("no pages for version %d: %s", number, exc)
             return []
         if not m.pages:
             return []
         bs = fp.block_size
         sizes = [bs] * len(m.pages)
         sizes[-1] = m.n_tokens - bs * (len(m.pages) - 1)
-        k_pub = m.public_tokens // bs
-        return [(h, fp.page_nbytes, n) for h, n in zip(m.pages[k_pub:], sizes[k_pub:], strict=True)]
+        out: list[tuple[PageHash, int, int]] = []
+        for h, n in zip(m.pages, sizes, strict=True):
+            e = self._pages.table.get(h)
+            if e is not None and e.meta.tenant != PUBLIC_TENANT:
+                out.append((h, fp.page_nbytes, n))
+        return out
 
     def _refresh(self, user: str, sid: str, info: SessionInfo | None = None) -> _Tracked | None:
         """Re-read a session's pages and set their classes (on the worker). None when the
         session is gone (then it is forgotten)."""
         key = (user, sid)
+        started = time.monotonic()
         try:
             info = info if info is not None else self._versions.get_session(user, sid)
             pages = self._collect(user, sid, info)
         except SessionNotFound:
             self._forget([key])
             return None
-        if (
-            not pages.live
-            and not pages.orphan
-            and info.kv_retention == "normal"
-            and info.kv_idle_ttl_s is None
-        ):
-            self._forget([key])  # nothing of it is stored, nothing to remember
-            return None
+        hinted = info.kv_retention != "normal" or info.kv_idle_ttl_s is not None
+        if not hinted:
+            if not pages.orphan:
+                self._forget([key])  # its pages keep the default class: nothing to remember
+                return None
+            pages = _Pages({}, pages.orphan)  # only its orphans need a class
         pinned: frozenset[PageHash] = frozenset()
         if info.kv_retention == "pinned":
             pinned = self._pin_within_caps(key, pages.live)
@@ -307,11 +371,24 @@ class Retention:
             pinned=pinned,
         )
         with self._lock:
+            if self._erased_since(user, started):
+                return None  # read before the user's erasure: nothing of it is recorded
             old = self._sessions.get(key)
             if old is not None and old.cold_at is not None and old.cold_at >= tracked.updated_at:
                 tracked.cold_at = old.cold_at  # not used since it went cold
             self._sessions[key] = tracked
             affected = self._set_refs(key, old, mine, {**pages.live, **pages.orphan})
+            self._orphan_only_pages -= self._orphan_only.pop(key, 0)
+            if not hinted:
+                self._orphan_only[key] = len(pages.orphan)
+                self._orphan_only_pages += len(pages.orphan)
+                while self._orphan_only_pages > _MAX_ORPHAN_ONLY_PAGES and len(self._orphan_only) > 1:
+                    oldest, n = self._orphan_only.popitem(last=False)
+                    self._orphan_only_pages -= n
+                    self._touched.pop(oldest, None)
+                    gone = self._sessions.pop(oldest, None)
+                    if gone is not None:
+                        affected |= self._set_refs(oldest, gone, {}, {})
             classes = self._resolve(affected)
         self._pages.set_retention(classes)
         if pinned:
@@ -381,8 +458,24 @@ class Retention:
 
     def forget_user(self, user: str) -> None:
         """The user was erased: drop their sessions from the registry. On the worker, after any
-        reclassification in progress (one that read the user's sessions before the erasure)."""
+        reclassification in progress (one that read the user's sessions before the erasure); and
+        from now on, for `_ERASED_MEMORY_S`, a warm-up or refresh that read the user's data
+        before this call records nothing for them."""
+        now = time.monotonic()
+        with self._lock:
+            self._erased.pop(user, None)
+            self._erased[user] = now  # insertion order is erasure order
+            for u, t in list(self._erased.items()):
+                if now - t <= _ERASED_MEMORY_S and len(self._erased) <= _MAX_ERASED:
+                    break
+                del self._erased[u]
         self._submit_quietly(self._forget_user, user)
+
+    def _erased_since(self, user: str, started: float) -> bool:
+        """Caller holds the lock: whether data of `user` read from `started` on may be stale
+        (the user was erased since, or the read is older than the erasures remembered)."""
+        t = self._erased.get(user)
+        return (t is not None and t >= started) or time.monotonic() - started > _ERASED_MEMORY_S
 
     def _forget_user(self, user: str) -> None:
         with self._lock:
@@ -395,6 +488,7 @@ class Retention:
             for key in keys:
                 old = self._sessions.pop(key, None)
                 self._touched.pop(key, None)
+                self._orphan_only_pages -= self._orphan_only.pop(key, 0)
                 if old is not None:
                     affected |= self._set_refs(key, old, {}, {})
             classes = self._resolve(affected)
@@ -431,7 +525,7 @@ class Retention:
         for k, c in self._refs.get(page, {}).items():
             if c is PageClass.PINNED:
                 return False
-            if k == key:
+            if k == key or c is PageClass.ORPHAN:  # an orphan claim keeps nothing on the host
                 continue
             other = self._sessions.get(k)
             if other is None or (other.retention != "evict" and not self._is_cold(k, other)):
@@ -444,43 +538,61 @@ class Retention:
 
     # ------------------------------------------------------------------ sweeping
     def sweep_now(self) -> dict[str, int]:
-        """One sweep (the sweeper calls it on the worker; tests may call `sweep()`): reclassify
-        the sessions updated since the last one, then demote the idle ones."""
+        """One sweep, driven from the calling thread (the sweeper's; tests call `sweep()`):
+        reclassify the sessions updated since the last one, then demote the idle ones. Each
+        session's reclassification or demotion is its own job on the worker, so hints get in
+        between them."""
         read_at = time.time()
         limit = self.config.sessions_per_sweep
-        hints = self._versions.retention_hints(updated_after=self._cursor, limit=limit)
+        with self._lock:
+            cursor = self._cursor
+        hints = self._versions.retention_hints(updated_after=cursor, limit=limit)
         for h in hints:
-            self._refresh(h.user_id, h.session_id)
-        if len(hints) >= limit:
-            self._cursor = hints[-1].updated_at  # more to read: go on from there next time
-        else:  # caught up; commits land a little after their `updated_at`: read those again
-            self._cursor = datetime.fromtimestamp(read_at - _OVERLAP_S, tz=UTC)
-        now = time.time()
+            self._on_worker(self._refresh, h.user_id, h.session_id, wait=True)
         with self._lock:
-            idle = [
-                (k, t)
-                for k, t in self._sessions.items()
-                if t.idle_ttl_s is not None
-                and t.retention != "pinned"
-                and not self._is_cold(k, t)
-                and now - max(t.updated_at, self._touched.get(k, 0.0)) >= t.idle_ttl_s
-            ]
-        moved = 0
-        for k, t in idle:
-            moved += self._demote(k, t)
+            if len(hints) >= limit:
+                self._cursor = hints[-1].updated_at  # more to read: go on from there next time
+            else:  # caught up; commits land a little after their `updated_at`: read those again
+                self._cursor = datetime.fromtimestamp(read_at - _OVERLAP_S, tz=UTC)
+            now = time.time()
+            idle = [k for k, t in self._sessions.items() if self._is_idle(k, t, now)]
+        moved = demoted = 0
+        for k in idle:
+            n = self._on_worker(self._demote_idle, k, wait=True)
+            if n is not None:
+                demoted += 1
+                moved += n
+        return {"reclassified": len(hints), "idle_sessions": demoted, "demoted_pages": moved}
+
+    def _is_idle(self, key: SessionKey, t: _Tracked, now: float) -> bool:
+        """Caller holds the lock: past its idle TTL, and not demoted since it was last used."""
+        return (
+            t.idle_ttl_s is not None
+            and t.retention != "pinned"
+            and not self._is_cold(key, t)
+            and now - max(t.updated_at, self._touched.get(key, 0.0)) >= t.idle_ttl_s
+        )
+
+    def _demote_idle(self, key: SessionKey) -> int | None:
+        """On the worker: demote the session if it is still idle (a hint or a warm-up may have
+        come in since the sweep looked); the pages moved, or None when it was not idle."""
         with self._lock:
-            self._counts["idle_demotions"] += len(idle)
-        return {"reclassified": len(hints), "idle_sessions": len(idle), "demoted_pages": moved}
+            t = self._sessions.get(key)
+            if t is None or not self._is_idle(key, t, time.time()):
+                return None
+            self._counts["idle_demotions"] += 1
+        return self._demote(key, t)
 
     def sweep(self) -> dict[str, int]:
-        """Run one sweep on the worker now and wait for it."""
-        return self._on_worker(self.sweep_now)
+        """Run one sweep now and wait for it."""
+        return self.sweep_now()
 
     # ------------------------------------------------------------------ warm-up
     def warm(self, user: str, sid: str, *, version: int | None = None, branch: str | None = None) -> WarmPlan:
         """Start promoting a version's disk pages into the host tier and return at once with what
         was found and queued. `version`, else `branch`'s head (default `main`). Raises
         `SessionNotFound`, `VersionNotFound`, `BranchNotFound`."""
+        started = time.monotonic()
         number = version
         if number is None:
             number = self._versions.get_branch(user, sid, branch or MAIN_BRANCH).head_version
@@ -488,10 +600,10 @@ class Retention:
         if number == 0:
             return empty
         v = self._versions.get_version(user, sid, number)
-        self._touch((user, sid))
+        self._touch((user, sid), started)
         if not v.fingerprint or v.fingerprint not in self._fingerprints:
             return empty
-        pages = self._version_pages(self._tenant_for(user), v)
+        pages = self._version_pages(self._tenant_for(user), v.fingerprint, v.tokens, v.number)
         resident = {t.value: 0 for t in Tier}
         on_disk: dict[PageHash, int] = {}
         for h, _, n in pages:
@@ -530,9 +642,12 @@ class Retention:
             with self._lock:
                 self._resolving -= 1
 
-    def _touch(self, key: SessionKey) -> None:
+    def _touch(self, key: SessionKey, started: float) -> None:
+        """Record a use of a tracked session (what its idle TTL counts from), read at `started`;
+        nothing for an untracked one, or for a user erased since."""
         with self._lock:
-            self._touched[key] = time.time()
+            if key in self._sessions and not self._erased_since(key[0], started):
+                self._touched[key] = time.time()
 
     def _queue_warm(self, pages: list[PageHash]) -> tuple[list[PageHash], int, int]:
         """Queue promotions of `pages` (each page once); (queued, already warming, skipped)."""
@@ -593,6 +708,7 @@ class Retention:
             pinned = {h for t in self._sessions.values() for h in t.pinned}
             return {
                 "tracked_sessions": len(self._sessions),
+                "tracked_pages": len(self._refs),
                 "pinned_pages": len(pinned),
                 "pinned_bytes": sum(self._nbytes.get(h, 0) for h in pinned),
                 "warming_pages": len(self._warming),
