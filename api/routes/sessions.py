@@ -87,7 +87,7 @@ def get_session(session_id: str, state: StateDep, principal: PrincipalDep) -> Se
 
 
 @router.patch(
-    "/v1/sessions/{session_id}", response_model=SessionOut, responses=error_responses(400, 401, 404, 409)
+    "/v1/sessions/{session_id}", response_model=SessionOut, responses=error_responses(400, 401, 404, 409, 503)
 )
 def patch_session(
     session_id: str, body: SessionPatch, state: StateDep, principal: PrincipalDep
