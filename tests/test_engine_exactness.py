@@ -5,15 +5,23 @@ One real vLLM CPU engine on the default model serves the whole module. Each turn
 emptied, the same prompt in its session: every reused token comes from the store) and "cold"
 (plain vLLM, caches emptied, everything recomputed).
 
-DSS must equal warm bit for bit: both reuse the same KV bytes, so any difference would be a
-wrong page. Cached-vs-cold differences are counted and printed, not failed: on this bf16 CPU
-backend, KV computed during decode or in a shorter prefill chunk differs from a one-shot prefill
-in the last bits, and greedy decoding amplifies near-ties; vLLM's own prefix cache diverges from
-cold on exactly the same turns (DSS == warm), so they are a property of KV reuse, not of DSS.
+Where DSS reuses as many tokens as warm (whole pages), it must equal warm bit for bit: both
+reuse the same KV bytes, so any difference would be a wrong page. Cached-vs-cold differences
+are counted and printed, not failed: on this CPU backend, KV computed during decode or in a
+shorter prefill chunk differs from a one-shot prefill in the last bits, and greedy decoding
+amplifies near-ties; vLLM's own prefix cache diverges from cold on exactly the same turns
+(DSS == warm), so they are a property of KV reuse, not of DSS.
+
+DSS also reuses the previous turn's partial last block (a tail page), which vLLM's own cache
+cannot: there DSS serves more than warm, whose recomputed block is the one-shot prefill of KV
+the previous turn computed while decoding. Such turns are the same kind of comparison as
+cached-vs-cold: their differences are counted, and fail only when they are too many to be
+near-ties (a wrong tail page would change nearly every answer).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +58,23 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
 
 
 @dataclass
+class Tally:
+    """Soft differences (see the module docstring)."""
+
+    cold: list[str]
+    tail: list[str]  # DSS (with a tail page) != warm (that block recomputed)
+    tail_turns: int = 0
+
+    def check_tails(self) -> list[str]:
+        limit = max(2, self.tail_turns // 5)
+        if len(self.tail) > limit:
+            return [
+                f"{len(self.tail)} of {self.tail_turns} turns with a tail page differ from warm: {self.tail}"
+            ]
+        return []
+
+
+@dataclass
 class TurnResults:
     warm: list[Result] | None  # vLLM's own prefix cache, holding the blocks the store saved
     dss: list[Result]
@@ -75,16 +100,15 @@ def run_turn(
 
 
 def expected_loaded(prev_prompt: list[int], prev_output: list[int], prompt: list[int]) -> int:
-    """Pages the previous turn saved (its computed tokens: all but the last sampled one), capped
-    so at least one prompt token is left to compute."""
-    saved_pages = (len(prev_prompt) + len(prev_output) - 1) // BS
-    return min(saved_pages, (len(prompt) - 1) // BS) * BS
+    """What the previous turn saved: its computed tokens (all but the last sampled one, whole
+    pages and a tail page), capped so at least one prompt token is left to compute."""
+    return min(len(prev_prompt) + len(prev_output) - 1, len(prompt) - 1)
 
 
 def check_turn(
-    engine: Engine, names: list[str], res: TurnResults, want_loaded: list[int], report: list[str]
+    engine: Engine, names: list[str], res: TurnResults, want_loaded: list[int], tally: Tally
 ) -> list[str]:
-    """Hard failures of one turn; cold divergences go to `report` (see the module docstring)."""
+    """Hard failures of one turn; soft differences go to `tally` (see the module docstring)."""
     failures = []
     for k, name in enumerate(names):
         d, c = res.dss[k], res.cold[k]
@@ -94,12 +118,16 @@ def check_turn(
             failures.append(f"{name}: loaded {d.loaded_tokens}, expected {want_loaded[k]}")
         if res.warm is not None:
             w = res.warm[k]
-            if w.num_cached_tokens != d.num_cached_tokens:
-                failures.append(f"{name}: vLLM reused {w.num_cached_tokens}, DSS {d.num_cached_tokens}")
+            if d.num_cached_tokens < w.num_cached_tokens:
+                failures.append(f"{name}: vLLM reused {w.num_cached_tokens}, DSS only {d.num_cached_tokens}")
+            elif d.num_cached_tokens > w.num_cached_tokens:
+                tally.tail_turns += 1  # the tail page: see the module docstring
+                if w.output_ids != d.output_ids:
+                    tally.tail.append(f"{name}: DSS {d.text!r} != vLLM prefix cache {w.text!r}")
             elif w.output_ids != d.output_ids:
                 failures.append(f"{name}: DSS {d.text!r} != vLLM prefix cache {w.text!r}")
         if d.output_ids != c.output_ids:
-            report.append(f"{name}: cached {d.text!r} != cold {c.text!r}")
+            tally.cold.append(f"{name}: cached {d.text!r} != cold {c.text!r}")
     return failures
 
 
@@ -110,7 +138,7 @@ def test_multiturn_conversations_are_token_identical(rig: Rig) -> None:
     prompts = [engine.chat_ids(c.first) for c in convs]
     prev: list[tuple[list[int], list[int]] | None] = [None] * len(convs)
     failures: list[str] = []
-    cold_divergences: list[str] = []
+    tally = Tally([], [])
     compared = 0
     engine.reset_prefix_cache()
     for turn in range(max(len(c.followups) for c in convs) + 1):
@@ -127,19 +155,21 @@ def test_multiturn_conversations_are_token_identical(rig: Rig) -> None:
             p = prev[i]
             want.append(expected_loaded(p[0], p[1], prompts[i]) if p is not None else 0)
         names = [f"{convs[i].name} turn {turn + 1}" for i in active]
-        failures += check_turn(engine, names, res, want, cold_divergences)
+        failures += check_turn(engine, names, res, want, tally)
         compared += len(active)
         for i, d in zip(active, res.dss, strict=True):
             assert d.params is not None and d.params["session_id"] == convs[i].session_id
             if turn < len(convs[i].followups):
                 prev[i] = (prompts[i], d.output_ids)
                 prompts[i] = engine.continue_ids(prompts[i], d.output_ids, convs[i].followups[turn])
+    failures += tally.check_tails()
     print(
         f"\nexactness: {len(convs)} conversations, {compared} turns; DSS vs vLLM prefix cache: "
-        f"{len(failures)} failures; cached vs cold recompute: {len(cold_divergences)} divergences"
+        f"{len(failures)} failures, {len(tally.tail)} of {tally.tail_turns} turns with a tail page "
+        f"differ; cached vs cold recompute: {len(tally.cold)} divergences"
     )
-    for line in cold_divergences:
-        print("  cold divergence:", line)
+    for line in tally.cold + tally.tail:
+        print("  divergence:", line)
     assert not failures, "\n".join(failures)
 
 
@@ -177,25 +207,42 @@ def test_rollback_or_branch_then_continue(rig: Rig, case: str) -> None:
     prompt = engine.continue_ids(base_prompt, base_output, f"Instead, describe {words(rng, 25)}")
     want = expected_loaded(base_prompt, base_output, prompt)
     assert want > 0
-    cold_divergences: list[str] = []
+    tally = Tally([], [])
     first = run_turn(engine, [prompt], [sess], [24])
-    failures = check_turn(engine, [case], first, [want], cold_divergences)
+    failures = check_turn(engine, [case], first, [want], tally)
     # ...and one more turn on the new path.
     out = first.dss[0].output_ids
     nxt = engine.continue_ids(prompt, out, f"And finally {words(rng, 20)}")
     res = run_turn(engine, [nxt], [sess], [24])
-    failures += check_turn(
-        engine, [f"{case} + 1"], res, [expected_loaded(prompt, out, nxt)], cold_divergences
+    failures += check_turn(engine, [f"{case} + 1"], res, [expected_loaded(prompt, out, nxt)], tally)
+    failures += tally.check_tails()
+    print(
+        f"\n{case}: {len(failures)} failures, {len(tally.cold)} cold and {len(tally.tail)} tail divergences"
     )
-    print(f"\n{case}: {len(failures)} failures, {len(cold_divergences)} cold divergences")
     assert not failures, "\n".join(failures)
+
+
+def settled_pages(store: Store) -> dict[str, int]:
+    """The page counts once earlier tests' saves have landed (a finished request's last save is
+    committed by the worker after the request returned) and the disk writer is idle."""
+    deadline = time.monotonic() + 30
+    last: dict[str, int] | None = None
+    while time.monotonic() < deadline:
+        store.flush()
+        now = dict(store.stats()["pages"])
+        if now == last and store.stats().get("pending_saves", 0) == 0:
+            return now
+        last = now
+        time.sleep(0.5)
+    raise AssertionError("the store's pages did not settle")
 
 
 def test_request_without_session_is_plain_vllm(rig: Rig) -> None:
     engine, store = rig.engine, rig.store
     rng = np.random.default_rng(5)
     ids = engine.chat_ids([{"role": "user", "content": f"Plain request: {words(rng, 300)}"}])
-    pages_before = store.stats()["pages"]
+    engine.settle()  # the previous test's last save is copied in an engine step
+    pages_before = settled_pages(store)
     engine.reset_prefix_cache()
     (a,) = engine.generate([ids], [None], 16)
     engine.reset_prefix_cache()
@@ -203,7 +250,7 @@ def test_request_without_session_is_plain_vllm(rig: Rig) -> None:
     assert a.params is None and b.params is None
     assert a.num_cached_tokens == b.num_cached_tokens == 0
     assert a.output_ids == b.output_ids
-    assert store.stats()["pages"] == pages_before, "a request without a session must not be saved"
+    assert settled_pages(store) == pages_before, "a request without a session must not be saved"
 
 
 def test_tenants_are_isolated_and_public_prefix_is_shared(rig: Rig) -> None:

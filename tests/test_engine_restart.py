@@ -77,14 +77,16 @@ def test_restart_fingerprints_and_failed_loads(served: ServedStore) -> None:
         p1 = a.chat_ids([{"role": "user", "content": f"Keep these words in mind: {words(rng, 1500)}"}])
         assert len(p1) > 12 * BS
         t1 = one(a, p1, a.session(tenant, sid, 1))
-        assert t1.params is not None and t1.params["stored_pages"] == (len(p1) + len(t1.output_ids) - 1) // BS
+        computed_1 = len(p1) + len(t1.output_ids) - 1  # all but the last sampled token
+        # Its whole pages and its tail page.
+        assert t1.params is not None and t1.params["stored_pages"] == -(-computed_1 // BS)
         fid = FingerprintId(t1.params["fingerprint"])
         p2 = a.continue_ids(p1, t1.output_ids, f"Which of them relate to {words(rng, 12)}?")
         a.settle()
         warm_a = one(a, p2, None, reset=False)  # vLLM's cache holds exactly the saved bytes
-        saved_pages = (len(p1) + len(t1.output_ids) - 1) // BS
-        want_loaded = min(saved_pages, (len(p2) - 1) // BS) * BS
-        assert warm_a.num_cached_tokens == want_loaded
+        saved_pages = computed_1 // BS  # whole pages; vLLM's own cache holds those only
+        assert warm_a.num_cached_tokens == min(saved_pages, (len(p2) - 1) // BS) * BS
+        want_loaded = min(computed_1, len(p2) - 1)  # DSS: the tail page too
     finally:
         a.close()
 
@@ -106,15 +108,17 @@ def test_restart_fingerprints_and_failed_loads(served: ServedStore) -> None:
         cold_b = one(b, p2, None)
         r = one(b, p2, b.session(tenant, sid, 2))
         assert r.loaded_tokens == want_loaded
-        assert r.output_ids == warm_a.output_ids
+        if r.num_cached_tokens == warm_a.num_cached_tokens:  # the same KV bytes: bit for bit
+            assert r.output_ids == warm_a.output_ids
+        elif r.output_ids != warm_a.output_ids:  # a tail page beyond A's cache (numerics, as cold)
+            print(f"\nrestart: with the tail {r.text!r} != A's prefix cache {warm_a.text!r}")
         # That turn saved the rest of p2's pages; B's own prefix cache now holds all of them.
         warm_b = one(b, p2, None, reset=False)
         assert warm_b.num_cached_tokens == ((len(p2) - 1) // BS) * BS
         if r.output_ids != cold_b.output_ids:
             print(f"\nrestart: cached {r.text!r} != cold {cold_b.text!r} (numerics of KV reuse)")
 
-        # The arena file vanishes under the worker: the sync load fails, vLLM recomputes. (The
-        # prompt ends inside the last saved page, so its own save adds no page to the store.)
+        # The arena file vanishes under the worker: the sync load fails, vLLM recomputes.
         q = [*p1, *t1.output_ids][: saved_pages * BS + 5]
         cold_q = one(b, q, None)
         page_nbytes = served.store.fingerprint(fid).page_nbytes
@@ -128,13 +132,17 @@ def test_restart_fingerprints_and_failed_loads(served: ServedStore) -> None:
         assert r.params is not None and r.params["loaded_tokens"] == 0
         assert r.output_ids == cold_q.output_ids
 
-        # Whole-store restart: the arena is gone, pages are on disk only -> async loads.
+        # Whole-store restart: the arena is gone, pages are on disk only -> async loads of the
+        # very bytes a load from the host arena used just before (tail page included).
+        from_host = one(b, p2, b.session(tenant, sid, 4))
+        assert from_host.loaded_tokens == len(p2) - 1
+        b.settle()
         served.restart()
         assert served.store.stats()["pages"]["host"] == 0
         r = one(b, p2, b.session(tenant, sid, 4))
-        assert r.loaded_tokens == warm_b.num_cached_tokens
-        assert r.output_ids == warm_b.output_ids
-        assert served.store.stats()["promotions"]["host"] >= warm_b.num_cached_tokens // BS
+        assert r.loaded_tokens == len(p2) - 1
+        assert r.output_ids == from_host.output_ids
+        assert served.store.stats()["promotions"]["host"] >= -(-(len(p2) - 1) // BS)
 
         # A corrupted page file: the promotion fails its check, vLLM recomputes from there.
         served.restart()

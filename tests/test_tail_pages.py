@@ -31,9 +31,11 @@ def test_a_sequence_ending_inside_a_page_is_matched_to_its_last_token(tmp_path):
     n, got = store.load_sequence(fid, alice, longer)
     assert n == 22 and got == pages
 
-    # A query that leaves the tail's tokens, or stops inside them, gets the whole pages only.
-    assert store.match(fid, alice, np.concatenate([tokens[:21], [7]]).astype(np.int32)).n_tokens == 20
-    assert store.match(fid, alice, tokens[:21]).n_tokens == 20
+    # A query that leaves the tail's tokens, or stops inside them, gets the tokens it shares:
+    # the tail page serves any prefix of its tokens.
+    assert store.match(fid, alice, np.concatenate([tokens[:21], [7]]).astype(np.int32)).n_tokens == 21
+    assert store.match(fid, alice, tokens[:21]).n_tokens == 21
+    assert store.match(fid, alice, np.concatenate([tokens[:20], [7]]).astype(np.int32)).n_tokens == 20
     assert store.residency(fid, alice, longer)["host"] == 22
     store.check()
     store.close()
@@ -51,7 +53,7 @@ def test_the_longest_tail_under_a_page_wins_and_short_sequences_have_root_tails(
         store.put_sequence(fid, alice, seq, with_tail(seq, salt))
     q = np.concatenate([three, [99, 98]]).astype(np.int32)
     assert store.match(fid, alice, q).n_tokens == 11
-    assert store.match(fid, alice, np.concatenate([base, [50, 51, 7]]).astype(np.int32)).n_tokens == 9
+    assert store.match(fid, alice, np.concatenate([base, [50, 51, 7]]).astype(np.int32)).n_tokens == 10
     assert store.match(fid, alice, np.concatenate([other, [1]]).astype(np.int32)).n_tokens == 10
 
     short = np.asarray([70, 71, 72], dtype=np.int32)  # under one page: a tail of the root

@@ -31,7 +31,7 @@ class IndexMatch:
     pages: tuple[PageHash, ...]  # the longest indexed prefix, own or public, in whole pages
     public_pages: int  # how many of the leading pages the public namespace's trie holds
     tail: PageHash | None = None  # the tail page after `pages` the query continues with
-    tail_tokens: int = 0  # its valid tokens (0 without a tail)
+    tail_tokens: int = 0  # how many of its tokens the query uses (0 without a tail)
 
     def n_tokens(self, block_size: int) -> int:
         return len(self.pages) * block_size + self.tail_tokens
@@ -62,21 +62,27 @@ class PrefixIndex:
             bs = trie.page_size if trie is not None else 0
             own_tail = self._tail_after(own, spaces, tokens, bs) if bs else None
             pub_tail = self._tail_after(pub, (pub_id,), tokens, bs) if bs else None
-        own_n = len(own) * bs + (own_tail.n_tokens if own_tail else 0)
-        pub_n = len(pub) * bs + (pub_tail.n_tokens if pub_tail else 0)
+        own_n = len(own) * bs + (own_tail[1] if own_tail else 0)
+        pub_n = len(pub) * bs + (pub_tail[1] if pub_tail else 0)
         best, tail = (own, own_tail) if own_n >= pub_n else (pub, pub_tail)
         if tail is None:
             return IndexMatch(tuple(best), len(pub))
-        return IndexMatch(tuple(best), len(pub), tail.page, tail.n_tokens)
+        return IndexMatch(tuple(best), len(pub), tail[0].page, tail[1])
 
     def _tail_after(
-        self, pages: Sequence[PageHash], spaces: Sequence[NamespaceId], tokens: np.ndarray, bs: int
-    ) -> Tail | None:
-        """Caller holds the lock."""
+        self,
+        pages: Sequence[PageHash],
+        spaces: Sequence[NamespaceId],
+        tokens: np.ndarray,
+        bs: int,
+        partial: bool = True,
+    ) -> tuple[Tail, int] | None:
+        """The tail after `pages` and how many of its tokens `tokens` uses. Caller holds the lock."""
         if not len(self._tails):
             return None
         parent = pages[-1] if pages else ROOT_PARENT
-        return self._tails.match(parent, spaces, tokens[len(pages) * bs : (len(pages) + 1) * bs])
+        rest = tokens[len(pages) * bs : (len(pages) + 1) * bs]
+        return self._tails.match(parent, spaces, rest, partial)
 
     def public_match(self, fid: FingerprintId, tokens: np.ndarray) -> tuple[PageHash, ...]:
         with self._lock:
@@ -200,8 +206,8 @@ class PrefixIndex:
         self, trie: RadixTrie, tokens: np.ndarray, spaces: Sequence[NamespaceId], bs: int
     ) -> PageHash | None:
         """Caller holds the lock."""
-        tail = self._tail_after(trie.match(tokens, touch=False).pages, spaces, tokens, bs)
-        return tail.page if tail is not None else None
+        found = self._tail_after(trie.match(tokens, touch=False).pages, spaces, tokens, bs, partial=False)
+        return found[0].page if found is not None else None
 
     def drop_tenant(self, tenant: TenantId) -> None:
         """Forget every trie of the tenant (erasure)."""

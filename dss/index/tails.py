@@ -3,8 +3,9 @@
 A sequence rarely ends on a page boundary. Its last, partial page (a whole engine block's bytes,
 valid for its first `k < page_size` tokens) is stored as a *tail page*, keyed by the full page it
 follows (its parent, `ROOT_PARENT` for a sequence shorter than one page) and its `k` tokens. The
-trie stays page-granular; a match that ends on a full page asks this index for the longest tail
-under that page that the query continues with, so a continuation recomputes only its new tokens.
+trie stays page-granular; a match that ends on a full page asks this index for the tail under
+that page the query shares the most tokens with (a tail serves any prefix of its tokens), so a
+continuation recomputes only its new tokens, and the same prompt asked again only its last one.
 
 A tail never has children: a longer sequence through the same tokens stores a full page (and
 maybe a tail of its own below it). Several tails can hang under one parent (the branches of a
@@ -72,16 +73,21 @@ class TailIndex:
     def n_tokens(self) -> int:
         return sum(t.n_tokens for t in self._tails.values())
 
-    def match(self, parent: PageHash, namespaces: Iterable[NamespaceId], rest: np.ndarray) -> Tail | None:
-        """The longest tail under `parent`, in one of `namespaces`, whose tokens `rest` starts with."""
-        best: Tail | None = None
+    def match(
+        self, parent: PageHash, namespaces: Iterable[NamespaceId], rest: np.ndarray, partial: bool = True
+    ) -> tuple[Tail, int] | None:
+        """The tail under `parent`, in one of `namespaces`, that `rest` shares the most leading
+        tokens with, and how many (`partial=False`: only a tail `rest` starts with whole).
+
+        A tail page serves any prefix of its tokens: the KV of a position depends only on the
+        tokens up to it, and vLLM computes the block's positions after the served ones itself
+        (a prompt that ends inside a stored tail: the same question asked again, say)."""
+        best: tuple[Tail, int] | None = None
         for ns in namespaces:
             for tail in self._groups.get((parent, ns), {}).values():
-                k = tail.n_tokens
-                if k > len(rest) or (best is not None and k <= best.n_tokens):
-                    continue
-                if np.array_equal(rest[:k], tail.tokens):
-                    best = tail
+                n = _common_prefix(rest, tail.tokens)
+                if (n == tail.n_tokens or (partial and n > 0)) and (best is None or n > best[1]):
+                    best = (tail, n)
         return best
 
     def add(self, tail: Tail, page_size: int) -> list[PageHash]:
@@ -162,3 +168,9 @@ class TailIndex:
                     raise AssertionError(f"a tail of {tail.n_tokens} tokens")
         if n != len(self._tails):
             raise AssertionError("a tail is registered without its group")
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    m = min(len(a), len(b))
+    diff = np.flatnonzero(a[:m] != b[:m])
+    return int(diff[0]) if len(diff) else m

@@ -53,7 +53,7 @@ class MatchInfo:
     n_tokens: int
     pages: tuple[PageHash, ...]  # whole pages, then the tail page when the match ends inside one
     public_tokens: int
-    tail_tokens: int = 0  # valid tokens of the last page when it is a tail (0: it is whole)
+    tail_tokens: int = 0  # tokens of the last page used when it is a tail (0: it is whole)
 
     def page_tokens(self, block_size: int) -> list[int]:
         """Valid tokens of each page of the match."""
