@@ -42,7 +42,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -58,6 +57,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from _procs import die_with_parent, free_port, model_dir  # noqa: E402
 
 PEERS = ("dss", "apc", "lmcache", "nocache")
 LMCACHE_VERSION = "0.5.6"
@@ -85,19 +87,6 @@ WORDS = (
 
 
 # ---------------------------------------------------------------------------------- settings
-def model_dir() -> Path:
-    env = os.environ.get("DSS_MODEL_DIR")
-    candidates = [Path(env)] if env else []
-    candidates += [
-        Path.home() / ".cache" / "dss" / "models" / "SmolLM2-135M-Instruct",
-        REPO / ".dss" / "models" / "SmolLM2-135M-Instruct",
-    ]
-    for c in candidates:
-        if (c / "config.json").is_file() and (c / ".dss-ready").is_file():
-            return c
-    raise SystemExit("the default model is not prepared: run `make model` (or set DSS_MODEL_DIR)")
-
-
 _SHAPE_PY = """
 import dataclasses, json, sys
 from pathlib import Path
@@ -178,19 +167,6 @@ def server_env(shape: EngineShape, code_root: Path) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------- processes
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def die_with_parent() -> None:
-    """In the child before exec: SIGKILL it when this script dies, however it dies."""
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 class Proc:
     """A server in its own process group (its engine processes included), logging to a file."""
 

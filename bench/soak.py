@@ -56,7 +56,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -69,6 +68,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _procs import die_with_parent, free_port, model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 # The code the server runs: the checkout, or (`--server-root`) another copy of it, e.g. a
@@ -105,35 +107,11 @@ ITEMS = [
 
 
 # ---------------------------------------------------------------------------------- utilities
-def model_dir() -> Path:
-    env = os.environ.get("DSS_MODEL_DIR")
-    candidates = [Path(env)] if env else []
-    candidates += [
-        Path.home() / ".cache" / "dss" / "models" / "SmolLM2-135M-Instruct",
-        REPO / ".dss" / "models" / "SmolLM2-135M-Instruct",
-    ]
-    for c in candidates:
-        if (c / "config.json").is_file() and (c / ".dss-ready").is_file():
-            return c
-    raise SystemExit("the default model is not prepared: run `make model` (or set DSS_MODEL_DIR)")
 
 
 def dss_cli() -> list[str]:
     script = Path(sys.executable).with_name("dss")
     return [str(script)] if script.exists() else [sys.executable, "-m", "api.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def die_with_parent() -> None:
-    """In the server before exec: SIGKILL it when this script dies, however it dies."""
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def code_env() -> dict[str, str]:
