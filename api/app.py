@@ -190,5 +190,6 @@ async def _stop(app: FastAPI) -> None:
     if collector is not None:
         state.metrics.registry.unregister(collector)
         app.state.collector = None
+    state.short_db.shutdown(wait=True)
     await asyncio.to_thread(state.store.close)
     del app.state.dss

@@ -119,14 +119,22 @@ class ApiKeys:
             self._any = None
         return CreatedKey(kid, key, owner, admin)
 
-    def authenticate(self, key: str) -> Principal | None:
-        """The principal of an active key, or None for an unknown or revoked one."""
+    def cached(self, key: str) -> Principal | None:
+        """The principal of a key validated within the cache's lifetime, else None (then ask
+        `authenticate`). No I/O: the event loop may call it."""
         digest = hash_key(key)
         now = time.monotonic()
         with self._lock:
             hit = self._cache.get(digest)
-            if hit is not None and hit[0] > now:
-                return hit[1]
+        return hit[1] if hit is not None and hit[0] > now else None
+
+    def authenticate(self, key: str) -> Principal | None:
+        """The principal of an active key, or None for an unknown or revoked one."""
+        hit = self.cached(key)
+        if hit is not None:
+            return hit
+        digest = hash_key(key)
+        now = time.monotonic()
         with transaction(self._sf) as db:
             row = db.scalar(
                 select(ApiKeyRow).where(ApiKeyRow.key_hash == digest, ApiKeyRow.revoked_at.is_(None))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.auth import KEY_PREFIX, Principal, check_user_name
@@ -28,7 +29,9 @@ NO_KEY_YET = (
 )
 
 
-def get_state(request: Request) -> AppState:
+async def get_state(request: Request) -> AppState:
+    # async (it does no I/O): a plain `def` dependency costs every request a trip through the
+    # thread pool and back, which on a loaded 2-core machine is milliseconds each way.
     state: AppState | None = getattr(request.app.state, "dss", None)
     if state is None:  # listening already, the store still opening (or it failed to)
         startup: Startup = request.app.state.startup
@@ -39,19 +42,29 @@ def get_state(request: Request) -> AppState:
 StateDep = Annotated[AppState, Depends(get_state)]
 
 
-def get_store(state: StateDep) -> Store:
+async def get_store(state: StateDep) -> Store:
     return state.store
 
 
 StoreDep = Annotated[Store, Depends(get_store)]
 
 
-def get_principal(
+async def get_principal(
     request: Request,
     state: StateDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> Principal:
+    """The caller. A key validated within the cache's lifetime is answered here on the event
+    loop (a hash and a dictionary look-up); anything that may read the database runs in a thread."""
     token = credentials.credentials if credentials is not None else None
+    if token is not None and token.startswith(KEY_PREFIX):
+        hit = state.keys.cached(token)
+        if hit is not None:
+            return hit
+    return await run_in_threadpool(_principal, request, state, token)
+
+
+def _principal(request: Request, state: AppState, token: str | None) -> Principal:
     if state.dev_mode and (token is None or not token.startswith(KEY_PREFIX)):
         # No DSS key: the openai client always sends some api_key, so a placeholder ("dev", an
         # OPENAI_API_KEY) means "no key" here. A `dss-` token is checked below: a typo or a
@@ -79,7 +92,7 @@ def get_principal(
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 
-def require_admin(principal: PrincipalDep) -> Principal:
+async def require_admin(principal: PrincipalDep) -> Principal:
     if not principal.is_admin:
         raise Forbidden("this needs an admin key")
     return principal
@@ -98,7 +111,7 @@ def acting_principal(request: Request, principal: Principal, body_user: str | No
     return principal
 
 
-def get_engine(request: Request, state: StateDep) -> ChatEngine:
+async def get_engine(request: Request, state: StateDep) -> ChatEngine:
     if state.engine is None:
         startup: Startup = request.app.state.startup
         if not state.settings.engine.enabled:

@@ -3,9 +3,13 @@ and, while it starts, how far it got (`Startup`)."""
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from api.auth import ApiKeys
 from api.metrics import Metrics
@@ -14,6 +18,18 @@ from dss.store import Store
 
 if TYPE_CHECKING:
     from api.engine import ChatEngine
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+# Threads for short metadata operations (rollback, branch): a few, so that they neither queue
+# behind long thread-pool work (rendering, tokenizing, erasure) nor add many more writers to
+# contend for SQLite's write lock, whose busy handler sleeps 1, 2, 5, 10... ms between tries.
+SHORT_DB_THREADS = 2
+
+
+def _short_db_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=SHORT_DB_THREADS, thread_name_prefix="dss-short-db")
 
 
 class Phase(enum.Enum):
@@ -50,6 +66,12 @@ class AppState:
     metrics: Metrics
     engine: ChatEngine | None = None
     started: bool = field(default=False)
+    short_db: ThreadPoolExecutor = field(default_factory=_short_db_pool)
+
+    async def short_db_op(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """`fn(*args, **kwargs)` on the short-operation threads: one trip from the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.short_db, functools.partial(fn, *args, **kwargs))
 
     @property
     def dev_mode(self) -> bool:

@@ -24,9 +24,10 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 import numpy as np
+from sqlalchemy import Engine
 
 from dss.config import StoreConfig
-from dss.db.engine import make_engine, make_session_factory, upgrade_to_head
+from dss.db.engine import is_sqlite_file, make_engine, make_session_factory, upgrade_to_head
 from dss.dialogue.versions import VersionStore
 from dss.errors import DataDirInUse, StoreClosed
 from dss.index.fingerprints import FingerprintRegistry
@@ -64,6 +65,7 @@ class Store:
         self._closed = False
         self._owner_lock: IO[bytes] | None = None
         self._rpc_server: StoreServer | None = None
+        self._db_relaxed: Engine | None = None
         self.recovery_report: recovery.RecoveryReport | None = None
 
     # ================================================================== lifecycle
@@ -88,6 +90,10 @@ class Store:
         upgrade_to_head(url)
         self.db = make_engine(url)
         self.sf = make_session_factory(self.db)
+        # Page rows commit without an fsync (see `PageRows`): the disk writer records a row per
+        # page, and through an fsync each would hold SQLite's write lock that rollbacks wait for.
+        self._db_relaxed = make_engine(url, durable_commits=False) if is_sqlite_file(url) else None
+        relaxed_sf = make_session_factory(self._db_relaxed) if self._db_relaxed is not None else self.sf
         self.versions = VersionStore(self.sf, self.config.quotas)
         self.keys = load_master_key(self.sf, cfg.resolved_key_file, cfg.create_master_key)
         self.identity = Identity.load(self.sf, self.keys)
@@ -114,7 +120,7 @@ class Store:
             self.disk,
             self.device,
             make_policy(cfg.eviction_policy),
-            PageRows(self.sf, cfg.codec),
+            PageRows(self.sf, cfg.codec, add_factory=relaxed_sf),
             self.keyring.data_key,
             PageCodecProcess(cfg.codec) if cfg.codec_process else None,
         )
@@ -142,6 +148,8 @@ class Store:
             self.pages.encoder.close()
         self.host.close()
         self.db.dispose()
+        if self._db_relaxed is not None:
+            self._db_relaxed.dispose()
         self._release_owner_lock()
 
     def __enter__(self) -> Store:

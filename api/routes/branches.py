@@ -22,8 +22,13 @@ def _out(b: BranchInfo) -> BranchOut:
     response_model=BranchOut,
     responses=error_responses(400, 401, 404, 409),
 )
-def create_branch(session_id: str, body: BranchCreate, state: StateDep, principal: PrincipalDep) -> BranchOut:
-    return _out(state.store.versions.branch(principal.user, session_id, body.from_version, body.name))
+async def create_branch(
+    session_id: str, body: BranchCreate, state: StateDep, principal: PrincipalDep
+) -> BranchOut:
+    versions = state.store.versions
+    return _out(
+        await state.short_db_op(versions.branch, principal.user, session_id, body.from_version, body.name)
+    )
 
 
 @router.get(

@@ -61,9 +61,16 @@ def get_version(session_id: str, number: int, state: StateDep, principal: Princi
     response_model=BranchOut,
     responses=error_responses(400, 401, 404, 409),
 )
-def rollback(session_id: str, body: RollbackRequest, state: StateDep, principal: PrincipalDep) -> BranchOut:
+async def rollback(
+    session_id: str, body: RollbackRequest, state: StateDep, principal: PrincipalDep
+) -> BranchOut:
     """Move a branch's head back to one of its ancestors; later versions stay listed."""
-    b = state.store.versions.rollback(
-        principal.user, session_id, body.branch, body.to_version, expected_head=body.expected_head
+    b = await state.short_db_op(
+        state.store.versions.rollback,
+        principal.user,
+        session_id,
+        body.branch,
+        body.to_version,
+        expected_head=body.expected_head,
     )
     return BranchOut(name=b.name, head_version=b.head_version, created_at=b.created_at)

@@ -61,6 +61,12 @@ def _is_sqlite(url: str) -> bool:
     return make_url(url).get_backend_name() == "sqlite"
 
 
+def is_sqlite_file(url: str) -> bool:
+    """A SQLite database in a file (not in memory): several engines may open it."""
+    database = make_url(url).database or "" if _is_sqlite(url) else ""
+    return bool(database) and database != ":memory:" and not database.startswith("file:")
+
+
 def _set_sqlite_pragmas(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
     cur = dbapi_conn.cursor()
     try:
@@ -70,8 +76,22 @@ def _set_sqlite_pragmas(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
         cur.close()
 
 
-def make_engine(url: str, **kwargs: Any) -> Engine:
-    """An engine with the store's connection settings; extra `kwargs` go to `create_engine`."""
+def _set_sqlite_relaxed(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    try:
+        cur.execute("PRAGMA synchronous=NORMAL")
+    finally:
+        cur.close()
+
+
+def make_engine(url: str, *, durable_commits: bool = True, **kwargs: Any) -> Engine:
+    """An engine with the store's connection settings; extra `kwargs` go to `create_engine`.
+
+    `durable_commits=False` (SQLite): its commits do not fsync (`synchronous=NORMAL`); a power
+    loss may undo its last commits, never corrupt the database, and the next durable commit of
+    any connection makes them durable too. For records whose loss recovery repairs (a page row:
+    its file becomes an orphan that start-up removes), so that they do not hold SQLite's one
+    write lock through an fsync while a rollback waits for it. Ignored elsewhere."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         database = parsed.database or ""
@@ -84,6 +104,8 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
             private_sqlite_file(Path(database))
         engine = create_engine(parsed, **kwargs)
         event.listen(engine, "connect", _set_sqlite_pragmas)
+        if not durable_commits:
+            event.listen(engine, "connect", _set_sqlite_relaxed)
         return engine
     kwargs.setdefault("pool_pre_ping", True)
     return create_engine(parsed, **kwargs)

@@ -2,7 +2,8 @@
 
 A row is written after its page file is durable and deleted before the file is unlinked, so a
 crash leaves at worst a file without a row (an orphan that recovery removes), never a row that
-names bytes we cannot read. No lock here: each call is its own short transaction.
+names bytes we cannot read. For the same reason a row's insert need not be fsynced (a power loss
+that undoes it leaves an orphan too). No lock here: each call is its own short transaction.
 """
 
 from __future__ import annotations
@@ -23,9 +24,18 @@ _CHUNK = 500
 
 
 class PageRows:
-    def __init__(self, session_factory: sessionmaker[Session], codec: str) -> None:
+    def __init__(
+        self,
+        session_factory: sessionmaker[Session],
+        codec: str,
+        add_factory: sessionmaker[Session] | None = None,
+    ) -> None:
         self._sf = session_factory
         self._codec = codec
+        # `add` may commit without an fsync (`make_engine(durable_commits=False)`): a lost row
+        # leaves an orphan file, which recovery removes. Deletes stay durable: a row that
+        # outlived its file would name bytes we cannot read.
+        self._add_sf = add_factory if add_factory is not None else session_factory
 
     def add(self, meta: PageMeta, disk_bytes: int) -> None:
         row = PageRow(
@@ -43,7 +53,7 @@ class PageRows:
             checksum=meta.checksum or b"",
         )
         try:
-            with transaction(self._sf) as s:
+            with transaction(self._add_sf) as s:
                 if s.get(PageRow, meta.hash) is None:
                     s.add(row)
         except IntegrityError:
