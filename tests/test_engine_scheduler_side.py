@@ -92,19 +92,20 @@ def test_request_without_session_is_left_alone(store: Store, side: SchedulerSide
 def test_claims_are_capped_cached_and_released(store: Store, side: SchedulerSide) -> None:
     tenant = store.tenant_for("u")
     tokens = stored(store, tenant, 5 * BS)
-    # A block-aligned prompt: a sync hit must leave the last token, so one page is not claimed.
+    # A block-aligned prompt: a sync hit must leave the last token, so the last page serves all
+    # but its last token.
     r = request("r1", tokens, tenant)
-    assert side.get_num_new_matched_tokens(r, 0) == (4 * BS, False)
-    assert side.get_num_new_matched_tokens(r, 0) == (4 * BS, False)  # cached: no second lease
+    assert side.get_num_new_matched_tokens(r, 0) == (5 * BS - 1, False)
+    assert side.get_num_new_matched_tokens(r, 0) == (5 * BS - 1, False)  # cached: no second lease
     assert store.stats()["leases"] == 1
     # vLLM's own cache now covers a page: the old plan is released, a new one starts after it.
-    assert side.get_num_new_matched_tokens(r, BS) == (3 * BS, False)
+    assert side.get_num_new_matched_tokens(r, BS) == (4 * BS - 1, False)
     assert store.stats()["leases"] == 1
-    side.update_state_after_alloc(r, blocks_of([9, 8, 7, 6, 5]), 3 * BS)
+    side.update_state_after_alloc(r, blocks_of([9, 8, 7, 6, 5]), 4 * BS - 1)
     meta = step(side)
     (load,) = meta.loads
-    assert load.block_ids == (8, 7, 6) and not load.is_async
-    assert load.span is not None and len(load.span.slots) == 3
+    assert load.block_ids == (8, 7, 6, 5) and not load.is_async
+    assert load.span is not None and len(load.span.slots) == 4
     assert step(side).loads == []
     # A claim that vLLM never allocated is released when the request goes away.
     r2 = request("r2", [*tokens, 1, 2], tenant)

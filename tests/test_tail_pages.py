@@ -27,7 +27,7 @@ def test_a_sequence_ending_inside_a_page_is_matched_to_its_last_token(tmp_path):
 
     longer = np.concatenate([tokens, [900, 901, 902, 903, 904]]).astype(np.int32)
     m = store.match(fid, alice, longer)
-    assert (m.n_tokens, m.tail_tokens, len(m.pages)) == (22, 2, 6)
+    assert (m.n_tokens, m.partial_tokens, len(m.pages)) == (22, 2, 6)
     n, got = store.load_sequence(fid, alice, longer)
     assert n == 22 and got == pages
 
@@ -93,7 +93,7 @@ def test_a_dropped_page_takes_the_tails_after_it(tmp_path):
     tokens = np.arange(1, 11, dtype=np.int32)  # 2 whole pages + 2 tokens
     store.put_sequence(fid, alice, tokens, with_tail(tokens))
     m = store.match(fid, alice, tokens)
-    assert m.tail_tokens == 2
+    assert m.partial_tokens == 2
     store.kv.forget(store.pages.drop([m.pages[1]]))  # the page before the tail leaves
     after = store.match(fid, alice, tokens)
     assert after.n_tokens == 4 and not store.pages.contains(m.pages[2])
@@ -186,8 +186,33 @@ def test_a_stale_private_path_cut_keeps_other_namespaces_tails_under_a_public_pa
     # Alice's path through the same tokens now hashes differently from page 1 on.
     stale = [q[0], *chain_hashes(alice.id, head, BS, parent=q[0], start_page=1)]
     dropped = index.insert(alice, BS, head, stale)
-    assert index.match(fid, "bob", np.concatenate([head, [30, 0]]).astype(np.int32)).tail_tokens == 1
-    assert index.match(fid, "carol", np.concatenate([head, [40, 41]]).astype(np.int32)).tail_tokens == 2
-    assert index.match(fid, "alice", alice_tail).tail_tokens == 0  # hers went with her stale path
+    assert index.match(fid, "bob", np.concatenate([head, [30, 0]]).astype(np.int32)).partial_tokens == 1
+    assert index.match(fid, "carol", np.concatenate([head, [40, 41]]).astype(np.int32)).partial_tokens == 2
+    assert index.match(fid, "alice", alice_tail).partial_tokens == 0  # hers went with her stale path
     assert len(dropped) == 2  # her page after the public ones, and her tail under them
     index.check()
+
+
+def test_a_whole_page_serves_the_tokens_a_prompt_shares_with_it(tmp_path):
+    """A prompt that ends, or turns away, inside a stored whole page (the same question asked
+    again after a long answer, an edited last message) reuses the tokens it shares with it."""
+    store = open_store(tmp_path)
+    fid = store.register_fingerprint(SMALL_FP)
+    alice = store.tenant_for("alice")
+    tokens = np.arange(1, 17, dtype=np.int32)  # 4 whole pages
+    pages = pages_for(SMALL_FP, tokens)
+    store.put_sequence(fid, alice, tokens, pages)
+    assert store.match(fid, alice, tokens[:10]).n_tokens == 10  # ends inside page 2
+    edited = np.concatenate([tokens[:9], [99, 98, 97, 96]]).astype(np.int32)
+    m = store.match(fid, alice, edited)
+    assert (m.n_tokens, m.partial_tokens, len(m.pages)) == (9, 1, 3)
+    n, got = store.load_sequence(fid, alice, edited)
+    assert n == 9 and got == pages[:3]  # the third page's bytes, used for its first token
+
+    # A sibling branch: the prompt leaves the stored path inside the first page of a child.
+    other = np.concatenate([tokens[:8], [9, 10, 50, 51, 52]]).astype(np.int32)
+    store.put_sequence(fid, alice, other, pages_for(SMALL_FP, other, salt=3)[:3])
+    q = np.concatenate([tokens[:8], [9, 10, 11, 7]]).astype(np.int32)
+    assert store.match(fid, alice, q).n_tokens == 11  # tokens 9-11 of the first branch's page
+    store.check()
+    store.close()

@@ -30,11 +30,13 @@ from dss.types import PUBLIC_TENANT, FingerprintId, Namespace, NamespaceId, Page
 class IndexMatch:
     pages: tuple[PageHash, ...]  # the longest indexed prefix, own or public, in whole pages
     public_pages: int  # how many of the leading pages the public namespace's trie holds
-    tail: PageHash | None = None  # the tail page after `pages` the query continues with
-    tail_tokens: int = 0  # how many of its tokens the query uses (0 without a tail)
+    # The page after `pages` the query uses part of: a tail page, or a whole page the query
+    # leaves (or ends) inside. A page serves any prefix of its tokens.
+    partial: PageHash | None = None
+    partial_tokens: int = 0  # how many of its tokens the query uses (0 without one)
 
     def n_tokens(self, block_size: int) -> int:
-        return len(self.pages) * block_size + self.tail_tokens
+        return len(self.pages) * block_size + self.partial_tokens
 
 
 class PrefixIndex:
@@ -48,26 +50,34 @@ class PrefixIndex:
     def match(
         self, fid: FingerprintId, tenant: TenantId, tokens: np.ndarray, touch: bool = True
     ) -> IndexMatch:
-        """The longer of the tenant's own match and the public namespace's, each continued into
-        the longest tail page the query goes on with."""
+        """The longer of the tenant's own match and the public namespace's: whole pages, then the
+        page (a tail page, or the next whole page) the query shares the most tokens with."""
         pub_id = public_namespace(fid).id
         own_id = make_namespace(fid, tenant).id if tenant != PUBLIC_TENANT else None
-        spaces = (pub_id,) if own_id is None else (own_id, pub_id)
         with self._lock:
-            pub_trie = self._tries.get(pub_id)
-            pub = pub_trie.match(tokens, touch=touch).pages if pub_trie is not None else ()
-            own_trie = self._tries.get(own_id) if own_id is not None else None
-            own = own_trie.match(tokens, touch=touch).pages if own_trie is not None else ()
-            trie = own_trie if own_trie is not None else pub_trie  # (an empty trie is falsy)
-            bs = trie.page_size if trie is not None else 0
-            own_tail = self._tail_after(own, spaces, tokens, bs) if bs else None
-            pub_tail = self._tail_after(pub, (pub_id,), tokens, bs) if bs else None
-        own_n = len(own) * bs + (own_tail[1] if own_tail else 0)
-        pub_n = len(pub) * bs + (pub_tail[1] if pub_tail else 0)
-        best, tail = (own, own_tail) if own_n >= pub_n else (pub, pub_tail)
-        if tail is None:
-            return IndexMatch(tuple(best), len(pub))
-        return IndexMatch(tuple(best), len(pub), tail[0].page, tail[1])
+            pub = self._match_in(pub_id, (pub_id,), tokens, touch)
+            own = self._match_in(own_id, (own_id, pub_id), tokens, touch) if own_id is not None else None
+        best = own if own is not None and own[2] >= pub[2] else pub
+        pages, partial, _ = best
+        if partial is None:
+            return IndexMatch(pages, len(pub[0]))
+        return IndexMatch(pages, len(pub[0]), partial[0], partial[1])
+
+    def _match_in(
+        self, ns_id: NamespaceId, spaces: Sequence[NamespaceId], tokens: np.ndarray, touch: bool
+    ) -> tuple[tuple[PageHash, ...], tuple[PageHash, int] | None, int]:
+        """Whole pages of one trie, the partly used page after them, and the tokens of both.
+        Caller holds the lock."""
+        trie = self._tries.get(ns_id)
+        if trie is None:
+            return (), None, 0
+        bs = trie.page_size
+        m = trie.match(tokens, touch=touch)
+        in_trie = trie.next_page(m, tokens)
+        tail = self._tail_after(m.pages, spaces, tokens, bs)
+        in_tails = (tail[0].page, tail[1]) if tail is not None else None
+        partial = max((c for c in (in_trie, in_tails) if c is not None), key=lambda c: c[1], default=None)
+        return m.pages, partial, len(m.pages) * bs + (partial[1] if partial else 0)
 
     def _tail_after(
         self,

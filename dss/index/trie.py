@@ -27,6 +27,7 @@ from dss.index.hashing import HASH_BYTES, TOKEN_DTYPE, as_tokens
 from dss.types import PageHash
 
 _EMPTY_KEY = np.empty(0, dtype=TOKEN_DTYPE)
+_MAX_PARTIAL_CANDIDATES = 256  # children compared when a match may continue into part of a page
 
 
 @dataclass(slots=True, eq=False)
@@ -57,6 +58,7 @@ class TrieMatch:
     n_tokens: int
     pages: tuple[PageHash, ...]
     node: Node
+    node_pages: int = 0  # how many of `node`'s pages the match used
 
     @property
     def n_pages(self) -> int:
@@ -101,6 +103,7 @@ class RadixTrie:
         now = time.monotonic() if touch else 0.0
         node = self.root
         deepest = self.root
+        deepest_pages = 0
         pos = 0
         pages: list[PageHash] = []
         while pos < end:
@@ -110,7 +113,7 @@ class RadixTrie:
             matched = self._edge_match(child.key, toks, pos, end)
             n = matched // ps
             pages.extend(child.pages if n == len(child.pages) else child.pages[:n])
-            deepest = child
+            deepest, deepest_pages = child, n
             if touch:
                 child.last_access = now
                 child.hit_count += 1
@@ -118,7 +121,33 @@ class RadixTrie:
             if matched < len(child.key):
                 break
             node = child
-        return TrieMatch(n_tokens=pos, pages=tuple(pages), node=deepest)
+        return TrieMatch(n_tokens=pos, pages=tuple(pages), node=deepest, node_pages=deepest_pages)
+
+    def next_page(self, m: TrieMatch, tokens: Sequence[int] | np.ndarray) -> tuple[PageHash, int] | None:
+        """The indexed page right after match `m` that the rest of `tokens` shares the most
+        leading tokens with (fewer than a page: `m` stopped before it), and how many; None when
+        none shares any. A page serves any prefix of its tokens: the KV of a position depends
+        only on the tokens up to it."""
+        ps = self.page_size
+        rest = as_tokens(tokens)[m.n_tokens : m.n_tokens + ps]
+        if not len(rest):
+            return None
+        node = m.node
+        if m.node_pages < len(node.pages):  # the match stopped inside this node's pages
+            at = m.node_pages * ps
+            candidates = [(node.pages[m.node_pages], node.key[at : at + ps])]
+        elif len(node.children) <= _MAX_PARTIAL_CANDIDATES:
+            candidates = [(c.pages[0], c.key[:ps]) for c in node.children.values()]
+        else:
+            return None  # a node this wide is a root of many sessions: not worth a scan per match
+        best: tuple[PageHash, int] | None = None
+        for page, key in candidates:
+            m_len = min(len(rest), len(key))
+            diff = np.flatnonzero(key[:m_len] != rest[:m_len])
+            n = int(diff[0]) if len(diff) else m_len
+            if n and (best is None or n > best[1]):
+                best = (page, n)
+        return best
 
     def pages_on_path(self, tokens: Sequence[int] | np.ndarray) -> list[PageHash]:
         """Hashes of the indexed pages of the longest prefix of `tokens`, without touching stats."""

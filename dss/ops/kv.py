@@ -51,15 +51,15 @@ _ERASE_WAIT_S = 30.0
 @dataclass(frozen=True, slots=True)
 class MatchInfo:
     n_tokens: int
-    pages: tuple[PageHash, ...]  # whole pages, then the tail page when the match ends inside one
+    pages: tuple[PageHash, ...]  # whole pages, then the page the match ends inside, if any
     public_tokens: int
-    tail_tokens: int = 0  # tokens of the last page used when it is a tail (0: it is whole)
+    partial_tokens: int = 0  # tokens used of the last page when the match ends inside it (0: none)
 
     def page_tokens(self, block_size: int) -> list[int]:
-        """Valid tokens of each page of the match."""
+        """Tokens used of each page of the match."""
         sizes = [block_size] * len(self.pages)
-        if self.tail_tokens and sizes:
-            sizes[-1] = self.tail_tokens
+        if self.partial_tokens and sizes:
+            sizes[-1] = self.partial_tokens
         return sizes
 
 
@@ -127,11 +127,11 @@ class KVCache:
 
     def match(self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray) -> MatchInfo:
         """Longest stored prefix for `tokens` in the tenant's namespace, public prefixes
-        included: whole pages, then a tail page when one continues the match. Pages that left
-        every tier end the match."""
+        included: whole pages, then the page (a tail page, or a whole one) the rest of `tokens`
+        shares the most leading tokens with. Pages that left every tier end the match."""
         bs = self.fingerprints.get(fid).block_size
         m = self.index.match(fid, tenant, self._tokens(tokens))
-        pages = _with_tail(m)
+        pages = _with_partial(m)
         n_ok = self.pages.table.present_prefix(pages)
         return _match_info(m, n_ok, bs)
 
@@ -173,7 +173,7 @@ class KVCache:
         self._expire_stale()
         arr = self._tokens(tokens)
         m = self.index.match(fid, tenant, arr if max_tokens is None else arr[: max(0, max_tokens)])
-        pages = _with_tail(m)
+        pages = _with_partial(m)
         first = start_token // bs
         if len(pages) <= first:
             return None
@@ -524,14 +524,14 @@ class KVCache:
             return {"leases": len(self._leases), "pending_saves": len(self._saves)}
 
 
-def _with_tail(m: IndexMatch) -> tuple[PageHash, ...]:
-    return (*m.pages, m.tail) if m.tail is not None else m.pages
+def _with_partial(m: IndexMatch) -> tuple[PageHash, ...]:
+    return (*m.pages, m.partial) if m.partial is not None else m.pages
 
 
 def _match_info(m: IndexMatch, n_ok: int, block_size: int) -> MatchInfo:
     """The match cut to its first `n_ok` pages (those still in the page table)."""
     n_full = min(n_ok, len(m.pages))
-    tail = m.tail_tokens if m.tail is not None and n_ok > len(m.pages) else 0
-    pages = (*m.pages[:n_full], m.tail) if tail and m.tail is not None else m.pages[:n_full]
+    used = m.partial_tokens if m.partial is not None and n_ok > len(m.pages) else 0
+    pages = (*m.pages[:n_full], m.partial) if used and m.partial is not None else m.pages[:n_full]
     public = min(m.public_pages, n_full) * block_size
-    return MatchInfo(n_full * block_size + tail, tuple(pages), public, tail)
+    return MatchInfo(n_full * block_size + used, tuple(pages), public, used)
