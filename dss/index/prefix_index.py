@@ -7,8 +7,9 @@ the index's answer through the page table (`present_prefix`, `lease_prefix`), an
 a page from the table unlinks it here afterwards (`unlink`), so at rest the two agree.
 
 Beside the tries, one `TailIndex` holds the tail pages: the partial last page of a sequence, keyed
-by the full page it follows. A match that ends on a full page continues into the longest tail
-the query goes on with; a page cut from a trie takes the tails under it along.
+by the full page it follows. A match that ends on a full page continues into the page (a tail,
+or the trie's next whole page) the query shares the most tokens with; a page cut from a trie
+takes the tails under it along.
 """
 
 from __future__ import annotations
