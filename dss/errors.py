@@ -36,6 +36,10 @@ class ReceiptNotFound(NotFoundError):
     pass
 
 
+class ResponseNotFound(NotFoundError):
+    """A stored Responses API response does not exist (or is another user's)."""
+
+
 # --- conflicts (HTTP 409) -----------------------------------------------------
 class ConflictError(DSSError):
     """The request is well-formed but contradicts the current state."""
@@ -57,8 +61,23 @@ class StaleHead(ConflictError):
     """An optimistic commit lost a race: the branch head moved since it was read."""
 
 
+class ResponseExists(ConflictError):
+    """A response id is already stored (ids are random: a client replayed a record)."""
+
+
 class NotAnAncestor(ConflictError):
     """A rollback target is not on the branch's history."""
+
+
+class ResponseHasDescendants(ConflictError):
+    """A response cannot be deleted alone: other responses (or versions committed through the
+    session API) continue from its version. Nothing was deleted; `response_ids` names those
+    responses, `versions` every descendant version number. Delete with cascade to remove them all."""
+
+    def __init__(self, message: str, response_ids: list[str], versions: list[int]) -> None:
+        super().__init__(message)
+        self.response_ids = response_ids
+        self.versions = versions
 
 
 # --- quotas (HTTP 429) ---------------------------------------------------------

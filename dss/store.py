@@ -4,6 +4,7 @@ Exactly one process owns a data directory (an exclusive lock in `run/owner.lock`
 with one job and its own leaf lock (see each module; no lock is ever held while another is taken):
 
 - `versions` (`dss.dialogue.versions`): sessions, versions, branches, in the metadata database;
+- `responses` (`dss.dialogue.responses`): stored Responses API responses, each holding a version;
 - `index` (`dss.index.prefix_index`): a radix trie per namespace (model fingerprint + tenant);
 - `pages` (`dss.pages.manager` over `dss.pages.table`): the page table and the tiers;
 - `kv` (`dss.ops.kv`): loads, saves and leases for engines, with the disk writer;
@@ -28,6 +29,7 @@ from sqlalchemy import Engine
 
 from dss.config import StoreConfig
 from dss.db.engine import is_sqlite_file, make_engine, make_session_factory, upgrade_to_head
+from dss.dialogue.responses import ResponseStore
 from dss.dialogue.versions import VersionStore
 from dss.errors import DataDirInUse, StoreClosed
 from dss.index.fingerprints import FingerprintRegistry
@@ -95,6 +97,7 @@ class Store:
         self._db_relaxed = make_engine(url, durable_commits=False) if is_sqlite_file(url) else None
         relaxed_sf = make_session_factory(self._db_relaxed) if self._db_relaxed is not None else self.sf
         self.versions = VersionStore(self.sf, self.config.quotas)
+        self.responses = ResponseStore(self.sf, self.versions)
         self.keys = load_master_key(self.sf, cfg.resolved_key_file, cfg.create_master_key)
         self.identity = Identity.load(self.sf, self.keys)
         self.keyring = Keyring(self.keys, self.sf)

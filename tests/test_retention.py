@@ -365,7 +365,7 @@ def test_0004_upgrades_a_0003_database_with_data_in_it(db_url: str) -> None:
                 {"t": b"\x01\0\0\0\x02\0\0\0"},
             )
         upgrade_to_head(db_url)
-        assert current_revision(db_url) == "0004"
+        assert current_revision(db_url) == "0005"
         vs = VersionStore(make_session_factory(engine))
         got = vs.get_session("alice", "trip")
         assert (got.kv_retention, got.kv_idle_ttl_s, got.version_count) == ("normal", None, 1)

@@ -238,7 +238,7 @@ def test_other_users_see_nothing(store: VersionStore) -> None:
             store.get_session(BOB, "absent")
         assert str(err.value).replace("private", "X") == str(missing.value).replace("absent", "X")
     assert store.list_sessions(BOB) == ([], False)
-    assert store.count_user_rows(BOB) == {"sessions": 0, "versions": 0, "branches": 0}
+    assert store.count_user_rows(BOB) == {"sessions": 0, "versions": 0, "branches": 0, "responses": 0}
     assert store.get_session(ALICE, "private").version_count == 1
     assert heads(store, ALICE, "private") == {"main": 1}
 
@@ -270,11 +270,11 @@ def test_delete_session_and_user_erasure(store: VersionStore) -> None:
     assert store.delete_session(ALICE, "a1") == 2
     with pytest.raises(SessionNotFound):
         store.get_session(ALICE, "a1")
-    assert store.count_user_rows(ALICE) == {"sessions": 1, "versions": 2, "branches": 2}
+    assert store.count_user_rows(ALICE) == {"sessions": 1, "versions": 2, "branches": 2, "responses": 0}
     assert store.user_ids_with_data() == [ALICE, BOB]
-    assert store.delete_user_sessions(ALICE) == {"sessions": 1, "versions": 2, "branches": 2}
-    assert store.count_user_rows(ALICE) == {"sessions": 0, "versions": 0, "branches": 0}
-    assert store.count_user_rows(BOB) == {"sessions": 1, "versions": 1, "branches": 1}
+    assert store.delete_user_sessions(ALICE) == {"sessions": 1, "versions": 2, "branches": 2, "responses": 0}
+    assert store.count_user_rows(ALICE) == {"sessions": 0, "versions": 0, "branches": 0, "responses": 0}
+    assert store.count_user_rows(BOB) == {"sessions": 1, "versions": 1, "branches": 1, "responses": 0}
     assert store.user_ids_with_data() == [BOB]
     assert store.check() == []
 
@@ -285,10 +285,15 @@ def test_delete_user_sessions_joins_the_callers_transaction(
     store.create_session(ALICE, "a")
     store.commit(ALICE, "a", tokens=[1], messages=[])
     with pytest.raises(RuntimeError), session_factory() as db, db.begin():
-        assert store.delete_user_sessions(ALICE, db) == {"sessions": 1, "versions": 1, "branches": 1}
+        assert store.delete_user_sessions(ALICE, db) == {
+            "sessions": 1,
+            "versions": 1,
+            "branches": 1,
+            "responses": 0,
+        }
         assert store.count_user_rows(ALICE, db)["sessions"] == 0
         raise RuntimeError("erasure failed later")
-    assert store.count_user_rows(ALICE) == {"sessions": 1, "versions": 1, "branches": 1}
+    assert store.count_user_rows(ALICE) == {"sessions": 1, "versions": 1, "branches": 1, "responses": 0}
 
 
 def _race(n: int, work: Callable[[int], T]) -> list[T | Exception]:
@@ -350,7 +355,7 @@ def test_concurrent_ensure_session_creates_once(store: VersionStore) -> None:
     results = _race(5, lambda i: store.ensure_session(ALICE, "shared"))
     created = [x[1] for x in results if not isinstance(x, Exception)]
     assert len(created) == 5 and created.count(True) == 1, results
-    assert store.count_user_rows(ALICE) == {"sessions": 1, "versions": 0, "branches": 1}
+    assert store.count_user_rows(ALICE) == {"sessions": 1, "versions": 0, "branches": 1, "responses": 0}
 
 
 def test_limits(store: VersionStore) -> None:

@@ -162,6 +162,38 @@ class VersionRow(Base):
     fingerprint: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
+class ResponseRow(Base):
+    """A stored OpenAI Responses API response: the version it committed and what the API returns
+    for it (`dss.dialogue.responses`). Keyed by its globally unique id (`resp_` + 48 random hex
+    digits); every lookup also names the owner, so another user's id reads as missing."""
+
+    __tablename__ = "responses"
+    __table_args__ = (
+        _session_fk(),
+        ForeignKeyConstraint(
+            ["user_id", "session_id", "version"],
+            ["versions.user_id", "versions.session_id", "versions.number"],
+            ondelete="CASCADE",
+        ),
+        Index("ix_responses_version", "user_id", "session_id", "version"),
+        Index("ix_responses_previous_response_id", "previous_response_id"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    user_id: Mapped[str] = mapped_column(String(256), nullable=False)
+    session_id: Mapped[str] = mapped_column(String(ID_LEN), nullable=False)
+    version: Mapped[int] = mapped_column(Integer, nullable=False)
+    previous_response_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    created_at: Mapped[datetime] = _timestamp()
+    model: Mapped[str] = mapped_column(String(256), nullable=False)
+    status: Mapped[str] = mapped_column(String(16), nullable=False)
+    instructions: Mapped[str | None] = mapped_column(Text, nullable=True)
+    input_items: Mapped[list[dict[str, Any]]] = mapped_column(JSON, nullable=False)
+    output: Mapped[list[dict[str, Any]]] = mapped_column(JSON, nullable=False)
+    usage: Mapped[dict[str, Any]] = mapped_column(JSON, nullable=False)
+    params: Mapped[dict[str, Any]] = mapped_column(JSON, nullable=False)
+
+
 class PageRow(Base):
     """One page that has reached the disk tier; the page index is rebuilt from these rows."""
 

@@ -12,6 +12,12 @@ when another writer moved the head first; without it the commit retries on the n
 
 Every method takes the acting user and sees only that user's sessions: another user's session
 raises `SessionNotFound`, exactly like a missing one.
+
+Versions are never renumbered: `delete_subtree` removes a version with all its descendants (the
+Responses API's cascading DELETE), which leaves gaps below `version_count`; new commits still take
+`version_count + 1`, so a deleted number never names another version later. This store owns every
+row keyed by a session, the stored responses (`dss.dialogue.responses`) included: deleting a
+session, a user's sessions or a version subtree deletes the responses that hold those versions.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from dss.db.engine import transaction
-from dss.db.models import BranchRow, SessionRow, VersionRow, utcnow
+from dss.db.models import BranchRow, ResponseRow, SessionRow, VersionRow, utcnow
 from dss.dialogue.history import prefix_digests, rebuild, stored_form
 from dss.dialogue.quotas import Quotas, check_commit_quota, check_session_quota
 from dss.errors import (
@@ -226,6 +232,17 @@ def _full(r: VersionRow, messages: list[dict[str, Any]]) -> VersionInfo:
     )
 
 
+def _descendants(parents: Mapping[int, int | None], root: int) -> list[int]:
+    """`root` and every version below it, ascending (so `root` first: children have larger numbers)."""
+    inside = [root]
+    seen = {root}
+    for number in sorted(n for n in parents if n > root):
+        if parents[number] in seen:
+            inside.append(number)
+            seen.add(number)
+    return inside
+
+
 def _chain(parents: Mapping[int, int | None], start: int) -> list[int]:
     """`start` and its ancestors, newest first (parents always have smaller numbers)."""
     out: list[int] = []
@@ -405,7 +422,8 @@ class VersionStore:
         return out
 
     def delete_session(self, user: str, sid: str) -> int:
-        """Delete the session with its branches and versions; return the number of versions deleted."""
+        """Delete the session with its branches, versions and stored responses; return the number
+        of versions deleted."""
         with transaction(self._factory) as db:
             self._owned(db, user, sid)
             return self._delete_where(db, user, sid)["versions"]
@@ -640,6 +658,90 @@ class VersionStore:
                 raise VersionNotFound(f"version {number} not found in session {sid!r}")
             return _chain(parents, number)
 
+    def lineage(self, user: str, sid: str, number: int, db: Session | None = None) -> list[int]:
+        """`ancestors` inside the caller's transaction (`db`): `number` first, back to the root.
+        `VersionNotFound` when the user has no such version, also when the session is missing."""
+        if db is None:
+            with transaction(self._factory) as own:
+                return self.lineage(user, sid, number, own)
+        _check_number(number, sid)
+        parents = self._parents(db, user, sid)
+        if number not in parents:
+            raise VersionNotFound(f"version {number} not found in session {sid!r}")
+        return _chain(parents, number)
+
+    def subtree(self, user: str, sid: str, number: int, db: Session | None = None) -> list[int]:
+        """Version `number` and every version descending from it, by number (`number` first:
+        children have larger numbers). `VersionNotFound` when the user has no such version."""
+        if db is None:
+            with transaction(self._factory) as own:
+                return self.subtree(user, sid, number, own)
+        _check_number(number, sid)
+        parents = self._parents(db, user, sid)
+        if number not in parents:
+            raise VersionNotFound(f"version {number} not found in session {sid!r}")
+        return _descendants(parents, number)
+
+    def hold_session(self, user: str, sid: str, db: Session) -> None:
+        """Take the session's write lock in the caller's transaction, so that what it reads next
+        stays true until it commits: an UPDATE of the session row (its `updated_at`), which on
+        PostgreSQL locks the row that every commit also updates, and on SQLite takes the database
+        write lock. `SessionNotFound` when the user has no such session."""
+        moved = _rowcount(
+            db,
+            update(SessionRow)
+            .where(SessionRow.user_id == user, SessionRow.id == sid)
+            .values(updated_at=utcnow()),
+        )
+        if moved != 1:
+            raise SessionNotFound(f"session {sid!r} not found")
+
+    def delete_subtree(self, user: str, sid: str, number: int, db: Session | None = None) -> list[int]:
+        """Delete version `number` and every version descending from it, with the stored responses
+        that hold any of them; return the deleted numbers, ascending (`number` first).
+
+        Branch heads that pointed into the subtree move to the parent of `number` (EMPTY_HEAD, 0,
+        when it was a root); no branch is deleted, `main` included. Numbers are not reused. The
+        session is held (`hold_session`) before anything is read, so a concurrent commit either
+        lands first (and its version is in the subtree read here, deleted with it) or finds its
+        head moved and retries on the new one. KV pages are not touched: they are content-addressed
+        and shared in the user's trie. Pass `db` to run inside the caller's transaction.
+        """
+        if db is None:
+            with transaction(self._factory) as own:
+                return self.delete_subtree(user, sid, number, own)
+        _check_number(number, sid)
+        self.hold_session(user, sid, db)
+        parents = self._parents(db, user, sid)
+        if number not in parents:
+            raise VersionNotFound(f"version {number} not found in session {sid!r}")
+        doomed = _descendants(parents, number)
+        parent = parents[number]
+        new_head = parent if parent is not None else EMPTY_HEAD
+        for i in range(0, len(doomed), _IN_CHUNK):
+            chunk = doomed[i : i + _IN_CHUNK]
+            _rowcount(
+                db,
+                update(BranchRow)
+                .where(
+                    BranchRow.user_id == user,
+                    BranchRow.session_id == sid,
+                    BranchRow.head_version.in_(chunk),
+                )
+                .values(head_version=new_head),
+            )
+            # Responses first: they reference their versions (where foreign-key actions are off too).
+            _rowcount(
+                db,
+                delete(ResponseRow).where(
+                    ResponseRow.user_id == user,
+                    ResponseRow.session_id == sid,
+                    ResponseRow.version.in_(chunk),
+                ),
+            )
+            _rowcount(db, delete(VersionRow).where(*_version_key(user, sid), VersionRow.number.in_(chunk)))
+        return doomed
+
     def find_deepest_prefix_version(
         self, user: str, sid: str, messages: Sequence[Mapping[str, Any]]
     ) -> VersionInfo | None:
@@ -677,7 +779,8 @@ class VersionStore:
 
     # --- erasure -------------------------------------------------------------------------------
     def delete_user_sessions(self, user: str, db: Session | None = None) -> dict[str, int]:
-        """Delete every session of `user`; counts of deleted sessions, versions and branches.
+        """Delete every session of `user`; counts of deleted sessions, versions, branches and
+        stored responses.
 
         Pass `db` to run inside the caller's transaction (erasure commits it with the rest).
         """
@@ -687,7 +790,8 @@ class VersionStore:
             return self._delete_where(own, user)
 
     def count_user_rows(self, user: str, db: Session | None = None) -> dict[str, int]:
-        """How many sessions, versions and branches `user` has (0s after an erasure)."""
+        """How many sessions, versions, branches and stored responses `user` has (0s after an
+        erasure)."""
         if db is not None:
             return self._count_user(db, user)
         with transaction(self._factory) as own:
@@ -722,8 +826,9 @@ class VersionStore:
             for key, count in counts.items():
                 sid = key[1]
                 numbers = parents[key]
-                if sorted(numbers) != list(range(1, count + 1)):
-                    problems.append(f"session {sid}: versions {sorted(numbers)} != 1..{count}")
+                # A subset of 1..count: deleted subtrees leave gaps, numbers are never reused.
+                if numbers and (min(numbers) < 1 or max(numbers) > count):
+                    problems.append(f"session {sid}: versions {sorted(numbers)} outside 1..{count}")
                 for number, parent in numbers.items():
                     if parent is not None and (parent >= number or parent not in numbers):
                         problems.append(f"session {sid}: version {number} has bad parent {parent}")
@@ -844,21 +949,27 @@ class VersionStore:
         Children go first and explicitly, which stays correct where foreign-key cascades are off.
         """
 
-        def scope(table: type[VersionRow] | type[BranchRow]) -> list[Any]:
+        def scope(table: type[VersionRow] | type[BranchRow] | type[ResponseRow]) -> list[Any]:
             return [table.user_id == user] + ([table.session_id == sid] if sid is not None else [])
 
+        responses = _rowcount(db, delete(ResponseRow).where(*scope(ResponseRow)))
         versions = _rowcount(db, delete(VersionRow).where(*scope(VersionRow)))
         branches = _rowcount(db, delete(BranchRow).where(*scope(BranchRow)))
         own = [SessionRow.user_id == user] + ([SessionRow.id == sid] if sid is not None else [])
         sessions = _rowcount(db, delete(SessionRow).where(*own))
-        return {"sessions": sessions, "versions": versions, "branches": branches}
+        return {"sessions": sessions, "versions": versions, "branches": branches, "responses": responses}
 
     @staticmethod
     def _count_user(db: Session, user: str) -> dict[str, int]:
-        def count(table: type[SessionRow] | type[VersionRow] | type[BranchRow]) -> int:
+        def count(table: type[SessionRow] | type[VersionRow] | type[BranchRow] | type[ResponseRow]) -> int:
             return db.scalar(select(func.count()).select_from(table).where(table.user_id == user)) or 0
 
-        return {"sessions": count(SessionRow), "versions": count(VersionRow), "branches": count(BranchRow)}
+        return {
+            "sessions": count(SessionRow),
+            "versions": count(VersionRow),
+            "branches": count(BranchRow),
+            "responses": count(ResponseRow),
+        }
 
 
 def _version_key(user: str, sid: str) -> tuple[Any, Any]:

@@ -2,8 +2,8 @@
 
 Order matters. First the user's pages leave the page table and the index (no reader can have
 them any more) while saves of the user are refused (`KVCache.erasing`) and moves in flight
-settle; then the database transaction (sessions, versions, page rows, the data key, and the
-receipt) commits; then the irreversible steps run (zeroing host slots, unlinking files).
+settle; then the database transaction (sessions, versions, stored responses, page rows, the
+data key, and the receipt) commits; then the irreversible steps run (zeroing host slots, unlinking files).
 Destroying the data key is what makes any copy of the user's pages that we cannot reach (a
 backup) unreadable. Public-prefix pages are not user data and stay.
 
@@ -178,6 +178,7 @@ def _delete_rows(
         "sessions": dialogue["sessions"],
         "versions": dialogue["versions"],
         "branches": dialogue["branches"],
+        "responses": dialogue["responses"],
         "page_rows": int(n_page_rows),
         "data_keys_destroyed": n_keys,
         "pages": {t.value: usage[t][0] for t in Tier},
@@ -264,16 +265,20 @@ def verify(
                 .order_by(m.ErasureReceiptRow.seq)
             ).scalars()
         )
-        users = list(s.execute(select(m.SessionRow.user_id).distinct()).scalars())
-        mine = [u for u in users if identity.tenant_for(u) == tenant]
+        # Rows keyed by a user id: those of every user the subject's tenant was ever the tenant
+        # of, written before the erasure (after it, they belong to the user's next epoch).
+        users = set(s.execute(select(m.SessionRow.user_id).distinct()).scalars())
+        users |= set(s.execute(select(m.ResponseRow.user_id).distinct()).scalars())
+        mine = sorted(u for u in users if tenant in identity.tenants_of(u))
         if mine:
-            old = s.execute(
-                select(func.count())
-                .select_from(m.SessionRow)
-                .where(m.SessionRow.user_id.in_(mine), m.SessionRow.created_at <= cutoff)
-            ).scalar_one()
-            if old:
-                details.append(f"database: {old} session(s) created before the erasure")
+            for what, table in (("session", m.SessionRow), ("stored response", m.ResponseRow)):
+                old = s.execute(
+                    select(func.count())
+                    .select_from(table)
+                    .where(table.user_id.in_(mine), table.created_at <= receipt.erased_at)
+                ).scalar_one()
+                if old:
+                    details.append(f"database: {old} {what}(s) created before the erasure")
         rows = s.execute(
             select(func.count())
             .select_from(m.PageRow)
