@@ -526,3 +526,22 @@ def test_0005_upgrades_a_0004_database_with_data_in_it(db_url: str) -> None:
         assert current_revision(db_url) == "0004"
     finally:
         engine.dispose()
+
+
+def test_long_chains_and_subtrees_cross_the_in_list_chunks(
+    st: Stores, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dss.dialogue.responses as responses_module
+    import dss.dialogue.versions as versions_module
+
+    monkeypatch.setattr(responses_module, "_IN_CHUNK", 2)
+    monkeypatch.setattr(versions_module, "_IN_CHUNK", 2)
+    st.versions.create_session(ALICE, "long")
+    chain = [respond(st, ALICE, "long", None, "t0")]
+    for i in range(1, 7):
+        chain.append(respond(st, ALICE, "long", chain[-1], f"t{i}"))
+    assert st.responses.chain(ALICE, chain[-1].id) == chain
+    assert st.responses.descendants(ALICE, chain[1].id).response_ids == [r.id for r in chain[2:]]
+    deleted = st.responses.delete(ALICE, chain[1].id, cascade=True)
+    assert deleted == Deleted([r.id for r in chain[1:]], [2, 3, 4, 5, 6, 7])
+    assert numbers(st, ALICE, "long") == [1] and heads(st, ALICE, "long") == {"main": 1}

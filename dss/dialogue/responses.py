@@ -29,8 +29,8 @@ Either way, branch heads that pointed into the deleted subtree move to the paren
 response's version (0, an empty branch, when it had none); no branch is deleted, `main` never.
 Version numbers are not reused. The KV pages of deleted versions are not deleted here: pages are
 content-addressed and shared by every version of the user (in any session) that has the same
-token prefix, so they leave with eviction, with their session's deletion or with the user's
-erasure. Deleting the session (`VersionStore.delete_session`) or erasing the user deletes every
+token prefix, so they leave with eviction or with the user's erasure. Deleting the session
+(`VersionStore.delete_session`, `DELETE /v1/sessions/{id}`) or erasing the user deletes every
 response record of it.
 """
 
@@ -282,7 +282,10 @@ class ResponseStore:
                 .where(r.user_id == user)
             )
             ids = list(db.scalars(select(walk.c.id)))
-            rows = {row.id: row for row in db.scalars(select(ResponseRow).where(ResponseRow.id.in_(ids)))}
+            rows: dict[str, ResponseRow] = {}
+            for i in range(0, len(ids), _IN_CHUNK):
+                chunk = select(ResponseRow).where(ResponseRow.id.in_(ids[i : i + _IN_CHUNK]))
+                rows.update((row.id, row) for row in db.scalars(chunk))
             # Versions grow along a chain (each one's ancestor is the previous), so by version is root first.
             return sorted((_record(rows[i]) for i in ids), key=lambda rec: rec.version)
 
