@@ -114,11 +114,13 @@ def acting_principal(request: Request, principal: Principal, body_user: str | No
 async def get_engine(request: Request, state: StateDep) -> ChatEngine:
     if state.engine is None:
         startup: Startup = request.app.state.startup
+        # The same Retry-After as an overload (`engine.retry_after_s`): one documented value.
+        retry = {"Retry-After": str(state.settings.engine.retry_after_s)}
         if not state.settings.engine.enabled:
-            raise EngineUnavailable("the engine is disabled on this server", headers={"Retry-After": "5"})
-        if startup.phase is Phase.FAILED:
+            raise EngineUnavailable("the engine is disabled on this server", headers=retry)
+        if startup.phase is Phase.FAILED:  # the server is stopping: nothing to retry here
             raise EngineUnavailable(f"the engine is not running: {startup.reason}")
-        raise EngineUnavailable("the engine is starting", headers={"Retry-After": "5"})
+        raise EngineUnavailable("the engine is starting", headers=retry)
     return state.engine
 
 

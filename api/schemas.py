@@ -35,11 +35,32 @@ class ErrorResponse(BaseModel):
 
 # --------------------------------------------------------------------------------------------- lists
 class ListResponse(BaseModel, Generic[T]):
+    """A page of a list. `first_id` and `last_id` name its first and last item (the item's `id`; a
+    branch's `name`, a version's `number`), filled in from `data` unless given; `null` only for an
+    empty page."""
+
     object: Literal["list"] = "list"
     data: list[T]
     has_more: bool = False
     first_id: str | None = None
     last_id: str | None = None
+
+    @model_validator(mode="after")
+    def _ends(self) -> ListResponse[T]:
+        if self.data:
+            if self.first_id is None:
+                self.first_id = _item_id(self.data[0])
+            if self.last_id is None:
+                self.last_id = _item_id(self.data[-1])
+        return self
+
+
+def _item_id(item: object) -> str | None:
+    for attr in ("id", "name", "number"):
+        value = getattr(item, attr, None)
+        if value is not None:
+            return str(value)
+    return None
 
 
 class Deleted(BaseModel):
@@ -343,7 +364,7 @@ class PrefixOut(BaseModel):
     pinned: bool
     text: str | None
     cached_tokens: int = Field(description="tokens of the prefix whose KV is stored now")
-    created_at: int
+    created_at: datetime
 
 
 # -------------------------------------------------------------------------------------------- models

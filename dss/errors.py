@@ -69,6 +69,15 @@ class NotAnAncestor(ConflictError):
     """A rollback target is not on the branch's history."""
 
 
+class StateVersionMismatch(ConflictError):
+    """A chat turn names a `state_version` its messages do not extend (they must repeat that
+    version's messages, then add at least one)."""
+
+
+class ForkNamesExhausted(ConflictError):
+    """No free branch name was left for an automatic fork (`fork-v<n>`, `fork-v<n>-2`, ...)."""
+
+
 class ResponseHasDescendants(ConflictError):
     """A response cannot be deleted alone: other responses (or versions committed through the
     session API) continue from its version. Nothing was deleted; `response_ids` names those

@@ -1,7 +1,8 @@
 """Alembic environment: where the database is and what the schema should be.
 
-The URL comes from the config's `sqlalchemy.url` or the `DSS_DB_URL` environment variable. A
-caller may hand over an open connection in `config.attributes["connection"]` (in-memory SQLite).
+The URL comes from the config's `sqlalchemy.url` or the `DSS_STORE__DB_URL` environment variable
+(the server's own setting, `store.db_url`). A caller may hand over an open connection in
+`config.attributes["connection"]` (in-memory SQLite).
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ if config.config_file_name is not None:
 target_metadata = Base.metadata
 # Arbitrary constant naming the advisory lock that serialises concurrent migrations.
 _MIGRATION_LOCK_KEY = 0x44535301
+# The variable the server reads its database URL from (api.settings: `DSS_` + `STORE__DB_URL`).
+DB_URL_ENV = "DSS_STORE__DB_URL"
 
 
 def _url() -> str:
-    url = config.get_main_option("sqlalchemy.url") or os.environ.get("DSS_DB_URL", "")
+    url = config.get_main_option("sqlalchemy.url") or os.environ.get(DB_URL_ENV, "")
     if not url:
-        raise RuntimeError("no database URL: set sqlalchemy.url in alembic.ini or DSS_DB_URL")
+        raise RuntimeError(f"no database URL: set {DB_URL_ENV} (as for `dss serve`) or sqlalchemy.url")
     return url
 
 

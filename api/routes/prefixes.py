@@ -28,7 +28,7 @@ def _out(p: PrefixInfo) -> PrefixOut:
         pinned=p.pinned,
         text=p.text,
         cached_tokens=p.cached_tokens,
-        created_at=int(p.created_at),
+        created_at=p.created_at,
     )
 
 

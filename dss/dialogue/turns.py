@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from dss.dialogue.versions import EMPTY_HEAD, MAIN_BRANCH, SessionInfo, VersionInfo, VersionStore
-from dss.errors import BranchExists, ConflictError, InvalidInput, StaleHead
+from dss.errors import BranchExists, ForkNamesExhausted, InvalidInput, StaleHead, StateVersionMismatch
 from dss.types import SessionId
 
 _MAX_FORK_NAMES = 64
@@ -94,7 +94,7 @@ def chat_target(
         base = versions.get_version(user, sid, state_version)
         stored = base.messages
         if len(messages) <= len(stored) or plain_messages(messages[: len(stored)]) != stored:
-            raise ConflictError(
+            raise StateVersionMismatch(
                 f"the messages do not extend version {state_version}: send its {len(stored)} messages "
                 "followed by the new ones"
             )
@@ -164,4 +164,4 @@ def _fork(versions: VersionStore, user: str, target: TurnTarget) -> str:
             return name
         except BranchExists:
             continue
-    raise ConflictError(f"could not find a free branch name for a fork of {stem}")
+    raise ForkNamesExhausted(f"could not find a free branch name for a fork of {stem}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import numpy as np
 from sqlalchemy import select
@@ -28,7 +29,7 @@ class PrefixInfo:
     n_tokens: int
     pinned: bool
     text: str | None
-    created_at: float
+    created_at: datetime  # aware, UTC
     cached_tokens: int
 
 
@@ -107,9 +108,9 @@ class PublicPrefixes:
         fid = FingerprintId(row.fingerprint)
         tokens = np.frombuffer(row.tokens, dtype="<i4")
         cached = self._kv.match(fid, PUBLIC_TENANT, tokens).n_tokens if fid in self._fingerprints else 0
-        return PrefixInfo(
-            row.id, fid, row.n_tokens, bool(row.pinned), row.text, row.created_at.timestamp(), cached
-        )
+        # SQLite hands back naive datetimes; everything is stored in UTC.
+        created = row.created_at if row.created_at.tzinfo is not None else row.created_at.replace(tzinfo=UTC)
+        return PrefixInfo(row.id, fid, row.n_tokens, bool(row.pinned), row.text, created, cached)
 
     def _refresh_pins(self, fid: FingerprintId) -> None:
         with self._sf() as s:
