@@ -17,10 +17,11 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from api.chat_response import run_turn
 from api.engine import ChatEngine, Slot
 from api.errors import BadRequest, EngineOverloaded
 from api.state import AppState
-from api.turns import Turn, run_turn
+from api.turns import Turn
 
 
 async def serve_turn(

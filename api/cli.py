@@ -51,6 +51,13 @@ def serve(
     no_engine: Annotated[
         bool, typer.Option("--no-engine", help="Serve the store API without a model")
     ] = False,
+    tool_call_parser: Annotated[
+        str | None,
+        typer.Option(
+            "--tool-call-parser",
+            help="vLLM tool-call parser for tool_choice auto, e.g. hermes (DSS_ENGINE__TOOL_CALL_PARSER)",
+        ),
+    ] = None,
     dev: Annotated[
         bool,
         typer.Option(
@@ -82,7 +89,11 @@ def serve(
         "dss serve",
         server={"host": host, "port": port, "log_level": log_level},
         store={"data_dir": data_dir, "db_url": db_url},
-        engine={"model": model, "enabled": False if no_engine else None},
+        engine={
+            "model": model,
+            "enabled": False if no_engine else None,
+            "tool_call_parser": tool_call_parser,
+        },
         auth={"dev_mode": True if dev else None},
     )
     try:

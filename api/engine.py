@@ -20,7 +20,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,32 +38,41 @@ _ERASED = "the user was erased during this answer; nothing of it was kept"
 
 @dataclass(frozen=True, slots=True)
 class Sampling:
+    """A request's generation parameters, converted once by vLLM's own request model
+    (`ChatEngine.sampling`), so that every honoured field has vLLM's semantics."""
+
     max_tokens: int
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    n: int
+    params: Any  # vllm.SamplingParams, without DSS's extra args (added per generation)
+    logprobs: int | None  # top log-probabilities asked for per token (0: the sampled one only)
+    tools: tuple[dict[str, Any], ...] = ()  # tools the answer may call (parsed when a parser is set)
+    parse_tools: bool = False
+    request: Any = None  # vLLM's ChatCompletionRequest, which its tool parsers read
 
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """New text of a running generation."""
+    """New output of one choice of a running generation."""
 
+    index: int
     text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[Any, ...] | None = None  # per token: vLLM's {token id: Logprob}, when asked for
 
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    """The end of a generation: everything a commit and a response need."""
+    """The end of one choice of a generation: everything a commit and a response need."""
 
+    index: int
     text: str
     output_ids: tuple[int, ...]
     finish_reason: str | None
     num_cached_tokens: int  # engine prefix cache + connector loads, as vLLM reports it
     report: TurnReport | None  # what the connector did for the request (None: not a session request)
     ttft_s: float | None
+    logprobs: tuple[Any, ...] | None = None  # per output token, when asked for
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -106,6 +115,8 @@ class ChatEngine:
         max_inflight: int,
         retry_after_s: int,
         tag_key: bytes,
+        default_sampling: Mapping[str, Any] | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.llm = llm
         self.tokenizer = tokenizer
@@ -113,6 +124,9 @@ class ChatEngine:
         self.max_model_len = max_model_len
         self.fingerprint = fingerprint
         self._tag_key = tag_key  # signs the session tags the connector acts on
+        # The model's generation defaults (its generation_config), as vLLM's own server uses them.
+        self.default_sampling = dict(default_sampling or {})
+        self.tool_call_parser = tool_call_parser
         self.created = int(time.time())
         # Accepted in a request's `model`: the served name, "default", or the model folder.
         self.model_names = {model_name, "default"}
@@ -136,6 +150,8 @@ class ChatEngine:
         address, authkey = store.serve_rpc()
         known = set(store.fingerprints)
         es = _engine_settings(factory, settings, model_path)
+        if eng.tool_call_parser is not None:
+            _tool_parser_class(eng.tool_call_parser)  # an unknown name fails before the model loads
         llm = await asyncio.to_thread(factory.build_async_engine, address, authkey, es)
         try:
             tokenizer = llm.get_tokenizer()
@@ -158,6 +174,8 @@ class ChatEngine:
             max_inflight=eng.max_inflight,
             retry_after_s=eng.retry_after_s,
             tag_key=tag_key(authkey),
+            default_sampling=_generation_defaults(model_config),
+            tool_call_parser=eng.tool_call_parser,
         )
         engine.model_names |= {Path(model_path).name, str(model_path)}
         return engine
@@ -174,14 +192,27 @@ class ChatEngine:
         return not getattr(self.llm, "errored", False)
 
     # ------------------------------------------------------------------------------------ prompts
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Prompt token ids of `messages` through the model's chat template."""
-        return self.encode(self.render_text(messages, add_generation_prompt))
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] = (),
+    ) -> list[int]:
+        """Prompt token ids of `messages` (and `tools`) through the model's chat template."""
+        return self.encode(self.render_text(messages, add_generation_prompt, tools))
 
-    def render_text(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_text(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] = (),
+    ) -> str:
         try:
             text = self.tokenizer.apply_chat_template(
-                [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=False
+                [dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                tools=[dict(t) for t in tools] or None,
             )
         except Exception as exc:  # templates raise plain exceptions for unsupported role orders
             raise InvalidInput(f"the chat template rejected the messages: {exc}") from exc
@@ -192,6 +223,7 @@ class ChatEngine:
         stored: Sequence[int],
         stored_messages: Sequence[Mapping[str, Any]],
         new_messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] = (),
     ) -> list[int] | None:
         """The prompt of a turn that extends a version: the version's stored token ids exactly
         (its prompt and its answer as generated, end token included), then the template's text
@@ -206,10 +238,10 @@ class ChatEngine:
         """
         try:
             # A template may refuse a dialogue that ends on an answer: render it whole instead.
-            before = self.render_text(stored_messages, add_generation_prompt=False)
+            before = self.render_text(stored_messages, add_generation_prompt=False, tools=tools)
         except InvalidInput:
             return None
-        after = self.render_text([*stored_messages, *new_messages], add_generation_prompt=True)
+        after = self.render_text([*stored_messages, *new_messages], add_generation_prompt=True, tools=tools)
         if not after.startswith(before):
             return None  # a template that rewrites earlier turns when one is added
         as_stored = self.decode(stored)
@@ -225,6 +257,10 @@ class ChatEngine:
         return str(
             self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
         )
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as vLLM's server shows it in log-probabilities."""
+        return str(self.tokenizer.decode([token_id]))
 
     def encode(self, text: str) -> list[int]:
         # The template already wrote the special tokens it wants.
@@ -325,6 +361,59 @@ class ChatEngine:
         if self.on_inflight_change is not None:
             self.on_inflight_change(self._admission.inflight)
 
+    # ---------------------------------------------------------------------------------- sampling
+    def sampling(
+        self, messages: Sequence[Mapping[str, Any]], fields: Mapping[str, Any], max_tokens: int
+    ) -> Sampling:
+        """Convert a request's honoured OpenAI fields (`api.openai_fields`) with vLLM's own request
+        model and its conversion to sampling parameters; its validation errors become 400s that
+        name the parameter. Tools: `tool_choice: "none"` passes them to the chat template only;
+        `"auto"` (the default with tools) needs a tool-call parser, as in vLLM's own server."""
+        from pydantic import ValidationError
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as VllmChat
+        from vllm.exceptions import VLLMClientError
+
+        try:
+            req = VllmChat.model_validate({**fields, "messages": [dict(m) for m in messages]})
+            params = req.to_sampling_params(max_tokens, dict(self.default_sampling))
+        except ValidationError as exc:
+            raise _validation_error(exc) from None
+        except (ValueError, TypeError, VLLMClientError) as exc:  # VLLMValidationError names the parameter
+            raise BadRequest(str(exc), param=getattr(exc, "parameter", None)) from None
+        tools = tuple(t.model_dump(exclude_none=True) for t in req.tools or ())
+        parse_tools = False
+        if tools and req.tool_choice != "none":
+            if req.tool_choice not in (None, "auto"):
+                raise BadRequest(
+                    "`tool_choice` naming a function, or `required`, is not served by this server; "
+                    'use "auto" (with `dss serve --tool-call-parser`) or "none"',
+                    code="unsupported_parameter",
+                    param="tool_choice",
+                )
+            if self.tool_call_parser is None:
+                raise BadRequest(
+                    '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                    "set (start the server with `dss serve --tool-call-parser NAME`)",
+                    code="tool_call_parser_not_configured",
+                    param="tool_choice",
+                )
+            parse_tools = True
+        return Sampling(max_tokens, int(params.n), params, params.logprobs, tools, parse_tools, req)
+
+    def tool_calls(self, sampling: Sampling, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """The answer's text split by the configured vLLM tool parser into content and tool calls
+        (OpenAI's `{"id", "type": "function", "function": {"name", "arguments"}}`)."""
+        assert self.tool_call_parser is not None and sampling.parse_tools
+        parser = _tool_parser_class(self.tool_call_parser)(self.tokenizer)
+        info = parser.extract_tool_calls(text, sampling.request)
+        if not info.tools_called:
+            return text, []
+        calls = [c.model_dump(exclude_none=True) for c in info.tool_calls]
+        for call in calls:
+            call.setdefault("id", "call_" + uuid.uuid4().hex[:24])
+            call.setdefault("type", "function")
+        return info.content or None, calls
+
     async def generate(
         self,
         prompt_ids: Sequence[int],
@@ -336,59 +425,61 @@ class ChatEngine:
         state_version: int | None,
         arrived: float,
     ) -> AsyncGenerator[Delta | Finished, None]:
-        """Stream the generation: `Delta`s as text arrives, then one `Finished`.
+        """Stream the generation: `Delta`s as each choice's text arrives, and a `Finished` as each
+        of the `sampling.n` choices ends. The prompt is one request to vLLM, which computes its KV
+        once for every choice. A consumer commits only after the iteration ended: an erasure
+        during the generation raises at its end, after the choices finished.
 
         Cancelling the iteration aborts the request in the engine (vLLM does it on cancellation).
         """
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import TokensPrompt
         from vllm.exceptions import GracefulHTTPError, VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
         # The connector acts only on requests that name a session; a plain chat gets a one-off
         # id so that it is still cached in (and served from) the user's namespace.
         sid = session_id if session_id is not None else f"anon-{uuid.uuid4().hex}"
-        extra = SessionTag(tenant, sid, state_version).extra_args(self._tag_key)
-        params = SamplingParams(
-            max_tokens=sampling.max_tokens,
-            temperature=1.0 if sampling.temperature is None else sampling.temperature,
-            top_p=1.0 if sampling.top_p is None else sampling.top_p,
-            stop=list(sampling.stop) or None,
-            seed=sampling.seed,
-            presence_penalty=sampling.presence_penalty or 0.0,
-            frequency_penalty=sampling.frequency_penalty or 0.0,
-            output_kind=RequestOutputKind.DELTA,
-            extra_args=extra,
-        )
+        params = sampling.params.clone()
+        params.output_kind = RequestOutputKind.DELTA
+        params.extra_args = SessionTag(tenant, sid, state_version).extra_args(self._tag_key)
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=cache_salt)
         request_id = "chatcmpl-" + uuid.uuid4().hex
         self._running.setdefault(tenant, set()).add(request_id)
-        text_parts: list[str] = []
-        output_ids: list[int] = []
+        choices = [_ChoiceState() for _ in range(sampling.n)]
         ttft: float | None = None
-        cached = 0
-        report: TurnReport | None = None
-        finish_reason: str | None = None
+        finished: list[Finished] = []
         try:
             # aclosing: a consumer that stops early (client gone) aborts the request at once.
             async with contextlib.aclosing(self.llm.generate(prompt, params, request_id)) as outputs:
                 async for out in outputs:
-                    if out.num_cached_tokens is not None:
-                        cached = int(out.num_cached_tokens)
-                    if out.kv_transfer_params:
-                        report = TurnReport.from_params(out.kv_transfer_params)
                     for comp in out.outputs:
+                        st = choices[comp.index]
+                        if out.num_cached_tokens is not None:
+                            st.cached = int(out.num_cached_tokens)
+                        if out.kv_transfer_params:
+                            st.report = TurnReport.from_params(out.kv_transfer_params)
                         if comp.token_ids and ttft is None:
                             ttft = time.perf_counter() - arrived
-                        output_ids.extend(comp.token_ids)
-                        if comp.finish_reason is not None:
-                            finish_reason = comp.finish_reason
-                        if comp.text:
-                            text_parts.append(comp.text)
-                            yield Delta(comp.text)
+                        if st.ttft is None and comp.token_ids:
+                            st.ttft = time.perf_counter() - arrived
+                        ids = tuple(comp.token_ids)
+                        st.output_ids.extend(ids)
+                        step_logprobs = tuple(comp.logprobs) if comp.logprobs is not None else None
+                        if step_logprobs is not None:
+                            st.logprobs.extend(step_logprobs)
+                        if comp.text or ids:
+                            st.text.append(comp.text)
+                            yield Delta(comp.index, comp.text, ids, step_logprobs)
+                        if comp.finish_reason is not None and not st.done:
+                            st.done = True
+                            fin = st.finish(comp.index, comp.finish_reason, comp.stop_reason, sampling)
+                            finished.append(fin)
+                            yield fin
         except GracefulHTTPError as exc:
             raise EngineOverloaded(exc.message, self._admission.retry_after_s) from exc
         except VLLMClientError as exc:
-            raise BadRequest(str(exc), code="invalid_generation_request") from exc
+            param = getattr(exc, "parameter", None)
+            raise BadRequest(str(exc), code="invalid_generation_request", param=param) from exc
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as exc:
@@ -408,15 +499,68 @@ class ChatEngine:
         if request_id in self._aborted:
             self._aborted.discard(request_id)
             raise ErasedDuringGeneration(_ERASED)
-        reported = report.fingerprint if report is not None else None
-        if reported and reported != self.fingerprint:
-            log.warning(
-                "the connector writes pages under fingerprint %s, not %s; following it",
-                reported,
-                self.fingerprint,
-            )
-            self.fingerprint = FingerprintId(str(reported))
-        yield Finished("".join(text_parts), tuple(output_ids), finish_reason, cached, report, ttft)
+        for fin in finished:
+            reported = fin.report.fingerprint if fin.report is not None else None
+            if reported and reported != self.fingerprint:
+                log.warning(
+                    "the connector writes pages under fingerprint %s, not %s; following it",
+                    reported,
+                    self.fingerprint,
+                )
+                self.fingerprint = FingerprintId(str(reported))
+
+
+@dataclass
+class _ChoiceState:
+    text: list[str] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    cached: int = 0
+    report: TurnReport | None = None
+    ttft: float | None = None
+    done: bool = False
+
+    def finish(self, index: int, reason: str, stop_reason: int | str | None, sampling: Sampling) -> Finished:
+        return Finished(
+            index,
+            "".join(self.text),
+            tuple(self.output_ids),
+            reason,
+            self.cached,
+            self.report,
+            self.ttft,
+            tuple(self.logprobs) if sampling.logprobs is not None else None,
+            stop_reason,
+        )
+
+
+def _validation_error(exc: Any) -> BadRequest:
+    """A 400 from vLLM's request model's first validation error, naming its parameter."""
+    err = exc.errors()[0] if exc.errors() else {}
+    cause = (err.get("ctx") or {}).get("error")
+    param = getattr(cause, "parameter", None)
+    if param is None:
+        loc = [str(x) for x in err.get("loc", ()) if not isinstance(x, int)]
+        param = loc[0] if loc else None
+    message = str(cause) if cause is not None else str(err.get("msg", "invalid request"))
+    return BadRequest(message, param=param)
+
+
+def _tool_parser_class(name: str) -> Any:
+    from vllm.tool_parsers import ToolParserManager
+
+    try:
+        return ToolParserManager.get_tool_parser(name)
+    except KeyError:
+        known = ", ".join(sorted(ToolParserManager.list_registered()))
+        raise ValueError(f"unknown tool-call parser {name!r} (known: {known})") from None
+
+
+def _generation_defaults(model_config: Any) -> dict[str, Any]:
+    try:
+        return dict(model_config.get_diff_sampling_param())
+    except Exception:  # a model without a generation config
+        return {}
 
 
 def _lower_engine_priority(nice: int) -> None:

@@ -1,7 +1,8 @@
 """Request and response bodies of the REST API (pydantic), separate from the database models.
 
-Requests ignore unknown fields, as OpenAI does; that also drops anything a client might send to
-steer the cache (`tenant`, `kv_transfer_params`, ...): those are derived on the server only.
+Management requests ignore unknown fields. Generation requests keep every field they are sent and
+check it against `api.openai_fields`: honoured through vLLM, or refused with a 400 that names it
+(`tenant`, `kv_transfer_params` and the like are derived on the server only).
 """
 
 from __future__ import annotations
@@ -71,14 +72,21 @@ class Deleted(BaseModel):
 
 # ---------------------------------------------------------------------------------------------- chat
 class TextPart(_Request):
+    model_config = ConfigDict(extra="forbid")
     type: Literal["text"] = "text"
     text: str
 
 
 class ChatMessage(_Request):
+    """One message. Unknown keys are refused (a 400 naming them), not dropped."""
+
+    model_config = ConfigDict(extra="forbid")
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = Field(default=None, max_length=256)
+    tool_calls: list[dict[str, Any]] | None = Field(default=None, description="an assistant's tool calls")
+    tool_call_id: str | None = Field(default=None, max_length=256, description="the call a tool answers")
+    refusal: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -88,19 +96,31 @@ class ChatMessage(_Request):
         return "".join(p.text for p in self.content)
 
     def plain(self) -> dict[str, Any]:
-        """The message as stored in a version: role and text content (and the name, if any)."""
+        """The message as stored in a version: role and text content (and the name, the tool
+        calls or the answered call's id, if any)."""
         out: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
 class StreamOptions(_Request):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
 class GenerationParams(_Request):
-    """Sampling parameters shared by `/v1/chat/completions` and `/v1/sessions/{sid}/messages`."""
+    """Sampling parameters shared by `/v1/chat/completions` and `/v1/sessions/{sid}/messages`.
+
+    The fields typed here are the ones DSS itself reads; every other field is kept as given and
+    checked against `api.openai_fields` (honoured through vLLM's own request model, or refused
+    with a 400 that names it)."""
+
+    model_config = ConfigDict(extra="allow")
 
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -110,7 +130,9 @@ class GenerationParams(_Request):
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    n: int = Field(default=1, ge=1, le=1, description="only 1 is supported")
+    n: int = Field(default=1, ge=1, description="alternatives; in a session each becomes a sibling version")
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -131,6 +153,10 @@ class GenerationParams(_Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def request_fields(self, exclude: set[str]) -> dict[str, Any]:
+        """The fields the client set (extras included), less `exclude` (the route's own)."""
+        return {k: v for k, v in self.model_dump(exclude_unset=True).items() if k not in exclude}
 
 
 class ChatCompletionRequest(GenerationParams):
@@ -165,14 +191,21 @@ class SessionMessageRequest(GenerationParams):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    refusal: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = Field(
+        default=None, description='`{"content": [...]}` when the request asked for logprobs'
+    )
+    stop_reason: int | str | None = None
+    state_version: int | None = Field(default=None, description="the version this alternative became")
+    branch: str | None = Field(default=None, description="the branch that version is the head of")
 
 
 class PromptTokensDetails(BaseModel):

@@ -110,6 +110,9 @@ class EngineGroup(BaseModel):
     enabled: bool = True
     model: Path | None = None  # an HF folder; default: the prepared default model in data_dir
     served_model_name: str | None = None  # default: the model folder's name
+    # vLLM's tool-call parser for `tool_choice: "auto"` (e.g. `hermes`); None: tools are refused
+    # as vLLM's own server refuses them without `--tool-call-parser`.
+    tool_call_parser: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     max_model_len: int | None = Field(default=None, ge=16)
     kv_cache_space_gib: int = Field(default=1, ge=1)  # VLLM_CPU_KVCACHE_SPACE on CPU
     # None: the factory's default (float32, chosen by measurement: docs/operations.md "Served dtype").
@@ -131,6 +134,7 @@ class LimitsSettings(BaseModel):
     max_output_tokens: int = Field(default=4096, ge=1)
     default_max_tokens: int = Field(default=512, ge=1)
     max_stop_sequences: int = Field(default=4, ge=0)
+    max_n: int = Field(default=8, ge=1, le=128)  # alternatives one request may ask for
     max_list_limit: int = Field(default=100, ge=1, le=1000)
 
 

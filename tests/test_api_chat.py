@@ -233,15 +233,22 @@ def test_limits_and_bad_input(api_server: ApiServer) -> None:
     assert r.status_code == 400
     r = c.post("/v1/chat/completions", json={"messages": [user_msg("hi")], "model": "gpt-4"})
     assert r.status_code == 404
-    # Unknown fields are ignored, including attempts to pick a cache namespace.
-    ok = chat(
-        c,
-        [user_msg("Say yes.")],
-        max_tokens=4,
-        tenant="public",
-        kv_transfer_params={"tenant": "public", "session_id": "x"},
-        frobnicate=True,
-    )
+    # Nothing is silently dropped: an unknown field, or an attempt to pick a cache namespace, is a
+    # 400 that names it.
+    for extra, code in (
+        ({"tenant": "public"}, "unrecognized_parameter"),
+        ({"kv_transfer_params": {"tenant": "public", "session_id": "x"}}, "unsupported_parameter"),
+        ({"cache_salt": "public"}, "unsupported_parameter"),
+        ({"frobnicate": True}, "unrecognized_parameter"),
+    ):
+        r = c.post(
+            "/v1/chat/completions", json={"messages": [user_msg("Say yes.")], "max_tokens": 4, **extra}
+        )
+        name = next(iter(extra))
+        assert r.status_code == 400, (extra, r.text)
+        assert r.json()["error"]["param"] == name and r.json()["error"]["code"] == code
+    # A refused field at its no-op value asks for nothing and passes.
+    ok = chat(c, [user_msg("Say yes.")], max_tokens=4, echo=False)
     assert ok["choices"][0]["message"]["role"] == "assistant"
 
 

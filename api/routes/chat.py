@@ -14,12 +14,16 @@ from fastapi import APIRouter, Request
 from api.admission import serve_turn
 from api.deps import EngineDep, PrincipalDep, StateDep, acting_principal
 from api.errors import error_responses
+from api.openai_fields import check_fields
 from api.schemas import ChatCompletion, ChatCompletionRequest
 from api.turns import Turn, check_limits
 from dss.dialogue.turns import chat_target
 from dss.errors import ModelNotFound
 
 router = APIRouter(tags=["chat"])
+
+# DSS's own fields of a chat request; `messages` goes to vLLM as the stored (plain) messages.
+_CHAT_OWN = {"session_id", "state_version", "messages"}
 
 
 @router.post(
@@ -38,6 +42,9 @@ async def create_chat_completion(
     if body.model and body.model not in engine.model_names:
         raise ModelNotFound(f"the model {body.model!r} does not exist on this server")
 
+    fields = body.request_fields(exclude=_CHAT_OWN)
+    check_fields(fields, own=())
+
     async def build() -> Turn:
         messages = [m.plain() for m in body.messages]
         check_limits(state, body, messages)
@@ -46,6 +53,6 @@ async def create_chat_completion(
             target = await asyncio.to_thread(
                 chat_target, state.store.versions, who.user, body.session_id, messages, body.state_version
             )
-        return Turn(who.user, messages, body, target)
+        return Turn(who.user, messages, body, target, fields)
 
     return await serve_turn(state, engine, request, bool(body.stream), build)

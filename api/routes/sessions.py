@@ -10,6 +10,7 @@ from fastapi import APIRouter, Body, Query, Request, status
 from api.admission import serve_turn
 from api.deps import EngineDep, PrincipalDep, StateDep, acting_principal
 from api.errors import error_responses
+from api.openai_fields import check_fields
 from api.schemas import (
     BranchOut,
     ChatCompletion,
@@ -141,6 +142,10 @@ def delete_session(session_id: str, state: StateDep, principal: PrincipalDep) ->
     return Deleted(id=session_id, object="session.deleted")
 
 
+# The fields of a `/messages` request that are DSS's own, not OpenAI's.
+_MESSAGE_OWN = {"content", "branch", "version"}
+
+
 @router.post(
     "/v1/sessions/{session_id}/messages",
     response_model=ChatCompletion,
@@ -159,11 +164,13 @@ async def post_message(
 ) -> Any:
     """Stateful mode: send only the new user message; the server continues the stored dialogue."""
     who = acting_principal(request, principal, body.user)
+    fields = body.request_fields(exclude=_MESSAGE_OWN)
+    check_fields(fields, own=())
 
     async def build() -> Turn:
         target, base = await asyncio.to_thread(
             message_target, state.store.versions, who.user, session_id, body.branch, body.version
         )
-        return Turn(who.user, [*base, {"role": "user", "content": body.text()}], body, target)
+        return Turn(who.user, [*base, {"role": "user", "content": body.text()}], body, target, fields)
 
     return await serve_turn(state, engine, request, bool(body.stream), build)
