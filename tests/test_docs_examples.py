@@ -321,8 +321,9 @@ def docs_server() -> Iterator[ApiServer]:
         env={
             "DSS_ENGINE__MAX_MODEL_LEN": "1024",
             "DSS_LIMITS__DEFAULT_MAX_TOKENS": "16",  # an example that forgot max_tokens stays quick
-            "DSS_STORE__HOST_CAPACITY_BYTES": str(128 << 20),
-            "DSS_STORE__DISK_CAPACITY_BYTES": str(1 << 30),
+            # Room for the pinning example: a user may pin a quarter of the host tier (float32
+            # pages of this model are 5.9 MB; the docs' session holds about ten by then).
+            "DSS_STORE__HOST_CAPACITY_BYTES": str(1 << 30),
         },
     )
     try:

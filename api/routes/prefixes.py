@@ -34,10 +34,14 @@ def _out(p: PrefixInfo) -> PrefixOut:
 
 async def _warm(state: AppState, engine: ChatEngine, tokens: list[int], prefix_id: str) -> None:
     """One generation of a single token under the public tenant: the connector saves its pages."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    one_token = Sampling(max_tokens=1, n=1, params=params, logprobs=None)
     async with engine.admitted():
         async for ev in engine.generate(
             tokens,
-            Sampling(max_tokens=1, temperature=0.0),
+            one_token,
             tenant=PUBLIC_TENANT,
             cache_salt=PUBLIC_TENANT,
             session_id=prefix_id,
