@@ -23,6 +23,9 @@ from api.errors import BadRequest, EngineOverloaded
 from api.state import AppState
 from api.turns import Turn
 
+# Answers a built turn: a JSON response, or a streaming one (`api.chat_response.run_turn`).
+Runner = Callable[[AppState, ChatEngine, Turn, Request], Coroutine[Any, Any, Any]]
+
 
 async def serve_turn(
     state: AppState,
@@ -30,16 +33,18 @@ async def serve_turn(
     request: Request,
     stream: bool,
     build: Callable[[], Awaitable[Turn]],
+    run: Runner = run_turn,
 ) -> Any:
     """Admit the request, then build its turn (`build`: limits, where it attaches) and answer
-    it: JSON, stopped if the client leaves first; or a stream that holds the slot to its end."""
+    it with `run` (default: as a chat completion): JSON, stopped if the client leaves first; or
+    a stream that holds the slot to its end."""
     slot = admit(state, engine)
     response: Response | None = None
     try:
         turn = await build()
         if not stream:
-            return await stop_if_client_leaves(request, state, run_turn(state, engine, turn, request))
-        response = await run_turn(state, engine, turn, request)
+            return await stop_if_client_leaves(request, state, run(state, engine, turn, request))
+        response = await run(state, engine, turn, request)
         return HoldingSlot(response, slot)
     finally:
         if response is None:

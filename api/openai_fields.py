@@ -125,27 +125,26 @@ _EMPTY: tuple[Any, ...] = (None, False, [], {}, "")
 
 
 def check_fields(
-    fields: Mapping[str, Any], own: Iterable[str], honoured: frozenset[str] = HONOURED_CHAT
+    fields: Mapping[str, Any],
+    own: Iterable[str],
+    honoured: frozenset[str] = HONOURED_CHAT,
+    refused: Mapping[str, str] = REFUSED,
+    no_op: Mapping[str, tuple[Any, ...]] = _NO_OP_VALUES,
 ) -> None:
     """400 naming the first field that is neither the route's own (`own`) nor honoured: refused
-    ones with the reason, unrecognised ones as OpenAI words it."""
+    ones with the reason (unless at a no-op value), unrecognised ones as OpenAI words it."""
     mine = set(own)
     for name, value in fields.items():
         if name in mine or name in honoured:
             continue
-        if name in REFUSED:
-            if value in _NO_OP_VALUES.get(name, _EMPTY):
+        if name in refused:
+            if value in no_op.get(name, _EMPTY):
                 continue
             raise BadRequest(
-                f"`{name}` is not supported by this server: {REFUSED[name]}",
+                f"`{name}` is not supported by this server: {refused[name]}",
                 code="unsupported_parameter",
                 param=name,
             )
         raise BadRequest(
             f"Unrecognized request argument supplied: {name}", code="unrecognized_parameter", param=name
         )
-
-
-def vllm_fields(fields: Mapping[str, Any], honoured: frozenset[str] = HONOURED_CHAT) -> dict[str, Any]:
-    """The fields vLLM's request model takes (the honoured ones)."""
-    return {k: v for k, v in fields.items() if k in honoured}

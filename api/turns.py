@@ -113,7 +113,7 @@ def prompt_for(engine: ChatEngine, turn: Turn, tools: Sequence[Mapping[str, Any]
     fingerprint = engine.fingerprint
     if base is not None and base.n_tokens and fingerprint is not None and base.fingerprint == fingerprint:
         n = len(base.messages)
-        if len(turn.messages) > n:
+        if len(turn.messages) > n and turn.messages[:n] == base.messages:
             ids = engine.continue_from(base.tokens.tolist(), base.messages, turn.messages[n:], tools)
             if ids is not None:
                 return ids

@@ -8,12 +8,14 @@ All of this runs after the generation: a turn that is cancelled leaves no branch
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from dss.dialogue.responses import ResponseRecord, ResponseStore
 from dss.dialogue.versions import EMPTY_HEAD, MAIN_BRANCH, SessionInfo, VersionInfo, VersionStore
 from dss.errors import BranchExists, ForkNamesExhausted, InvalidInput, StaleHead, StateVersionMismatch
 from dss.types import SessionId
@@ -122,6 +124,49 @@ def message_target(
         return TurnTarget(session.id, None, name, fork_on_race=False), start
     base = versions.get_version(user, sid, head)
     return TurnTarget(session.id, head, name, fork_on_race=False, base=base), base.messages
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseTurn:
+    """Where a Responses API turn attaches, and the dialogue its prompt renders."""
+
+    target: TurnTarget
+    messages: list[dict[str, Any]]
+    previous: ResponseRecord | None
+
+
+def response_target(
+    versions: VersionStore,
+    responses: ResponseStore,
+    user: str,
+    previous_response_id: str | None,
+    instructions: str | None,
+    new_messages: Sequence[Mapping[str, Any]],
+) -> ResponseTurn:
+    """A response without `previous_response_id` starts a new chain: a new session whose first
+    version it becomes. One with it continues that response's version: on its branch when it is
+    that branch's head, else on a new branch forked there (a fork of the response tree).
+
+    `instructions` hold for this response only, as in OpenAI's API: the previous response's
+    instructions (its leading system message) are not carried over, this one's lead the
+    dialogue. With the same instructions as before, the dialogue extends the stored one exactly,
+    and the turn continues from the stored token ids."""
+    lead = [{"role": "system", "content": instructions}] if instructions is not None else []
+    if previous_response_id is None:
+        session = versions.create_session(user, f"resp-{uuid.uuid4().hex[:24]}")
+        target = TurnTarget(session.id, None, MAIN_BRANCH, fork_on_race=False)
+        return ResponseTurn(target, [*lead, *plain_messages(new_messages)], None)
+    previous = responses.get(user, previous_response_id)
+    session = versions.get_session(user, previous.session_id)
+    base = versions.get_version(user, previous.session_id, previous.version)
+    history = list(base.messages)
+    if previous.instructions is not None and history and history[0].get("role") == "system":
+        history = history[1:]
+    messages = [*lead, *history, *plain_messages(new_messages)]
+    target = TurnTarget(
+        session.id, previous.version, branch_at(session, previous.version), fork_on_race=True, base=base
+    )
+    return ResponseTurn(target, messages, previous)
 
 
 def commit_turn(

@@ -1,0 +1,403 @@
+"""The OpenAI Responses API on DSS versions: request bodies, the response object, its stream.
+
+A stored response is a version of a session (`dss.dialogue.responses`): one session per chain,
+`previous_response_id` continues a response's version, and continuing an older one than the
+newest forks a branch. So responses survive restarts, their KV cache is served from the store on
+the next turn, and they are erased with their user. `store: false` answers without keeping
+anything: no version, no record (`GET` then answers 404).
+
+The response object follows OpenAI's (`created_at` is a Unix time there, as in OpenAI's API);
+DSS adds `dss`: the session, version and branch the response became, and where its prompt's KV
+came from. Streams send OpenAI's event types, each `event: <type>` with its JSON `data`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from api.chat_response import SSE_HEADERS
+from api.engine import ChatEngine, Finished
+from api.errors import ApiError, response_for
+from api.openai_fields import check_fields
+from api.state import AppState
+from api.turns import Answer, Prepared, Turn, answer, commit, dss_info, events, generate_all, prepare
+from dss.dialogue.responses import ResponseRecord, new_response_id
+from dss.dialogue.turns import Committed
+from dss.errors import DSSError
+
+RESPONSE_ID_PATTERN = r"^resp_[0-9a-f]{48}$"
+_MAX_METADATA_KEYS = 16
+
+# Fields of a Responses request that this server honours; the rest of OpenAI's pass only at their
+# no-op values (`RESPONSES_REFUSED`).
+RESPONSES_HONOURED: frozenset[str] = frozenset(
+    {
+        "model",
+        "input",
+        "instructions",
+        "previous_response_id",
+        "store",
+        "stream",
+        "max_output_tokens",
+        "temperature",
+        "top_p",
+        "metadata",
+        "user",
+        "text",
+    }
+)
+RESPONSES_REFUSED: Mapping[str, str] = {
+    "tools": "tools are not served on /v1/responses",
+    "tool_choice": "tools are not served on /v1/responses",
+    "max_tool_calls": "tools are not served on /v1/responses",
+    "include": "no optional output data is served",
+    "top_logprobs": "log-probabilities are served on /v1/chat/completions",
+    "reasoning": "the model does not reason",
+    "background": "responses are answered in the foreground",
+    "conversation": "chain responses with previous_response_id",
+    "prompt": "prompt templates are not served",
+    "truncation": "a prompt is never truncated: a dialogue's history is its state",
+    "service_tier": "this server has one tier",
+    "prompt_cache_key": "every stored response is cached with its chain",
+    "prompt_cache_retention": "retention is set per session (PATCH /v1/sessions/{id})",
+    "safety_identifier": "not served",
+    "stream_options": "not served",
+    "parallel_tool_calls": "tools are not served on /v1/responses",
+}
+_NO_OP: Mapping[str, tuple[Any, ...]] = {
+    "tool_choice": ("auto", "none", None),
+    "truncation": ("disabled", None),
+    "service_tier": ("auto", "default", None),
+    "parallel_tool_calls": (True, False, None),
+}
+
+
+# ------------------------------------------------------------------------------------------ request
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ContentPart(_Strict):
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class InputMessage(_Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[ContentPart]
+    id: str | None = Field(default=None, max_length=128)
+    status: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class TextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = Field(default=None, max_length=64)
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = None  # the only one a plain model gives
+
+
+class ResponseCreate(BaseModel):
+    """`POST /v1/responses`. Fields OpenAI defines but this server does not serve are refused with
+    a 400 naming them (unless at their no-op value); unknown fields likewise."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[InputMessage]
+    instructions: str | None = None
+    previous_response_id: str | None = Field(default=None, pattern=RESPONSE_ID_PATTERN)
+    store: bool = True
+    stream: bool = False
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    metadata: dict[str, str] | None = None
+    user: str | None = Field(default=None, max_length=256)
+    text: TextConfig | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is not None:
+            if len(v) > _MAX_METADATA_KEYS:
+                raise ValueError(f"metadata holds at most {_MAX_METADATA_KEYS} keys")
+            if any(len(k) > 64 or len(x) > 512 for k, x in v.items()):
+                raise ValueError("metadata keys are at most 64 characters, values at most 512")
+        return v
+
+    def check_fields(self) -> None:
+        extras = dict(self.model_extra or {})
+        check_fields(extras, own=(), honoured=RESPONSES_HONOURED, refused=RESPONSES_REFUSED, no_op=_NO_OP)
+
+    def items(self) -> list[InputMessage]:
+        if isinstance(self.input, str):
+            return [InputMessage(role="user", content=self.input)]
+        return list(self.input)
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The request as vLLM's chat request fields (`api.openai_fields.HONOURED_CHAT`)."""
+        out: dict[str, Any] = {}
+        if self.max_output_tokens is not None:
+            out["max_tokens"] = self.max_output_tokens
+        if self.temperature is not None:
+            out["temperature"] = self.temperature
+        if self.top_p is not None:
+            out["top_p"] = self.top_p
+        fmt = self.text.format if self.text is not None else None
+        if fmt is not None and fmt.type == "json_object":
+            out["response_format"] = {"type": "json_object"}
+        elif fmt is not None and fmt.type == "json_schema":
+            schema = {"name": fmt.name or "response", "schema": fmt.schema_ or {}, "strict": fmt.strict}
+            out["response_format"] = {"type": "json_schema", "json_schema": schema}
+        return out
+
+    def text_config(self) -> dict[str, Any]:
+        fmt = self.text.format if self.text is not None and self.text.format is not None else TextFormat()
+        return {"format": fmt.model_dump(by_alias=True, exclude_none=True)}
+
+
+def stored_items(items: Sequence[InputMessage]) -> list[dict[str, Any]]:
+    """The input items as `input_items` lists them: each a message with an id and text parts."""
+    out = []
+    for item in items:
+        kind = "output_text" if item.role == "assistant" else "input_text"
+        out.append(
+            {
+                "id": item.id or f"msg_{uuid.uuid4().hex}",
+                "type": "message",
+                "role": item.role,
+                "status": "completed",
+                "content": [{"type": kind, "text": item.text()}],
+            }
+        )
+    return out
+
+
+def item_messages(items: Sequence[InputMessage]) -> list[dict[str, Any]]:
+    """The input items as chat messages (a developer message is the template's system role)."""
+    return [{"role": "system" if i.role == "developer" else i.role, "content": i.text()} for i in items]
+
+
+# ---------------------------------------------------------------------------------- the response
+@dataclass(frozen=True, slots=True)
+class ResponsePlan:
+    """What a response needs besides its turn, fixed before it is generated."""
+
+    body: ResponseCreate
+    input_items: list[dict[str, Any]]
+    id: str = field(default_factory=new_response_id)
+    created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    item_id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")  # its output message
+
+
+def response_body(record: ResponseRecord) -> dict[str, Any]:
+    """The OpenAI response object of a record."""
+    p = record.params
+    return {
+        "id": record.id,
+        "object": "response",
+        "created_at": int(record.created_at.timestamp()),
+        "status": record.status,
+        "completed_at": p.get("completed_at"),
+        "error": None,
+        "incomplete_details": p.get("incomplete_details"),
+        "instructions": record.instructions,
+        "max_output_tokens": p.get("max_output_tokens"),
+        "model": record.model,
+        "output": record.output,
+        "parallel_tool_calls": False,
+        "previous_response_id": record.previous_response_id,
+        "reasoning": {"effort": None, "summary": None},
+        "store": p.get("store", True),
+        "temperature": p.get("temperature"),
+        "text": p.get("text", {"format": {"type": "text"}}),
+        "tool_choice": "none",
+        "tools": [],
+        "top_p": p.get("top_p"),
+        "truncation": "disabled",
+        "usage": record.usage or None,
+        "user": p.get("user"),
+        "metadata": p.get("metadata") or {},
+        "dss": p.get("dss"),
+    }
+
+
+def _record(
+    plan: ResponsePlan,
+    user: str,
+    engine: ChatEngine,
+    prep: Prepared,
+    ans: Answer,
+    committed: Committed | None,
+    session_id: str | None,
+) -> ResponseRecord:
+    fin = ans.fin
+    complete = fin.finish_reason != "length"
+    body = plan.body
+    n_prompt, n_out = len(prep.prompt_ids), len(fin.output_ids)
+    info = dss_info(prep, [fin])
+    dss: dict[str, Any] = {"cached_tokens": info.cached_tokens, "loaded_tokens": info.loaded_tokens}
+    if committed is not None:
+        dss |= {"session_id": session_id, "version": committed.version.number, "branch": committed.branch}
+    return ResponseRecord(
+        id=plan.id,
+        user=user,
+        session_id=session_id or "",
+        version=committed.version.number if committed is not None else 0,
+        previous_response_id=body.previous_response_id,
+        created_at=plan.created_at,
+        model=engine.model_name,
+        status="completed" if complete else "incomplete",
+        instructions=body.instructions,
+        input_items=plan.input_items,
+        output=[_output_message(ans.content or "", "completed" if complete else "incomplete", plan.item_id)],
+        usage={
+            "input_tokens": n_prompt,
+            "input_tokens_details": {"cached_tokens": info.cached_tokens},
+            "output_tokens": n_out,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": n_prompt + n_out,
+        },
+        params={
+            "store": body.store,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "max_output_tokens": body.max_output_tokens,
+            "metadata": body.metadata,
+            "user": body.user,
+            "text": body.text_config(),
+            "incomplete_details": None if complete else {"reason": "max_output_tokens"},
+            "completed_at": int(time.time()),
+            "dss": dss,
+        },
+    )
+
+
+def _output_message(text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
+    return {
+        "id": item_id or f"msg_{uuid.uuid4().hex}",
+        "type": "message",
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    }
+
+
+# ------------------------------------------------------------------------------------------ running
+async def run_response(
+    state: AppState, engine: ChatEngine, turn: Turn, request: Request, plan: ResponsePlan
+) -> Any:
+    """Generate, commit the version and record the response (when stored); JSON or a stream."""
+    arrived = time.perf_counter()
+    prep = await prepare(state, engine, turn)
+    engine.check_capacity()
+    if plan.body.stream:
+        return StreamingResponse(
+            _stream(state, engine, turn, prep, plan, arrived),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+    fins = await generate_all(engine, turn, prep, arrived)
+    record = await _finish(state, engine, turn, prep, plan, fins)
+    return JSONResponse(response_body(record))
+
+
+async def _finish(
+    state: AppState, engine: ChatEngine, turn: Turn, prep: Prepared, plan: ResponsePlan, fins: list[Finished]
+) -> ResponseRecord:
+    answers = [answer(engine, prep, f) for f in fins]
+    committed = await commit(state, engine, turn, prep, answers)
+    sid = turn.target.session_id if turn.target is not None else None
+    record = _record(plan, turn.user, engine, prep, answers[0], committed[0], sid)
+    if turn.target is not None:
+        await asyncio.to_thread(state.store.responses.add, record)
+    return record
+
+
+def _event(kind: str, seq: int, **data: Any) -> str:
+    body = {"type": kind, "sequence_number": seq, **data}
+    return f"event: {kind}\ndata: {json.dumps(body, separators=(',', ':'), default=str)}\n\n"
+
+
+async def _stream(
+    state: AppState, engine: ChatEngine, turn: Turn, prep: Prepared, plan: ResponsePlan, arrived: float
+) -> AsyncIterator[str]:
+    seq = iter(range(1 << 62))
+    pending = ResponseRecord(
+        id=plan.id,
+        user=turn.user,
+        session_id="",
+        version=0,
+        previous_response_id=plan.body.previous_response_id,
+        created_at=plan.created_at,
+        model=engine.model_name,
+        status="in_progress",
+        instructions=plan.body.instructions,
+        input_items=plan.input_items,
+        output=[],
+        usage={},
+        params={"store": plan.body.store, "text": plan.body.text_config(), "metadata": plan.body.metadata},
+    )
+    item_id = plan.item_id
+    where = {"item_id": item_id, "output_index": 0, "content_index": 0}
+    try:
+        yield _event("response.created", next(seq), response=response_body(pending))
+        yield _event("response.in_progress", next(seq), response=response_body(pending))
+        fins: list[Finished] = []
+        text: list[str] = []
+        async with (
+            engine.admitted(strict=False),
+            contextlib.aclosing(events(engine, turn, prep, arrived)) as evs,
+        ):
+            yield _event(
+                "response.output_item.added",
+                next(seq),
+                output_index=0,
+                item={**_output_message("", "in_progress", item_id), "content": []},
+            )
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            yield _event("response.content_part.added", next(seq), part=part, **where)
+            async for ev in evs:
+                if isinstance(ev, Finished):
+                    fins.append(ev)
+                elif ev.text:
+                    text.append(ev.text)
+                    yield _event("response.output_text.delta", next(seq), delta=ev.text, logprobs=[], **where)
+        record = await _finish(state, engine, turn, prep, plan, fins)
+        done = "".join(text)
+        final_part = {"type": "output_text", "text": done, "annotations": [], "logprobs": []}
+        yield _event("response.output_text.done", next(seq), text=done, logprobs=[], **where)
+        yield _event("response.content_part.done", next(seq), part=final_part, **where)
+        item = record.output[0]
+        yield _event("response.output_item.done", next(seq), output_index=0, item=item)
+        final = response_body(record)
+        # `response.completed` ends every stream, with the response's own status (`incomplete` at
+        # max_output_tokens), as vLLM's server does: the openai client waits for this event only.
+        yield _event("response.completed", next(seq), response=final)
+    except (ApiError, DSSError) as exc:
+        err = json.loads(bytes(response_for(exc).body))["error"]
+        yield _event("error", next(seq), code=err["code"], message=err["message"], param=err["param"])

@@ -1,0 +1,142 @@
+"""The OpenAI Responses API: create, retrieve, delete, list a response's input items.
+
+Each stored response is a version (`api.responses`, `dss.dialogue.responses`): durable,
+branchable (`previous_response_id` naming an older response forks), erased with its user.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Literal
+
+from fastapi import APIRouter, Query, Request
+
+from api.admission import serve_turn
+from api.deps import EngineDep, PrincipalDep, StateDep, acting_principal
+from api.engine import ChatEngine
+from api.errors import error_responses
+from api.responses import (
+    ResponseCreate,
+    ResponsePlan,
+    item_messages,
+    response_body,
+    run_response,
+    stored_items,
+)
+from api.schemas import GenerationParams
+from api.state import AppState
+from api.turns import Turn, check_limits
+from dss.dialogue.turns import response_target
+from dss.errors import ModelNotFound
+
+router = APIRouter(tags=["responses"])
+
+
+@router.post(
+    "/v1/responses",
+    responses={
+        **error_responses(400, 401, 404, 409, 413, 503),
+        200: {"content": {"text/event-stream": {}}, "description": "A response, or its events with stream"},
+    },
+)
+async def create_response(
+    body: ResponseCreate, request: Request, state: StateDep, principal: PrincipalDep, engine: EngineDep
+) -> Any:
+    """Answer `input`, continuing `previous_response_id` if given; stored as a version unless
+    `store` is false."""
+    who = acting_principal(request, principal, body.user)
+    if body.model and body.model not in engine.model_names:
+        raise ModelNotFound(f"the model {body.model!r} does not exist on this server")
+    body.check_fields()
+    items = body.items()
+    plan = ResponsePlan(body, stored_items(items))
+    params = GenerationParams(max_tokens=body.max_output_tokens, stream=body.stream)
+    fields = body.sampling_fields()
+
+    async def build() -> Turn:
+        new = item_messages(items)
+        check_limits(state, params, new)
+        if not body.store:
+            messages = await asyncio.to_thread(_unstored_dialogue, state, who.user, body, new)
+            return Turn(who.user, messages, params, None, fields)
+        planned = await asyncio.to_thread(
+            response_target,
+            state.store.versions,
+            state.store.responses,
+            who.user,
+            body.previous_response_id,
+            body.instructions,
+            new,
+        )
+        return Turn(who.user, planned.messages, params, planned.target, fields)
+
+    async def run(state: AppState, engine: ChatEngine, turn: Turn, request: Request) -> Any:
+        return await run_response(state, engine, turn, request, plan)
+
+    return await serve_turn(state, engine, request, body.stream, build, run)
+
+
+def _unstored_dialogue(
+    state: AppState, user: str, body: ResponseCreate, new: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """`store: false`: the dialogue is read (from the previous response, if any), never written."""
+    lead = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
+    if body.previous_response_id is None:
+        return [*lead, *new]
+    prev = state.store.responses.get(user, body.previous_response_id)
+    history = state.store.versions.get_version(user, prev.session_id, prev.version).messages
+    if prev.instructions is not None and history and history[0].get("role") == "system":
+        history = history[1:]
+    return [*lead, *history, *new]
+
+
+@router.get("/v1/responses/{response_id}", responses=error_responses(401, 404))
+def get_response(response_id: str, state: StateDep, principal: PrincipalDep) -> dict[str, Any]:
+    """A stored response, as it was returned."""
+    return response_body(state.store.responses.get(principal.user, response_id))
+
+
+@router.delete("/v1/responses/{response_id}", responses=error_responses(401, 404, 409))
+def delete_response(
+    response_id: str,
+    state: StateDep,
+    principal: PrincipalDep,
+    cascade: bool = Query(default=False, description="also delete every response that continues it"),
+) -> dict[str, Any]:
+    """Delete a response and its version. A response that others continue (or that has versions
+    committed on top of it) is not deleted: 409 naming them, unless `cascade=true`, which deletes
+    them all (their stored dialogue holds this response)."""
+    gone = state.store.responses.delete(principal.user, response_id, cascade=cascade)
+    return {
+        "id": response_id,
+        "object": "response",
+        "deleted": True,
+        "deleted_response_ids": gone.response_ids,
+        "deleted_versions": gone.versions,
+    }
+
+
+@router.get("/v1/responses/{response_id}/input_items", responses=error_responses(401, 404))
+def list_input_items(
+    response_id: str,
+    state: StateDep,
+    principal: PrincipalDep,
+    limit: int = Query(default=20, ge=1, le=100),
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = Query(default=None, max_length=128),
+) -> dict[str, Any]:
+    """The input items the response was given (this request's, not the chain's), OpenAI's order."""
+    items = list(state.store.responses.get(principal.user, response_id).input_items)
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [i.get("id") for i in items]
+        items = items[ids.index(after) + 1 :] if after in ids else []
+    page = items[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    }
