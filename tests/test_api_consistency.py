@@ -107,7 +107,7 @@ def test_a_stale_state_version_has_its_own_code(session_factory: sessionmaker[Se
     with pytest.raises(e.StateVersionMismatch) as caught:
         chat_target(versions, "alice", "s", other, state_version=1)
     resp = response_for(caught.value)
-    body = resp.body.decode()
+    body = bytes(resp.body).decode()
     assert resp.status_code == 409
     assert '"type":"conflict_error"' in body and '"code":"state_version_mismatch"' in body
 
@@ -126,7 +126,7 @@ def test_a_stale_state_version_has_its_own_code(session_factory: sessionmaker[Se
 )
 def test_conflicts_name_themselves(exc: e.DSSError, code: str) -> None:
     resp = response_for(exc)
-    assert resp.status_code == 409 and f'"code":"{code}"' in resp.body.decode()
+    assert resp.status_code == 409 and f'"code":"{code}"' in bytes(resp.body).decode()
 
 
 def test_no_conflict_is_raised_without_a_specific_class() -> None:
