@@ -44,6 +44,9 @@ async def run_turn(state: AppState, engine: ChatEngine, turn: Turn, request: Req
     answers = [answer(engine, prep, f) for f in fins]
     committed = await commit(state, engine, turn, prep, answers)
     body = _completion(engine, turn, prep, answers, committed).model_dump(mode="json")
+    for choice in body["choices"]:
+        if not choice["message"]["tool_calls"]:
+            del choice["message"]["tool_calls"]
     if turn.target is None:  # a plain OpenAI answer: no session fields at all
         for key in _SESSION_KEYS:
             body.pop(key, None)
@@ -51,6 +54,11 @@ async def run_turn(state: AppState, engine: ChatEngine, turn: Turn, request: Req
             choice.pop("state_version", None)
             choice.pop("branch", None)
     return JSONResponse(body)
+
+
+def system_fingerprint(engine: ChatEngine) -> str | None:
+    """OpenAI's `system_fingerprint`: here the model fingerprint the turn's KV is stored under."""
+    return f"dss-{engine.fingerprint[:16]}" if engine.fingerprint else None
 
 
 def logprobs_content(
@@ -130,7 +138,7 @@ def _completion(
     choices = [
         Choice(
             index=a.fin.index,
-            message=AssistantMessage(content=a.content, tool_calls=a.tool_calls),
+            message=AssistantMessage(content=a.content, tool_calls=a.tool_calls or None),
             finish_reason=a.finish_reason,
             logprobs=_choice_logprobs(engine, prep, a.fin),
             stop_reason=a.fin.stop_reason,
@@ -144,6 +152,7 @@ def _completion(
         model=engine.model_name,
         choices=choices,
         usage=usage(prep, fins),
+        system_fingerprint=system_fingerprint(engine),
         dss=dss_info(prep, fins),
         **_session_fields(turn, committed),
     )
@@ -199,6 +208,9 @@ async def _stream(
         committed = await commit(state, engine, turn, prep, answers)
         committed_ok = True
         fields = _session_fields(turn, committed)
+        # As vLLM's server: the system fingerprint is on the usage chunk, or else the last one.
+        fingerprint = {"system_fingerprint": system_fingerprint(engine)}
+        with_usage = turn.params.include_usage
         for i, (a, c) in enumerate(zip(answers, committed, strict=True)):
             if buffered:
                 yield chunk(a.fin.index, _buffered_delta(a), logprobs=_choice_logprobs(engine, prep, a.fin))
@@ -207,14 +219,14 @@ async def _stream(
                 a.fin.index,
                 {},
                 a.finish_reason,
-                top=fields if last else None,
+                top=({**fields, **({} if with_usage else fingerprint)}) if last else None,
                 stop_reason=a.fin.stop_reason,
                 **_version_fields(c),
             )
-        if turn.params.include_usage:
-            use = usage(prep, fins).model_dump()
+        if with_usage:
+            use = usage(prep, fins).model_dump(exclude={"completion_tokens_details"})  # as vLLM's stream
             dss = dss_info(prep, fins).model_dump()
-            yield _sse({**base, "choices": [], "usage": use, "dss": dss, **session, **fields})
+            yield _sse({**base, "choices": [], "usage": use, **fingerprint, "dss": dss, **session, **fields})
         yield "data: [DONE]\n\n"
     except (ApiError, DSSError) as exc:
         resp = response_for(exc)

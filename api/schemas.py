@@ -93,7 +93,7 @@ class ChatMessage(_Request):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "\n".join(p.text for p in self.content)  # as vLLM (and OpenAI) join text parts
 
     def plain(self) -> dict[str, Any]:
         """The message as stored in a version: role and text content (and the name, the tool
@@ -190,10 +190,15 @@ class SessionMessageRequest(GenerationParams):
 
 
 class AssistantMessage(BaseModel):
+    """OpenAI's fields as vLLM's server sends them (`tool_calls` only when there are any)."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class Choice(BaseModel):
@@ -217,6 +222,7 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: dict[str, Any] | None = None
 
 
 class TierTokens(BaseModel):
@@ -244,6 +250,8 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[Choice]
     usage: Usage
+    service_tier: str | None = None
+    system_fingerprint: str | None = Field(default=None, description="the model fingerprint DSS stores under")
     session_id: str | None = None
     state_version: int | None = None
     parent_version: int | None = None

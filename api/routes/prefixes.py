@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request, status
 
 from api.deps import AdminDep, EngineDep, PrincipalDep, StateDep
-from api.engine import ChatEngine, Finished, Sampling
+from api.engine import ChatEngine, Finished
 from api.errors import EngineUnavailable, error_responses
 from api.schemas import Deleted, ListResponse, PrefixCreate, PrefixOut
 from api.state import AppState
@@ -34,10 +34,7 @@ def _out(p: PrefixInfo) -> PrefixOut:
 
 async def _warm(state: AppState, engine: ChatEngine, tokens: list[int], prefix_id: str) -> None:
     """One generation of a single token under the public tenant: the connector saves its pages."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    one_token = Sampling(max_tokens=1, n=1, params=params, logprobs=None)
+    one_token = engine.sampling([], {"temperature": 0.0}, max_tokens=1)
     async with engine.admitted():
         async for ev in engine.generate(
             tokens,
