@@ -86,7 +86,12 @@ class ChatMessage(_Request):
     name: str | None = Field(default=None, max_length=256)
     tool_calls: list[dict[str, Any]] | None = Field(default=None, description="an assistant's tool calls")
     tool_call_id: str | None = Field(default=None, max_length=256, description="the call a tool answers")
+    # What a client echoes back of an answer it got (the template renders none of it).
     refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
+    reasoning: str | None = None
 
     def text(self) -> str:
         if self.content is None:
