@@ -32,6 +32,7 @@ model: install
 lint: install
 	$(BIN)/ruff check dss engine_patch api tests bench
 	$(BIN)/ruff format --check dss engine_patch api tests bench
+	$(BIN)/mypy dss api engine_patch
 
 test: install model lint
 	$(BIN)/pytest $(PYTEST_ARGS)

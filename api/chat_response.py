@@ -70,7 +70,7 @@ def logprobs_content(
     for i, tid in enumerate(token_ids):
         step: Mapping[int, Any] | None = steps[i] if steps is not None and i < len(steps) else None
         chosen = step.get(tid) if step is not None else None
-        if chosen is None:
+        if step is None or chosen is None:
             token = engine.token_text(tid)
             out.append({"token": token, "logprob": _MIN_LOGPROB, "bytes": _bytes(token), "top_logprobs": []})
             continue

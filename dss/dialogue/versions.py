@@ -624,7 +624,8 @@ class VersionStore:
                 full: dict[int, list[dict[str, Any]]] = {}
                 out: list[VersionInfo] = []
                 for r in db.scalars(q):  # parents have smaller numbers: rebuilt before children
-                    inherited = full[r.parent][: r.messages_base] if r.messages_base else []
+                    # A version that inherits messages has a parent (messages_base > 0 only then).
+                    inherited = full[r.parent][: r.messages_base] if r.messages_base and r.parent else []
                     full[r.number] = inherited + list(r.messages)
                     out.append(_full(r, full[r.number]))
                 return out

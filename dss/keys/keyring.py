@@ -16,8 +16,9 @@ once race on the table's primary key, and the loser reads the winner's key.
 from __future__ import annotations
 
 import threading
+from typing import Any, cast
 
-from sqlalchemy import delete, select
+from sqlalchemy import CursorResult, delete, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -84,7 +85,7 @@ class Keyring:
 
     def destroy_in(self, session: Session, tenant: TenantId) -> int:
         """Delete the wrapped key inside the caller's transaction; forget the cached copy."""
-        n = session.execute(delete(DataKey).where(DataKey.tenant == tenant)).rowcount or 0
+        n = cast(CursorResult[Any], session.execute(delete(DataKey).where(DataKey.tenant == tenant))).rowcount
         self.forget_cached(tenant)
         return int(n)
 

@@ -23,9 +23,9 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import Engine, delete, func, select
+from sqlalchemy import CursorResult, Engine, delete, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.db import models as m
@@ -172,7 +172,9 @@ def _delete_rows(
     usage: dict[Tier, tuple[int, int]],
 ) -> dict[str, Any]:
     dialogue = versions.delete_user_sessions(user, s)
-    n_page_rows = s.execute(delete(m.PageRow).where(m.PageRow.tenant == tenant)).rowcount or 0
+    n_page_rows = cast(
+        CursorResult[Any], s.execute(delete(m.PageRow).where(m.PageRow.tenant == tenant))
+    ).rowcount
     n_keys = keyring.destroy_in(s, tenant)
     return {
         "sessions": dialogue["sessions"],
