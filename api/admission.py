@@ -4,7 +4,7 @@ Admission happens first: the request takes its generation slot before any work a
 response starts, streaming or not, so a burst beyond `max_inflight` gets its 503s at once. A
 non-streaming request whose client goes away is stopped: its generation is aborted in the engine
 and nothing is committed (a stream is stopped the same way by the streaming response itself).
-Shared by `/v1/chat/completions` and the stateful `/v1/sessions/{sid}/messages`.
+Shared by `/v1/chat/completions`, the stateful `/v1/sessions/{sid}/messages` and `/v1/responses`.
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ def logprobs_content(
                 "bytes": _bytes(t),
             }
             for j, (k, lp) in enumerate(step.items())
-            if top_n is not None and j < top_n
+            if top_n is not None and (top_n == -1 or j < top_n)  # -1: every entry, as in vLLM
         ]
         out.append(
             {

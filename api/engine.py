@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import json
 import logging
 import os
 import time
@@ -209,7 +210,7 @@ class ChatEngine:
     ) -> str:
         try:
             text = self.tokenizer.apply_chat_template(
-                [dict(m) for m in messages],
+                [template_message(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
                 tools=[dict(t) for t in tools] or None,
@@ -375,7 +376,6 @@ class ChatEngine:
 
         try:
             req = VllmChat.model_validate({**fields, "messages": [dict(m) for m in messages]})
-            params = req.to_sampling_params(max_tokens, dict(self.default_sampling))
         except ValidationError as exc:
             raise _validation_error(exc) from None
         except (ValueError, TypeError, VLLMClientError) as exc:  # VLLMValidationError names the parameter
@@ -398,6 +398,12 @@ class ChatEngine:
                     param="tool_choice",
                 )
             parse_tools = True
+            # As vLLM's server: the parser may adjust the request (keep its markers in the text).
+            req = _tool_parser_class(self.tool_call_parser)(self.tokenizer).adjust_request(req)
+        try:
+            params = req.to_sampling_params(max_tokens, dict(self.default_sampling))
+        except (ValueError, TypeError, VLLMClientError) as exc:
+            raise BadRequest(str(exc), param=getattr(exc, "parameter", None)) from None
         return Sampling(max_tokens, int(params.n), params, params.logprobs, tools, parse_tools, req)
 
     def tool_calls(self, sampling: Sampling, text: str) -> tuple[str | None, list[dict[str, Any]]]:
@@ -409,6 +415,8 @@ class ChatEngine:
         if not info.tools_called:
             return text, []
         calls = [c.model_dump(exclude_none=True) for c in info.tool_calls]
+        if sampling.request.parallel_tool_calls is False:
+            calls = calls[:1]  # as vLLM's server: one call when parallel calls are off
         for call in calls:
             call.setdefault("id", "call_" + uuid.uuid4().hex[:24])
             call.setdefault("type", "function")
@@ -424,6 +432,7 @@ class ChatEngine:
         session_id: str | None,
         state_version: int | None,
         arrived: float,
+        persist: bool = True,
     ) -> AsyncGenerator[Delta | Finished, None]:
         """Stream the generation: `Delta`s as each choice's text arrives, and a `Finished` as each
         of the `sampling.n` choices ends. The prompt is one request to vLLM, which computes its KV
@@ -431,6 +440,8 @@ class ChatEngine:
         during the generation raises at its end, after the choices finished.
 
         Cancelling the iteration aborts the request in the engine (vLLM does it on cancellation).
+        `persist=False`: the request carries no session tag, so the connector neither loads nor
+        saves its KV (only the engine's own, volatile prefix cache sees it).
         """
         from vllm import TokensPrompt
         from vllm.exceptions import GracefulHTTPError, VLLMClientError
@@ -441,13 +452,15 @@ class ChatEngine:
         sid = session_id if session_id is not None else f"anon-{uuid.uuid4().hex}"
         params = sampling.params.clone()
         params.output_kind = RequestOutputKind.DELTA
-        params.extra_args = SessionTag(tenant, sid, state_version).extra_args(self._tag_key)
+        params.extra_args = (
+            SessionTag(tenant, sid, state_version).extra_args(self._tag_key) if persist else None
+        )
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=cache_salt)
         request_id = "chatcmpl-" + uuid.uuid4().hex
         self._running.setdefault(tenant, set()).add(request_id)
         choices = [_ChoiceState() for _ in range(sampling.n)]
-        ttft: float | None = None
         finished: list[Finished] = []
+        aborted = False
         try:
             # aclosing: a consumer that stops early (client gone) aborts the request at once.
             async with contextlib.aclosing(self.llm.generate(prompt, params, request_id)) as outputs:
@@ -458,8 +471,6 @@ class ChatEngine:
                             st.cached = int(out.num_cached_tokens)
                         if out.kv_transfer_params:
                             st.report = TurnReport.from_params(out.kv_transfer_params)
-                        if comp.token_ids and ttft is None:
-                            ttft = time.perf_counter() - arrived
                         if st.ttft is None and comp.token_ids:
                             st.ttft = time.perf_counter() - arrived
                         ids = tuple(comp.token_ids)
@@ -484,9 +495,7 @@ class ChatEngine:
             raise
         except Exception as exc:
             if request_id in self._aborted:
-                raise ErasedDuringGeneration(
-                    "the user was erased during this answer; nothing was kept"
-                ) from exc
+                raise ErasedDuringGeneration(_ERASED) from exc
             if getattr(self.llm, "errored", False):
                 raise EngineUnavailable("the engine died; the server needs a restart") from exc
             raise
@@ -496,8 +505,9 @@ class ChatEngine:
                 running.discard(request_id)
                 if not running:
                     del self._running[tenant]
-        if request_id in self._aborted:
-            self._aborted.discard(request_id)
+            aborted = request_id in self._aborted
+            self._aborted.discard(request_id)  # however the generation ended: no id is kept
+        if aborted:
             raise ErasedDuringGeneration(_ERASED)
         for fin in finished:
             reported = fin.report.fingerprint if fin.report is not None else None
@@ -544,6 +554,23 @@ def _validation_error(exc: Any) -> BadRequest:
         param = loc[0] if loc else None
     message = str(cause) if cause is not None else str(err.get("msg", "invalid request"))
     return BadRequest(message, param=param)
+
+
+def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A message as vLLM gives it to a chat template: tool-call arguments (JSON text in OpenAI's
+    API) as objects, so that a template's `tojson` writes them once."""
+    out = dict(message)
+    calls = out.get("tool_calls")
+    if calls:
+        decoded = []
+        for call in calls:
+            fn = dict(call.get("function") or {})
+            if isinstance(fn.get("arguments"), str):
+                with contextlib.suppress(ValueError):
+                    fn["arguments"] = json.loads(fn["arguments"])
+            decoded.append({**call, "function": fn})
+        out["tool_calls"] = decoded
+    return out
 
 
 def _tool_parser_class(name: str) -> Any:

@@ -13,7 +13,6 @@ came from. Streams send OpenAI's event types, each `event: <type>` with its JSON
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import time
@@ -29,12 +28,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from api.chat_response import SSE_HEADERS
 from api.engine import ChatEngine, Finished
-from api.errors import ApiError, response_for
+from api.errors import ApiError, BadRequest, response_for
 from api.openai_fields import check_fields
 from api.state import AppState
 from api.turns import Answer, Prepared, Turn, answer, commit, dss_info, events, generate_all, prepare
 from dss.dialogue.responses import ResponseRecord, new_response_id
-from dss.dialogue.turns import Committed
+from dss.dialogue.turns import Committed, add_response
 from dss.errors import DSSError
 
 RESPONSE_ID_PATTERN = r"^resp_[0-9a-f]{48}$"
@@ -104,7 +103,7 @@ class InputMessage(_Strict):
     status: str | None = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
 
 
 class TextFormat(_Strict):
@@ -181,17 +180,23 @@ class ResponseCreate(BaseModel):
 
 
 def stored_items(items: Sequence[InputMessage]) -> list[dict[str, Any]]:
-    """The input items as `input_items` lists them: each a message with an id and text parts."""
+    """The input items as `input_items` lists them: as given, each with an id (made here when it
+    had none) and its content as parts (a string becomes one text part)."""
     out = []
     for item in items:
         kind = "output_text" if item.role == "assistant" else "input_text"
+        parts = (
+            [{"type": kind, "text": item.content}]
+            if isinstance(item.content, str)
+            else [p.model_dump(exclude_none=True) for p in item.content]
+        )
         out.append(
             {
                 "id": item.id or f"msg_{uuid.uuid4().hex}",
                 "type": "message",
                 "role": item.role,
-                "status": "completed",
-                "content": [{"type": kind, "text": item.text()}],
+                "status": item.status or "completed",
+                "content": parts,
             }
         )
     return out
@@ -269,7 +274,8 @@ def _record(
         session_id=session_id or "",
         version=committed.version.number if committed is not None else 0,
         previous_response_id=body.previous_response_id,
-        created_at=plan.created_at,
+        # When it was committed: an erasure's verification dates what it finds by this.
+        created_at=datetime.now(UTC),
         model=engine.model_name,
         status="completed" if complete else "incomplete",
         instructions=body.instructions,
@@ -322,6 +328,9 @@ async def run_response(
             headers=SSE_HEADERS,
         )
     fins = await generate_all(engine, turn, prep, arrived)
+    if turn.target is not None and await request.is_disconnected():
+        state.metrics.aborted.inc()
+        raise BadRequest("the client went away before the response was stored", code="client_disconnected")
     record = await _finish(state, engine, turn, prep, plan, fins)
     return JSONResponse(response_body(record))
 
@@ -329,13 +338,21 @@ async def run_response(
 async def _finish(
     state: AppState, engine: ChatEngine, turn: Turn, prep: Prepared, plan: ResponsePlan, fins: list[Finished]
 ) -> ResponseRecord:
+    """Commit the version and add its record in one worker-thread step (`add_response`: no
+    version is left without its record); unstored, only build the response."""
     answers = [answer(engine, prep, f) for f in fins]
-    committed = await commit(state, engine, turn, prep, answers)
     sid = turn.target.session_id if turn.target is not None else None
-    record = _record(plan, turn.user, engine, prep, answers[0], committed[0], sid)
-    if turn.target is not None:
-        await asyncio.to_thread(state.store.responses.add, record)
-    return record
+    records: list[ResponseRecord] = []
+
+    def record(committed: list[Committed]) -> None:
+        rec = _record(plan, turn.user, engine, prep, answers[0], committed[0], sid)
+        add_response(state.store.versions, state.store.responses, rec)
+        records.append(rec)
+
+    committed = await commit(state, engine, turn, prep, answers, then=record)
+    if records:
+        return records[0]
+    return _record(plan, turn.user, engine, prep, answers[0], committed[0], sid)
 
 
 def _event(kind: str, seq: int, **data: Any) -> str:
@@ -401,3 +418,7 @@ async def _stream(
     except (ApiError, DSSError) as exc:
         err = json.loads(bytes(response_for(exc).body))["error"]
         yield _event("error", next(seq), code=err["code"], message=err["message"], param=err["param"])
+        # Then the response itself, failed, so that a client waiting for the final one gets it.
+        failed = {**response_body(pending), "status": "failed"}
+        failed["error"] = {"code": err["code"], "message": err["message"]}
+        yield _event("response.failed", next(seq), response=failed)

@@ -191,7 +191,7 @@ class SessionMessageRequest(GenerationParams):
         return self
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
 
 
 class AssistantMessage(BaseModel):

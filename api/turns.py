@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncGenerator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -21,7 +21,7 @@ import numpy as np
 from api.engine import ChatEngine, Delta, Finished, Sampling
 from api.schemas import DssInfo, GenerationParams, PromptTokensDetails, TierTokens, Usage
 from api.state import AppState
-from dss.dialogue.turns import Committed, TurnTarget, check_text, commit_turn
+from dss.dialogue.turns import Committed, TurnTarget, check_text, commit_alternatives
 from dss.errors import LimitExceeded
 from dss.index.hashing import TOKEN_DTYPE
 from dss.types import TenantId, UserId
@@ -35,6 +35,8 @@ class Turn:
     target: TurnTarget | None  # None: a plain chat without a session
     # The request's honoured OpenAI fields (`api.openai_fields`), converted by vLLM's request model.
     fields: Mapping[str, Any] = field(default_factory=dict)
+    # False: the store neither loads nor saves this turn's KV (a Responses `store: false`).
+    persist: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +85,10 @@ def check_limits(state: AppState, params: GenerationParams, messages: list[dict[
 
 
 async def prepare(state: AppState, engine: ChatEngine, turn: Turn) -> Prepared:
-    """Limits, vLLM's validation of the request, the prompt and its length: every 400 a turn can
-    get comes from here, before a stream starts."""
+    """Limits, vLLM's validation of the request, the prompt and its length: the 400s a turn can
+    get before a stream starts. (What vLLM checks against the model when the request reaches
+    the engine, such as `top_logprobs` above its maximum, fails in `generate`: in a stream, as
+    an error event after the 200, as in vLLM's own server.)"""
     check_limits(state, turn.params, turn.messages)
     # Validated first (a malformed tool must not reach the template); max_tokens is set below.
     lim = state.settings.limits
@@ -132,6 +136,7 @@ def events(
         session_id=target.session_id if target is not None else None,
         state_version=target.parent if target is not None else None,
         arrived=arrived,
+        persist=turn.persist,
     )
 
 
@@ -153,31 +158,50 @@ def answer(engine: ChatEngine, prep: Prepared, fin: Finished) -> Answer:
 
 
 async def commit(
-    state: AppState, engine: ChatEngine, turn: Turn, prep: Prepared, answers: Sequence[Answer]
+    state: AppState,
+    engine: ChatEngine,
+    turn: Turn,
+    prep: Prepared,
+    answers: Sequence[Answer],
+    then: Callable[[list[Committed]], None] | None = None,
 ) -> list[Committed | None]:
-    """Observe the turn in the metrics and, in a session, commit each choice as a version: the
-    first where the turn attaches, every other as a sibling on a branch of its own (forked at
-    the same parent), so each alternative can be continued."""
+    """Observe the turn in the metrics and, in a session, commit each choice as a version (all
+    or nothing, `commit_alternatives`): the first where the turn attaches, every other as a
+    sibling on a branch of its own, so each alternative can be continued. `then` runs in the
+    same worker thread right after the commit (a Responses record, say).
+
+    The commit is the point of no return: once it has started, a client that goes away (which
+    cancels the request) no longer stops it; the request waits for it and answers as usual, so
+    that "nothing was committed" is only ever said when it is true."""
     fins = [a.fin for a in answers]
     observe(state, prep, fins)
     if turn.target is None:
         return [None] * len(answers)
     target = turn.target
+    choices = [
+        (
+            np.asarray([*prep.prompt_ids, *a.fin.output_ids], dtype=TOKEN_DTYPE),
+            [*turn.messages, a.stored_message],
+        )
+        for a in answers
+    ]
 
-    def commit_all() -> list[Committed | None]:
-        out: list[Committed | None] = []
-        for i, ans in enumerate(answers):
-            tokens = np.asarray([*prep.prompt_ids, *ans.fin.output_ids], dtype=TOKEN_DTYPE)
-            where = target if i == 0 else replace(target, branch=None, fork_on_race=True)
-            messages = [*turn.messages, ans.stored_message]
-            out.append(
-                commit_turn(state.store.versions, turn.user, where, tokens, messages, engine.fingerprint)
-            )
-        return out
+    def commit_all() -> list[Committed]:
+        done = commit_alternatives(state.store.versions, turn.user, target, choices, engine.fingerprint)
+        if then is not None:
+            then(done)
+        return done
 
-    committed = await asyncio.to_thread(commit_all)
+    work = asyncio.ensure_future(asyncio.to_thread(commit_all))
+    try:
+        committed = await asyncio.shield(work)
+    except asyncio.CancelledError:
+        committed = await work  # finish the commit, then answer as if nobody had gone
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
     state.metrics.commits.inc(len(committed))
-    return committed
+    return list(committed)
 
 
 def observe(state: AppState, prep: Prepared, fins: Sequence[Finished]) -> None:

@@ -82,6 +82,9 @@ def test_streamed_and_stateful_alternatives_commit_one_version_each(api_server: 
     assert (
         branches["main"] == out[0]["state_version"] and branches[out[1]["branch"]] == out[1]["state_version"]
     )
+    # Stateful mode continues the stored dialogue: `messages` would be dropped, so it is refused.
+    r = c.post("/v1/sessions/alt-2/messages", json={"content": "x", "messages": [user_msg("y")], **SAMPLED})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     # n beyond the server's limit is refused before anything runs.
     r = c.post("/v1/sessions/alt-2/messages", json={"content": "x", "n": 9, **SAMPLED})
     assert r.status_code == 400 and r.json()["error"]["code"] == "limit_exceeded"

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from api.engine import ChatEngine
+from api.engine import ChatEngine, template_message
 from api.errors import BadRequest
 from api.openai_fields import HONOURED_CHAT, REFUSED, check_fields
 from dss.types import FingerprintId
@@ -78,6 +78,19 @@ def test_a_configured_parser_splits_tool_calls_from_the_answer() -> None:
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
     # Plain text stays content.
     assert engine.tool_calls(s, "It is sunny.") == ("It is sunny.", [])
+    # The parser adjusted the request as in vLLM's server (hermes keeps its markers in the text).
+    assert s.params.skip_special_tokens is False
+    # parallel_tool_calls: false keeps the first call only, as vLLM does.
+    two = text + "\n" + text.replace("Paris", "Rome")
+    assert len(engine.tool_calls(s, two)[1]) == 2
+    one = engine.sampling(ASK, {"tools": [WEATHER], "parallel_tool_calls": False}, 16)
+    assert [json.loads(c["function"]["arguments"]) for c in engine.tool_calls(one, two)[1]] == [
+        {"city": "Paris"}
+    ]
+    # An answer's tool calls go back to the template with their arguments decoded, as vLLM's.
+    echoed = template_message({"role": "assistant", "content": "", "tool_calls": [call]})
+    assert echoed["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert call["function"]["arguments"] == '{"city": "Paris"}'  # the caller's message is not changed
     # The tools reach the chat template (this model's ignores them; the call must not fail).
     assert engine.render(ASK, tools=s.tools) == engine.render(ASK)
 

@@ -26,7 +26,7 @@ from api.responses import (
 from api.schemas import GenerationParams
 from api.state import AppState
 from api.turns import Turn, check_limits
-from dss.dialogue.turns import response_target
+from dss.dialogue.turns import response_dialogue, response_target
 from dss.errors import ModelNotFound
 
 router = APIRouter(tags=["responses"])
@@ -56,9 +56,17 @@ async def create_response(
     async def build() -> Turn:
         new = item_messages(items)
         check_limits(state, params, new)
-        if not body.store:
-            messages = await asyncio.to_thread(_unstored_dialogue, state, who.user, body, new)
-            return Turn(who.user, messages, params, None, fields)
+        if not body.store:  # read (the previous response, if any), never written, not even KV
+            messages, _, _ = await asyncio.to_thread(
+                response_dialogue,
+                state.store.versions,
+                state.store.responses,
+                who.user,
+                body.previous_response_id,
+                body.instructions,
+                new,
+            )
+            return Turn(who.user, messages, params, None, fields, persist=False)
         planned = await asyncio.to_thread(
             response_target,
             state.store.versions,
@@ -74,20 +82,6 @@ async def create_response(
         return await run_response(state, engine, turn, request, plan)
 
     return await serve_turn(state, engine, request, body.stream, build, run)
-
-
-def _unstored_dialogue(
-    state: AppState, user: str, body: ResponseCreate, new: list[dict[str, Any]]
-) -> list[dict[str, Any]]:
-    """`store: false`: the dialogue is read (from the previous response, if any), never written."""
-    lead = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
-    if body.previous_response_id is None:
-        return [*lead, *new]
-    prev = state.store.responses.get(user, body.previous_response_id)
-    history = state.store.versions.get_version(user, prev.session_id, prev.version).messages
-    if prev.instructions is not None and history and history[0].get("role") == "system":
-        history = history[1:]
-    return [*lead, *history, *new]
 
 
 @router.get("/v1/responses/{response_id}", responses=error_responses(401, 404))

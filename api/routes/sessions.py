@@ -10,7 +10,7 @@ from fastapi import APIRouter, Body, Query, Request, status
 from api.admission import serve_turn
 from api.deps import EngineDep, PrincipalDep, StateDep, acting_principal
 from api.errors import error_responses
-from api.openai_fields import check_fields
+from api.openai_fields import HONOURED_CHAT, REFUSED, check_fields
 from api.schemas import (
     BranchOut,
     ChatCompletion,
@@ -28,6 +28,7 @@ from api.schemas import (
 from api.turns import Turn
 from dss.dialogue.turns import message_target
 from dss.dialogue.versions import SessionInfo
+from dss.errors import ModelNotFound
 from dss.ops.retention import KEEP
 
 router = APIRouter(tags=["sessions"])
@@ -144,6 +145,7 @@ def delete_session(session_id: str, state: StateDep, principal: PrincipalDep) ->
 
 # The fields of a `/messages` request that are DSS's own, not OpenAI's.
 _MESSAGE_OWN = {"content", "branch", "version"}
+_MESSAGE_REFUSED = {**REFUSED, "messages": "stateful mode continues the stored dialogue: send `content`"}
 
 
 @router.post(
@@ -164,8 +166,15 @@ async def post_message(
 ) -> Any:
     """Stateful mode: send only the new user message; the server continues the stored dialogue."""
     who = acting_principal(request, principal, body.user)
+    if (
+        body.model_extra
+        and "model" in body.model_extra
+        and body.model_extra["model"] not in engine.model_names
+    ):
+        raise ModelNotFound(f"the model {body.model_extra['model']!r} does not exist on this server")
     fields = body.request_fields(exclude=_MESSAGE_OWN)
-    check_fields(fields, own=())
+    # The dialogue is the stored one: `messages` here would be silently replaced, so it is refused.
+    check_fields(fields, own=(), honoured=HONOURED_CHAT - {"messages"}, refused=_MESSAGE_REFUSED)
 
     async def build() -> Turn:
         target, base = await asyncio.to_thread(

@@ -17,7 +17,14 @@ import numpy as np
 
 from dss.dialogue.responses import ResponseRecord, ResponseStore
 from dss.dialogue.versions import EMPTY_HEAD, MAIN_BRANCH, SessionInfo, VersionInfo, VersionStore
-from dss.errors import BranchExists, ForkNamesExhausted, InvalidInput, StaleHead, StateVersionMismatch
+from dss.errors import (
+    BranchExists,
+    DSSError,
+    ForkNamesExhausted,
+    InvalidInput,
+    StaleHead,
+    StateVersionMismatch,
+)
 from dss.types import SessionId
 
 _MAX_FORK_NAMES = 64
@@ -32,6 +39,9 @@ class TurnTarget:
     fork_on_race: bool  # if the branch head moves meanwhile: fork (True) or answer 409 (False)
     # The parent version itself: its stored token ids are the start of the turn's prompt.
     base: VersionInfo | None = field(default=None, compare=False, repr=False)
+    # The session does not exist yet (a new response chain): the first commit creates it, so a
+    # turn that fails before its commit leaves no empty session behind.
+    create_session: bool = False
 
     @property
     def expected_head(self) -> int:
@@ -135,6 +145,31 @@ class ResponseTurn:
     previous: ResponseRecord | None
 
 
+def response_dialogue(
+    versions: VersionStore,
+    responses: ResponseStore,
+    user: str,
+    previous_response_id: str | None,
+    instructions: str | None,
+    new_messages: Sequence[Mapping[str, Any]],
+) -> tuple[list[dict[str, Any]], ResponseRecord | None, VersionInfo | None]:
+    """The dialogue a response's prompt renders, the response it continues and that one's version.
+
+    `instructions` hold for this response only, as in OpenAI's API: the previous response's
+    instructions (its leading system message) are not carried over, this one's lead the
+    dialogue. With the same instructions as before, the dialogue extends the stored one exactly,
+    and the turn continues from the stored token ids."""
+    lead = [{"role": "system", "content": instructions}] if instructions is not None else []
+    if previous_response_id is None:
+        return [*lead, *plain_messages(new_messages)], None, None
+    previous = responses.get(user, previous_response_id)
+    base = versions.get_version(user, previous.session_id, previous.version)
+    history = list(base.messages)
+    if previous.instructions is not None and history and history[0].get("role") == "system":
+        history = history[1:]
+    return [*lead, *history, *plain_messages(new_messages)], previous, base
+
+
 def response_target(
     versions: VersionStore,
     responses: ResponseStore,
@@ -143,30 +178,71 @@ def response_target(
     instructions: str | None,
     new_messages: Sequence[Mapping[str, Any]],
 ) -> ResponseTurn:
-    """A response without `previous_response_id` starts a new chain: a new session whose first
-    version it becomes. One with it continues that response's version: on its branch when it is
-    that branch's head, else on a new branch forked there (a fork of the response tree).
-
-    `instructions` hold for this response only, as in OpenAI's API: the previous response's
-    instructions (its leading system message) are not carried over, this one's lead the
-    dialogue. With the same instructions as before, the dialogue extends the stored one exactly,
-    and the turn continues from the stored token ids."""
-    lead = [{"role": "system", "content": instructions}] if instructions is not None else []
-    if previous_response_id is None:
-        session = versions.create_session(user, f"resp-{uuid.uuid4().hex[:24]}")
-        target = TurnTarget(session.id, None, MAIN_BRANCH, fork_on_race=False)
-        return ResponseTurn(target, [*lead, *plain_messages(new_messages)], None)
-    previous = responses.get(user, previous_response_id)
+    """A response without `previous_response_id` starts a new chain: a new session (created by
+    its commit) whose first version it becomes. One with it continues that response's version:
+    on its branch when it is that branch's head, else on a new branch forked there (a fork of
+    the response tree)."""
+    messages, previous, base = response_dialogue(
+        versions, responses, user, previous_response_id, instructions, new_messages
+    )
+    if previous is None or base is None:
+        sid = SessionId(f"resp-{uuid.uuid4().hex[:24]}")
+        target = TurnTarget(sid, None, MAIN_BRANCH, fork_on_race=False, create_session=True)
+        return ResponseTurn(target, messages, None)
     session = versions.get_session(user, previous.session_id)
-    base = versions.get_version(user, previous.session_id, previous.version)
-    history = list(base.messages)
-    if previous.instructions is not None and history and history[0].get("role") == "system":
-        history = history[1:]
-    messages = [*lead, *history, *plain_messages(new_messages)]
     target = TurnTarget(
         session.id, previous.version, branch_at(session, previous.version), fork_on_race=True, base=base
     )
     return ResponseTurn(target, messages, previous)
+
+
+def commit_alternatives(
+    versions: VersionStore,
+    user: str,
+    target: TurnTarget,
+    choices: Sequence[tuple[np.ndarray, Sequence[Mapping[str, Any]]]],
+    fingerprint: str | None,
+) -> list[Committed]:
+    """Commit each choice of a turn (its tokens and messages) as a version: the first where the
+    turn attaches, every other as a sibling on a branch of its own forked at the same parent.
+
+    All or nothing: when a commit fails (a quota, a race lost for good), the versions committed
+    before it are deleted again, which moves their branch heads back, unless another writer has
+    built on one meanwhile (that one then stays, as any committed version). The branches forked
+    for them stay, at the parent."""
+    done: list[Committed] = []
+    try:
+        for i, (tokens, messages) in enumerate(choices):
+            where = (
+                target if i == 0 else replace(target, branch=None, fork_on_race=True, create_session=False)
+            )
+            done.append(commit_turn(versions, user, where, tokens, messages, fingerprint))
+    except BaseException:
+        for c in reversed(done):
+            forget_version(versions, user, target.session_id, c.version.number)
+        raise
+    return done
+
+
+def forget_version(versions: VersionStore, user: str, sid: str, number: int) -> bool:
+    """Delete a version this turn committed but cannot stand by, if nothing was built on it yet."""
+    try:
+        if versions.subtree(user, sid, number) != [number]:
+            return False
+        versions.delete_subtree(user, sid, number)
+        return True
+    except DSSError:
+        return False
+
+
+def add_response(versions: VersionStore, responses: ResponseStore, record: ResponseRecord) -> None:
+    """Record a response for the version its turn committed. When the record cannot be added,
+    the version goes again (`forget_version`): no version is left without its response."""
+    try:
+        responses.add(record)
+    except BaseException:
+        forget_version(versions, record.user, record.session_id, record.version)
+        raise
 
 
 def commit_turn(
@@ -177,7 +253,10 @@ def commit_turn(
     messages: Sequence[Mapping[str, Any]],
     fingerprint: str | None,
 ) -> Committed:
-    """Commit the finished turn as a child of `target.parent`, forking a branch when needed."""
+    """Commit the finished turn as a child of `target.parent`, forking a branch when needed
+    (and creating the session first when the target says it does not exist yet)."""
+    if target.create_session:
+        versions.ensure_session(user, target.session_id)
     for _ in range(_MAX_COMMIT_TRIES):
         branch = target.branch
         if branch is None:
