@@ -26,7 +26,7 @@ from api.responses import (
 from api.schemas import GenerationParams
 from api.state import AppState
 from api.turns import Turn, check_limits
-from dss.dialogue.turns import response_dialogue, response_target
+from dss.dialogue.turns import response_target
 from dss.errors import ModelNotFound
 
 router = APIRouter(tags=["responses"])
@@ -56,17 +56,6 @@ async def create_response(
     async def build() -> Turn:
         new = item_messages(items)
         check_limits(state, params, new)
-        if not body.store:  # read (the previous response, if any), never written, not even KV
-            messages, _, _ = await asyncio.to_thread(
-                response_dialogue,
-                state.store.versions,
-                state.store.responses,
-                who.user,
-                body.previous_response_id,
-                body.instructions,
-                new,
-            )
-            return Turn(who.user, messages, params, None, fields, persist=False)
         planned = await asyncio.to_thread(
             response_target,
             state.store.versions,
@@ -75,8 +64,10 @@ async def create_response(
             body.previous_response_id,
             body.instructions,
             new,
+            body.store,
         )
-        return Turn(who.user, planned.messages, params, planned.target, fields)
+        # `store: false` keeps nothing, not even KV: the connector neither loads nor saves it.
+        return Turn(who.user, planned.messages, params, planned.target, fields, persist=body.store)
 
     async def run(state: AppState, engine: ChatEngine, turn: Turn, request: Request) -> Any:
         return await run_response(state, engine, turn, request, plan)

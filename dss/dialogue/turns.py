@@ -140,7 +140,7 @@ def message_target(
 class ResponseTurn:
     """Where a Responses API turn attaches, and the dialogue its prompt renders."""
 
-    target: TurnTarget
+    target: TurnTarget | None  # None: a response that is not stored (`store: false`)
     messages: list[dict[str, Any]]
     previous: ResponseRecord | None
 
@@ -177,14 +177,17 @@ def response_target(
     previous_response_id: str | None,
     instructions: str | None,
     new_messages: Sequence[Mapping[str, Any]],
+    store: bool = True,
 ) -> ResponseTurn:
     """A response without `previous_response_id` starts a new chain: a new session (created by
     its commit) whose first version it becomes. One with it continues that response's version:
     on its branch when it is that branch's head, else on a new branch forked there (a fork of
-    the response tree)."""
+    the response tree). Unstored (`store` false), it only reads the dialogue it continues."""
     messages, previous, base = response_dialogue(
         versions, responses, user, previous_response_id, instructions, new_messages
     )
+    if not store:
+        return ResponseTurn(None, messages, previous)
     if previous is None or base is None:
         sid = SessionId(f"resp-{uuid.uuid4().hex[:24]}")
         target = TurnTarget(sid, None, MAIN_BRANCH, fork_on_race=False, create_session=True)
