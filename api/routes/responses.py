@@ -75,13 +75,13 @@ async def create_response(
     return await serve_turn(state, engine, request, body.stream, build, run)
 
 
-@router.get("/v1/responses/{response_id}", responses=error_responses(401, 404))
+@router.get("/v1/responses/{response_id}", responses=error_responses(400, 401, 404))
 def get_response(response_id: str, state: StateDep, principal: PrincipalDep) -> dict[str, Any]:
     """A stored response, as it was returned."""
     return response_body(state.store.responses.get(principal.user, response_id))
 
 
-@router.delete("/v1/responses/{response_id}", responses=error_responses(401, 404, 409))
+@router.delete("/v1/responses/{response_id}", responses=error_responses(400, 401, 404, 409))
 def delete_response(
     response_id: str,
     state: StateDep,
@@ -101,7 +101,7 @@ def delete_response(
     }
 
 
-@router.get("/v1/responses/{response_id}/input_items", responses=error_responses(401, 404))
+@router.get("/v1/responses/{response_id}/input_items", responses=error_responses(400, 401, 404))
 def list_input_items(
     response_id: str,
     state: StateDep,
