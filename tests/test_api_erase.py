@@ -98,19 +98,29 @@ def test_erase_user_leaves_no_trace_and_a_verifiable_receipt(api_server: ApiServ
     assert fresh["state_version"] == 1
 
 
-def test_erasing_a_user_mid_stream_keeps_nothing_of_the_stream(api_server: ApiServer) -> None:
+@pytest.mark.parametrize("n", [1, 2])
+def test_erasing_a_user_mid_stream_keeps_nothing_of_the_stream(api_server: ApiServer, n: int) -> None:
     """alice streams a long answer and erases herself 'during' it: the stream ended normally and
     its pages were written again under her tenant, and a re-created alice was served the erased
     KV from cache. Now her generation is stopped (no version), nothing of her tenant is written
-    after the erasure, and the re-created alice is a new tenant that starts cold."""
-    alice = api_server.client("mid-alice")
+    after the erasure, and the re-created alice is a new tenant that starts cold. With `n`
+    alternatives, none of them is committed."""
+    user = f"mid-alice-{n}"
+    alice = api_server.client(user)
     msgs = [{"role": "system", "content": DIARY}, user_msg("Tell me about every day, one by one.")]
-    body = {"model": "default", "messages": msgs, "session_id": "mid-1", "stream": True, "max_tokens": 400}
+    body = {
+        "model": "default",
+        "messages": msgs,
+        "session_id": "mid-1",
+        "stream": True,
+        "max_tokens": 400,
+        "n": n,
+    }
     lines: list[str] = []
     first_chunk = threading.Event()
 
     def stream() -> None:
-        with api_server.client("mid-alice").stream("POST", "/v1/chat/completions", json=body) as r:
+        with api_server.client(user).stream("POST", "/v1/chat/completions", json=body) as r:
             for line in r.iter_lines():
                 lines.append(line)
                 if '"content":"' in line and '"content":""' not in line:
@@ -119,7 +129,7 @@ def test_erasing_a_user_mid_stream_keeps_nothing_of_the_stream(api_server: ApiSe
     t = threading.Thread(target=stream, daemon=True)
     t.start()
     assert first_chunk.wait(120), f"the stream never produced text: {lines[-3:]}"
-    r = alice.delete("/v1/users/mid-alice")
+    r = alice.delete(f"/v1/users/{user}")
     assert r.status_code == 200, r.text
     receipt = r.json()
     t.join(120)
