@@ -30,6 +30,7 @@ from api.chat_response import SSE_HEADERS
 from api.engine import ChatEngine, Finished
 from api.errors import ApiError, BadRequest, response_for
 from api.openai_fields import check_fields
+from api.schemas import join_text
 from api.state import AppState
 from api.turns import Answer, Prepared, Turn, answer, commit, dss_info, events, generate_all, prepare
 from dss.dialogue.responses import ResponseRecord, new_response_id
@@ -103,7 +104,7 @@ class InputMessage(_Strict):
     status: str | None = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        return join_text(self.content)
 
 
 class TextFormat(_Strict):

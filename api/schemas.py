@@ -7,8 +7,9 @@ check it against `api.openai_fields`: honoured through vLLM, or refused with a 4
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -16,6 +17,16 @@ T = TypeVar("T")
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 NAME_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+
+
+class _HasText(Protocol):
+    text: str
+
+
+def join_text(content: str | Sequence[_HasText]) -> str:
+    """A message's text: its string, or its text parts joined with newlines, as vLLM (and
+    OpenAI) join them."""
+    return content if isinstance(content, str) else "\n".join(p.text for p in content)
 
 
 class _Request(BaseModel):
@@ -96,9 +107,7 @@ class ChatMessage(_Request):
     def text(self) -> str:
         if self.content is None:
             return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(p.text for p in self.content)  # as vLLM (and OpenAI) join text parts
+        return join_text(self.content)
 
     def plain(self) -> dict[str, Any]:
         """The message as stored in a version: role and text content (and the name, the tool
@@ -191,7 +200,7 @@ class SessionMessageRequest(GenerationParams):
         return self
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        return join_text(self.content)
 
 
 class AssistantMessage(BaseModel):

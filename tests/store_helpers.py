@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from sqlalchemy import Engine, text
 
 from dss.config import StoreConfig
 from dss.namespace import ModelFingerprint
@@ -255,3 +256,24 @@ def exit_hard_at_shutdown(status: int = 1) -> None:
         os._exit(status)
 
     threading._register_atexit(bail)  # type: ignore[attr-defined]
+
+
+def seed_one_version(engine: Engine) -> None:
+    """alice's session `trip` with one version of tokens [1, 2], written as raw rows (the columns
+    every migration since 0003 has), for tests that upgrade a database with data in it."""
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO sessions (user_id, id, version_count) VALUES ('alice', 'trip', 1)"))
+        conn.execute(
+            text(
+                "INSERT INTO branches (user_id, session_id, name, head_version)"
+                " VALUES ('alice', 'trip', 'main', 1)"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO versions (user_id, session_id, number, branch, n_tokens, tokens, messages,"
+                " messages_base, n_messages, digest, body_bytes) VALUES ('alice', 'trip', 1, 'main', 2,"
+                " :t, '[]', 0, 0, 'd', 8)"
+            ),
+            {"t": b"\x01\0\0\0\x02\0\0\0"},
+        )

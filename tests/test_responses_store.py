@@ -38,7 +38,7 @@ from dss.errors import (
     VersionNotFound,
 )
 from dss.store import Store
-from tests.store_helpers import open_store
+from tests.store_helpers import open_store, seed_one_version
 
 ALICE = "alice"
 BOB = "bob"
@@ -488,24 +488,7 @@ def test_0005_upgrades_a_0004_database_with_data_in_it(db_url: str) -> None:
     command.upgrade(alembic_config(db_url), "0004")
     engine = make_engine(db_url)
     try:
-        with engine.begin() as conn:
-            conn.execute(
-                text("INSERT INTO sessions (user_id, id, version_count) VALUES ('alice', 'trip', 1)")
-            )
-            conn.execute(
-                text(
-                    "INSERT INTO branches (user_id, session_id, name, head_version)"
-                    " VALUES ('alice', 'trip', 'main', 1)"
-                )
-            )
-            conn.execute(
-                text(
-                    "INSERT INTO versions (user_id, session_id, number, branch, n_tokens, tokens, messages,"
-                    " messages_base, n_messages, digest, body_bytes) VALUES ('alice', 'trip', 1, 'main', 2,"
-                    " :t, '[]', 0, 0, 'd', 8)"
-                ),
-                {"t": b"\x01\0\0\0\x02\0\0\0"},
-            )
+        seed_one_version(engine)
         upgrade_to_head(db_url)
         assert current_revision(db_url) == "0005"
         with engine.connect() as conn:

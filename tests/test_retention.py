@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from sqlalchemy import text
 
 from dss.config import RetentionConfig
 from dss.db.engine import current_revision, make_engine, make_session_factory, upgrade_to_head
@@ -22,7 +21,7 @@ from dss.ops.retention import KEEP
 from dss.pages.eviction import Retention as PageClass
 from dss.store import Store
 from dss.types import FingerprintId, PageHash, Tier
-from tests.store_helpers import SMALL_FP, open_store, pages_for
+from tests.store_helpers import SMALL_FP, open_store, pages_for, seed_one_version
 
 BS = SMALL_FP.block_size
 PAGE = SMALL_FP.page_nbytes
@@ -346,24 +345,7 @@ def test_0004_upgrades_a_0003_database_with_data_in_it(db_url: str) -> None:
     command.upgrade(alembic_config(db_url), "0003")
     engine = make_engine(db_url)
     try:
-        with engine.begin() as conn:
-            conn.execute(
-                text("INSERT INTO sessions (user_id, id, version_count) VALUES ('alice', 'trip', 1)")
-            )
-            conn.execute(
-                text(
-                    "INSERT INTO branches (user_id, session_id, name, head_version)"
-                    " VALUES ('alice', 'trip', 'main', 1)"
-                )
-            )
-            conn.execute(
-                text(
-                    "INSERT INTO versions (user_id, session_id, number, branch, n_tokens, tokens, messages,"
-                    " messages_base, n_messages, digest, body_bytes) VALUES ('alice', 'trip', 1, 'main', 2,"
-                    " :t, '[]', 0, 0, 'd', 8)"
-                ),
-                {"t": b"\x01\0\0\0\x02\0\0\0"},
-            )
+        seed_one_version(engine)
         upgrade_to_head(db_url)
         assert current_revision(db_url) == "0005"
         vs = VersionStore(make_session_factory(engine))
