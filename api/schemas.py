@@ -243,6 +243,7 @@ class TierTokens(BaseModel):
     device: int = 0
     host: int = 0
     disk: int = 0
+    remote: int = 0  # the fleet's shared tier (Redis), when configured
 
 
 class DssInfo(BaseModel):

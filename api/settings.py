@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from dss.config import GiB, RetentionConfig, StoreConfig
+from dss.config import GiB, RemoteConfig, RetentionConfig, StoreConfig
 from dss.dialogue.quotas import Quotas
 
 MiB = 1 << 20
@@ -79,6 +79,14 @@ class StoreSettings(BaseModel):
     write_through: bool = True
     fsync: bool = True
     loader_threads: int = Field(default=2, ge=1, le=64)
+    # The remote page tier shared by a fleet: redis://host:port/db (may hold a password); None: off.
+    remote_url: SecretStr | None = None
+    remote_key_prefix: str = Field(default="dss:", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    remote_capacity_bytes: int = Field(default=8 * GiB, ge=MiB)
+    remote_ttl_s: int = Field(default=7 * 24 * 3600, ge=1)
+    remote_timeout_s: float = Field(default=0.5, gt=0, le=30)
+    # This server's name in a fleet; None: the one kept in the data directory (random at first start).
+    server_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     quotas: QuotaSettings = QuotaSettings()  # DSS_STORE__QUOTAS__MAX_SESSIONS=...
     retention: RetentionSettings = RetentionSettings()
 
@@ -101,6 +109,14 @@ class StoreSettings(BaseModel):
             loader_threads=self.loader_threads,
             quotas=self.quotas.to_quotas(),
             retention=self.retention.to_config(),
+            remote=RemoteConfig(
+                url=self.remote_url.get_secret_value() if self.remote_url is not None else None,
+                key_prefix=self.remote_key_prefix,
+                capacity_bytes=self.remote_capacity_bytes,
+                ttl_s=self.remote_ttl_s,
+                timeout_s=self.remote_timeout_s,
+            ),
+            server_id=self.server_id,
         )
 
 

@@ -28,6 +28,19 @@ class RetentionConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RemoteConfig:
+    """The remote page tier (`dss.pages.tiers.remote`): Redis (or Valkey) shared by a fleet."""
+
+    url: str | None = None  # redis://host:port/db; None: no remote tier
+    key_prefix: str = "dss:"  # every key this store writes starts with it
+    capacity_bytes: int = 8 * GiB  # page bytes (at rest) kept in Redis; the oldest go first
+    ttl_s: int = 7 * 24 * 3600  # a page not read or written for this long expires
+    timeout_s: float = 0.5  # socket connect/read deadline: a slow Redis is an unavailable one
+    probe_every_s: float = 2.0  # how often an unavailable Redis is tried again
+    write_behind: bool = True  # committed pages are copied to Redis by the background writer
+
+
+@dataclass(frozen=True, slots=True)
 class StoreConfig:
     data_dir: Path
     db_url: str | None = None  # default: SQLite in data_dir
@@ -50,6 +63,10 @@ class StoreConfig:
     lease_timeout_s: float = 600.0  # a load or save not finished by then is presumed dead
     quotas: Quotas = field(default_factory=Quotas)  # per user: sessions, versions, stored bytes
     retention: RetentionConfig = field(default_factory=RetentionConfig)
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
+    # This server's name in a fleet (page rows of its local tiers, erasure acknowledgements);
+    # None: the one recorded in data_dir/server-id (a random one is written on first start).
+    server_id: str | None = None
 
     @property
     def resolved_db_url(self) -> str:

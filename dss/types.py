@@ -28,6 +28,7 @@ class Tier(enum.StrEnum):
     DEVICE = "device"
     HOST = "host"
     DISK = "disk"
+    REMOTE = "remote"  # shared by every server of a fleet (Redis); the others are per server
 
     @property
     def rank(self) -> int:
@@ -35,8 +36,10 @@ class Tier(enum.StrEnum):
         return _TIER_RANK[self]
 
 
-_TIER_RANK = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2}
-TIERS_FAST_TO_SLOW: tuple[Tier, ...] = (Tier.DEVICE, Tier.HOST, Tier.DISK)
+_TIER_RANK = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2, Tier.REMOTE: 3}
+TIERS_FAST_TO_SLOW: tuple[Tier, ...] = (Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.REMOTE)
+LOCAL_TIERS = frozenset({Tier.DEVICE, Tier.HOST, Tier.DISK})
+"""The tiers each server has of its own."""
 
 
 @dataclass(frozen=True, slots=True)
