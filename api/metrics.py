@@ -156,3 +156,25 @@ class _StoreCollector(Collector):
         yield GaugeMetricFamily(
             "dss_disk_write_backlog", "Pages waiting for write-through to disk", value=s["disk_backlog"]
         )
+        if s.get("remote_available") is not None:  # a remote tier is configured
+            yield GaugeMetricFamily(
+                "dss_remote_available",
+                "1 while the remote tier (Redis) answers; 0: serving from local tiers only",
+                value=1 if s["remote_available"] else 0,
+            )
+            yield CounterMetricFamily(
+                "dss_remote_writes", "Pages copied to the remote tier", value=s["remote_writes"]
+            )
+            yield CounterMetricFamily(
+                "dss_remote_errors",
+                "Remote-tier writes that failed (Redis unavailable, or a page refused)",
+                value=s["remote_write_errors"],
+            )
+            yield CounterMetricFamily(
+                "dss_remote_misses",
+                "Pages a lookup found in the remote tier that could not be read then",
+                value=s["remote_misses"],
+            )
+            yield CounterMetricFamily(
+                "dss_remote_read_bytes", "Bytes read from the remote tier", value=s["remote_read_bytes"]
+            )

@@ -437,3 +437,6 @@ class Health(BaseModel):
     store: bool | None = None
     engine: bool | None = None
     dev_mode: bool | None = None
+    # Per tier that can be unavailable without the server being unready: "ok" or "unavailable"
+    # (the server then serves from the other tiers). Absent before the store is open.
+    tiers: dict[str, str] | None = None

@@ -52,6 +52,7 @@ from dss.pages.table import PageTable
 from dss.pages.tiers.device import DeviceTier
 from dss.pages.tiers.disk import DiskTier
 from dss.pages.tiers.host import HostTier
+from dss.pages.tiers.remote import RemoteTier
 from dss.rpc import StoreServer, socket_path_for
 from dss.types import FingerprintId, TenantId, Tier
 from dss.wire import LoadPlan, PageSlot, SavePlan
@@ -116,6 +117,8 @@ class Store:
             if cfg.device_capacity_bytes > 0
             else None
         )
+        # The fleet's shared tier; Redis not answering now only makes it unavailable for a while.
+        self.remote = RemoteTier(cfg.remote, make_codec(cfg.codec)) if cfg.remote.url else None
         self.index = PrefixIndex()
         self.pages = TieredPages(
             PageTable(),
@@ -126,6 +129,7 @@ class Store:
             PageRows(self.sf, cfg.codec, add_factory=relaxed_sf),
             self.keyring.data_key,
             PageCodecProcess(cfg.codec) if cfg.codec_process else None,
+            self.remote,
         )
         self.recovery_report = recovery.rebuild(self.sf, self.disk, self.pages, self.index, self.fingerprints)
         self.kv = KVCache(cfg, self.fingerprints, self.index, self.pages, self.keyring.is_retired)
@@ -150,6 +154,8 @@ class Store:
         if self.pages.encoder is not None:
             self.pages.encoder.close()
         self.host.close()
+        if self.remote is not None:
+            self.remote.close()
         self.db.dispose()
         if self._db_relaxed is not None:
             self._db_relaxed.dispose()
@@ -322,6 +328,10 @@ class Store:
         used = self.pages.used_bytes()
         counts = self.pages.page_counts()
         c = self.pages.counters
+        remote = self.remote.stats() if self.remote is not None else None
+        if remote is not None:  # the fleet's tier as Redis reports it (this server's table has hints)
+            used[Tier.REMOTE] = remote.used_bytes
+            counts[Tier.REMOTE] = remote.pages
         return {
             "pages": {t.value: counts[t] for t in Tier},
             "bytes": {t.value: used[t] for t in Tier},
@@ -329,6 +339,7 @@ class Store:
                 Tier.HOST.value: self.host.capacity_bytes,
                 Tier.DISK.value: self.disk.capacity_bytes if self.disk else 0,
                 Tier.DEVICE.value: self.device.capacity_bytes if self.device else 0,
+                Tier.REMOTE.value: self.remote.capacity_bytes if self.remote else 0,
             },
             "hits_pages": {t.value: c.hits_pages[t] for t in Tier},
             "promotions": {t.value: c.promotions[t] for t in Tier},
@@ -337,6 +348,14 @@ class Store:
             "disk_write_errors": c.disk_write_errors,
             "disk_full_skips": c.disk_full_skips,
             "disk_available": self.pages.disk_available,
+            # None: no remote tier configured
+            "remote_available": remote.available if remote is not None else None,
+            "remote_error": self.remote.last_error if self.remote is not None else "",
+            "remote_writes": c.remote_writes,
+            "remote_write_errors": c.remote_write_errors,
+            "remote_misses": c.remote_misses,
+            "remote_read_bytes": c.remote_read_bytes,
+            "remote_evictions": self.remote.evictions if self.remote is not None else 0,
             "disk_backlog": self.kv.writer.backlog if self.kv.writer is not None else 0,
             "indexed_tokens": self.index.indexed_tokens(),
             "demoted_pages": c.demoted_pages,

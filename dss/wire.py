@@ -76,6 +76,9 @@ class PageSlot:
     page_index: int
     hash: PageHash
     slot: SlotRef | None
+    # Where a load reads the page from: "host" when `slot` is set, else the tier it is promoted
+    # from ("disk", or "remote": the fleet's shared tier).
+    tier: str = "host"
 
 
 def span_of(pages: tuple[PageSlot | None, ...] | tuple[PageSlot, ...]) -> SlotSpan | None:

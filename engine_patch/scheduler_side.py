@@ -257,8 +257,8 @@ class SchedulerSide:
         span = None if claim.plan.is_async else span_of(pages)
         self._loads.append(LoadSpec(req_id, claim.plan.load_id, block_ids, span, claim.plan.is_async))
         # A page whose slot the plan names is read from the host arena; the others are promoted
-        # from disk on the way.
-        tiers = [Tier.HOST.value if p.slot is not None else Tier.DISK.value for p in pages]
+        # on the way, from the tier the plan names (disk, or the fleet's remote tier).
+        tiers = [Tier.HOST.value if p.slot is not None else (p.tier or Tier.DISK.value) for p in pages]
         progress = self._of(req_id)
         progress.page_tiers = tiers
         progress.loaded_tokens = min(num_external_tokens, claim.plan.n_tokens)
@@ -266,8 +266,15 @@ class SchedulerSide:
             self._async_inflight.add(req_id)
         per_tier = _tokens_by_tier(tiers, progress.loaded_tokens, bs)
         host, disk = per_tier.get(Tier.HOST.value, 0), per_tier.get(Tier.DISK.value, 0)
+        remote = per_tier.get(Tier.REMOTE.value, 0)
         self._hit_sources[req_id] = {
-            k: v for k, v in ((CacheHitSource.HOST, host), (CacheHitSource.DISK, disk)) if v
+            k: v
+            for k, v in (
+                (CacheHitSource.HOST, host),
+                (CacheHitSource.DISK, disk),
+                (CacheHitSource.EXTERNAL_UNSPECIFIED, remote),  # vLLM has no name for a shared tier
+            )
+            if v
         }
 
     def get_external_cache_hit_sources(

@@ -340,7 +340,7 @@ def test_versions_rollback_and_branches(client: TestClient) -> None:
         (2, 1, "main"),
         (3, 2, "main"),
     ]
-    assert listing[0]["resident"] == {"device": 0, "host": 0, "disk": 0}
+    assert listing[0]["resident"] == {"device": 0, "host": 0, "disk": 0, "remote": 0}
     v2 = client.get("/v1/sessions/v/versions/2", headers=h).json()
     assert v2["messages"] == [{"role": "user", "content": "v main 1"}] and v2["n_tokens"] == 9
     assert client.get("/v1/sessions/v/versions/9", headers=h).status_code == 404

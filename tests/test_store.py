@@ -25,7 +25,7 @@ def test_put_load_reopen_from_disk(tmp_path):
     assert n == 20 and got == pages
     store.flush()
     # Every tier counts what it holds: the write-through copies on disk too.
-    assert store.residency(fid, alice, tokens) == {"device": 0, "host": 20, "disk": 20}
+    assert store.residency(fid, alice, tokens) == {"device": 0, "host": 20, "disk": 20, "remote": 0}
     store.check()
     store.close()
 

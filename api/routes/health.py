@@ -20,6 +20,16 @@ class Readiness(Health):
     reason: str | None = None  # why not ready; absent when ready
 
 
+def _tier_health(state: AppState) -> dict[str, str]:
+    """Tiers a server serves without: the disk tier, and the fleet's remote tier when configured.
+    Neither makes the server unready (no client request fails for them)."""
+    pages = state.store.pages
+    out = {"disk": "ok" if pages.disk_available else "unavailable"}
+    if pages.remote is not None:
+        out["remote"] = "ok" if pages.remote.available else "unavailable"
+    return out
+
+
 @router.get("/healthz", response_model=Health, response_model_exclude_none=True)
 def healthz() -> Health:
     return Health(status="ok")
@@ -50,5 +60,6 @@ async def readyz(request: Request) -> JSONResponse:
         store=state is not None,
         engine=engine_ok,
         dev_mode=dev_mode,
+        tiers=_tier_health(state) if store_ok and state is not None else None,
     )
     return JSONResponse(body.model_dump(exclude_none=True), status_code=200 if ok else 503)

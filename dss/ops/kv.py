@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dss.config import StoreConfig
-from dss.errors import InvalidInput, LimitExceeded, PageShapeMismatch, StorageError
+from dss.errors import InvalidInput, LimitExceeded, PageShapeMismatch, StorageError, TierUnavailable
 from dss.index.fingerprints import FingerprintRegistry
 from dss.index.hashing import ROOT_PARENT, as_tokens, chain_hashes
 from dss.index.prefix_index import IndexMatch, PrefixIndex
@@ -108,7 +108,7 @@ class KVCache:
         self._active: dict[TenantId, int] = {}  # saves of each tenant being published now
         self._pins: dict[FingerprintId, list[np.ndarray]] = {}
         self._loader = ThreadPoolExecutor(max_workers=config.loader_threads, thread_name_prefix="dss-loader")
-        write_through = config.write_through and pages.disk is not None
+        write_through = config.write_through and (pages.disk is not None or pages.remote is not None)
         self.writer = DiskWriter(pages, self.forget) if write_through else None
 
     def close(self) -> None:
@@ -172,7 +172,10 @@ class KVCache:
             raise InvalidInput(f"start_token {start_token} is not a multiple of the block size {bs}")
         self._expire_stale()
         arr = self._tokens(tokens)
-        m = self.index.match(fid, tenant, arr if max_tokens is None else arr[: max(0, max_tokens)])
+        query = arr if max_tokens is None else arr[: max(0, max_tokens)]
+        m = self.index.match(fid, tenant, query)
+        if self.pages.remote is not None and self._adopt_remote(fid, tenant, query, m):
+            m = self.index.match(fid, tenant, query)
         pages = _with_partial(m)
         first = start_token // bs
         if len(pages) <= first:
@@ -187,12 +190,12 @@ class KVCache:
         plan_pages: list[PageSlot] = []
         for i in range(first, len(held)):
             ref = held[i].host_ref
+            tier = Tier.HOST
             if ref is None:
+                tier = Tier.REMOTE if self.pages.tiers_of(held[i].hash) == {Tier.REMOTE} else Tier.DISK
                 futures[i] = self._loader.submit(self._promote, held[i].hash)
-                tier_tokens[Tier.DISK.value] += sizes[i]
-            else:
-                tier_tokens[Tier.HOST.value] += sizes[i]
-            plan_pages.append(PageSlot(i, held[i].hash, ref))
+            tier_tokens[tier.value] += sizes[i]
+            plan_pages.append(PageSlot(i, held[i].hash, ref, tier.value))
         load_id = uuid.uuid4().hex
         with self._lock:
             self._leases[load_id] = _Lease(held, tuple(plan_pages), futures)
@@ -201,10 +204,72 @@ class KVCache:
 
     def _promote(self, page: PageHash) -> SlotRef | None:
         gone: list[PageHash] = []
+        from_remote = self.pages.tiers_of(page) == {Tier.REMOTE}
         try:
-            return self.pages.promote_to_host(page, gone)
+            ref = self.pages.promote_to_host(page, gone)
+            if ref is not None and from_remote and self.writer is not None:
+                self.writer.enqueue(page)  # this server's disk keeps a copy too
+            return ref
         finally:
             self.forget(gone)
+
+    def _adopt_remote(self, fid: FingerprintId, tenant: TenantId, tokens: np.ndarray, m: IndexMatch) -> bool:
+        """Extend a local match with the pages the remote tier holds: the chained hashes of the
+        query's next whole pages, then its candidate tail pages, each asked in one pipelined round
+        trip. Pages found enter the page table (as remote-only, promoted by the load) and the index.
+        Returns whether any did. Redis unavailable: nothing found, nothing raised."""
+        remote = self.pages.remote  # an unavailable one fails fast (and is tried again later)
+        if remote is None or self._is_retired(tenant):
+            return False
+        fp = self.fingerprints.get(fid)
+        bs = fp.block_size
+        start = len(m.pages)
+        n_whole = len(tokens) // bs
+        if start * bs >= len(tokens):
+            return False
+        own_ns = make_namespace(fid, tenant)
+        parent = m.pages[-1] if start else ROOT_PARENT
+        try:
+            wanted = chain_hashes(own_ns.id, tokens[: n_whole * bs], bs, parent=parent, start_page=start)
+            found = 0
+            for ok in remote.exists(wanted):
+                if not ok:
+                    break
+                found += 1
+            new = wanted[:found]
+            end = (start + found) * bs
+            tail_parent = new[-1] if new else parent
+            rest = tokens[end : end + bs - 1]
+            tail_k = 0
+            if len(rest):
+                candidates = [tail_hash(own_ns.id, tail_parent, rest[:k]) for k in range(1, len(rest) + 1)]
+                present = remote.exists(candidates)
+                tail_k = max((k + 1 for k, ok in enumerate(present) if ok), default=0)  # the longest
+                if tail_k:
+                    new.append(candidates[tail_k - 1])
+        except TierUnavailable:
+            return False
+        if not new:
+            return False
+        path = list(m.pages) + new
+        for i in range(start, len(path)):
+            lo = i * bs
+            hi = min(lo + bs, end + tail_k)
+            meta = PageMeta(
+                hash=path[i],
+                namespace=own_ns.id,
+                tenant=tenant,
+                fingerprint=fid,
+                parent=path[i - 1] if i else ROOT_PARENT,
+                index=i,
+                nbytes=fp.page_nbytes,
+                tokens=tokens[lo:hi].copy(),
+            )
+            self.pages.add_remote_resident(meta)
+        pushed_out = self.index.insert(own_ns, bs, tokens[: end + tail_k], path)
+        if pushed_out:
+            self.pages.drop(pushed_out)
+        return True
 
     def wait_loaded(
         self, load_id: str, timeout_s: float = 30.0, release: bool = False

@@ -1,10 +1,12 @@
 """The tier manager: moving page bytes between the tiers, without holding a lock while doing it.
 
-Policy across the tier backends (which know nothing of each other): promotion on hit
-(disk → host → device), demotion under pressure (host → disk first: write-back), write-through
-of committed pages (called by `dss.ops.writeback`), pins for hot public prefixes, retention
-classes and demotion on request (host → disk, for `dss.ops.retention`), and dropping pages
-everywhere (eviction from the last tier, erasure, corruption).
+Policy across the tier backends (which know nothing of each other): promotion on hit (remote or
+disk → host → device), write-behind of committed pages to the remote tier (Redis, shared by a
+fleet; it is self-indexing, so its copies are not tracked here: a page the table lists as `REMOTE`
+only is one a lookup found there, about to be promoted), demotion under pressure (host → disk
+first: write-back), write-through of committed pages (called by `dss.ops.writeback`), pins for hot
+public prefixes, retention classes and demotion on request (host → disk, for `dss.ops.retention`),
+and dropping pages everywhere (eviction from the last tier, erasure, corruption).
 
 Every move follows one pattern: claim the page in the `PageTable` (a short critical section),
 copy / compress / encrypt / write / fsync with no lock held, then settle the result in another
@@ -18,6 +20,7 @@ from the index after the call returns. No callback runs upward.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -29,11 +32,13 @@ from dss.errors import CapacityError, CorruptPage, KeyDestroyed, PageMissing, St
 from dss.pages.encoder import PageCodecProcess
 from dss.pages.eviction import EvictionPolicy, PageStats, Retention
 from dss.pages.meta import PageMeta
+from dss.pages.pagefile import encode_page
 from dss.pages.rows import PageRows
 from dss.pages.table import Held, PageEntry, PageTable
 from dss.pages.tiers.device import DeviceTier
 from dss.pages.tiers.disk import DiskTier
 from dss.pages.tiers.host import HostTier
+from dss.pages.tiers.remote import RemoteTier
 from dss.types import PageHash, TenantId, Tier
 from dss.wire import SlotRef
 
@@ -58,6 +63,10 @@ class TierCounters:
     disk_full_skips: int = 0  # write-throughs skipped: the disk was full of pages it may not evict
     pages_dropped: int = 0
     demoted_pages: int = 0  # host pages moved to disk on request (`demote_to_disk`), not for room
+    remote_writes: int = 0  # pages copied to the remote tier (write-behind)
+    remote_write_errors: int = 0
+    remote_misses: int = 0  # pages a lookup found in the remote tier that were gone when read
+    remote_read_bytes: int = 0  # bytes at rest read from the remote tier
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def count(self, name: str, tier: Tier | None = None, n: int = 1) -> None:
@@ -79,8 +88,10 @@ class TieredPages:
         rows: PageRows,
         data_key: DataKeyLookup,
         encoder: PageCodecProcess | None = None,
+        remote: RemoteTier | None = None,
     ) -> None:
         self.table = table
+        self.remote = remote
         self.host = host
         self.disk = disk
         self.device = device
@@ -108,6 +119,7 @@ class TieredPages:
             Tier.HOST: self.host.used_bytes,
             Tier.DISK: self.disk.used_bytes if self.disk else 0,
             Tier.DEVICE: self.device.used_bytes if self.device else 0,
+            Tier.REMOTE: 0,  # shared by the fleet: `RemoteTier.stats()` reads it from Redis
         }
 
     def page_counts(self) -> dict[Tier, int]:
@@ -124,6 +136,10 @@ class TieredPages:
     @property
     def disk_available(self) -> bool:
         return self.disk is not None and self.disk.available
+
+    @property
+    def remote_available(self) -> bool:
+        return self.remote is not None and self.remote.available
 
     # ------------------------------------------------------------------ readers
     def lease_prefix(self, pages: Iterable[PageHash]) -> list[Held]:
@@ -185,6 +201,12 @@ class TieredPages:
         self.host.release(ref)
         return False
 
+    def add_remote_resident(self, meta: PageMeta) -> bool:
+        """A page a lookup found in the remote tier (promoted next). False if already present."""
+        now = time.monotonic()
+        stats = PageStats(last_access=now, hits=0, created=now, index=meta.index, nbytes=meta.nbytes)
+        return self.table.insert(PageEntry(meta, stats, {Tier.REMOTE}))
+
     def add_disk_resident(self, meta: PageMeta, disk_bytes: int) -> None:
         """Recovery: a page known only from the disk tier."""
         stats = PageStats(
@@ -199,6 +221,8 @@ class TieredPages:
         if claimed is None:
             return False
         written = self._write_claimed(claimed, gone)
+        if written >= 0:
+            self._write_remote(claimed, written)
 
         def add_disk(e: PageEntry) -> None:
             e.tiers.add(Tier.DISK)
@@ -249,6 +273,31 @@ class TieredPages:
             disk.delete(meta.hash)
             return 0
         return written
+
+    def _write_remote(self, entry: PageEntry, disk_bytes: int) -> None:
+        """Write-behind of a claimed page to the remote tier: the disk tier's file as it is when
+        one was just written (the same at-rest format), else the page encoded here. Skipped when
+        Redis has it already (another server wrote it) or is unavailable; never raises."""
+        remote, meta, ref = self.remote, entry.meta, entry.host_ref
+        if remote is None or ref is None or not remote.config.write_behind:
+            return  # (an unavailable tier fails fast below, and is tried again later)
+        try:
+            if remote.exists([meta.hash])[0]:
+                return
+            key = self._data_key(meta.tenant)
+            blob: bytes | None = None
+            if disk_bytes > 0 and self.disk is not None:
+                with contextlib.suppress(OSError):
+                    blob = self.disk.path_of(meta.hash).read_bytes()
+            if blob is None:
+                blob = encode_page(meta, self.host.slot_array(ref).data, remote.codec, key)
+            if remote.put(meta.hash, meta.tenant, blob):
+                self.counters.count("remote_writes")
+        except KeyDestroyed:
+            return
+        except (TierUnavailable, CorruptPage) as exc:
+            self.counters.count("remote_write_errors")
+            log.debug("page %s not written to the remote tier: %s", meta.hash.hex()[:16], exc)
 
     def _write_file(
         self, disk: DiskTier, meta: PageMeta, ref: SlotRef, key: bytes, gone: list[PageHash]
@@ -301,6 +350,8 @@ class TieredPages:
                 return None
             if Tier.HOST in e.tiers:
                 return e.host_ref
+            if e.tiers == {Tier.REMOTE}:
+                return self._promote_from_remote(page, gone)
             if Tier.DISK not in e.tiers or self.disk is None:
                 return None
             claimed = self.table.claim(page, lambda x: Tier.HOST not in x.tiers and Tier.DISK in x.tiers)
@@ -330,6 +381,51 @@ class TieredPages:
             return None
         self.counters.count("promotions", Tier.HOST)
         self.counters.count("hits_pages", Tier.DISK)
+        return ref
+
+    def _promote_from_remote(self, page: PageHash, gone: list[PageHash]) -> SlotRef | None:
+        """Read a page only the remote tier holds into a new host slot. On any failure (Redis
+        unavailable, the page evicted or expired there, a value that fails its checks) the entry is
+        dropped: it was only a hint from a lookup, and the engine recomputes the page."""
+        remote = self.remote
+        claimed = self.table.claim(page, lambda x: x.tiers == {Tier.REMOTE})
+        if claimed is None:
+            self.table.wait_unbusy(page, _WAIT_BUSY_S)
+            e = self.table.get(page)
+            return e.host_ref if e is not None and Tier.HOST in e.tiers else None
+        ref: SlotRef | None = None
+        ok = False
+        if remote is not None:
+            try:
+                ref = self.reserve_host(claimed.meta.nbytes, gone)
+                key = self._data_key(claimed.meta.tenant)
+                header, _tokens, _raw = remote.read(page, key, out=self.host.slot_array(ref))
+                claimed.meta.checksum = header.checksum
+                self.counters.count("remote_read_bytes", n=header.file_len)
+                ok = True
+            except (CapacityError, KeyDestroyed):
+                pass
+            except CorruptPage as exc:
+                self.counters.count("corrupt_pages")
+                log.warning("page %s unreadable in the remote tier (%s); recomputed", page.hex()[:16], exc)
+            except (PageMissing, TierUnavailable) as exc:
+                self.counters.count("remote_misses")
+                log.debug("page %s not read from the remote tier: %s", page.hex()[:16], exc)
+
+        def to_host(e: PageEntry) -> None:
+            e.tiers = {Tier.HOST}
+            e.host_ref = ref
+            e.meta.checksum = claimed.meta.checksum
+
+        doomed = self.table.settle(page, to_host if ok else None)
+        if doomed is not None or not ok:
+            if ref is not None:
+                self.host.release(ref)
+            if doomed is None:
+                gone.extend(self.drop([page]))
+            return None
+        self.counters.count("promotions", Tier.HOST)
+        self.counters.count("hits_pages", Tier.REMOTE)
         return ref
 
     def _read_claimed(self, entry: PageEntry, gone: list[PageHash]) -> tuple[SlotRef | None, bool, bool]:

@@ -1,0 +1,372 @@
+"""The remote tier: pages in Redis (or Valkey), shared by every server of a fleet.
+
+A page is stored exactly as the disk tier stores it (`dss.pages.pagefile`: byte-plane zstd,
+xxh3 checksums, AES-GCM under the tenant's data key), so Redis never holds plaintext KV and a
+value that was damaged in Redis fails its checks on decode and is served as a miss.
+
+Content addressing makes the tier self-indexing: a server that has never seen a session computes
+the chained page hashes of a prompt and asks which exist (`exists`, one pipelined round trip).
+There is no shared in-memory index and no page row for the remote copies.
+
+Keys (all under `RemoteConfig.key_prefix`, default `dss:`):
+
+    p:<hash hex>   the page at rest, with a TTL (refreshed on every read and write)
+    t:<tenant>     a set of the tenant's page hashes: an erasure deletes them without a scan
+    m              a hash: page hash -> "<bytes at rest> <tenant>"
+    lru            a sorted set: page hash -> last use (unix seconds); the oldest go first
+    bytes          the bytes at rest of every page, kept within `capacity_bytes`
+
+Writes and evictions run as Lua scripts, so each is atomic on the Redis server: two servers
+writing pages concurrently never leave the counters, the sets and the pages disagreeing. Pages
+that expired by TTL leave their bookkeeping behind for a while; every write sweeps a few.
+
+Redis unavailable (refused, timed out, any Redis error) = tier unavailable: the call raises
+`TierUnavailable` and further calls fail fast for `probe_every_s`, after which the next call tries
+again. The store serves from its local tiers meanwhile and never fails a client for it.
+
+No lock is held while talking to Redis; `_lock` is a leaf around the availability state and the
+counters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dss.config import RemoteConfig
+from dss.errors import CorruptPage, PageMissing, TierUnavailable
+from dss.pages.codec import Codec
+from dss.pages.pagefile import PageFileHeader, decode_page
+from dss.types import PageHash, TenantId, Tier
+
+log = logging.getLogger("dss.pages.remote")
+
+_ERASE_CHUNK = 256
+_SWEEP_EXPIRED = 16  # expired pages whose bookkeeping one write removes
+
+# KEYS: page, meta, lru, bytes, tenant set. ARGV: blob, ttl, now, hash hex, tenant, capacity,
+# prefix, sweep. Returns {stored (0: it was there), pages evicted}.
+_PUT = """
+local function forget(prefix, h)
+  local m = redis.call('HGET', KEYS[2], h)
+  if m then
+    local size, tenant = string.match(m, '^(%d+) (.*)$')
+    redis.call('DECRBY', KEYS[4], tonumber(size))
+    redis.call('SREM', prefix .. 't:' .. tenant, h)
+    redis.call('HDEL', KEYS[2], h)
+  end
+  redis.call('ZREM', KEYS[3], h)
+  redis.call('DEL', prefix .. 'p:' .. h)
+end
+local now, ttl = tonumber(ARGV[3]), tonumber(ARGV[2])
+local prefix = ARGV[7]
+for _, h in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now - ttl, 'LIMIT', 0, tonumber(ARGV[8]))) do
+  forget(prefix, h)
+end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('EXPIRE', KEYS[1], ttl)
+  redis.call('ZADD', KEYS[3], now, ARGV[4])
+  return {0, 0}
+end
+forget(prefix, ARGV[4])
+local size = string.len(ARGV[1])
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ttl)
+redis.call('HSET', KEYS[2], ARGV[4], size .. ' ' .. ARGV[5])
+redis.call('ZADD', KEYS[3], now, ARGV[4])
+redis.call('SADD', KEYS[5], ARGV[4])
+local used = redis.call('INCRBY', KEYS[4], size)
+local evicted = 0
+local cap = tonumber(ARGV[6])
+while used > cap do
+  local oldest = redis.call('ZRANGE', KEYS[3], 0, 0)
+  if #oldest == 0 or oldest[1] == ARGV[4] then break end
+  forget(prefix, oldest[1])
+  evicted = evicted + 1
+  used = tonumber(redis.call('GET', KEYS[4]) or '0')
+end
+return {1, evicted}
+"""
+
+# KEYS: meta, lru, bytes. ARGV: prefix, hash hex... Removes pages and their bookkeeping.
+_FORGET = """
+local prefix = ARGV[1]
+local n = 0
+for i = 2, #ARGV do
+  local h = ARGV[i]
+  local m = redis.call('HGET', KEYS[1], h)
+  if m then
+    local size, tenant = string.match(m, '^(%d+) (.*)$')
+    redis.call('DECRBY', KEYS[3], tonumber(size))
+    redis.call('SREM', prefix .. 't:' .. tenant, h)
+    redis.call('HDEL', KEYS[1], h)
+  end
+  redis.call('ZREM', KEYS[2], h)
+  n = n + redis.call('DEL', prefix .. 'p:' .. h)
+end
+return n
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteStats:
+    available: bool
+    used_bytes: int
+    pages: int
+    capacity_bytes: int
+
+
+class RemoteTier:
+    tier = Tier.REMOTE
+
+    def __init__(
+        self,
+        config: RemoteConfig,
+        codec: Codec,
+        client_factory: Callable[[RemoteConfig], Any] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not config.url:
+            raise ValueError("the remote tier needs a Redis URL")
+        self.config = config
+        self.codec = codec  # for pages written here without a disk file to copy (`encode_page`)
+        self.capacity_bytes = config.capacity_bytes
+        self._prefix = config.key_prefix
+        self._clock = clock
+        self._client = (client_factory or _redis_client)(config)
+        self._put_script = self._client.register_script(_PUT)
+        self._forget_script = self._client.register_script(_FORGET)
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._available = True
+        self._last_error = ""
+        self.corrupt_pages = 0
+        self.errors = 0
+        self.evictions = 0
+
+    # --- availability ---------------------------------------------------------------------------
+    @property
+    def available(self) -> bool:
+        """False after a failed call, until a later call succeeds (tried at most every
+        `probe_every_s`)."""
+        with self._lock:
+            return self._available
+
+    @property
+    def last_error(self) -> str:
+        with self._lock:
+            return self._last_error
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        """Run one exchange with Redis; any Redis or socket error makes the tier unavailable."""
+        import redis
+
+        now = time.monotonic()
+        with self._lock:
+            if now < self._down_until:
+                raise TierUnavailable(f"remote tier unavailable: {self._last_error}")
+        try:
+            result = fn()
+        except (redis.RedisError, OSError) as exc:
+            why = f"{what}: {type(exc).__name__}: {exc}"
+            with self._lock:
+                was = self._available
+                self._available = False
+                self._last_error = why
+                self._down_until = time.monotonic() + self.config.probe_every_s
+                self.errors += 1
+            if was:
+                log.error("remote tier unavailable, serving from local tiers: %s", why)
+            raise TierUnavailable(f"remote tier unavailable: {why}") from exc
+        with self._lock:
+            came_back = not self._available
+            self._available = True
+        if came_back:
+            log.warning("remote tier at %s answers again", _safe_url(self.config.url))
+        return result
+
+    def probe(self) -> bool:
+        """Whether Redis answers now (a PING; marks the tier available or not)."""
+        try:
+            return bool(self._call("ping", self._client.ping))
+        except TierUnavailable:
+            return False
+
+    # --- keys -------------------------------------------------------------------------------------
+    def _page_key(self, page: PageHash) -> str:
+        return f"{self._prefix}p:{page.hex()}"
+
+    def _tenant_key(self, tenant: TenantId) -> str:
+        return f"{self._prefix}t:{tenant}"
+
+    @property
+    def _meta_key(self) -> str:
+        return f"{self._prefix}m"
+
+    @property
+    def _lru_key(self) -> str:
+        return f"{self._prefix}lru"
+
+    @property
+    def _bytes_key(self) -> str:
+        return f"{self._prefix}bytes"
+
+    # --- queries ------------------------------------------------------------------------------------
+    def exists(self, pages: Sequence[PageHash]) -> list[bool]:
+        """Which of `pages` Redis holds now, in one pipelined round trip."""
+        if not pages:
+            return []
+
+        def run() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for p in pages:
+                pipe.exists(self._page_key(p))
+            return list(pipe.execute())
+
+        return [bool(n) for n in self._call("exists", run)]
+
+    def contains(self, page: PageHash) -> bool:
+        return self.exists([page])[0]
+
+    def stats(self) -> RemoteStats:
+        """Bytes and pages held (read from Redis; zeros while unavailable)."""
+
+        def run() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.get(self._bytes_key)
+            pipe.hlen(self._meta_key)
+            return list(pipe.execute())
+
+        try:
+            used, n = self._call("stats", run)
+        except TierUnavailable:
+            return RemoteStats(False, 0, 0, self.capacity_bytes)
+        return RemoteStats(True, int(used or 0), int(n or 0), self.capacity_bytes)
+
+    # --- writing ---------------------------------------------------------------------------------------
+    def put(self, page: PageHash, tenant: TenantId, blob: bytes) -> bool:
+        """Store a page at rest (`encode_page`'s output, e.g. a disk tier file's bytes). False if
+        Redis already held it (its TTL is refreshed). The oldest pages go when over capacity."""
+        if len(blob) > self.capacity_bytes:
+            return False
+        keys = [self._page_key(page), self._meta_key, self._lru_key, self._bytes_key]
+        keys.append(self._tenant_key(tenant))
+        args = [
+            blob,
+            self.config.ttl_s,
+            int(self._clock()),
+            page.hex(),
+            tenant,
+            self.capacity_bytes,
+            self._prefix,
+            _SWEEP_EXPIRED,
+        ]
+        stored, evicted = self._call("put", lambda: self._put_script(keys=keys, args=args))
+        if evicted:
+            with self._lock:
+                self.evictions += int(evicted)
+        return bool(stored)
+
+    def delete(self, pages: Sequence[PageHash]) -> int:
+        """Remove pages (and their bookkeeping); returns how many Redis held."""
+        if not pages:
+            return 0
+        keys = [self._meta_key, self._lru_key, self._bytes_key]
+        args = [self._prefix, *(p.hex() for p in pages)]
+        return int(self._call("delete", lambda: self._forget_script(keys=keys, args=args)))
+
+    # --- reading -----------------------------------------------------------------------------------------
+    def get(self, page: PageHash) -> bytes:
+        """The page at rest; `PageMissing` when Redis does not hold it (never stored, evicted,
+        expired). A read refreshes the page's TTL and its place in the eviction order."""
+        key = self._page_key(page)
+
+        def run() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.getex(key, ex=self.config.ttl_s)
+            pipe.zadd(self._lru_key, {page.hex(): int(self._clock())}, xx=True)
+            return list(pipe.execute())
+
+        blob = self._call("get", run)[0]
+        if blob is None:
+            raise PageMissing(f"remote tier does not hold page {page.hex()[:16]}")
+        return bytes(blob)
+
+    def read(
+        self, page: PageHash, data_key: bytes | None, out: np.ndarray | None = None
+    ) -> tuple[PageFileHeader, np.ndarray, bytearray | bytes | memoryview]:
+        """The verified page (decoded into `out` when given). A value that fails its checks is
+        deleted from Redis and raised as `CorruptPage` (the caller serves a miss)."""
+        blob = self.get(page)
+        try:
+            header, tokens, raw = decode_page(blob, data_key, out=out)
+            if header.page_hash != page:
+                raise CorruptPage(f"remote value of page {page.hex()} holds page {header.page_hash.hex()}")
+        except CorruptPage:
+            with self._lock:
+                self.corrupt_pages += 1
+            with contextlib.suppress(TierUnavailable):
+                self.delete([page])
+            raise
+        return header, tokens, raw
+
+    # --- erasure -------------------------------------------------------------------------------------------
+    def erase_tenant(self, tenant: TenantId) -> int:
+        """Delete every page of `tenant` (found through its key set, never by scanning the whole
+        keyspace); returns how many pages Redis held. `TierUnavailable` when Redis does not answer:
+        the erasure destroyed the tenant's data key, so what is left there can never be decrypted,
+        and `count_tenant` (in `verify`) reports it until it is gone."""
+        set_key = self._tenant_key(tenant)
+        n = 0
+        while True:
+            members = self._call("erase", lambda: self._client.srandmember(set_key, _ERASE_CHUNK))
+            if not members:
+                break
+            hexes = [m.decode() if isinstance(m, bytes) else str(m) for m in members]
+            n += self.delete([PageHash(bytes.fromhex(h)) for h in hexes])
+            # A member without bookkeeping (an expired page swept meanwhile) must still leave the set.
+            self._forget_members(set_key, hexes)
+        self._call("erase", lambda: self._client.delete(set_key))
+        return n
+
+    def _forget_members(self, set_key: str, hexes: list[str]) -> None:
+        self._call("erase", lambda: self._client.srem(set_key, *hexes))
+
+    def count_tenant(self, tenant: TenantId) -> int:
+        """Pages of `tenant` Redis still holds (`verify` after an erasure)."""
+        members = self._call("count", lambda: self._client.smembers(self._tenant_key(tenant)))
+        if not members:
+            return 0
+        return sum(self.exists([PageHash(bytes.fromhex(m.decode())) for m in members]))
+
+    def close(self) -> None:
+        try:
+            self._client.close()
+        except Exception:  # closing a client of a dead server must not fail a shutdown
+            log.debug("closing the Redis client failed", exc_info=True)
+
+
+def _redis_client(config: RemoteConfig) -> Any:
+    import redis
+
+    return redis.Redis.from_url(
+        config.url or "",
+        socket_timeout=config.timeout_s,
+        socket_connect_timeout=config.timeout_s,
+        health_check_interval=0,
+        retry_on_timeout=False,
+    )
+
+
+def _safe_url(url: str | None) -> str:
+    """The URL without a password, for logs."""
+    if not url or "@" not in url:
+        return url or ""
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://***@{rest.rpartition('@')[2]}"

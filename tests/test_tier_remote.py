@@ -1,0 +1,250 @@
+"""The remote page tier against a real Redis: batches, corruption, capacity and TTL, erasure by
+tenant, Redis going away mid-run; and two stores on one PostgreSQL sharing pages through it.
+
+Redis comes from `DSS_TEST_REDIS_URL` (`.ci/run` starts one); each test writes under its own key
+prefix and removes its keys afterwards. The outage test runs its own `redis-server` on a free port.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dss.config import RemoteConfig
+from dss.errors import CorruptPage, PageMissing, TierUnavailable
+from dss.pages.codec import make_codec
+from dss.pages.meta import PageMeta
+from dss.pages.pagefile import encode_page
+from dss.pages.tiers.remote import RemoteTier
+from dss.types import FingerprintId, NamespaceId, PageHash, TenantId, Tier
+from tests.store_helpers import SMALL_FP, open_store, page_bytes, pages_for
+
+REDIS_URL = os.environ.get("DSS_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+KEY = os.urandom(32)  # an AES-256 data key
+CODEC = make_codec("zstd-byteplane")
+
+
+def _redis_answers(url: str) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5).ping())
+    except redis.RedisError:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _redis_answers(REDIS_URL), reason=f"no Redis answers at {REDIS_URL}")
+
+
+def _config(prefix: str, url: str = REDIS_URL, **kw: object) -> RemoteConfig:
+    return RemoteConfig(url=url, key_prefix=prefix, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    p = f"test-{uuid.uuid4().hex[:8]}:"
+    yield p
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    keys = list(client.scan_iter(f"{p}*"))
+    if keys:
+        client.delete(*keys)
+
+
+def _page(seed: int, tenant: str = "t1") -> tuple[PageMeta, bytes, bytes]:
+    raw = page_bytes(SMALL_FP, seed)
+    meta = PageMeta(
+        hash=PageHash(seed.to_bytes(4, "little") * 8),
+        namespace=NamespaceId(b"n" * 16),
+        tenant=TenantId(tenant),
+        fingerprint=FingerprintId("fp"),
+        parent=PageHash(b"\0" * 32),
+        index=0,
+        nbytes=len(raw),
+        tokens=np.arange(SMALL_FP.block_size, dtype=np.int32),
+    )
+    return meta, raw, encode_page(meta, raw, CODEC, KEY)
+
+
+def test_put_get_exists_in_batches(prefix: str) -> None:
+    tier = RemoteTier(_config(prefix), CODEC)
+    pages = [_page(i) for i in range(1, 9)]
+    for meta, _raw, blob in pages[:5]:
+        assert tier.put(meta.hash, meta.tenant, blob)
+    assert not tier.put(pages[0][0].hash, pages[0][0].tenant, pages[0][2])  # already there
+    assert tier.exists([m.hash for m, _, _ in pages]) == [True] * 5 + [False] * 3
+    for meta, raw, _blob in pages[:5]:
+        out = np.zeros(len(raw), dtype=np.uint8)
+        header, tokens, _ = tier.read(meta.hash, KEY, out=out)
+        assert out.tobytes() == raw and header.page_hash == meta.hash
+        assert list(tokens) == list(meta.tokens)
+    with pytest.raises(PageMissing):
+        tier.get(pages[6][0].hash)
+    st = tier.stats()
+    assert st.available and st.pages == 5 and st.used_bytes == sum(len(b) for _, _, b in pages[:5])
+
+
+def test_flipped_bytes_are_a_miss_and_the_value_goes(prefix: str) -> None:
+    import redis
+
+    tier = RemoteTier(_config(prefix), CODEC)
+    meta, raw, blob = _page(3)
+    tier.put(meta.hash, meta.tenant, blob)
+    client = redis.Redis.from_url(REDIS_URL)
+    key = f"{prefix}p:{meta.hash.hex()}"
+    for offset in (10, len(blob) // 2, len(blob) - 1):  # header, body, tag
+        tier.put(meta.hash, meta.tenant, blob)
+        value = bytearray(client.get(key) or b"")
+        value[offset] ^= 0x40
+        client.set(key, bytes(value))
+        with pytest.raises(CorruptPage):
+            tier.read(meta.hash, KEY, out=np.zeros(len(raw), dtype=np.uint8))
+        assert tier.exists([meta.hash]) == [False]  # deleted, never served
+    assert tier.corrupt_pages == 3 and tier.stats().used_bytes == 0
+
+
+def test_capacity_evicts_the_least_recently_used(prefix: str) -> None:
+    pages = [_page(i) for i in range(1, 6)]
+    size = max(len(blob) for _, _, blob in pages)  # compressed sizes differ by a few bytes
+    now = [1000.0]
+    tier = RemoteTier(_config(prefix, capacity_bytes=3 * size), CODEC, clock=lambda: now[0])
+    for meta, _, blob in pages[:3]:
+        now[0] += 1
+        tier.put(meta.hash, meta.tenant, blob)
+    now[0] += 1
+    tier.get(pages[0][0].hash)  # page 1 is used again: page 2 is now the oldest
+    for meta, _, blob in pages[3:]:
+        now[0] += 1
+        tier.put(meta.hash, meta.tenant, blob)
+    assert tier.exists([m.hash for m, _, _ in pages]) == [True, False, False, True, True]
+    assert tier.evictions == 2
+    st = tier.stats()
+    assert st.pages == 3 and st.used_bytes == sum(len(pages[i][2]) for i in (0, 3, 4))
+
+
+def test_ttl_expires_pages_and_their_bookkeeping(prefix: str) -> None:
+    tier = RemoteTier(_config(prefix, ttl_s=1), CODEC)
+    meta, _, blob = _page(1)
+    tier.put(meta.hash, meta.tenant, blob)
+    time.sleep(2.1)
+    assert tier.exists([meta.hash]) == [False]
+    other, _, blob2 = _page(2)
+    tier.put(other.hash, other.tenant, blob2)  # a write sweeps expired pages' bookkeeping
+    st = tier.stats()
+    assert st.pages == 1 and st.used_bytes == len(blob2)
+
+
+def test_erase_tenant_deletes_its_keys_only(prefix: str) -> None:
+    tier = RemoteTier(_config(prefix), CODEC)
+    mine = [_page(i, "erased") for i in range(1, 301)]  # more than one chunk
+    theirs = [_page(i, "kept") for i in range(1001, 1004)]
+    for meta, _, blob in mine + theirs:
+        tier.put(meta.hash, meta.tenant, blob)
+    assert tier.count_tenant(TenantId("erased")) == 300
+    assert tier.erase_tenant(TenantId("erased")) == 300
+    assert tier.count_tenant(TenantId("erased")) == 0
+    assert not any(tier.exists([m.hash for m, _, _ in mine]))
+    assert all(tier.exists([m.hash for m, _, _ in theirs]))
+    assert tier.stats().pages == 3
+
+
+# ------------------------------------------------------------------------------------ outages
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def own_redis() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    port = _free_port()
+    proc = subprocess.Popen(
+        [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + 10
+    while not _redis_answers(url):
+        assert time.monotonic() < deadline, "redis-server did not start"
+        time.sleep(0.05)
+    yield url, proc
+    proc.kill()
+    proc.wait()
+
+
+def test_redis_stopped_mid_run_makes_the_tier_unavailable_then_back(
+    own_redis: tuple[str, subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    url, proc = own_redis
+    tier = RemoteTier(_config("o:", url=url, probe_every_s=0.2, timeout_s=0.3), CODEC)
+    meta, _, blob = _page(1)
+    assert tier.put(meta.hash, meta.tenant, blob)
+    proc.kill()
+    proc.wait()
+    with pytest.raises(TierUnavailable):
+        tier.exists([meta.hash])
+    assert not tier.available
+    t0 = time.monotonic()
+    with pytest.raises(TierUnavailable):  # fails fast until the next probe
+        tier.get(meta.hash)
+    assert time.monotonic() - t0 < 0.05
+    # A store whose Redis is gone serves from its local tiers, and says so.
+    with open_store(tmp_path / "s", remote=_config("o:", url=url, timeout_s=0.3)) as store:
+        fid = store.register_fingerprint(SMALL_FP)
+        tenant = store.tenant_for("alice")
+        tokens = np.arange(1, 4 * SMALL_FP.block_size + 1, dtype=np.int32)
+        assert store.put_sequence(fid, tenant, tokens, pages_for(SMALL_FP, tokens)) == 4
+        store.flush()
+        assert store.load_sequence(fid, tenant, tokens)[0] == len(tokens)
+        other = np.arange(500, 500 + 2 * SMALL_FP.block_size, dtype=np.int32)
+        assert store.load_sequence(fid, tenant, other)[0] == 0  # a miss, not an error
+        s = store.stats()
+        assert s["remote_available"] is False and s["remote_error"]
+        assert s["remote_write_errors"] >= 1
+        store.check()
+
+
+# ------------------------------------------------------------------------- two stores, one fleet
+def test_a_page_saved_on_one_server_loads_on_another(pg_url: str, tmp_path: Path, prefix: str) -> None:
+    """Server B never saw the sequence: it finds the pages through their content addresses in
+    Redis, promotes them (its disk tier keeps a copy) and gets A's bytes."""
+    key_file = tmp_path / "master.key"
+    common = {"db_url": pg_url, "master_key_file": key_file, "remote": _config(prefix)}
+    bs = SMALL_FP.block_size
+    tokens = np.arange(1, 5 * bs + 3, dtype=np.int32)  # 5 whole pages and a tail of 2 tokens
+    pages = pages_for(SMALL_FP, tokens)
+    tail = page_bytes(SMALL_FP, 99)
+    with open_store(tmp_path / "a", **common) as a:
+        fid = a.register_fingerprint(SMALL_FP)
+        tenant = a.tenant_for("alice")
+        assert a.put_sequence(fid, tenant, tokens, [*pages, tail]) == 6
+        assert a.flush()
+        assert a.stats()["remote_writes"] == 6
+        with open_store(tmp_path / "b", **common) as b:
+            assert b.tenant_for("alice") == tenant
+            b.register_fingerprint(SMALL_FP)
+            longer = np.concatenate([tokens, np.arange(900, 900 + 2 * bs, dtype=np.int32)])
+            n, copies = b.load_sequence(fid, tenant, longer)
+            assert n == len(tokens)
+            assert copies[:5] == pages and copies[5] == tail
+            s = b.stats()
+            assert s["hits_pages"][Tier.REMOTE.value] == 6 and s["remote_read_bytes"] > 0
+            assert b.flush()
+            assert b.residency(fid, tenant, tokens)["disk"] == len(tokens)  # kept on B's disk too
+            b.check()
+            # Another tenant asking for the same tokens finds nothing of alice's.
+            assert b.load_sequence(fid, b.tenant_for("bob"), longer)[0] == 0
