@@ -125,7 +125,7 @@ def test_device_tier_promotes_on_hit_and_demotes_under_pressure(tmp_path):
     assert counts[Tier.DEVICE] == 2 and counts[Tier.HOST] == 3
     assert store.pages.counters.evictions[Tier.DEVICE] == 1
     # The device copies keep their host copies: each tier counts what it holds.
-    assert store.residency(fid, t, tokens) == {"device": 8, "host": 12, "disk": 0}
+    assert store.residency(fid, t, tokens) == {"device": 8, "host": 12, "disk": 0, "remote": 0}
     store.check()
     store.close()
 
