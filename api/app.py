@@ -25,7 +25,7 @@ from fastapi import FastAPI
 from api.auth import ApiKeys, check_user_name
 from api.errors import install_error_handlers
 from api.metrics import Metrics
-from api.middleware import BodyLimit, DevHostGuard, RequestMetrics
+from api.middleware import BodyLimit, DevHostGuard, RequestMetrics, ServerIdHeader
 from api.routes import branches, chat, health, metrics, models, prefixes, responses, sessions, users, versions
 from api.settings import Settings
 from api.state import AppState, Phase, Startup
@@ -64,7 +64,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if settings.auth.dev_mode:
         app.add_middleware(DevHostGuard, extra=settings.auth.dev_allowed_hosts)
     app.add_middleware(RequestMetrics, metrics=app.state.metrics)
+    # Outermost: every answer names its server, the middlewares' own (413, 421) included.
+    app.add_middleware(ServerIdHeader, server_id=lambda: server_id_of(app))
     return app
+
+
+def server_id_of(app: FastAPI) -> str | None:
+    """This server's name in a fleet: the open store's (the configured one, or the one its data
+    directory keeps), else the configured one while the store opens."""
+    state: AppState | None = getattr(app.state, "dss", None)
+    if state is not None:
+        sid: str | None = getattr(state.store, "server_id", None)
+        if sid:
+            return sid
+    settings: Settings = app.state.settings
+    return settings.store.server_id
 
 
 def check_startup(settings: Settings) -> None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Header, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.auth import KEY_PREFIX, Principal, check_user_name
-from api.errors import EngineUnavailable, Forbidden, ServerStarting, Unauthorized
+from api.errors import EngineUnavailable, Forbidden, ServerStarting, SessionIdConflict, Unauthorized
+from api.schemas import NAME_PATTERN
 from api.state import AppState, Phase, Startup
 from dss.errors import InvalidInput
 from dss.store import Store
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
     from api.engine import ChatEngine
 
 DEV_USER_HEADER = "X-DSS-User"
+# The session id as a header, for a router that hashes on it (a body is costly to parse there).
+SESSION_HEADER = "X-DSS-Session"
 
 _bearer = HTTPBearer(auto_error=False, description="An API key made by `dss keys create`")
 
@@ -125,3 +128,28 @@ async def get_engine(request: Request, state: StateDep) -> ChatEngine:
 
 
 EngineDep = Annotated["ChatEngine", Depends(get_engine)]
+
+
+SessionHeaderDep = Annotated[
+    str | None,
+    Header(
+        alias=SESSION_HEADER,
+        pattern=NAME_PATTERN,
+        description="The session id, as the body's `session_id` (which wins when only it is given); a "
+        "router hashes on this header to keep a session on one server. Both given and different: 400.",
+    ),
+]
+
+
+def session_id_of(body_value: str | None, header: str | None) -> str | None:
+    """The request's session: the body's `session_id`, else the `X-DSS-Session` header (both
+    validated alike, by the schema and the header's pattern); the same value in both is fine,
+    two different ones are a `SessionIdConflict`."""
+    if header is None or body_value == header:
+        return body_value
+    if body_value is None:
+        return header
+    raise SessionIdConflict(
+        f"the {SESSION_HEADER} header and the body's session_id name different sessions; send one, "
+        "or the same in both"
+    )

@@ -48,6 +48,15 @@ class BadRequest(ApiError):
     type = "invalid_request_error"
 
 
+class SessionIdConflict(BadRequest):
+    """A request names its session twice, in the `X-DSS-Session` header (which a router hashes
+    on) and in the body's `session_id`, and the two differ: which one the turn belongs to, and
+    which server it was routed by, would be a guess."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="session_id_conflict", param="session_id")
+
+
 class Unauthorized(ApiError):
     status = 401
     type = "authentication_error"

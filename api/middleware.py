@@ -1,10 +1,11 @@
-"""ASGI middleware: the request body size limit, per-route request metrics, and development mode's
-Host-header allow-list."""
+"""ASGI middleware: the request body size limit, per-route request metrics, development mode's
+Host-header allow-list, and the `X-DSS-Server` response header."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -98,6 +99,36 @@ def _route_of(scope: Scope) -> str:
     route: Any = scope.get("route")
     path = getattr(route, "path", None)
     return str(path) if path else "unmatched"
+
+
+SERVER_HEADER = "X-DSS-Server"
+
+
+class ServerIdHeader:
+    """Adds `X-DSS-Server: <server id>` to every response (errors and streams included), so a
+    client or a test sees which server of a fleet behind a router answered. `server_id` is asked
+    per response: the store that knows the id opens after the server listens; until an id is
+    known (none configured, the store still opening), the header is left out."""
+
+    def __init__(self, app: ASGIApp, server_id: Callable[[], str | None]) -> None:
+        self.app = app
+        self.server_id = server_id
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def sending(msg: Message) -> None:
+            if msg["type"] == "http.response.start":
+                sid = self.server_id()
+                if sid:
+                    headers = list(msg.get("headers", ()))
+                    headers.append((SERVER_HEADER.lower().encode(), sid.encode("latin-1")))
+                    msg = {**msg, "headers": headers}
+            await send(msg)
+
+        await self.app(scope, receive, sending)
 
 
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})

@@ -177,14 +177,9 @@ class ChatCompletionRequest(GenerationParams):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     user: str | None = Field(default=None, max_length=256)
+    # Or the X-DSS-Session header (`api.deps.session_id_of`); `state_version` needs one of them.
     session_id: str | None = Field(default=None, pattern=NAME_PATTERN)
     state_version: int | None = Field(default=None, ge=1, le=2**31 - 1)
-
-    @model_validator(mode="after")
-    def _version_needs_session(self) -> ChatCompletionRequest:
-        if self.state_version is not None and self.session_id is None:
-            raise ValueError("state_version needs a session_id")
-        return self
 
 
 class SessionMessageRequest(GenerationParams):

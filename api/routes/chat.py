@@ -1,4 +1,5 @@
-"""`POST /v1/chat/completions`: OpenAI-compatible chat, session-aware when `session_id` is given.
+"""`POST /v1/chat/completions`: OpenAI-compatible chat, session-aware when `session_id` is given
+(in the body, or as the `X-DSS-Session` header a router hashes on).
 
 The request takes its generation slot on arrival, and a client that goes away stops its
 generation (`api.admission`, shared with the stateful `/messages` route).
@@ -12,8 +13,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from api.admission import serve_turn
-from api.deps import EngineDep, PrincipalDep, StateDep, acting_principal
-from api.errors import error_responses
+from api.deps import EngineDep, PrincipalDep, SessionHeaderDep, StateDep, acting_principal, session_id_of
+from api.errors import BadRequest, error_responses
 from api.openai_fields import check_fields
 from api.schemas import ChatCompletion, ChatCompletionRequest
 from api.turns import Turn, check_limits
@@ -35,9 +36,17 @@ _CHAT_OWN = {"session_id", "state_version", "messages"}
     },
 )
 async def create_chat_completion(
-    body: ChatCompletionRequest, request: Request, state: StateDep, principal: PrincipalDep, engine: EngineDep
+    body: ChatCompletionRequest,
+    request: Request,
+    state: StateDep,
+    principal: PrincipalDep,
+    engine: EngineDep,
+    session_header: SessionHeaderDep = None,
 ) -> Any:
-    """Chat; with `session_id`, the turn is committed as a new version of that session."""
+    """Chat; with a session id, the turn is committed as a new version of that session."""
+    session_id = session_id_of(body.session_id, session_header)
+    if body.state_version is not None and session_id is None:
+        raise BadRequest("state_version needs a session_id", code="invalid_request", param="state_version")
     who = acting_principal(request, principal, body.user)
     if body.model and body.model not in engine.model_names:
         raise ModelNotFound(f"the model {body.model!r} does not exist on this server")
@@ -49,9 +58,9 @@ async def create_chat_completion(
         messages = [m.plain() for m in body.messages]
         check_limits(state, body, messages)
         target = None
-        if body.session_id is not None:
+        if session_id is not None:
             target = await asyncio.to_thread(
-                chat_target, state.store.versions, who.user, body.session_id, messages, body.state_version
+                chat_target, state.store.versions, who.user, session_id, messages, body.state_version
             )
         return Turn(who.user, messages, body, target, fields)
 

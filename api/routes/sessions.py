@@ -8,7 +8,7 @@ from typing import Annotated, Any, cast
 from fastapi import APIRouter, Body, Query, Request, status
 
 from api.admission import serve_turn
-from api.deps import EngineDep, PrincipalDep, StateDep, acting_principal
+from api.deps import EngineDep, PrincipalDep, SessionHeaderDep, StateDep, acting_principal, session_id_of
 from api.errors import error_responses
 from api.openai_fields import HONOURED_CHAT, REFUSED, check_fields
 from api.schemas import (
@@ -58,9 +58,12 @@ def session_out(s: SessionInfo) -> SessionOut:
     response_model=SessionOut,
     responses=error_responses(400, 401, 409, 413),
 )
-def create_session(body: SessionCreate, state: StateDep, principal: PrincipalDep) -> SessionOut:
+def create_session(
+    body: SessionCreate, state: StateDep, principal: PrincipalDep, session_header: SessionHeaderDep = None
+) -> SessionOut:
+    session_id = session_id_of(body.session_id, session_header)
     s = state.store.versions.create_session(
-        principal.user, body.session_id, system_prompt=body.system_prompt, metadata=body.metadata
+        principal.user, session_id, system_prompt=body.system_prompt, metadata=body.metadata
     )
     return session_out(s)
 
