@@ -9,8 +9,9 @@ DSS_DATA_DIR ?= $(HOME)/.local/share/dss
 export DSS_MODEL_DIR ?= $(DSS_CACHE)/models/SmolLM2-135M-Instruct
 STAMP := $(VENV)/.dss-installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
+CLUSTER_ARGS ?=
 
-.PHONY: install model lint test test-core test-engine test-gpu serve bench clean
+.PHONY: install model haproxy lint test test-core test-engine test-gpu serve cluster bench clean
 
 $(STAMP):
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,12 +30,18 @@ install: $(STAMP)
 model: install
 	$(BIN)/dss model pull --data-dir $(DSS_CACHE)
 
-lint: install
-	$(BIN)/ruff check dss engine_patch api tests bench
-	$(BIN)/ruff format --check dss engine_patch api tests bench
-	$(BIN)/mypy dss api engine_patch
+# The router of `make cluster` and tests/test_router.py: installed with apt-get when missing (as root);
+# otherwise a warning, and the router tests skip.
+haproxy: install
+	@$(BIN)/python -c "from deploy.cluster import ensure_haproxy; ensure_haproxy()" \
+		|| echo "warning: no haproxy; tests/test_router.py will skip (apt-get install haproxy)"
 
-test: install model lint
+lint: install
+	$(BIN)/ruff check dss engine_patch api tests bench deploy
+	$(BIN)/ruff format --check dss engine_patch api tests bench deploy
+	$(BIN)/mypy dss api engine_patch deploy
+
+test: install model haproxy lint
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 test-core: install
@@ -48,6 +55,11 @@ test-gpu: install
 
 serve: install model
 	$(BIN)/dss serve --dev --model $(DSS_MODEL_DIR) --data-dir $(DSS_DATA_DIR)
+
+# Two `dss serve` behind HAProxy on 127.0.0.1:8100 (docs/operations.md, "Running several servers");
+# needs PostgreSQL and Redis on loopback. CLUSTER_ARGS="--no-engine" serves the store API only.
+cluster: install model haproxy
+	$(BIN)/python deploy/cluster.py --model $(DSS_MODEL_DIR) $(CLUSTER_ARGS)
 
 bench: install model
 	for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

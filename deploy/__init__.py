@@ -1,0 +1,1 @@
+"""Deployment files: the HAProxy template and the local cluster launcher (docs/operations.md)."""
