@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dss import errors as e
@@ -169,6 +170,15 @@ def response_for(exc: BaseException) -> JSONResponse:
         if isinstance(exc, e.QuotaExceeded | e.RetentionBusy):
             headers = {"Retry-After": str(exc.retry_after_s)}
         return error_response(status, message, kind, _snake(type(exc).__name__), headers=headers)
+    if isinstance(exc, OperationalError):
+        # The metadata database does not answer (PostgreSQL down or restarting, the connection
+        # lost, SQLite locked): nothing was committed, and the same request can succeed later or
+        # on another server of a fleet. Logged without the statement (it may hold user data).
+        log.error("the metadata database failed: %s", type(exc.orig).__name__ if exc.orig else "unknown")
+        return error_response(
+            503, "the metadata database is unavailable; nothing was committed, retry later",
+            "service_unavailable_error", "database_unavailable", headers=_RETRY_AFTER_503,
+        )  # fmt: skip
     if isinstance(exc, UnicodeEncodeError):  # text with a lone surrogate reached an encoder
         return error_response(
             400, "the request holds text that is not valid Unicode (a lone surrogate)",
@@ -237,6 +247,7 @@ async def _on_http(_req: Request, exc: Exception) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _on_api_error)
     app.add_exception_handler(e.DSSError, _on_api_error)
+    app.add_exception_handler(OperationalError, _on_api_error)  # the database does not answer: 503
     app.add_exception_handler(UnicodeEncodeError, _on_api_error)  # text a database or tokenizer refuses
     app.add_exception_handler(RequestValidationError, _on_validation)
     app.add_exception_handler(StarletteHTTPException, _on_http)

@@ -119,3 +119,28 @@ def test_a_chat_turn_takes_its_session_from_the_header(api_server: ApiServer) ->
         timeout=60,
     )
     assert no_session.status_code == 400 and no_session.json()["error"]["param"] == "state_version"
+
+
+@pytest.mark.pg
+def test_a_database_outage_is_a_retryable_503(pg_url: str, tmp_path: Path) -> None:
+    """PostgreSQL gone (here: its database dropped under the server) was a 500 internal_error; it
+    is a 503 with Retry-After, so a client or a router retries (nothing was committed)."""
+    server = ApiServer(None, tmp_path, dev=True, env={"DSS_STORE__DB_URL": pg_url})
+    server.start()
+    try:
+        with httpx.Client(base_url=server.base_url, headers={"X-DSS-User": "rita"}, timeout=30) as c:
+            assert c.post("/v1/sessions", json={"session_id": "before"}).status_code == 201
+            from sqlalchemy import create_engine, text
+            from sqlalchemy.engine import make_url
+
+            url = make_url(pg_url)
+            admin = create_engine(url.set(database="postgres"), isolation_level="AUTOCOMMIT")
+            with admin.connect() as conn:
+                conn.execute(text(f'DROP DATABASE "{url.database}" WITH (FORCE)'))
+            admin.dispose()
+            for r in (c.get("/v1/sessions/before"), c.post("/v1/sessions", json={"session_id": "after"})):
+                assert r.status_code == 503, r.text
+                assert r.json()["error"]["code"] == "database_unavailable"
+                assert r.headers["Retry-After"] == "1"
+    finally:
+        server.stop()
