@@ -41,6 +41,17 @@ class RemoteConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """Several servers on one PostgreSQL database (`dss.fleet`); unused with SQLite."""
+
+    heartbeat_s: float = 2.0  # how often a server refreshes its `servers.last_seen`
+    alive_s: float = 10.0  # a server seen within this long is alive (an erasure waits for its ack)
+    poll_s: float = 3.0  # catch-up on erasure receipts this often, besides every notification
+    ack_timeout_s: float = 5.0  # how long an erasure waits for the acks of the servers alive then
+    reconnect_max_s: float = 5.0  # the listener's reconnect backoff grows up to this
+
+
+@dataclass(frozen=True, slots=True)
 class StoreConfig:
     data_dir: Path
     db_url: str | None = None  # default: SQLite in data_dir
@@ -67,6 +78,7 @@ class StoreConfig:
     # This server's name in a fleet (page rows of its local tiers, erasure acknowledgements);
     # None: the one recorded in data_dir/server-id (a random one is written on first start).
     server_id: str | None = None
+    fleet: FleetConfig = field(default_factory=FleetConfig)
 
     @property
     def resolved_db_url(self) -> str:

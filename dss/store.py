@@ -12,6 +12,10 @@ with one job and its own leaf lock (see each module; no lock is ever held while 
 - `retention` (`dss.ops.retention`): session retention hints, idle demotion, warm-ups (own threads);
 - `identity`, `keyring` (`dss.keys`): tenants, receipt subjects, per-tenant data keys.
 
+Several servers may share one PostgreSQL database (`dss.fleet`), each with its own data
+directory: this one's `server_id` names its page rows, its row in `servers` (heartbeat) and its
+erasure acknowledgements; a follower thread applies the other servers' erasures here.
+
 Engine processes reach the owner through `dss.rpc` (this object is its `StoreService`) and move
 page bytes through the shared-memory host arena. The methods below are thin delegations, kept so
 that callers have one entry point.
@@ -32,13 +36,15 @@ from dss.db.engine import is_sqlite_file, make_engine, make_session_factory, upg
 from dss.dialogue.responses import ResponseStore
 from dss.dialogue.versions import VersionStore
 from dss.errors import DataDirInUse, StoreClosed
+from dss.fleet.erasures import ErasureFollower
+from dss.fleet.members import Membership, resolve_server_id
 from dss.index.fingerprints import FingerprintRegistry
 from dss.index.prefix_index import PrefixIndex
 from dss.keys.identity import Identity, load_master_key
 from dss.keys.keyring import Keyring
 from dss.namespace import ModelFingerprint
 from dss.ops import recovery
-from dss.ops.erasure import Eraser, ErasureReceipt, Verification
+from dss.ops.erasure import Eraser, ErasureReceipt, OnTenantErased, Verification
 from dss.ops.kv import KVCache, MatchInfo
 from dss.ops.prefixes import PrefixInfo, PublicPrefixes
 from dss.ops.retention import Retention
@@ -63,21 +69,28 @@ __all__ = ["ErasureReceipt", "MatchInfo", "PrefixInfo", "Store", "Verification"]
 class Store:
     """Open with `Store.open(config)`; close with `close()` (also a context manager)."""
 
-    def __init__(self, config: StoreConfig) -> None:
+    def __init__(self, config: StoreConfig, on_tenant_erased: OnTenantErased | None = None) -> None:
         self.config = config
+        self._on_tenant_erased = on_tenant_erased
         self._closed = False
         self._owner_lock: IO[bytes] | None = None
         self._rpc_server: StoreServer | None = None
         self._db_relaxed: Engine | None = None
         self.recovery_report: recovery.RecoveryReport | None = None
+        self.server_id = ""
+        self.membership: Membership | None = None  # None: one server (SQLite)
+        self.follower: ErasureFollower | None = None
 
     # ================================================================== lifecycle
     @classmethod
-    def open(cls, config: StoreConfig) -> Store:
-        store = cls(config)
+    def open(cls, config: StoreConfig, on_tenant_erased: OnTenantErased | None = None) -> Store:
+        """`on_tenant_erased(tenant)`: called (on a store thread) when another server of the fleet
+        erased a tenant, before this server drops its copies: stop its running generations."""
+        store = cls(config, on_tenant_erased)
         try:
             store._open()
         except BaseException:
+            store._stop_fleet()
             store._release_owner_lock()
             raise
         return store
@@ -88,11 +101,17 @@ class Store:
         cfg.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         cfg.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._take_owner_lock()
+        self.server_id = resolve_server_id(cfg.server_id, cfg.data_dir)
 
         url = cfg.resolved_db_url
         upgrade_to_head(url)
         self.db = make_engine(url)
         self.sf = make_session_factory(self.db)
+        if self.db.dialect.name == "postgresql":
+            # Before the keyring reads the retired tenants (see `Membership.register`).
+            fleet = cfg.fleet
+            self.membership = Membership(self.sf, self.server_id, fleet.heartbeat_s, fleet.alive_s)
+            self.membership.register()
         # Page rows commit without an fsync (see `PageRows`): the disk writer records a row per
         # page, and through an fsync each would hold SQLite's write lock that rollbacks wait for.
         self._db_relaxed = make_engine(url, durable_commits=False) if is_sqlite_file(url) else None
@@ -120,13 +139,15 @@ class Store:
         # The fleet's shared tier; Redis not answering now only makes it unavailable for a while.
         self.remote = RemoteTier(cfg.remote, make_codec(cfg.codec)) if cfg.remote.url else None
         self.index = PrefixIndex()
+        page_rows = PageRows(self.sf, cfg.codec, self.server_id, add_factory=relaxed_sf)
+        page_rows.adopt_unowned()  # rows from before servers had ids: a store upgraded from one
         self.pages = TieredPages(
             PageTable(),
             self.host,
             self.disk,
             self.device,
             make_policy(cfg.eviction_policy),
-            PageRows(self.sf, cfg.codec, add_factory=relaxed_sf),
+            page_rows,
             self.keyring.data_key,
             PageCodecProcess(cfg.codec) if cfg.codec_process else None,
             self.remote,
@@ -135,18 +156,41 @@ class Store:
         self.kv = KVCache(cfg, self.fingerprints, self.index, self.pages, self.keyring.is_retired)
         self.prefixes = PublicPrefixes(self.sf, self.fingerprints, self.kv)
         self.eraser = Eraser(
-            self.sf, self.db, self.versions, self.identity, self.keyring, self.index, self.pages, self.kv
+            self.sf,
+            self.db,
+            self.versions,
+            self.identity,
+            self.keyring,
+            self.index,
+            self.pages,
+            self.kv,
+            server_id=self.server_id,
+            membership=self.membership,
+            ack_timeout_s=cfg.fleet.ack_timeout_s,
+            on_tenant_erased=self._on_tenant_erased,
         )
         self.retention = Retention(
             cfg.retention, self.versions, self.identity.tenant_for, self.fingerprints, self.kv, self.pages
         )
         self.check()
         self.retention.start()
+        if self.membership is not None:
+            self.membership.start()
+            self.follower = ErasureFollower(
+                self.sf,
+                url,
+                self.server_id,
+                self.eraser.apply_fleet_erasure,
+                poll_s=cfg.fleet.poll_s,
+                reconnect_max_s=cfg.fleet.reconnect_max_s,
+            )
+            self.follower.start()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._stop_fleet()
         if self._rpc_server is not None:
             self._rpc_server.close()
         self.retention.close()
@@ -160,6 +204,12 @@ class Store:
         if self._db_relaxed is not None:
             self._db_relaxed.dispose()
         self._release_owner_lock()
+
+    def _stop_fleet(self) -> None:
+        if self.follower is not None:
+            self.follower.close()
+        if self.membership is not None:
+            self.membership.close()
 
     def __enter__(self) -> Store:
         return self

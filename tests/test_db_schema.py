@@ -33,6 +33,8 @@ EXPECTED_TABLES = {
     "api_keys",
     "erasure_epochs",
     "responses",
+    "servers",
+    "erasure_acks",
 }
 
 
@@ -49,7 +51,7 @@ def _diff(url: str) -> list[object]:
 def test_upgrade_creates_the_model_schema(db_url: str) -> None:
     assert current_revision(db_url) is None
     upgrade_to_head(db_url)
-    assert current_revision(db_url) == "0005"
+    assert current_revision(db_url) == "0006"
     assert _diff(db_url) == []
     engine = make_engine(db_url)
     try:
@@ -65,7 +67,7 @@ def test_upgrade_twice_is_a_noop(db_url: str) -> None:
         with transaction(make_session_factory(engine)) as db:
             db.add(StoreMeta(key="format", value="1"))
         upgrade_to_head(db_url)
-        assert current_revision(db_url) == "0005"
+        assert current_revision(db_url) == "0006"
         with engine.connect() as conn:
             assert conn.execute(text("SELECT value FROM store_meta WHERE key = 'format'")).scalar_one() == "1"
             assert conn.execute(text("SELECT count(*) FROM alembic_version")).scalar_one() == 1
@@ -95,7 +97,7 @@ def test_upgrade_works_from_any_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.chdir(tmp_path)
     url = f"sqlite:///{tmp_path / 'x.sqlite3'}"
     upgrade_to_head(url)
-    assert current_revision(url) == "0005"
+    assert current_revision(url) == "0006"
 
 
 def test_in_memory_sqlite_migrates_through_the_given_engine() -> None:
@@ -104,7 +106,7 @@ def test_in_memory_sqlite_migrates_through_the_given_engine() -> None:
         upgrade_to_head("sqlite://", engine=engine)
         with engine.connect() as conn:
             ctx = MigrationContext.configure(conn, opts={"compare_type": True})
-            assert ctx.get_current_revision() == "0005"
+            assert ctx.get_current_revision() == "0006"
             assert list(compare_metadata(ctx, Base.metadata)) == []
     finally:
         engine.dispose()
@@ -138,7 +140,7 @@ def test_concurrent_upgrades_from_several_processes_agree(db_url: str) -> None:
     ]
     errors = [p.communicate(timeout=120)[1] for p in procs if p.wait(timeout=120) != 0]
     assert errors == []
-    assert current_revision(db_url) == "0005"
+    assert current_revision(db_url) == "0006"
     assert _diff(db_url) == []
 
 
@@ -155,7 +157,7 @@ def test_0002_upgrades_a_0001_database_with_data_in_it(db_url: str) -> None:
             conn.execute(text("INSERT INTO store_meta (key, value) VALUES ('kept', 'yes')"))
             conn.execute(text("INSERT INTO sessions (id, user_id, version_count) VALUES ('s1', 'alice', 0)"))
         upgrade_to_head(db_url)
-        assert current_revision(db_url) == "0005"
+        assert current_revision(db_url) == "0006"
         with engine.connect() as conn:
             assert conn.execute(text("SELECT value FROM store_meta WHERE key = 'kept'")).scalar_one() == "yes"
             assert conn.execute(text("SELECT user_id FROM sessions WHERE id = 's1'")).scalar_one() == "alice"
@@ -210,7 +212,7 @@ def test_0003_rekeys_sessions_per_user_and_keeps_every_version(db_url: str) -> N
                 text("INSERT INTO branches (session_id, name, head_version) VALUES ('trip', 'edit', 3)")
             )
         upgrade_to_head(db_url)
-        assert current_revision(db_url) == "0005"
+        assert current_revision(db_url) == "0006"
         vs = VersionStore(make_session_factory(engine))
         assert vs.check() == []
         assert [v.messages for v in vs.list_versions("alice", "trip", with_body=True)] == [h1, h2, edit]
@@ -226,6 +228,54 @@ def test_0003_rekeys_sessions_per_user_and_keeps_every_version(db_url: str) -> N
         # The id is now per user: bob can have a "trip" of his own next to alice's.
         assert vs.ensure_session("bob", "trip")[1] is True
         assert vs.get_session("bob", "bob-1").version_count == 0
+    finally:
+        engine.dispose()
+    assert _diff(db_url) == []
+
+
+def test_0006_gives_page_rows_a_server_and_a_store_adopts_them(db_url: str) -> None:
+    from alembic import command
+
+    from dss.db.engine import alembic_config
+    from dss.pages.rows import PageRows
+    from tests.store_helpers import seed_one_version
+
+    command.upgrade(alembic_config(db_url), "0005")
+    engine = make_engine(db_url)
+    try:
+        seed_one_version(engine)
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO pages (hash, namespace, tenant, fingerprint, parent, page_index, n_tokens,"
+                    " tokens, nbytes, disk_bytes, codec, checksum) VALUES (:h, :ns, 't1', 'fp', :p, 0, 2,"
+                    " :t, 16, 20, 'zstd-byteplane', :c)"
+                ),
+                {
+                    "h": b"\x01" * 32,
+                    "ns": b"\x02" * 16,
+                    "p": b"\0" * 32,
+                    "t": b"\x01\0\0\0\x02\0\0\0",
+                    "c": b"c",
+                },
+            )
+        upgrade_to_head(db_url)
+        assert current_revision(db_url) == "0006"
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT server FROM pages")).scalars().all() == [""]
+            assert conn.execute(text("SELECT count(*) FROM versions")).scalar_one() == 1
+            assert conn.execute(text("SELECT count(*) FROM servers")).scalar_one() == 0
+        sf = make_session_factory(engine)
+        other = PageRows(sf, "zstd-byteplane", "srv-other")
+        assert other.all() == []  # not its row (yet): an unowned row is nobody's
+        mine = PageRows(sf, "zstd-byteplane", "srv-mine")
+        assert mine.adopt_unowned() == 1
+        assert [meta.hash for meta, _ in mine.all()] == [b"\x01" * 32]
+        assert other.adopt_unowned() == 0 and other.all() == []
+        # Two servers may now hold rows of the same page.
+        other.add(mine.all()[0][0], 20)
+        other.delete([b"\x01" * 32])  # type: ignore[list-item]
+        assert len(mine.all()) == 1 and other.all() == []
     finally:
         engine.dispose()
     assert _diff(db_url) == []

@@ -194,11 +194,18 @@ class ResponseRow(Base):
     params: Mapped[dict[str, Any]] = mapped_column(JSON, nullable=False)
 
 
+SERVER_ID_LEN = 64
+
+
 class PageRow(Base):
-    """One page that has reached the disk tier; the page index is rebuilt from these rows."""
+    """One page that has reached a server's disk tier; that server's page index is rebuilt from
+    its rows. Keyed by (server, hash): several servers sharing one database each hold their own
+    files, and one server's recovery must never take another's rows for rows without a file
+    (migration 0006; rows written before it have server '', adopted by the first store to open)."""
 
     __tablename__ = "pages"
 
+    server: Mapped[str] = mapped_column(String(SERVER_ID_LEN), primary_key=True, server_default="")
     hash: Mapped[bytes] = mapped_column(LargeBinary(HASH_LEN), primary_key=True)
     namespace: Mapped[bytes] = mapped_column(LargeBinary(NAMESPACE_LEN), nullable=False, index=True)
     tenant: Mapped[str] = mapped_column(String(64), nullable=False, index=True)
@@ -250,3 +257,32 @@ class ApiKeyRow(Base):
     is_admin: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
     created_at: Mapped[datetime] = _timestamp()
     revoked_at: Mapped[datetime | None] = _timestamp(nullable=True)
+
+
+class ServerRow(Base):
+    """A server of the fleet sharing this database (`dss.fleet.members`): registered at open,
+    `last_seen` refreshed by its heartbeat; `erasure_seq` is the highest erasure receipt seq up
+    to which it has applied every receipt (its catch-up starts after it)."""
+
+    __tablename__ = "servers"
+
+    id: Mapped[str] = mapped_column(String(SERVER_ID_LEN), primary_key=True)
+    started_at: Mapped[datetime] = _timestamp()
+    last_seen: Mapped[datetime] = _timestamp()
+    erasure_seq: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    host: Mapped[str | None] = mapped_column(String(256), nullable=True)  # a note for operators
+
+
+class ErasureAckRow(Base):
+    """One server's acknowledgement of an erasure receipt (`dss.fleet.erasures`). The erasing
+    server writes a pending row (`acked_at` NULL) for every server alive at the erasure and its
+    own, acknowledged one; each other server fills in its own when it has dropped its copies:
+    what it dropped per tier (`counts`) and what its local scan still found (`remnants`)."""
+
+    __tablename__ = "erasure_acks"
+
+    receipt_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    server: Mapped[str] = mapped_column(String(SERVER_ID_LEN), primary_key=True)
+    acked_at: Mapped[datetime | None] = _timestamp(nullable=True)
+    counts: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
+    remnants: Mapped[int | None] = mapped_column(Integer, nullable=True)

@@ -117,6 +117,14 @@ class Identity:
             self._epochs.pop(self.subject_hash(user), None)
             self._generation += 1
 
+    def forget_all(self) -> None:
+        """Forget every cached epoch. Another server of the fleet erased a user (it bumped that
+        user's epoch in the shared database): this server does not know which user id is behind
+        the erased tenant, so every user's next `tenant_for` reads its epoch again."""
+        with self._lock:
+            self._epochs.clear()
+            self._generation += 1
+
     def subject_hash(self, user: str) -> str:
         """The salted hash of a user id written into erasure receipts (never the id itself)."""
         return hashlib.blake2b(

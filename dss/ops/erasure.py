@@ -10,6 +10,14 @@ backup) unreadable. Public-prefix pages are not user data and stay.
 A receipt records counts, a time and the subject's salted hash (its tenant id), never content.
 Receipts form an append-only hash chain; `verify` re-scans the database and every tier for
 anything of the subject older than the erasure, and checks the chain up to the receipt.
+
+Several servers on one PostgreSQL database (`dss.fleet`): the rows and the data key are shared
+and go in the one transaction; each server's own copies (host arena, disk tier) are dropped by
+that server. The erasing server notifies the others in its transaction and waits (bounded) for
+their acknowledgements after it; each other server applies the receipt
+(`apply_fleet_erasure`) and acknowledges it. The receipt's `fleet` section lists them, and
+`verify` reports servers alive at the erasure that have not acknowledged it yet. The remote page
+tier (Redis, shared by the fleet) is emptied of the tenant by the erasing server after the commit.
 """
 
 from __future__ import annotations
@@ -21,17 +29,28 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, Engine, delete, func, select
+from sqlalchemy import CursorResult, Engine, delete, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.db import models as m
 from dss.db.engine import BUSY_TIMEOUT_MS, transaction
 from dss.dialogue.versions import VersionStore
-from dss.errors import ReceiptNotFound
+from dss.errors import ReceiptNotFound, TierUnavailable
+from dss.fleet.erasures import (
+    FleetReport,
+    LocalErasure,
+    PendingReceipt,
+    fleet_report,
+    record_erasure_in,
+    update_own_counts,
+    wait_for_acks,
+)
+from dss.fleet.members import Membership
 from dss.index.prefix_index import PrefixIndex
 from dss.keys.identity import Identity
 from dss.keys.keyring import Keyring
@@ -48,6 +67,9 @@ _CHECKPOINT_PAUSE_S = 0.1
 
 GENESIS = "0" * 64
 _append_lock = threading.Lock()
+# Arbitrary constant naming the advisory lock that serialises appends to the receipt chain
+# across the servers of a fleet (the in-process lock above only covers one process).
+_CHAIN_LOCK_KEY = 0x44535302
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +84,9 @@ class ErasureReceipt:
     # Whether SQLite's WAL was checkpointed and truncated after the erasure (None: not SQLite,
     # or a receipt read back later; `verify` checks again). Not part of the hashed entry.
     database_scrubbed: bool | None = None
+    # Per server of the fleet, what it dropped, and who has not acknowledged (None: one server,
+    # SQLite). From `erasure_acks`, not part of the hashed entry either.
+    fleet: FleetReport | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,15 +116,31 @@ def _iso(t: datetime) -> str:
     return t.astimezone(UTC).isoformat(timespec="microseconds")
 
 
-def _receipt(row: m.ErasureReceiptRow) -> ErasureReceipt:
+def _receipt(row: m.ErasureReceiptRow, fleet: FleetReport | None = None) -> ErasureReceipt:
     erased = row.erased_at if row.erased_at.tzinfo else row.erased_at.replace(tzinfo=UTC)
+    counts = dict(row.counts)
+    if fleet is not None:
+        # Deleted after the commit by the erasing server, so not in the hashed entry: it is in
+        # that server's acknowledgement (the remote tier is the fleet's, only it erases there).
+        remote = [c["remote_keys"] for c in fleet.servers.values() if "remote_keys" in c]
+        if remote:
+            counts["remote_keys"] = remote[0]
     return ErasureReceipt(
-        row.id, row.seq, erased, row.subject, dict(row.counts), row.prev_hash, row.entry_hash
+        row.id, row.seq, erased, row.subject, counts, row.prev_hash, row.entry_hash, fleet=fleet
     )
 
 
+OnTenantErased = Callable[[TenantId], None]
+
+
 class Eraser:
-    """Erases users and verifies erasures, over the parts that hold their data."""
+    """Erases users and verifies erasures, over the parts that hold their data.
+
+    `membership` is None for a single server (SQLite): no acknowledgements, no notification, and
+    `erase_user` does not wait for anyone. `on_tenant_erased` is called when another server's
+    erasure is applied here, before this server's copies are dropped (the API stops the tenant's
+    running generations with it); it runs on the fleet follower thread, with no lock held.
+    """
 
     def __init__(
         self,
@@ -111,6 +152,10 @@ class Eraser:
         index: PrefixIndex,
         pages: TieredPages,
         kv: KVCache,
+        server_id: str = "",
+        membership: Membership | None = None,
+        ack_timeout_s: float = 5.0,
+        on_tenant_erased: OnTenantErased | None = None,
     ) -> None:
         self._sf = session_factory
         self._db = db
@@ -120,8 +165,18 @@ class Eraser:
         self._index = index
         self._pages = pages
         self._kv = kv
+        self._server_id = server_id
+        self._membership = membership
+        self._ack_timeout_s = ack_timeout_s
+        self._on_tenant_erased = on_tenant_erased
 
     def erase_user(self, user: str) -> ErasureReceipt:
+        """Erase `user` everywhere; the returned receipt counts this server's copies and, in a
+        fleet, every other server's (those that acknowledged within `ack_timeout_s`).
+
+        The remote tier's keys of the tenant are deleted after the commit (`counts["remote_keys"]`,
+        or "unavailable" when Redis does not answer): whatever is left there is unreadable, since
+        the tenant's data key is destroyed in the transaction, and `verify` reports it."""
         tenant = self._identity.tenant_for(user)
         if tenant == PUBLIC_TENANT:  # cannot happen (an HMAC is hex), but never erase shared pages
             raise ValueError("refusing to erase the public tenant")
@@ -145,6 +200,9 @@ class Eraser:
                     # The user's next tenant: a re-created user starts cold everywhere.
                     counts["epoch"] = self._identity.next_epoch_in(s, user)
                     seq, prev, entry = _append_receipt(s, rid, erased_at, tenant, counts)
+                    if self._membership is not None:
+                        alive = self._membership.alive_in(s)
+                        record_erasure_in(s, rid, self._server_id, alive, _local_counts(usage))
             except BaseException:
                 self._pages.abandon(detached)  # nothing was erased; recovery finds the files
                 self._keyring.unretire(tenant)
@@ -153,14 +211,91 @@ class Eraser:
             # Committed: now the irreversible part.
             self._keyring.forget_cached(tenant)
             self._pages.destroy(detached, rows_deleted=True)
+        out = dict(counts)
+        remote_keys = self._erase_remote(tenant)
+        fleet: FleetReport | None = None
+        if remote_keys is not None:
+            out["remote_keys"] = remote_keys
+        if self._membership is not None:
+            if remote_keys is not None:
+                own = {**_local_counts(usage), "remote_keys": remote_keys}
+                update_own_counts(self._sf, rid, self._server_id, own)
+            fleet = wait_for_acks(self._sf, rid, self._ack_timeout_s)
+            if fleet is not None and fleet.unanswered:
+                log.warning(
+                    "erasure %s: no acknowledgement in time from %s", rid, ", ".join(fleet.unanswered)
+                )
         scrubbed = scrub_database(self._db)
-        return ErasureReceipt(rid, seq, erased_at, tenant, counts, prev, entry, scrubbed)
+        return ErasureReceipt(rid, seq, erased_at, tenant, out, prev, entry, scrubbed, fleet)
+
+    def _erase_remote(self, tenant: TenantId) -> int | str | None:
+        """Delete the tenant's keys in the remote tier (None: there is none)."""
+        remote = self._pages.remote
+        if remote is None:
+            return None
+        try:
+            return remote.erase_tenant(tenant)
+        except TierUnavailable as exc:
+            log.warning("erasure: the remote tier did not answer (%s); its copies are unreadable", exc)
+            return "unavailable"
+
+    def apply_fleet_erasure(self, receipt: PendingReceipt) -> LocalErasure:
+        """Another server erased `receipt.tenant`: drop this server's copies (the rows and the data
+        key are gone already, with the other server's transaction). Same order as `erase_user`:
+        refuse saves, retire, out of the table and the index, let moves settle, then zero and
+        unlink. Every cached erasure epoch is forgotten (this server does not know which user
+        the tenant was), so that user's next `tenant_for`, and engine cache salt, is the new one.
+        Idempotent: applying a receipt again finds nothing left."""
+        tenant = receipt.tenant
+        if tenant == PUBLIC_TENANT:
+            raise ValueError("refusing to erase the public tenant")
+        if self._on_tenant_erased is not None:
+            try:
+                self._on_tenant_erased(tenant)
+            except Exception:
+                log.exception("erasure %s: stopping the tenant's generations failed", receipt.id)
+        with self._kv.erasing(tenant):
+            if receipt.retires:
+                self._keyring.retire(tenant)
+            usage = self._pages.tenant_usage(tenant)
+            detached, gone = self._pages.detach(self._pages.table.pages_of_tenant(tenant))
+            self._index.drop_tenant(tenant)
+            mine = {e.meta.hash for e in detached}
+            if not self._pages.wait_settled([h for h in gone if h not in mine], _SETTLE_S):
+                log.warning("erasure %s: some pages were still being moved after %ss", receipt.id, _SETTLE_S)
+            self._identity.forget_all()
+            self._keyring.forget_cached(tenant)
+            # Rows too (not `rows_deleted`): the erasing server deleted them, but a write-back
+            # here may have recorded one after its commit.
+            self._pages.destroy(detached)
+        return LocalErasure(_local_counts(usage), len(_local_remnants(self._pages, tenant, float("inf"))))
 
     def get_receipt(self, receipt_id: str) -> ErasureReceipt:
         return get_receipt(self._sf, receipt_id)
 
     def verify(self, receipt_id: str) -> Verification:
         return verify(self._sf, self._db, self._identity, self._pages, receipt_id)
+
+
+def _local_counts(usage: dict[Tier, tuple[int, int]]) -> dict[str, Any]:
+    """One server's copies of a tenant, per tier: what its acknowledgement reports."""
+    return {"pages": {t.value: usage[t][0] for t in Tier}, "bytes": {t.value: usage[t][1] for t in Tier}}
+
+
+def _local_remnants(pages: TieredPages, tenant: TenantId, cutoff_ts: float) -> list[str]:
+    """What this server's page table and disk tier still hold of `tenant` (written by `cutoff_ts`)."""
+    details: list[str] = []
+    for e in pages.table.snapshot(tenant):
+        if e.created_wall <= cutoff_ts:
+            details.append(f"{'/'.join(sorted(t.value for t in e.tiers))}: page {e.meta.hash.hex()[:16]}")
+    if pages.disk is not None:
+        for h, header, _size in pages.disk.scan():
+            if header.tenant == tenant:
+                path = pages.disk.path_of(h)
+                mtime = os.path.getmtime(path) if os.path.exists(path) else 0.0
+                if mtime <= cutoff_ts:
+                    details.append(f"disk: page file {h.hex()[:16]}")
+    return details
 
 
 def _delete_rows(
@@ -192,6 +327,9 @@ def _append_receipt(
     s: Session, rid: str, erased_at: datetime, subject: str, counts: dict[str, Any]
 ) -> tuple[int, str, str]:
     with _append_lock:  # one chain: receipts of two erasures in this process never interleave
+        if s.get_bind().dialect.name == "postgresql":
+            # ... nor of two servers: held until the transaction ends (SQLite has one writer).
+            s.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _CHAIN_LOCK_KEY})
         last = s.execute(
             select(m.ErasureReceiptRow).order_by(m.ErasureReceiptRow.seq.desc()).limit(1)
         ).scalar()
@@ -243,7 +381,7 @@ def get_receipt(sf: sessionmaker[Session], receipt_id: str) -> ErasureReceipt:
         row = s.get(m.ErasureReceiptRow, receipt_id)
         if row is None:
             raise ReceiptNotFound(f"no erasure receipt {receipt_id!r}")
-        return _receipt(row)
+    return _receipt(row, fleet_report(sf, receipt_id))
 
 
 def verify(
@@ -307,16 +445,18 @@ def verify(
             details.append(f"audit chain broken at receipt #{r.seq}")
             break
         prev = r.entry_hash
-    for e in pages.table.snapshot(tenant):
-        if e.created_wall <= cutoff_ts:
-            details.append(f"{'/'.join(sorted(t.value for t in e.tiers))}: page {e.meta.hash.hex()[:16]}")
-    if pages.disk is not None:
-        for h, header, _size in pages.disk.scan():
-            if header.tenant == tenant:
-                path = pages.disk.path_of(h)
-                mtime = os.path.getmtime(path) if os.path.exists(path) else 0.0
-                if mtime <= cutoff_ts:
-                    details.append(f"disk: page file {h.hex()[:16]}")
+    details.extend(_local_remnants(pages, tenant, cutoff_ts))
+    if receipt.fleet is not None:
+        # Servers alive at the erasure that have not dropped their copies yet (down, or slow).
+        details.extend(f"server {sid}: has not acknowledged the erasure" for sid in receipt.fleet.unanswered)
+    if pages.remote is not None:
+        try:
+            left = pages.remote.count_tenant(tenant)
+        except TierUnavailable as exc:
+            details.append(f"remote: not checked, the remote tier did not answer ({exc})")
+        else:
+            if left:
+                details.append(f"remote: {left} key(s) of the tenant")
     scrubbed = scrub_database(db)
     if scrubbed is False:
         details.append("database: a reader keeps the WAL from being checkpointed; erased rows may linger")

@@ -1,5 +1,9 @@
 """The `pages` table: one durable row per page on the disk tier (the index is rebuilt from them).
 
+Rows are per server (`server`, this store's `Store.server_id`): servers that share one database
+each have their own disk tier, so `add`, `delete` and `all` touch this server's rows only. Only
+an erasure deletes rows of every server (`dss.ops.erasure`, by tenant, in its own transaction).
+
 A row is written after its page file is durable and deleted before the file is unlinked, so a
 crash leaves at worst a file without a row (an orphan that recovery removes), never a row that
 names bytes we cannot read. For the same reason a row's insert need not be fsynced (a power loss
@@ -9,9 +13,10 @@ that undoes it leaves an orphan too). No lock here: each call is its own short t
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any, cast
 
 import numpy as np
-from sqlalchemy import delete, select
+from sqlalchemy import CursorResult, delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -28,10 +33,12 @@ class PageRows:
         self,
         session_factory: sessionmaker[Session],
         codec: str,
+        server: str,
         add_factory: sessionmaker[Session] | None = None,
     ) -> None:
         self._sf = session_factory
         self._codec = codec
+        self.server = server
         # `add` may commit without an fsync (`make_engine(durable_commits=False)`): a lost row
         # leaves an orphan file, which recovery removes. Deletes stay durable: a row that
         # outlived its file would name bytes we cannot read.
@@ -39,6 +46,7 @@ class PageRows:
 
     def add(self, meta: PageMeta, disk_bytes: int) -> None:
         row = PageRow(
+            server=self.server,
             hash=meta.hash,
             namespace=meta.namespace,
             tenant=meta.tenant,
@@ -54,7 +62,7 @@ class PageRows:
         )
         try:
             with transaction(self._add_sf) as s:
-                if s.get(PageRow, meta.hash) is None:
+                if s.get(PageRow, (self.server, meta.hash)) is None:
                     s.add(row)
         except IntegrityError:
             pass  # written meanwhile by a previous owner's recovery path: the same page
@@ -65,13 +73,29 @@ class PageRows:
             return
         with transaction(self._sf) as s:
             for i in range(0, len(items), _CHUNK):
-                s.execute(delete(PageRow).where(PageRow.hash.in_(items[i : i + _CHUNK])))
+                s.execute(
+                    delete(PageRow).where(
+                        PageRow.server == self.server, PageRow.hash.in_(items[i : i + _CHUNK])
+                    )
+                )
 
     def all(self) -> list[tuple[PageMeta, int]]:
-        """Every row as (page metadata, bytes on disk), for recovery."""
+        """This server's rows as (page metadata, bytes on disk), for recovery."""
         with self._sf() as s:
-            rows = list(s.execute(select(PageRow)).scalars())
+            rows = list(s.execute(select(PageRow).where(PageRow.server == self.server)).scalars())
         return [(meta_of(r), int(r.disk_bytes)) for r in rows]
+
+    def adopt_unowned(self) -> int:
+        """Take the rows written before rows had a server (server '', migration 0006) as this
+        server's: a store upgraded from one server keeps its disk tier. Runs at open, before
+        recovery; the first server to open after the upgrade gets them. Returns how many."""
+        with transaction(self._sf) as s:
+            mine = select(PageRow.hash).where(PageRow.server == self.server)
+            # Rows this server already has under its own name win (cannot happen after a plain
+            # upgrade; keeps the key unique if it does).
+            s.execute(delete(PageRow).where(PageRow.server == "", PageRow.hash.in_(mine)))
+            done = s.execute(update(PageRow).where(PageRow.server == "").values(server=self.server))
+        return int(cast(CursorResult[Any], done).rowcount)
 
 
 def meta_of(row: PageRow) -> PageMeta:
