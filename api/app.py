@@ -28,7 +28,7 @@ from api.metrics import Metrics
 from api.middleware import BodyLimit, DevHostGuard, RequestMetrics, ServerIdHeader
 from api.routes import branches, chat, health, metrics, models, prefixes, responses, sessions, users, versions
 from api.settings import Settings
-from api.state import AppState, Phase, Startup
+from api.state import AppState, Phase, Startup, TenantAborter
 from dss.errors import DataDirInUse, DSSError, InvalidInput
 from dss.store import Store
 
@@ -166,7 +166,8 @@ async def _start(app: FastAPI) -> None:
 
 async def _open(app: FastAPI, settings: Settings, startup: Startup) -> None:
     metrics: Metrics = app.state.metrics
-    store = await asyncio.to_thread(Store.open, settings.store.to_config())
+    aborter = TenantAborter(asyncio.get_running_loop())  # erasures by other servers of the fleet
+    store = await asyncio.to_thread(Store.open, settings.store.to_config(), aborter)
     try:
         keys = ApiKeys(store.sf, settings.auth.key_cache_ttl_s)
         await asyncio.to_thread(log_auth_mode, settings, keys)
@@ -185,6 +186,7 @@ async def _open(app: FastAPI, settings: Settings, startup: Startup) -> None:
         engine = await asyncio.wait_for(ChatEngine.start(settings, store), settings.engine.startup_timeout_s)
         engine.on_inflight_change = metrics.inflight.set
         state.engine = engine
+        aborter.engine = engine
     if startup.phase is Phase.STOPPING:
         return
     state.started = True

@@ -381,6 +381,18 @@ class VerificationOut(BaseModel):
     )
 
 
+class ErasureFleetOut(BaseModel):
+    servers: dict[str, dict[str, Any]] = Field(
+        description="per server sharing the database (the erasing one included), what it dropped of the "
+        "user: pages and bytes per tier of its own (remote_keys: the shared remote tier's keys, deleted "
+        "by the erasing server)"
+    )
+    unanswered: list[str] = Field(
+        description="servers alive at the erasure that have not acknowledged it (yet): down or slow; "
+        "each catches up when it is back, and verification lists it until then"
+    )
+
+
 class ErasureReceiptOut(BaseModel):
     id: str
     object: Literal["erasure.receipt"] = "erasure.receipt"
@@ -391,6 +403,11 @@ class ErasureReceiptOut(BaseModel):
         default=None,
         description="whether the WAL checkpoint right after the erasure finished (null: not SQLite, "
         "or a receipt read back later; see verification.database_scrubbed)",
+    )
+    fleet: ErasureFleetOut | None = Field(
+        default=None,
+        description="several servers on one PostgreSQL database: each server's acknowledgement of the "
+        "erasure (null: a single server)",
     )
     verification: VerificationOut
 

@@ -15,6 +15,7 @@ from api.auth import ApiKeys
 from api.metrics import Metrics
 from api.settings import Settings
 from dss.store import Store
+from dss.types import TenantId
 
 if TYPE_CHECKING:
     from api.engine import ChatEngine
@@ -56,6 +57,24 @@ class Startup:
         if self.phase is Phase.FAILED:
             return f"start-up failed: {self.error}"
         return self.phase.value
+
+
+class TenantAborter:
+    """The store's `on_tenant_erased` hook: another server of the fleet erased a user, so this
+    server stops that tenant's running generations (as `DELETE /v1/users/{id}` does on the erasing
+    server) before its copies are dropped. Called on the store's follower thread; the engine lives
+    on the event loop, so the abort is handed to the loop and waited for (bounded)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float = 10.0) -> None:
+        self._loop = loop
+        self._timeout_s = timeout_s
+        self.engine: ChatEngine | None = None  # set once the engine runs
+
+    def __call__(self, tenant: TenantId) -> None:
+        engine = self.engine
+        if engine is None or self._loop.is_closed():
+            return
+        asyncio.run_coroutine_threadsafe(engine.abort_tenant(tenant), self._loop).result(self._timeout_s)
 
 
 @dataclass

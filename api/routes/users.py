@@ -9,7 +9,7 @@ from fastapi import APIRouter
 from api.auth import check_user_id
 from api.deps import PrincipalDep, StateDep
 from api.errors import Forbidden, error_responses
-from api.schemas import ErasureReceiptOut, VerificationOut
+from api.schemas import ErasureFleetOut, ErasureReceiptOut, VerificationOut
 from api.state import AppState
 from dss.errors import ReceiptNotFound
 from dss.ops.erasure import ErasureReceipt
@@ -25,6 +25,11 @@ def receipt_out(state: AppState, r: ErasureReceipt) -> ErasureReceiptOut:
         subject=r.subject,
         counts=r.counts,
         database_scrubbed=r.database_scrubbed,
+        fleet=(
+            ErasureFleetOut(servers=r.fleet.servers, unanswered=list(r.fleet.unanswered))
+            if r.fleet is not None
+            else None
+        ),
         verification=VerificationOut(
             checked_at=v.checked_at,
             remnants=v.remnants,
