@@ -73,10 +73,8 @@ def server_id_of(app: FastAPI) -> str | None:
     """This server's name in a fleet: the open store's (the configured one, or the one its data
     directory keeps), else the configured one while the store opens."""
     state: AppState | None = getattr(app.state, "dss", None)
-    if state is not None:
-        sid: str | None = getattr(state.store, "server_id", None)
-        if sid:
-            return sid
+    if state is not None and state.store.server_id:
+        return state.store.server_id
     settings: Settings = app.state.settings
     return settings.store.server_id
 
