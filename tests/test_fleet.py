@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 from sqlalchemy import func, select, text
 
-from dss.config import FleetConfig, StoreConfig
+from dss.config import FleetConfig, RemoteConfig, StoreConfig
 from dss.db.models import ErasureAckRow, PageRow, ServerRow
 from dss.errors import StaleHead
 from dss.fleet.erasures import fleet_report
 from dss.store import Store
-from dss.types import TenantId
+from dss.types import PageHash, TenantId
 from tests.store_helpers import SMALL_FP, open_store, pages_for
 
 pytestmark = pytest.mark.pg
@@ -40,7 +40,11 @@ class Fleet:
         self.open_stores: list[Store] = []
 
     def open(
-        self, name: str, fleet: FleetConfig = FAST, on_tenant_erased: Callable[[TenantId], None] | None = None
+        self,
+        name: str,
+        fleet: FleetConfig = FAST,
+        on_tenant_erased: Callable[[TenantId], None] | None = None,
+        remote: RemoteConfig | None = None,
     ) -> Store:
         cfg = StoreConfig(
             data_dir=self.root / name,
@@ -52,6 +56,7 @@ class Fleet:
             codec_process=False,
             fsync=False,
             host_capacity_bytes=1 << 24,
+            remote=remote or RemoteConfig(),
         )
         store = Store.open(cfg, on_tenant_erased=on_tenant_erased)
         self.open_stores.append(store)
@@ -280,6 +285,38 @@ def test_erasures_on_two_servers_at_once_keep_one_chain(fleet: Fleet) -> None:
             s.scalar(select(func.count()).select_from(ErasureAckRow).where(ErasureAckRow.acked_at.is_(None)))
             == 0
         )
+
+
+def test_erasure_deletes_the_remote_tiers_keys_and_verify_counts_leftovers(fleet: Fleet) -> None:
+    import redis
+
+    url = os.environ.get("DSS_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    try:
+        redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5).ping()
+    except redis.RedisError:
+        pytest.skip(f"no Redis answers at {url}")
+    prefix = f"test-fleet-{os.urandom(4).hex()}:"
+    try:
+        a = fleet.open("a", remote=RemoteConfig(url=url, key_prefix=prefix))
+        b = fleet.open("b", remote=RemoteConfig(url=url, key_prefix=prefix))
+        tenant = a.tenant_for("fay")
+        fill(a, "fay", 1000)
+        assert a.remote is not None and a.remote.count_tenant(tenant) == 4
+        receipt = a.erase_user("fay")
+        assert receipt.counts["remote_keys"] == 4 and a.remote.count_tenant(tenant) == 0
+        assert receipt.fleet is not None and receipt.fleet.servers["a"]["remote_keys"] == 4
+        assert "b" in receipt.fleet.servers and receipt.fleet.unanswered == ()
+        assert a.get_receipt(receipt.id).counts["remote_keys"] == 4  # read back, from A's ack
+        assert b.verify_erasure(receipt.id).remnants == 0
+        # A copy that reached Redis anyway (a late write-behind elsewhere) is a remnant.
+        a.remote.put(PageHash(b"\x07" * 32), tenant, b"unreadable without the data key")
+        v = b.verify_erasure(receipt.id)
+        assert v.details == ("remote: 1 key(s) of the tenant",), v.details
+    finally:
+        client = redis.Redis.from_url(url)
+        keys = list(client.scan_iter(f"{prefix}*"))
+        if keys:
+            client.delete(*keys)
 
 
 # ------------------------------------------------------------------------------ concurrent commits
