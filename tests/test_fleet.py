@@ -246,7 +246,10 @@ def test_a_dropped_listen_connection_is_survived(fleet: Fleet) -> None:
     fill(b, "erin", 1000)
     with a.db.connect() as c:
         killed = c.execute(
-            text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = :n"),
+            text(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = :n"
+                " AND datname = current_database()"
+            ),
             {"n": b.follower.application_name},
         ).all()
     assert killed == [(True,)]
