@@ -129,6 +129,12 @@ class ApiServer:
         ]  # fmt: skip
 
     def start(self) -> None:
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the process without waiting for it (from the thread that outlives it: the child
+        is signalled when the thread that started it ends). `wait_ready` waits."""
         if self.proc is not None:
             raise RuntimeError("the server is running")
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -146,6 +152,9 @@ class ApiServer:
         log.close()
         self.starts += 1
         self.start_trace = []
+
+    def wait_ready(self) -> None:
+        assert self.proc is not None, "launch() first"
         began = time.monotonic()
         deadline = began + START_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -214,7 +223,8 @@ class ApiServer:
         from api.auth import ApiKeys
         from dss.db.engine import make_engine, make_session_factory, sqlite_url_for, upgrade_to_head
 
-        url = sqlite_url_for(self.data_dir)
+        # The server's database: its own SQLite file, or the fleet's PostgreSQL (several servers).
+        url = self.extra_env.get("DSS_STORE__DB_URL") or sqlite_url_for(self.data_dir)
         upgrade_to_head(url)
         engine = make_engine(url)
         try:

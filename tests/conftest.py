@@ -8,6 +8,7 @@ under CI (env `CI` set), where that is a failure: CI must exercise PostgreSQL.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -29,8 +30,10 @@ def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'db' / 'dss.sqlite3'}"
 
 
-@pytest.fixture
-def pg_url() -> Iterator[str]:
+@contextlib.contextmanager
+def fresh_pg_database() -> Iterator[str]:
+    """A new, empty PostgreSQL database on the test server (dropped afterwards); skips (fails in
+    CI) when none answers."""
     server = make_url(os.environ.get("DSS_TEST_PG_URL", DEFAULT_PG_URL))
     name = f"dss_test_{uuid.uuid4().hex[:12]}"
     admin = create_engine(server, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3})
@@ -51,6 +54,19 @@ def pg_url() -> Iterator[str]:
             # FORCE: a test that failed half-way may still hold pooled connections.
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    with fresh_pg_database() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def module_pg_url() -> Iterator[str]:
+    """One database for a module's tests (e.g. servers started once per module)."""
+    with fresh_pg_database() as url:
+        yield url
 
 
 @pytest.fixture(params=["sqlite", pytest.param("pg", marks=pytest.mark.pg)])

@@ -141,7 +141,12 @@ def test_another_users_session_is_404(server: ApiServer) -> None:
 
 
 def test_warm_promotes_disk_pages_then_evict_demotes_them(alice: httpx.Client) -> None:
-    assert resident(alice, "trip") == {"device": 0, "host": 0, "disk": 12, "remote": 0}  # after the start: disk only
+    assert resident(alice, "trip") == {
+        "device": 0,
+        "host": 0,
+        "disk": 12,
+        "remote": 0,
+    }  # after the start: disk only
     r = alice.post("/v1/sessions/trip/warm")  # no body: the head of main
     assert r.status_code == 202, r.text
     w = r.json()

@@ -134,9 +134,19 @@ def test_evict_moves_the_sessions_host_pages_to_disk_now(store: Store) -> None:
     b = _tokens(1000, 2)
     turn(store, "alice", "trip", a)
     turn(store, "alice", "other", b)
-    assert resident(store, "alice", a) == {"device": 0, "host": 12, "disk": 0, "remote": 0}  # only in memory so far
+    assert resident(store, "alice", a) == {
+        "device": 0,
+        "host": 12,
+        "disk": 0,
+        "remote": 0,
+    }  # only in memory so far
     store.retention.set_hint("alice", "trip", "evict")
-    assert resident(store, "alice", a) == {"device": 0, "host": 0, "disk": 12, "remote": 0}  # written back, then moved
+    assert resident(store, "alice", a) == {
+        "device": 0,
+        "host": 0,
+        "disk": 12,
+        "remote": 0,
+    }  # written back, then moved
     assert resident(store, "alice", b)["host"] == 8  # the other session is untouched
     assert {klass(store, h) for h in pages_of(store, "alice", a)} == {PageClass.EVICT}
     assert store.stats()["demoted_pages"] == 3
@@ -347,7 +357,7 @@ def test_0004_upgrades_a_0003_database_with_data_in_it(db_url: str) -> None:
     try:
         seed_one_version(engine)
         upgrade_to_head(db_url)
-        assert current_revision(db_url) == "0005"
+        assert current_revision(db_url) == "0006"  # the head
         vs = VersionStore(make_session_factory(engine))
         got = vs.get_session("alice", "trip")
         assert (got.kv_retention, got.kv_idle_ttl_s, got.version_count) == ("normal", None, 1)
