@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from dss.config import GiB, RemoteConfig, RetentionConfig, StoreConfig
+from dss.config import FleetConfig, GiB, RemoteConfig, RetentionConfig, StoreConfig
 from dss.dialogue.quotas import Quotas
 
 MiB = 1 << 20
@@ -67,6 +67,19 @@ class RetentionSettings(BaseModel):
         )
 
 
+class FleetSettings(BaseModel):
+    """Several servers on one PostgreSQL (`dss.fleet`): `DSS_STORE__FLEET__ACK_TIMEOUT_S=...`."""
+
+    heartbeat_s: float = Field(default=2.0, gt=0, le=60)
+    alive_s: float = Field(default=10.0, gt=0, le=600)
+    poll_s: float = Field(default=3.0, gt=0, le=600)
+    ack_timeout_s: float = Field(default=5.0, ge=0, le=300)
+    reconnect_max_s: float = Field(default=5.0, gt=0, le=300)
+
+    def to_config(self) -> FleetConfig:
+        return FleetConfig(**self.model_dump())
+
+
 class StoreSettings(BaseModel):
     data_dir: Path = DEFAULT_DATA_DIR
     db_url: SecretStr | None = None  # default: SQLite in data_dir; may hold a password
@@ -87,6 +100,7 @@ class StoreSettings(BaseModel):
     remote_timeout_s: float = Field(default=0.5, gt=0, le=30)
     # This server's name in a fleet; None: the one kept in the data directory (random at first start).
     server_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    fleet: FleetSettings = FleetSettings()
     quotas: QuotaSettings = QuotaSettings()  # DSS_STORE__QUOTAS__MAX_SESSIONS=...
     retention: RetentionSettings = RetentionSettings()
 
@@ -117,6 +131,7 @@ class StoreSettings(BaseModel):
                 timeout_s=self.remote_timeout_s,
             ),
             server_id=self.server_id,
+            fleet=self.fleet.to_config(),
         )
 
 
