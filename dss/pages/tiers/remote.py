@@ -51,67 +51,68 @@ log = logging.getLogger("dss.pages.remote")
 _ERASE_CHUNK = 256
 _SWEEP_EXPIRED = 16  # expired pages whose bookkeeping one write removes
 
-# KEYS: page, meta, lru, bytes, tenant set. ARGV: blob, ttl, now, hash hex, tenant, capacity,
-# prefix, sweep. Returns {stored (0: it was there), pages evicted}.
-_PUT = """
-local function forget(prefix, h)
-  local m = redis.call('HGET', KEYS[2], h)
+# Forget one page: its value and its bookkeeping (size, tenant set, eviction order).
+_FORGET_FN = """
+local function forget(meta, lru, bytes, prefix, h)
+  local m = redis.call('HGET', meta, h)
   if m then
     local size, tenant = string.match(m, '^(%d+) (.*)$')
-    redis.call('DECRBY', KEYS[4], tonumber(size))
+    redis.call('DECRBY', bytes, tonumber(size))
     redis.call('SREM', prefix .. 't:' .. tenant, h)
-    redis.call('HDEL', KEYS[2], h)
+    redis.call('HDEL', meta, h)
   end
-  redis.call('ZREM', KEYS[3], h)
-  redis.call('DEL', prefix .. 'p:' .. h)
+  redis.call('ZREM', lru, h)
+  return redis.call('DEL', prefix .. 'p:' .. h)
 end
+"""
+
+# KEYS: page, meta, lru, bytes, tenant set. ARGV: blob, ttl, now, hash hex, tenant, capacity,
+# prefix, sweep. Returns {stored (0: it was there), pages evicted}.
+_PUT = (
+    _FORGET_FN
+    + """
+local meta, lru, bytes = KEYS[2], KEYS[3], KEYS[4]
 local now, ttl = tonumber(ARGV[3]), tonumber(ARGV[2])
 local prefix = ARGV[7]
-for _, h in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now - ttl, 'LIMIT', 0, tonumber(ARGV[8]))) do
-  forget(prefix, h)
+for _, h in ipairs(redis.call('ZRANGEBYSCORE', lru, '-inf', now - ttl, 'LIMIT', 0, tonumber(ARGV[8]))) do
+  forget(meta, lru, bytes, prefix, h)
 end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   redis.call('EXPIRE', KEYS[1], ttl)
-  redis.call('ZADD', KEYS[3], now, ARGV[4])
+  redis.call('ZADD', lru, now, ARGV[4])
   return {0, 0}
 end
-forget(prefix, ARGV[4])
+forget(meta, lru, bytes, prefix, ARGV[4])
 local size = string.len(ARGV[1])
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ttl)
-redis.call('HSET', KEYS[2], ARGV[4], size .. ' ' .. ARGV[5])
-redis.call('ZADD', KEYS[3], now, ARGV[4])
+redis.call('HSET', meta, ARGV[4], size .. ' ' .. ARGV[5])
+redis.call('ZADD', lru, now, ARGV[4])
 redis.call('SADD', KEYS[5], ARGV[4])
-local used = redis.call('INCRBY', KEYS[4], size)
+local used = redis.call('INCRBY', bytes, size)
 local evicted = 0
 local cap = tonumber(ARGV[6])
 while used > cap do
-  local oldest = redis.call('ZRANGE', KEYS[3], 0, 0)
+  local oldest = redis.call('ZRANGE', lru, 0, 0)
   if #oldest == 0 or oldest[1] == ARGV[4] then break end
-  forget(prefix, oldest[1])
+  forget(meta, lru, bytes, prefix, oldest[1])
   evicted = evicted + 1
-  used = tonumber(redis.call('GET', KEYS[4]) or '0')
+  used = tonumber(redis.call('GET', bytes) or '0')
 end
 return {1, evicted}
 """
+)
 
-# KEYS: meta, lru, bytes. ARGV: prefix, hash hex... Removes pages and their bookkeeping.
-_FORGET = """
-local prefix = ARGV[1]
+# KEYS: meta, lru, bytes. ARGV: prefix, hash hex... Returns how many pages Redis held.
+_FORGET = (
+    _FORGET_FN
+    + """
 local n = 0
 for i = 2, #ARGV do
-  local h = ARGV[i]
-  local m = redis.call('HGET', KEYS[1], h)
-  if m then
-    local size, tenant = string.match(m, '^(%d+) (.*)$')
-    redis.call('DECRBY', KEYS[3], tonumber(size))
-    redis.call('SREM', prefix .. 't:' .. tenant, h)
-    redis.call('HDEL', KEYS[1], h)
-  end
-  redis.call('ZREM', KEYS[2], h)
-  n = n + redis.call('DEL', prefix .. 'p:' .. h)
+  n = n + forget(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[i])
 end
 return n
 """
+)
 
 
 @dataclass(frozen=True, slots=True)
