@@ -56,6 +56,7 @@ from dss.keys.identity import Identity
 from dss.keys.keyring import Keyring
 from dss.ops.kv import KVCache
 from dss.pages.manager import TieredPages
+from dss.pages.table import PageEntry
 from dss.types import PUBLIC_TENANT, TenantId, Tier
 
 log = logging.getLogger("dss.erasure")
@@ -183,15 +184,7 @@ class Eraser:
         with self._kv.erasing(tenant):
             # From here the tenant gets no data key: nothing of it is written or read again.
             self._keyring.retire(tenant)
-            usage = self._pages.tenant_usage(tenant)
-            # Out of the page table and the index at once: no reader can have them from now on.
-            detached, gone = self._pages.detach(self._pages.table.pages_of_tenant(tenant))
-            self._index.drop_tenant(tenant)
-            # Moves of those pages in flight (the writer, a promotion) finish and delete their
-            # own copies; only then are the rows below final.
-            mine = {e.meta.hash for e in detached}
-            if not self._pages.wait_settled([h for h in gone if h not in mine], _SETTLE_S):
-                log.warning("erasure: some pages were still being moved after %ss", _SETTLE_S)
+            usage, detached = self._detach_tenant(tenant)
             erased_at = datetime.now(UTC)
             rid = "era_" + uuid.uuid4().hex[:24]
             try:
@@ -228,6 +221,19 @@ class Eraser:
         scrubbed = scrub_database(self._db)
         return ErasureReceipt(rid, seq, erased_at, tenant, out, prev, entry, scrubbed, fleet)
 
+    def _detach_tenant(self, tenant: TenantId) -> tuple[dict[Tier, tuple[int, int]], list[PageEntry]]:
+        """Inside `erasing(tenant)`: the tenant's pages out of the page table and the index at once
+        (no reader can have them from now on), once the moves of them in flight (the writer, a
+        promotion) have settled and deleted their own copies. Returns what was held per tier and
+        the detached entries, whose copies the caller destroys (after its commit, if any)."""
+        usage = self._pages.tenant_usage(tenant)
+        detached, gone = self._pages.detach(self._pages.table.pages_of_tenant(tenant))
+        self._index.drop_tenant(tenant)
+        mine = {e.meta.hash for e in detached}
+        if not self._pages.wait_settled([h for h in gone if h not in mine], _SETTLE_S):
+            log.warning("erasure: some pages of a tenant were still being moved after %ss", _SETTLE_S)
+        return usage, detached
+
     def _erase_remote(self, tenant: TenantId) -> int | str | None:
         """Delete the tenant's keys in the remote tier (None: there is none)."""
         remote = self._pages.remote
@@ -257,12 +263,7 @@ class Eraser:
         with self._kv.erasing(tenant):
             if receipt.retires:
                 self._keyring.retire(tenant)
-            usage = self._pages.tenant_usage(tenant)
-            detached, gone = self._pages.detach(self._pages.table.pages_of_tenant(tenant))
-            self._index.drop_tenant(tenant)
-            mine = {e.meta.hash for e in detached}
-            if not self._pages.wait_settled([h for h in gone if h not in mine], _SETTLE_S):
-                log.warning("erasure %s: some pages were still being moved after %ss", receipt.id, _SETTLE_S)
+            usage, detached = self._detach_tenant(tenant)
             self._identity.forget_all()
             self._keyring.forget_cached(tenant)
             # Rows too (not `rows_deleted`): the erasing server deleted them, but a write-back
