@@ -172,11 +172,12 @@ def response_for(exc: BaseException) -> JSONResponse:
         return error_response(status, message, kind, _snake(type(exc).__name__), headers=headers)
     if isinstance(exc, OperationalError):
         # The metadata database does not answer (PostgreSQL down or restarting, the connection
-        # lost, SQLite locked): nothing was committed, and the same request can succeed later or
-        # on another server of a fleet. Logged without the statement (it may hold user data).
+        # lost, SQLite locked): as a rule nothing was committed (a connection lost during COMMIT
+        # itself may have committed), and the same request can succeed later or on another server.
+        # Logged without the statement (it may hold user data).
         log.error("the metadata database failed: %s", type(exc.orig).__name__ if exc.orig else "unknown")
         return error_response(
-            503, "the metadata database is unavailable; nothing was committed, retry later",
+            503, "the metadata database is unavailable; retry later",
             "service_unavailable_error", "database_unavailable", headers=_RETRY_AFTER_503,
         )  # fmt: skip
     if isinstance(exc, UnicodeEncodeError):  # text with a lone surrogate reached an encoder

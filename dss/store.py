@@ -140,7 +140,8 @@ class Store:
         self.remote = RemoteTier(cfg.remote, make_codec(cfg.codec)) if cfg.remote.url else None
         self.index = PrefixIndex()
         page_rows = PageRows(self.sf, cfg.codec, self.server_id, add_factory=relaxed_sf)
-        page_rows.adopt_unowned()  # rows from before servers had ids: a store upgraded from one
+        # Rows from before servers had ids whose files are here: a store upgraded from one server.
+        page_rows.adopt_unowned(self.disk.contains if self.disk is not None else lambda _h: False)
         self.pages = TieredPages(
             PageTable(),
             self.host,

@@ -38,8 +38,6 @@ class Tier(enum.StrEnum):
 
 _TIER_RANK = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2, Tier.REMOTE: 3}
 TIERS_FAST_TO_SLOW: tuple[Tier, ...] = (Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.REMOTE)
-LOCAL_TIERS = frozenset({Tier.DEVICE, Tier.HOST, Tier.DISK})
-"""The tiers each server has of its own."""
 
 
 @dataclass(frozen=True, slots=True)

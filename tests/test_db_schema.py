@@ -268,10 +268,12 @@ def test_0006_gives_page_rows_a_server_and_a_store_adopts_them(db_url: str) -> N
         sf = make_session_factory(engine)
         other = PageRows(sf, "zstd-byteplane", "srv-other")
         assert other.all() == []  # not its row (yet): an unowned row is nobody's
+        # A new server opening first, without the file, takes nothing; the one that holds it does.
+        assert other.adopt_unowned(lambda _h: False) == 0 and other.all() == []
         mine = PageRows(sf, "zstd-byteplane", "srv-mine")
-        assert mine.adopt_unowned() == 1
+        assert mine.adopt_unowned(lambda h: h == b"\x01" * 32) == 1
         assert [meta.hash for meta, _ in mine.all()] == [b"\x01" * 32]
-        assert other.adopt_unowned() == 0 and other.all() == []
+        assert other.adopt_unowned(lambda _h: True) == 0 and other.all() == []
         # Two servers may now hold rows of the same page.
         other.add(mine.all()[0][0], 20)
         other.delete([b"\x01" * 32])  # type: ignore[list-item]

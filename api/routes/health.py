@@ -7,6 +7,8 @@ the first moment and `/readyz` answers 503 with a `reason` ("store opening", "en
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
@@ -26,7 +28,10 @@ def _tier_health(state: AppState) -> dict[str, str]:
     pages = state.store.pages
     out = {"disk": "ok" if pages.disk_available else "unavailable"}
     if pages.remote is not None:
-        out["remote"] = "ok" if pages.remote.available else "unavailable"
+        # An unavailable tier is asked again (a PING, at most every few seconds): /readyz tells
+        # when Redis is back even while no traffic reaches it.
+        up = pages.remote.available or pages.remote.probe()
+        out["remote"] = "ok" if up else "unavailable"
     return out
 
 
@@ -54,12 +59,14 @@ async def readyz(request: Request) -> JSONResponse:
         reason = startup.reason
         if startup.phase is Phase.READY:  # it was ready: the engine died since
             reason = "engine not healthy"
+    # Off the event loop: asking Redis again may wait for its (short) timeout.
+    tiers = await asyncio.to_thread(_tier_health, state) if store_ok and state is not None else None
     body = Readiness(
         status="ready" if ok else "not ready",
         reason=reason,
         store=state is not None,
         engine=engine_ok,
         dev_mode=dev_mode,
-        tiers=_tier_health(state) if store_ok and state is not None else None,
+        tiers=tiers,
     )
     return JSONResponse(body.model_dump(exclude_none=True), status_code=200 if ok else 503)

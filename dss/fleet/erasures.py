@@ -256,7 +256,7 @@ class ErasureFollower:
                     self.connects += 1
                     backoff = 0.1
                     self._listen(conn)
-            except (psycopg.Error, OSError) as exc:
+            except Exception as exc:  # whatever it is, the follower must not end: back off, retry
                 self.errors += 1
                 log.warning(
                     "fleet erasure listener of %s: %s; reconnecting in %.1fs", self.server_id, exc, backoff

@@ -214,6 +214,9 @@ class Eraser:
                 own = {**_local_counts(usage), "remote_keys": remote_keys}
                 update_own_counts(self._sf, rid, self._server_id, own)
             fleet = wait_for_acks(self._sf, rid, self._ack_timeout_s)
+            # The other servers' writers may have sent pages of the tenant to the remote tier
+            # until they applied the erasure (each also empties it then): a second pass here.
+            self._erase_remote(tenant)
             if fleet is not None and fleet.unanswered:
                 log.warning(
                     "erasure %s: no acknowledgement in time from %s", rid, ", ".join(fleet.unanswered)
@@ -269,7 +272,20 @@ class Eraser:
             # Rows too (not `rows_deleted`): the erasing server deleted them, but a write-back
             # here may have recorded one after its commit.
             self._pages.destroy(detached)
-        return LocalErasure(_local_counts(usage), len(_local_remnants(self._pages, tenant, float("inf"))))
+            # Until now this server did not know the tenant was erased: a data key it created
+            # meanwhile (a first request here) and what its writer sent to the remote tier after
+            # the erasing server emptied it go too.
+            with transaction(self._sf) as s:
+                self._keyring.destroy_in(s, tenant)
+            remote_keys = self._erase_remote(tenant)
+        counts = _local_counts(usage)
+        if remote_keys is not None:
+            counts["remote_keys"] = remote_keys
+        try:
+            left = len(_local_remnants(self._pages, tenant, float("inf")))
+        except TierUnavailable:  # an unreadable disk must not stop the catch-up: ack, say unknown
+            left = -1
+        return LocalErasure(counts, left)
 
     def get_receipt(self, receipt_id: str) -> ErasureReceipt:
         return get_receipt(self._sf, receipt_id)
@@ -450,6 +466,16 @@ def verify(
     if receipt.fleet is not None:
         # Servers alive at the erasure that have not dropped their copies yet (down, or slow).
         details.extend(f"server {sid}: has not acknowledged the erasure" for sid in receipt.fleet.unanswered)
+        details.extend(
+            f"server {sid}: "
+            + (
+                "its disk tier could not be scanned after it applied the erasure"
+                if n < 0
+                else f"{n} cop(ies) left after it applied the erasure"
+            )
+            for sid, n in sorted(receipt.fleet.remnants.items())
+            if n
+        )
     if pages.remote is not None:
         try:
             left = pages.remote.count_tenant(tenant)

@@ -104,7 +104,7 @@ class KVCache:
         self._quiet = threading.Condition(self._lock)  # notified when a tenant's save finishes
         self._leases: dict[str, _Lease] = {}
         self._saves: dict[str, _PendingSave] = {}
-        self._erasing: set[TenantId] = set()
+        self._erasing: dict[TenantId, int] = {}  # erasures of each tenant running now
         self._active: dict[TenantId, int] = {}  # saves of each tenant being published now
         self._pins: dict[FingerprintId, list[np.ndarray]] = {}
         self._loader = ThreadPoolExecutor(max_workers=config.loader_threads, thread_name_prefix="dss-loader")
@@ -251,14 +251,34 @@ class KVCache:
             return False
         if not new:
             return False
-        path = list(m.pages) + new
+        # Counted like a save: an erasure of the tenant that began meanwhile refuses it, and one
+        # that begins now waits until these pages are in the table and the index (then drops them).
+        with self._tenant_save(tenant) as allowed:
+            if not allowed:
+                return False
+            self._insert_adopted(fid, own_ns, tokens, list(m.pages), new, start, end + tail_k)
+        return True
+
+    def _insert_adopted(
+        self,
+        fid: FingerprintId,
+        own_ns: Namespace,
+        tokens: np.ndarray,
+        matched: list[PageHash],
+        new: list[PageHash],
+        start: int,
+        n_tokens: int,
+    ) -> None:
+        fp = self.fingerprints.get(fid)
+        bs = fp.block_size
+        path = matched + new
         for i in range(start, len(path)):
             lo = i * bs
-            hi = min(lo + bs, end + tail_k)
+            hi = min(lo + bs, n_tokens)
             meta = PageMeta(
                 hash=path[i],
                 namespace=own_ns.id,
-                tenant=tenant,
+                tenant=own_ns.tenant,
                 fingerprint=fid,
                 parent=path[i - 1] if i else ROOT_PARENT,
                 index=i,
@@ -266,10 +286,9 @@ class KVCache:
                 tokens=tokens[lo:hi].copy(),
             )
             self.pages.add_remote_resident(meta)
-        pushed_out = self.index.insert(own_ns, bs, tokens[: end + tail_k], path)
+        pushed_out = self.index.insert(own_ns, bs, tokens[:n_tokens], path)
         if pushed_out:
             self.pages.drop(pushed_out)
-        return True
 
     def wait_loaded(
         self, load_id: str, timeout_s: float = 30.0, release: bool = False
@@ -495,7 +514,7 @@ class KVCache:
         """
         deadline = time.monotonic() + _ERASE_WAIT_S
         with self._lock:
-            self._erasing.add(tenant)
+            self._erasing[tenant] = self._erasing.get(tenant, 0) + 1
             doomed = [p for p in self._saves.values() if p.namespace.tenant == tenant]
             for p in doomed:
                 p.scrubbing = True
@@ -520,7 +539,9 @@ class KVCache:
             yield
         finally:
             with self._lock:
-                self._erasing.discard(tenant)
+                self._erasing[tenant] -= 1
+                if not self._erasing[tenant]:
+                    del self._erasing[tenant]
 
     def set_pins(self, fid: FingerprintId, token_lists: list[np.ndarray]) -> None:
         """The public prefixes of `fid` to keep pinned (their pages are never evicted)."""

@@ -12,7 +12,7 @@ that undoes it leaves an orphan too). No lock here: each call is its own short t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import numpy as np
@@ -85,17 +85,33 @@ class PageRows:
             rows = list(s.execute(select(PageRow).where(PageRow.server == self.server)).scalars())
         return [(meta_of(r), int(r.disk_bytes)) for r in rows]
 
-    def adopt_unowned(self) -> int:
-        """Take the rows written before rows had a server (server '', migration 0006) as this
-        server's: a store upgraded from one server keeps its disk tier. Runs at open, before
-        recovery; the first server to open after the upgrade gets them. Returns how many."""
-        with transaction(self._sf) as s:
-            mine = select(PageRow.hash).where(PageRow.server == self.server)
-            # Rows this server already has under its own name win (cannot happen after a plain
-            # upgrade; keeps the key unique if it does).
-            s.execute(delete(PageRow).where(PageRow.server == "", PageRow.hash.in_(mine)))
-            done = s.execute(update(PageRow).where(PageRow.server == "").values(server=self.server))
-        return int(cast(CursorResult[Any], done).rowcount)
+    def adopt_unowned(self, holds: Callable[[PageHash], bool]) -> int:
+        """Take the rows written before rows had a server (server '', migration 0006) whose page
+        file this server's disk tier `holds` as its own: a store upgraded from one server keeps its
+        disk tier, and a new server of the fleet opening first takes nothing (its recovery would
+        delete rows it has no file for, and the real owner's files would then be orphans). Runs
+        at open, before recovery. Returns how many."""
+        with self._sf() as s:
+            unowned = [
+                PageHash(bytes(h))
+                for h in s.execute(select(PageRow.hash).where(PageRow.server == "")).scalars()
+            ]
+        mine_now = [h for h in unowned if holds(h)]
+        n = 0
+        for i in range(0, len(mine_now), _CHUNK):
+            chunk = mine_now[i : i + _CHUNK]
+            with transaction(self._sf) as s:
+                mine = select(PageRow.hash).where(PageRow.server == self.server, PageRow.hash.in_(chunk))
+                # Rows this server already has under its own name win (cannot happen after a plain
+                # upgrade; keeps the key unique if it does).
+                s.execute(delete(PageRow).where(PageRow.server == "", PageRow.hash.in_(mine)))
+                done = s.execute(
+                    update(PageRow)
+                    .where(PageRow.server == "", PageRow.hash.in_(chunk))
+                    .values(server=self.server)
+                )
+                n += int(cast(CursorResult[Any], done).rowcount)
+        return n
 
 
 def meta_of(row: PageRow) -> PageMeta:

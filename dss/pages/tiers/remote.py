@@ -102,13 +102,16 @@ return {1, evicted}
 """
 )
 
-# KEYS: meta, lru, bytes. ARGV: prefix, hash hex... Returns how many pages Redis held.
+# KEYS: meta, lru, bytes[, a tenant set]. ARGV: prefix, hash hex... Returns how many pages Redis
+# held. With a tenant set (an erasure), each id also leaves that set in the same script, so a page
+# another server writes again meanwhile is either gone or still in the set, never orphaned.
 _FORGET = (
     _FORGET_FN
     + """
 local n = 0
 for i = 2, #ARGV do
   n = n + forget(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[i])
+  if KEYS[4] then redis.call('SREM', KEYS[4], ARGV[i]) end
 end
 return n
 """
@@ -232,9 +235,6 @@ class RemoteTier:
 
         return [bool(n) for n in self._call("exists", run)]
 
-    def contains(self, page: PageHash) -> bool:
-        return self.exists([page])[0]
-
     def stats(self) -> RemoteStats:
         """Bytes and pages held (read from Redis; zeros while unavailable)."""
 
@@ -330,21 +330,29 @@ class RemoteTier:
             if not members:
                 break
             hexes = [m.decode() if isinstance(m, bytes) else str(m) for m in members]
-            n += self.delete([PageHash(bytes.fromhex(h)) for h in hexes])
-            # A member without bookkeeping (an expired page swept meanwhile) must still leave the set.
-            self._forget_members(set_key, hexes)
-        self._call("erase", lambda: self._client.delete(set_key))
+            n += self._erase_members(set_key, hexes)
         return n
 
-    def _forget_members(self, set_key: str, hexes: list[str]) -> None:
-        self._call("erase", lambda: self._client.srem(set_key, *hexes))
+    def _erase_members(self, set_key: str, hexes: list[str]) -> int:
+        """Forget these pages and take them out of the tenant's set, atomically (an empty set is
+        deleted by Redis itself)."""
+        keys = [self._meta_key, self._lru_key, self._bytes_key, set_key]
+        return int(self._call("erase", lambda: self._forget_script(keys=keys, args=[self._prefix, *hexes])))
+
+    def _sscan(self, key: str, cursor: int) -> tuple[int, list[bytes]]:
+        cursor, members = self._call("count", lambda: self._client.sscan(key, cursor, count=_ERASE_CHUNK))
+        return int(cursor), list(members)
 
     def count_tenant(self, tenant: TenantId) -> int:
         """Pages of `tenant` Redis still holds (`verify` after an erasure)."""
-        members = self._call("count", lambda: self._client.smembers(self._tenant_key(tenant)))
-        if not members:
-            return 0
-        return sum(self.exists([PageHash(bytes.fromhex(m.decode())) for m in members]))
+        key = self._tenant_key(tenant)
+        n, cursor = 0, 0
+        while True:  # in chunks: a tenant may have many pages
+            cursor, members = self._sscan(key, cursor)
+            if members:
+                n += sum(self.exists([PageHash(bytes.fromhex(m.decode())) for m in members]))
+            if not cursor:
+                return n
 
     def close(self) -> None:
         try:
