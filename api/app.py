@@ -26,7 +26,19 @@ from api.auth import ApiKeys, check_user_name
 from api.errors import install_error_handlers
 from api.metrics import Metrics
 from api.middleware import BodyLimit, DevHostGuard, RequestMetrics, ServerIdHeader
-from api.routes import branches, chat, health, metrics, models, prefixes, responses, sessions, users, versions
+from api.routes import (
+    branches,
+    chat,
+    console,
+    health,
+    metrics,
+    models,
+    prefixes,
+    responses,
+    sessions,
+    users,
+    versions,
+)
 from api.settings import Settings
 from api.state import AppState, Phase, Startup, TenantAborter
 from dss.errors import DataDirInUse, DSSError, InvalidInput
@@ -58,7 +70,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.listening = None
     app.state.on_start_failure = None
     install_error_handlers(app)
-    for module in (chat, responses, sessions, versions, branches, users, prefixes, models, health, metrics):
+    for module in (
+        chat,
+        responses,
+        sessions,
+        versions,
+        branches,
+        users,
+        prefixes,
+        models,
+        health,
+        metrics,
+        console,
+    ):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=settings.server.max_body_bytes)
     if settings.auth.dev_mode:
