@@ -40,11 +40,18 @@ def test_listens_before_the_engine_is_ready(small_api_server: ApiServer) -> None
         "store": True,
         "engine": False,
         "dev_mode": False,
+        "tiers": {"disk": "ok"},  # tiers it may serve without; "remote" too when configured
     }, shown
     chats = seen("chat", 503)
     assert chats and all(a.retry_after for a in chats), shown
     assert any(a.body and a.body["error"]["code"] == "engine_unavailable" for a in chats), shown
-    assert ready.body == {"status": "ready", "store": True, "engine": True, "dev_mode": False}
+    assert ready.body == {
+        "status": "ready",
+        "store": True,
+        "engine": True,
+        "dev_mode": False,
+        "tiers": {"disk": "ok"},
+    }
 
 
 def serve(
