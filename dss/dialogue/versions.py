@@ -481,11 +481,14 @@ class VersionStore:
                 raise StaleHead(f"branch {branch!r} head is {head}, expected {want}")
             base = None
             if head != EMPTY_HEAD:
-                base = db.execute(
+                row = db.execute(
                     select(VersionRow.n_messages, VersionRow.digest).where(
                         *_version_key(user, sid), VersionRow.number == head
                     )
-                ).one()
+                ).one_or_none()
+                if row is None:  # deleted (a cascade) after we read the head: re-read everything
+                    raise _LostRace
+                base = (row[0], row[1])
             stored = stored_form(msgs, *(base if base is not None else (None, None)))
             delta_bytes = _json_size("messages", stored.delta)
             check_commit_quota(db, user, self._quotas, len(body) + delta_bytes)
