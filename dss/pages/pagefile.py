@@ -247,3 +247,14 @@ def decode_page(
     if len(raw) != header.raw_len or checksum(raw) != header.checksum:
         raise CorruptPage("page bytes fail their checksum")
     return header, tokens, raw
+
+
+def decode_page_of(
+    blob: Buffer, page: PageHash, data_key: bytes | None, out: np.ndarray | None = None
+) -> tuple[PageFileHeader, np.ndarray, bytearray | bytes | memoryview]:
+    """`decode_page` of bytes a tier keeps under `page`'s name: bytes of another page (a misnamed
+    file, a swapped value) are as corrupt as damaged ones."""
+    header, tokens, raw = decode_page(blob, data_key, out=out)
+    if header.page_hash != page:
+        raise CorruptPage(f"the bytes stored as page {page.hex()} hold page {header.page_hash.hex()}")
+    return header, tokens, raw

@@ -25,7 +25,7 @@ from dss.files import fsync_dir
 from dss.index.hashing import HASH_BYTES
 from dss.pages.codec import Codec
 from dss.pages.meta import PageMeta
-from dss.pages.pagefile import HEADER_LEN, PageFileHeader, decode_page, encode_page, read_header
+from dss.pages.pagefile import HEADER_LEN, PageFileHeader, decode_page_of, encode_page, read_header
 from dss.pages.tiers.base import IndexedTier
 from dss.types import Buffer, PageHash, Tier
 
@@ -211,9 +211,7 @@ class DiskTier(IndexedTier):
         """
         blob = self._read_bytes(page)
         try:
-            header, tokens, raw = decode_page(blob, data_key, out=out)
-            if header.page_hash != page:
-                raise CorruptPage(f"file of page {page.hex()} holds page {header.page_hash.hex()}")
+            header, tokens, raw = decode_page_of(blob, page, data_key, out=out)
         except CorruptPage:
             self.drop_corrupt(page)
             raise

@@ -43,7 +43,7 @@ import numpy as np
 from dss.config import RemoteConfig
 from dss.errors import CorruptPage, PageMissing, TierUnavailable
 from dss.pages.codec import Codec
-from dss.pages.pagefile import PageFileHeader, decode_page
+from dss.pages.pagefile import PageFileHeader, decode_page_of
 from dss.types import PageHash, TenantId, Tier
 
 log = logging.getLogger("dss.pages.remote")
@@ -306,9 +306,7 @@ class RemoteTier:
         deleted from Redis and raised as `CorruptPage` (the caller serves a miss)."""
         blob = self.get(page)
         try:
-            header, tokens, raw = decode_page(blob, data_key, out=out)
-            if header.page_hash != page:
-                raise CorruptPage(f"remote value of page {page.hex()} holds page {header.page_hash.hex()}")
+            header, tokens, raw = decode_page_of(blob, page, data_key, out=out)
         except CorruptPage:
             with self._lock:
                 self.corrupt_pages += 1
