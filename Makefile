@@ -27,8 +27,11 @@ $(STAMP):
 
 install: $(STAMP)
 
+# `make model` verifies the model through vLLM (an engine start); `make test` leaves that to
+# tests/test_model_pull.py, which asks the same sanity set.
+PULL_ARGS ?=
 model: install
-	$(BIN)/dss model pull --data-dir $(DSS_CACHE)
+	$(BIN)/dss model pull --data-dir $(DSS_CACHE) $(PULL_ARGS)
 
 # The router of `make cluster` and tests/test_router.py: installed with apt-get when missing (as root);
 # otherwise a warning, and the router tests skip.
@@ -41,6 +44,7 @@ lint: install
 	$(BIN)/ruff format --check dss engine_patch api tests bench deploy
 	$(BIN)/mypy dss api engine_patch deploy
 
+test: PULL_ARGS = --no-verify
 test: install model haproxy lint
 	$(BIN)/pytest $(PYTEST_ARGS)
 

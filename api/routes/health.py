@@ -59,8 +59,10 @@ async def readyz(request: Request) -> JSONResponse:
         reason = startup.reason
         if startup.phase is Phase.READY:  # it was ready: the engine died since
             reason = "engine not healthy"
+    # The tiers are known once the store is open, engine or not (also while the engine starts).
     # Off the event loop: asking Redis again may wait for its (short) timeout.
-    tiers = await asyncio.to_thread(_tier_health, state) if store_ok and state is not None else None
+    store_open = state is not None and startup.phase in (Phase.ENGINE_STARTING, Phase.READY)
+    tiers = await asyncio.to_thread(_tier_health, state) if store_open and state is not None else None
     body = Readiness(
         status="ready" if ok else "not ready",
         reason=reason,
