@@ -74,8 +74,8 @@ def test_restart_fingerprints_and_failed_loads(served: ServedStore) -> None:
     # --- engine A writes turn 1 of a session; its own prefix cache gives the reference turn 2.
     a = Engine(served.address, served.authkey)
     try:
-        p1 = a.chat_ids([{"role": "user", "content": f"Keep these words in mind: {words(rng, 1500)}"}])
-        assert len(p1) > 12 * BS
+        p1 = a.chat_ids([{"role": "user", "content": f"Keep these words in mind: {words(rng, 700)}"}])
+        assert len(p1) > 6 * BS
         t1 = one(a, p1, a.session(tenant, sid, 1))
         computed_1 = len(p1) + len(t1.output_ids) - 1  # all but the last sampled token
         # Its whole pages and its tail page.
