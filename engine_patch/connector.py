@@ -22,6 +22,7 @@ from dss.rpc import StoreClient
 from dss.wire import tag_key
 from engine_patch.fingerprint import UnsupportedKVCache, build_fingerprint
 from engine_patch.metadata import DSSConnectorMetadata
+from engine_patch.orphan_guard import guard_against_orphaning
 from engine_patch.scheduler_side import SchedulerSide
 from engine_patch.worker_side import WorkerSide
 
@@ -70,6 +71,7 @@ class DSSConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            guard_against_orphaning()  # the engine core ends when the server that spawned it dies
             self._scheduler = SchedulerSide(
                 fingerprint,
                 factory() if factory is not None else None,

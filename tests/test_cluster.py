@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 from sqlalchemy import func, select
 
@@ -233,9 +234,14 @@ def test_kill_9_of_a_mid_conversation_continues_on_b(cluster: Cluster) -> None:
                 if line.startswith("data:"):
                     break
             assert cluster.a.proc is not None
+            engine = psutil.Process(cluster.a.proc.pid).children(recursive=True)  # core + worker
+            assert engine, "A runs its engine in child processes"
             os.kill(cluster.a.proc.pid, signal.SIGKILL)
     cluster.a.proc.wait(30)
     cluster.a.proc = None
+    # Its engine processes end with it (engine_patch.orphan_guard), not holding memory and cores.
+    _, left = psutil.wait_procs(engine, timeout=15)
+    assert not left, f"A's engine processes outlived it: {left}"
     # (The module's last test: A stays down. Its catch-up after a restart: tests/test_fleet.py.)
     with cluster.client(cluster.b, "cl-di") as on_b:
         r = turn(on_b, "long", history, "Name a nut.")
