@@ -296,6 +296,11 @@ class SessionOut(BaseModel):
     metadata: dict[str, Any]
     version_count: int
     branches: list[BranchOut]
+    stored_bytes: int = Field(
+        default=0,
+        description="KV bytes stored for the session's versions: each page once, uncompressed, in any "
+        "tier; pages shared with the user's other sessions count in each, public prefixes in none",
+    )
     kv_retention: KvRetention = Field(default="normal", description="the session's KV retention hint")
     kv_idle_ttl_s: int | None = Field(
         default=None, description="idle seconds after which its host KV pages move to disk; null: never"
@@ -391,6 +396,17 @@ class ErasureFleetOut(BaseModel):
         description="servers alive at the erasure that have not acknowledged it (yet): down or slow; "
         "each catches up when it is back, and verification lists it until then"
     )
+
+
+class ErasureReceiptSummary(BaseModel):
+    """A receipt in the admin listing: `GET /v1/erasures/{id}` adds the fleet section and a fresh
+    verification."""
+
+    id: str
+    object: Literal["erasure.receipt"] = "erasure.receipt"
+    erased_at: datetime
+    subject: str = Field(description="salted hash of the user id, never the id itself")
+    counts: dict[str, Any]
 
 
 class ErasureReceiptOut(BaseModel):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import fcntl
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import IO, Any
 
 import numpy as np
@@ -285,6 +285,11 @@ class Store:
     ) -> dict[str, int]:
         return self.kv.residency(fid, tenant, tokens)
 
+    def stored_bytes(
+        self, tenant: TenantId, sequences: Iterable[tuple[FingerprintId, Sequence[int] | np.ndarray]]
+    ) -> int:
+        return self.kv.stored_bytes(tenant, sequences)
+
     def begin_load(
         self,
         fid: FingerprintId,
@@ -357,6 +362,10 @@ class Store:
 
     def get_receipt(self, receipt_id: str) -> ErasureReceipt:
         return self.eraser.get_receipt(receipt_id)
+
+    def list_receipts(self, limit: int, after: str | None = None) -> tuple[list[ErasureReceipt], bool]:
+        """Erasure receipts newest first; and whether more follow."""
+        return self.eraser.list_receipts(limit, after)
 
     def cache_salt(self, user: str) -> str:
         """The engine prefix-cache salt of `user`: the tenant, which moves with each erasure of the

@@ -169,10 +169,29 @@ def test_rollback_then_continue(api_server: ApiServer) -> None:
     assert c.post("/v1/sessions/rb-1/rollback", json={"to_version": 1, "branch": "zz"}).status_code == 404
 
 
+def settled_stored_bytes(c: httpx.Client, sid: str, timeout_s: float = 15.0) -> int:
+    """The session's `stored_bytes` once it stops changing: a turn's last pages are saved just
+    after its answer is sent."""
+    deadline = time.monotonic() + timeout_s
+    last = -1
+    while True:
+        now = c.get(f"/v1/sessions/{sid}").json()["stored_bytes"]
+        if now == last or time.monotonic() > deadline:
+            return int(now)
+        last = now
+        time.sleep(0.5)
+
+
 def test_branch_then_continue_on_both(api_server: ApiServer) -> None:
     c = api_server.client("br-erin")
     c.post("/v1/sessions", json={"session_id": "br-1", "system_prompt": LONG_SYSTEM})
+    assert c.get("/v1/sessions/br-1").json()["stored_bytes"] == 0  # no version, no KV
     post_message(c, "br-1", "Tell me about rye.")
+    # One version: its pages (whole ones and the tail page), each stored once.
+    v1_bytes = settled_stored_bytes(c, "br-1")
+    v1_pages = -(-max(c.get("/v1/sessions/br-1/versions/1").json()["resident"].values()) // 128)
+    page_bytes, rest = divmod(v1_bytes, v1_pages)
+    assert page_bytes > 0 and rest == 0
     post_message(c, "br-1", "And spelt?")
     r = c.post("/v1/sessions/br-1/branches", json={"from_version": 1, "name": "alt"})
     assert r.status_code == 201 and r.json()["head_version"] == 1
@@ -187,6 +206,17 @@ def test_branch_then_continue_on_both(api_server: ApiServer) -> None:
     assert heads == {"main": 4, "alt": 3}
     session = c.get("/v1/sessions/br-1").json()
     assert session["version_count"] == 4 and {b["name"] for b in session["branches"]} == {"main", "alt"}
+    # Four versions on two branches: the pages they share count once, so more than the longest
+    # version's (v4) and less than all four versions' pages summed.
+    total = settled_stored_bytes(c, "br-1")
+    pages = [
+        -(-max(c.get(f"/v1/sessions/br-1/versions/{n}").json()["resident"].values()) // 128)
+        for n in range(1, 5)
+    ]
+    stored, rest = divmod(total, page_bytes)
+    assert rest == 0 and max(pages) < stored < sum(pages), (stored, pages)
+    listed = {x["id"]: x["stored_bytes"] for x in c.get("/v1/sessions").json()["data"]}
+    assert listed["br-1"] == total
 
 
 def test_edited_history_forks_and_state_version_is_checked(api_server: ApiServer) -> None:

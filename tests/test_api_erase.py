@@ -143,3 +143,25 @@ def test_erasing_a_user_mid_stream_keeps_nothing_of_the_stream(api_server: ApiSe
     assert again["verification"]["remnants"] == 0, again["verification"]["details"]
     fresh = chat(alice, msgs, session_id="mid-1", max_tokens=4)
     assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_admins_list_receipts_newest_first_and_users_may_not(api_server: ApiServer) -> None:
+    admin = api_server.client("admin", admin=True)
+    ids = []
+    for user in ("er-list-a", "er-list-b", "er-list-c"):
+        r = admin.delete(f"/v1/users/{user}")
+        assert r.status_code == 200, r.text
+        ids.append(r.json()["id"])
+    page = admin.get("/v1/erasures", params={"limit": 2})
+    assert page.status_code == 200, page.text
+    body = page.json()
+    assert [x["id"] for x in body["data"]] == [ids[2], ids[1]] and body["has_more"] is True
+    assert body["last_id"] == ids[1] and "verification" not in body["data"][0]
+    assert "er-list" not in page.text  # subjects are salted hashes
+    after = admin.get("/v1/erasures", params={"limit": 1, "after": ids[1]}).json()
+    assert [x["id"] for x in after["data"]] == [ids[0]]
+    # The subjects are other users': not for user keys. Bad cursors and limits are typed errors.
+    assert api_server.client("er-list-a").get("/v1/erasures").status_code == 403
+    missing = admin.get("/v1/erasures", params={"after": "era_doesnotexist"})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "receipt_not_found", missing.text
+    assert admin.get("/v1/erasures", params={"limit": 0}).status_code == 400

@@ -215,11 +215,14 @@ def test_console_tree_actions_isolation_and_erasure(api_server: ApiServer, drive
     if docs_shot:
         shutil.copyfile(shot, docs_shot)
 
-    # The sessions list shows the session with its turn count.
+    # The sessions list shows the session with its turn count and the KV stored for it.
     d.get(f"{api_server.base_url}/console#/sessions")
     wait(d, lambda d: css(d, f'#sessions-table tr[data-session="{sid}"]'), "the session in the list")
     row = css(d, f'#sessions-table tr[data-session="{sid}"] td')
     assert row[1].text == "3"
+    with api_server.client(alice) as c:
+        stored = c.get(f"/v1/sessions/{sid}").json()["stored_bytes"]
+    assert stored > 0 and row[4].text.endswith("MiB"), row[4].text  # pages of ~5.6 MiB each
 
     # Another user sees none of it: an empty list, and the session's page is a readable 404.
     sign_in(d, api_server, api_server.key(bob))
@@ -242,6 +245,19 @@ def test_console_tree_actions_isolation_and_erasure(api_server: ApiServer, drive
     assert cell.text.startswith("0 remnants · chain ok")
     css(d, "#receipts-table button.verify")[0].click()
     wait(d, lambda d: cell.get_attribute("data-checked"), "the fresh verification")
+    assert cell.text.startswith("0 remnants · chain ok")
+    # A fresh admin view lists it from the server (GET /v1/erasures), newest first.
+    from selenium.webdriver.common.by import By
+
+    receipt_id = css(d, "#receipts-table tbody tr")[0].get_attribute("data-receipt")
+    d.execute_script("window.localStorage.removeItem('dss.receipts')")  # not from this browser's memory
+    d.refresh()
+    wait(d, lambda d: css(d, "#receipts-table tbody tr"), "the listed receipts")
+    row = css(d, "#receipts-table tbody tr")[0]
+    assert row.get_attribute("data-receipt") == receipt_id
+    row.find_element(By.CSS_SELECTOR, "button.verify").click()
+    cell = row.find_element(By.CSS_SELECTOR, "td.verification")
+    wait(d, lambda d: cell.get_attribute("data-checked"), "the listed receipt's verification")
     assert cell.text.startswith("0 remnants · chain ok")
     wait(d, lambda d: css(d, "#chart-hits-svg polyline"), "the hit-rate chart", timeout=15)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dss.errors import StorageError, WrongMasterKey
-from dss.types import PUBLIC_TENANT, Tier
+from dss.types import PUBLIC_TENANT, FingerprintId, Tier
 from tests.store_helpers import SMALL_FP, open_store, pages_for
 
 
@@ -144,3 +144,26 @@ def test_a_new_data_directory_is_private_to_its_owner(tmp_path):
     loose = {str(p.relative_to(tmp_path)): oct(m) for p, m in modes.items() if m & 0o077}
     assert not loose, f"readable by others: {loose}"
     assert any(p.suffix == ".page" for p in modes) and any(p.name == "dss.sqlite3" for p in modes)
+
+
+def test_stored_bytes_counts_each_own_page_once(tmp_path):
+    """A session's stored KV (`Store.stored_bytes`, the API's `stored_bytes`): the distinct pages
+    its versions' tokens match, public prefix pages and unknown models left out."""
+    store = open_store(tmp_path)
+    fid = store.register_fingerprint(SMALL_FP)
+    page = SMALL_FP.page_nbytes
+    system = np.arange(500, 508, dtype=np.int32)  # two public pages
+    store.prefixes.register(fid, system, text="system prompt", pin=True)
+    store.put_sequence(fid, PUBLIC_TENANT, system, pages_for(SMALL_FP, system))
+    alice = store.tenant_for("alice")
+    v1 = np.concatenate([system, np.arange(1, 9, dtype=np.int32)])  # + 2 own pages
+    v2 = np.concatenate([v1, np.arange(9, 13, dtype=np.int32)])  # its child: + 1 own page
+    sibling = np.concatenate([v1, np.arange(40, 44, dtype=np.int32)])  # another child: + 1
+    for tokens in (v1, v2, sibling):
+        store.put_sequence(fid, alice, tokens, pages_for(SMALL_FP, tokens))
+    assert store.stored_bytes(alice, [(fid, v1)]) == 2 * page
+    assert store.stored_bytes(alice, [(fid, v1), (fid, v2), (fid, sibling)]) == 4 * page  # shared once
+    assert store.stored_bytes(store.tenant_for("bob"), [(fid, v2)]) == 0  # the public pages are no one's
+    assert store.stored_bytes(alice, [(FingerprintId("unknown"), v2)]) == 0
+    assert store.stored_bytes(alice, []) == 0
+    store.close()

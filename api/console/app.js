@@ -244,7 +244,9 @@ async function sessionsView() {
     name.append(link);
     const tokens = el("td", "…");
     const tier = el("td", "…");
-    tr.append(name, el("td", s.version_count), el("td", s.branches.length), el("td", when(s.updated_at)), tokens, tier);
+    const stored = el("td", bytes(s.stored_bytes));
+    stored.className = "stored";
+    tr.append(name, el("td", s.version_count), el("td", s.branches.length), el("td", when(s.updated_at)), stored, tokens, tier);
     tbody.append(tr);
     const main = s.branches.find((b) => b.name === "main");
     if (!main || main.head_version === 0) {
@@ -558,7 +560,10 @@ function receiptRow(r) {
   tr.dataset.receipt = r.id;
   const c = r.counts || {};
   const counts = `${c.sessions ?? 0} sessions, ${c.versions ?? 0} versions, ${c.page_rows ?? 0} page rows`;
-  const verification = el("td", verificationText(r.verification), r.verification.remnants === 0 ? "ok" : "bad");
+  // A listed receipt carries no verification until "Verify again" asks for one.
+  const verification = r.verification
+    ? el("td", verificationText(r.verification), r.verification.remnants === 0 ? "ok" : "bad")
+    : el("td", "not checked in this view");
   verification.classList.add("verification");
   const button = el("button", "Verify again", "verify");
   button.type = "button";
@@ -614,12 +619,21 @@ async function adminView() {
       }),
     );
   });
-  for (const id of receiptIds()) {
-    api("GET", `/v1/erasures/${encodeURIComponent(id)}`).then(
-      (r) => receipts.append(receiptRow(r)),
-      () => {},
-    );
-  }
+  // Admins: the server's list. Users (403 there): the receipts this browser erased or looked up.
+  api("GET", "/v1/erasures?limit=50").then(
+    (page) => {
+      const shown = new Set([...receipts.querySelectorAll("tr")].map((tr) => tr.dataset.receipt));
+      receipts.append(...page.data.filter((r) => !shown.has(r.id)).map(receiptRow));
+    },
+    () => {
+      for (const id of receiptIds()) {
+        api("GET", `/v1/erasures/${encodeURIComponent(id)}`).then(
+          (r) => receipts.append(receiptRow(r)),
+          () => {},
+        );
+      }
+    },
+  );
   await prefixes.catch(showError);
   await pollMetrics().catch(showError);
   const timer = window.setInterval(() => pollMetrics().catch(showError), 3000);

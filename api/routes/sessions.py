@@ -25,19 +25,33 @@ from api.schemas import (
     WarmOut,
     WarmRequest,
 )
+from api.state import AppState
 from api.turns import Turn
 from dss.dialogue.turns import message_target
 from dss.dialogue.versions import SessionInfo
-from dss.errors import ModelNotFound
+from dss.errors import ModelNotFound, SessionNotFound
 from dss.ops.retention import KEEP
+from dss.types import FingerprintId
 
 router = APIRouter(tags=["sessions"])
 
 SidPath = Annotated[str, "session id"]
 
 
-def session_out(s: SessionInfo) -> SessionOut:
+def stored_bytes(state: AppState, user: str, session_id: str) -> int:
+    """The KV bytes stored for the session's versions (`KVCache.stored_bytes`); 0 for a session
+    deleted meanwhile (a listing does not fail for it)."""
+    try:
+        versions = state.store.versions.list_versions(user, session_id, with_body=True)
+    except SessionNotFound:
+        return 0
+    sequences = [(FingerprintId(v.fingerprint), v.tokens) for v in versions if v.fingerprint and v.n_tokens]
+    return state.store.stored_bytes(state.store.tenant_for(user), sequences) if sequences else 0
+
+
+def session_out(s: SessionInfo, stored: int) -> SessionOut:
     return SessionOut(
+        stored_bytes=stored,
         id=s.id,
         created_at=s.created_at,
         updated_at=s.updated_at,
@@ -65,7 +79,7 @@ def create_session(
     s = state.store.versions.create_session(
         principal.user, session_id, system_prompt=body.system_prompt, metadata=body.metadata
     )
-    return session_out(s)
+    return session_out(s, 0)  # no version yet, no KV
 
 
 @router.get("/v1/sessions", response_model=ListResponse[SessionOut], responses=error_responses(400, 401))
@@ -77,7 +91,7 @@ def list_sessions(
 ) -> ListResponse[SessionOut]:
     limit = min(limit, state.settings.limits.max_list_limit)
     rows, has_more = state.store.versions.list_sessions(principal.user, limit=limit, after=after)
-    data = [session_out(s) for s in rows]
+    data = [session_out(s, stored_bytes(state, principal.user, s.id)) for s in rows]
     return ListResponse[SessionOut](
         data=data,
         has_more=has_more,
@@ -88,7 +102,8 @@ def list_sessions(
 
 @router.get("/v1/sessions/{session_id}", response_model=SessionOut, responses=error_responses(401, 404))
 def get_session(session_id: str, state: StateDep, principal: PrincipalDep) -> SessionOut:
-    return session_out(state.store.versions.get_session(principal.user, session_id))
+    s = state.store.versions.get_session(principal.user, session_id)
+    return session_out(s, stored_bytes(state, principal.user, session_id))
 
 
 @router.patch(
@@ -106,7 +121,7 @@ def patch_session(
         kv_retention=body.kv_retention if body.kv_retention is not None else KEEP,
         kv_idle_ttl_s=body.kv_idle_ttl_s if "kv_idle_ttl_s" in given else KEEP,
     )
-    return session_out(s)
+    return session_out(s, stored_bytes(state, principal.user, session_id))
 
 
 @router.post(

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Annotated
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 
 from api.auth import check_user_id
 from api.deps import PrincipalDep, StateDep
 from api.errors import Forbidden, error_responses
-from api.schemas import ErasureFleetOut, ErasureReceiptOut, VerificationOut
+from api.schemas import (
+    ErasureFleetOut,
+    ErasureReceiptOut,
+    ErasureReceiptSummary,
+    ListResponse,
+    VerificationOut,
+)
 from api.state import AppState
 from dss.errors import ReceiptNotFound
 from dss.ops.erasure import ErasureReceipt
@@ -55,6 +62,29 @@ async def erase_user(user_id: str, state: StateDep, principal: PrincipalDep) -> 
     receipt = await asyncio.to_thread(store.erase_user, user_id)
     state.metrics.erasures.inc()
     return await asyncio.to_thread(receipt_out, state, receipt)
+
+
+@router.get(
+    "/v1/erasures",
+    response_model=ListResponse[ErasureReceiptSummary],
+    responses=error_responses(400, 401, 403, 404),
+)
+def list_erasures(
+    state: StateDep,
+    principal: PrincipalDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 20,
+    after: Annotated[str | None, Query(max_length=64)] = None,
+) -> ListResponse[ErasureReceiptSummary]:
+    """Every erasure receipt, newest first (admins only: the subjects are other users')."""
+    if not principal.is_admin:
+        raise Forbidden("only an admin key may list erasure receipts")
+    limit = min(limit, state.settings.limits.max_list_limit)
+    rows, has_more = state.store.list_receipts(limit, after)
+    data = [
+        ErasureReceiptSummary(id=r.id, erased_at=r.erased_at, subject=r.subject, counts=r.counts)
+        for r in rows
+    ]
+    return ListResponse[ErasureReceiptSummary](data=data, has_more=has_more)
 
 
 @router.get(

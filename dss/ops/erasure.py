@@ -290,6 +290,9 @@ class Eraser:
     def get_receipt(self, receipt_id: str) -> ErasureReceipt:
         return get_receipt(self._sf, receipt_id)
 
+    def list_receipts(self, limit: int, after: str | None = None) -> tuple[list[ErasureReceipt], bool]:
+        return list_receipts(self._sf, limit, after)
+
     def verify(self, receipt_id: str) -> Verification:
         return verify(self._sf, self._db, self._identity, self._pages, receipt_id)
 
@@ -399,6 +402,22 @@ def get_receipt(sf: sessionmaker[Session], receipt_id: str) -> ErasureReceipt:
         if row is None:
             raise ReceiptNotFound(f"no erasure receipt {receipt_id!r}")
     return _receipt(row, fleet_report(sf, receipt_id))
+
+
+def list_receipts(
+    sf: sessionmaker[Session], limit: int, after: str | None = None
+) -> tuple[list[ErasureReceipt], bool]:
+    """Receipts newest first (by chain position), `limit` of them after the receipt `after`;
+    and whether more follow. The fleet sections are left out (`get_receipt` has them)."""
+    with sf() as s:
+        q = select(m.ErasureReceiptRow).order_by(m.ErasureReceiptRow.seq.desc()).limit(limit + 1)
+        if after is not None:
+            cursor = s.get(m.ErasureReceiptRow, after)
+            if cursor is None:
+                raise ReceiptNotFound(f"no erasure receipt {after!r}")
+            q = q.where(m.ErasureReceiptRow.seq < cursor.seq)
+        rows = list(s.scalars(q))
+    return [_receipt(r) for r in rows[:limit]], len(rows) > limit
 
 
 def verify(

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -147,6 +147,27 @@ class KVCache:
             for t in self.pages.tiers_of(h):
                 out[t.value] += n
         return out
+
+    def stored_bytes(
+        self, tenant: TenantId, sequences: Iterable[tuple[FingerprintId, Sequence[int] | np.ndarray]]
+    ) -> int:
+        """KV bytes the tenant's own pages hold for these token sequences (a session's versions):
+        each distinct page once, at its uncompressed size; public prefix pages are not the tenant's
+        and not counted, nor are sequences of a model this store does not know. Leaves the pages'
+        recency alone (a console listing sessions must not keep them warm)."""
+        seen: set[PageHash] = set()
+        total = 0
+        for fid, tokens in sequences:
+            if fid not in self.fingerprints:
+                continue
+            fp = self.fingerprints.get(fid)
+            m = self.index.match(fid, tenant, self._tokens(tokens), touch=False)
+            info = _match_info(m, self.pages.table.present_prefix(_with_partial(m)), fp.block_size)
+            for h in info.pages[info.public_tokens // fp.block_size :]:
+                if h not in seen:
+                    seen.add(h)
+                    total += fp.page_nbytes
+        return total
 
     def forget(self, gone: Sequence[PageHash]) -> None:
         """Pages that left the page table: unlink them from the index, and drop the pages below
