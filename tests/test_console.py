@@ -240,23 +240,27 @@ def test_console_tree_actions_isolation_and_erasure(api_server: ApiServer, drive
     by_id(d, "erase-user").send_keys(gone)
     by_id(d, "erase-submit").click()
     d.switch_to.alert.accept()
-    wait(d, lambda d: css(d, "#receipts-table tbody tr"), "the receipt")
-    cell = css(d, "#receipts-table td.verification")[0]
+
+    # Its receipt is put on top, verified; the server's listing (older receipts of other tests,
+    # not checked in this view) may arrive before or after it.
+    def cells(d: Any) -> list[Any]:
+        return css(d, "#receipts-table td.verification")
+
+    wait(d, lambda d: cells(d) and "remnants" in cells(d)[0].text, "the receipt")
+    cell = cells(d)[0]
     assert cell.text.startswith("0 remnants · chain ok")
     css(d, "#receipts-table button.verify")[0].click()
     wait(d, lambda d: cell.get_attribute("data-checked"), "the fresh verification")
     assert cell.text.startswith("0 remnants · chain ok")
     # A fresh admin view lists it from the server (GET /v1/erasures), newest first.
-    from selenium.webdriver.common.by import By
-
     receipt_id = css(d, "#receipts-table tbody tr")[0].get_attribute("data-receipt")
     d.execute_script("window.localStorage.removeItem('dss.receipts')")  # not from this browser's memory
     d.refresh()
     wait(d, lambda d: css(d, "#receipts-table tbody tr"), "the listed receipts")
     row = css(d, "#receipts-table tbody tr")[0]
     assert row.get_attribute("data-receipt") == receipt_id
-    row.find_element(By.CSS_SELECTOR, "button.verify").click()
-    cell = row.find_element(By.CSS_SELECTOR, "td.verification")
+    row.find_element("css selector", "button.verify").click()
+    cell = row.find_element("css selector", "td.verification")
     wait(d, lambda d: cell.get_attribute("data-checked"), "the listed receipt's verification")
     assert cell.text.startswith("0 remnants · chain ok")
     wait(d, lambda d: css(d, "#chart-hits-svg polyline"), "the hit-rate chart", timeout=15)
