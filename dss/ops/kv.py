@@ -125,12 +125,15 @@ class KVCache:
             )
         return arr
 
-    def match(self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray) -> MatchInfo:
+    def match(
+        self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray, touch: bool = True
+    ) -> MatchInfo:
         """Longest stored prefix for `tokens` in the tenant's namespace, public prefixes
         included: whole pages, then the page (a tail page, or a whole one) the rest of `tokens`
-        shares the most leading tokens with. Pages that left every tier end the match."""
+        shares the most leading tokens with. Pages that left every tier end the match. `touch`:
+        counts as a use of those pages (their recency)."""
         bs = self.fingerprints.get(fid).block_size
-        m = self.index.match(fid, tenant, self._tokens(tokens))
+        m = self.index.match(fid, tenant, self._tokens(tokens), touch=touch)
         pages = _with_partial(m)
         n_ok = self.pages.table.present_prefix(pages)
         return _match_info(m, n_ok, bs)
@@ -161,8 +164,7 @@ class KVCache:
             if fid not in self.fingerprints:
                 continue
             fp = self.fingerprints.get(fid)
-            m = self.index.match(fid, tenant, self._tokens(tokens), touch=False)
-            info = _match_info(m, self.pages.table.present_prefix(_with_partial(m)), fp.block_size)
+            info = self.match(fid, tenant, tokens, touch=False)
             for h in info.pages[info.public_tokens // fp.block_size :]:
                 if h not in seen:
                     seen.add(h)
