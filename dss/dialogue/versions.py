@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal, cast, overload
@@ -51,7 +51,7 @@ from dss.errors import (
     VersionNotFound,
 )
 from dss.index.hashing import TOKEN_DTYPE
-from dss.types import SessionId, UserId
+from dss.types import FingerprintId, SessionId, UserId
 
 MAIN_BRANCH = "main"
 EMPTY_HEAD = 0
@@ -64,6 +64,9 @@ MAX_LIST_LIMIT = 1000
 MAX_COMMIT_ATTEMPTS = 64
 # Bound parameters per IN (...) list; SQLite allows 32766 in all, PostgreSQL 65535.
 _IN_CHUNK = 500
+# Versions whose token ids `iter_tokens` reads per transaction: what it holds at once is this many
+# versions' ids (8 x 64 KiB at 16k tokens), whatever the length of the history it walks.
+_TOKEN_CHUNK = 8
 
 KV_RETENTIONS = ("pinned", "normal", "evict")
 MIN_IDLE_TTL_S = 1
@@ -123,6 +126,16 @@ class VersionSummary:
 class VersionInfo(VersionSummary):
     tokens: np.ndarray  # int32, read-only
     messages: list[dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class VersionTokens:
+    """A version's token ids without its messages (what `iter_tokens` yields)."""
+
+    session_id: SessionId
+    number: int
+    fingerprint: FingerprintId | None
+    tokens: np.ndarray  # int32, read-only
 
 
 def _aware(ts: datetime) -> datetime:
@@ -421,6 +434,62 @@ class VersionStore:
                     out[number] = np.frombuffer(raw, dtype=TOKEN_DTYPE) if raw else _EMPTY_TOKENS
         return out
 
+    def iter_tokens(
+        self,
+        user: str,
+        sid: str | None = None,
+        *,
+        fingerprints: Iterable[str] | None = None,
+        after: int = 0,
+        through: int | None = None,
+    ) -> Iterator[VersionTokens]:
+        """The token ids of the user's versions that have tokens, by (session, number): those of
+        session `sid` only when given (numbers in (`after`, `through`]), only those of these
+        model `fingerprints` when given. No message is read.
+
+        Read `_TOKEN_CHUNK` versions per transaction, so a walk over a whole history holds one
+        chunk at a time; versions committed or deleted during the walk may or may not be seen.
+        `SessionNotFound` at the call (not at the first item) when `sid` is not the user's.
+        """
+        if sid is not None:
+            with transaction(self._factory) as db:
+                self._owned(db, user, sid)
+        only = sorted(set(fingerprints)) if fingerprints is not None else None
+        return self._token_chunks(user, sid, only, after, through)
+
+    def _token_chunks(
+        self, user: str, sid: str | None, only: list[str] | None, after: int, through: int | None
+    ) -> Iterator[VersionTokens]:
+        if only is not None and not only:
+            return
+        where: list[Any] = [VersionRow.user_id == user, VersionRow.n_tokens > 0]
+        if sid is not None:
+            where += [VersionRow.session_id == sid, VersionRow.number > after]
+            if through is not None:
+                where.append(VersionRow.number <= through)
+        if only is not None:
+            where.append(VersionRow.fingerprint.in_(only))
+        cols = (VersionRow.session_id, VersionRow.number, VersionRow.fingerprint, VersionRow.tokens)
+        key = tuple_(VersionRow.session_id, VersionRow.number)
+        last: tuple[str, int] | None = None
+        while True:
+            q = select(*cols).where(*where)
+            if last is not None:
+                q = q.where(key > tuple_(*last))
+            with transaction(self._factory) as db:
+                rows = db.execute(q.order_by(VersionRow.session_id, VersionRow.number).limit(_TOKEN_CHUNK)).all()
+            for r in rows:
+                yield VersionTokens(
+                    session_id=SessionId(r.session_id),
+                    number=r.number,
+                    fingerprint=FingerprintId(r.fingerprint) if r.fingerprint else None,
+                    tokens=np.frombuffer(r.tokens, dtype=TOKEN_DTYPE),
+                )
+            if len(rows) < _TOKEN_CHUNK:
+                return
+            last = (rows[-1].session_id, rows[-1].number)
+            del rows  # the chunk's bodies go before the next chunk is read
+
     def delete_session(self, user: str, sid: str) -> int:
         """Delete the session with its branches, versions and stored responses; return the number
         of versions deleted."""
@@ -634,6 +703,24 @@ class VersionStore:
                 return out
             q2 = select(*_SUMMARY_COLS).where(*_version_key(user, sid)).order_by(VersionRow.number)
             return [_summary(r) for r in db.execute(q2)]
+
+    def version_page(
+        self, user: str, sid: str, limit: int = 20, after: int = 0
+    ) -> tuple[list[VersionSummary], bool]:
+        """The session's versions by number, `limit` at a time after number `after` (a cursor that
+        names a deleted version, or none, still works: numbers only grow); whether more follow."""
+        if not 1 <= limit <= MAX_LIST_LIMIT:
+            raise InvalidInput(f"limit must be in [1, {MAX_LIST_LIMIT}]")
+        with transaction(self._factory) as db:
+            self._owned(db, user, sid)
+            q = (
+                select(*_SUMMARY_COLS)
+                .where(*_version_key(user, sid), VersionRow.number > after)
+                .order_by(VersionRow.number)
+                .limit(limit + 1)
+            )
+            rows = [_summary(r) for r in db.execute(q)]
+        return rows[:limit], len(rows) > limit
 
     @overload
     def get_version(
