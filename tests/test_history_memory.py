@@ -57,7 +57,11 @@ def fill(store: Store, user: str, sessions: int, versions: int, n_tokens: int) -
         for v in range(versions):
             tokens = session_tokens(s, v, n_tokens)
             store.versions.commit(
-                user, f"s{s}", tokens=tokens, messages=[{"role": "user", "content": f"turn {v}"}], fingerprint=fid
+                user,
+                f"s{s}",
+                tokens=tokens,
+                messages=[{"role": "user", "content": f"turn {v}"}],
+                fingerprint=fid,
             )
         head = session_tokens(s, 0, n_tokens)[: 4 * BS]
         store.put_sequence(fid, tenant, head, pages_for(SMALL_FP, head))

@@ -433,3 +433,41 @@ def test_numbers_no_column_can_hold_are_not_found(store: VersionStore, number: i
         store.rollback(ALICE, "s", "main", number)
     with pytest.raises(VersionNotFound):
         store.ancestors(ALICE, "s", number)
+
+
+def test_token_ids_are_walked_in_chunks_and_versions_listed_in_pages(store: VersionStore) -> None:
+    """`iter_tokens` (deleting a session, `stored_bytes`) reads token ids a few versions per
+    transaction, never messages; `version_page` is the versions listing's cursor page."""
+    for sid in ("a", "b"):
+        store.create_session(ALICE, sid)
+        for i in range(11):  # more than one chunk
+            fp = "fp-x" if i % 2 else "fp-y"
+            store.commit(ALICE, sid, tokens=[i + 1] * (i + 1), messages=turns(f"{sid}{i}"), fingerprint=fp)
+    store.create_session(BOB, "a")
+    store.commit(BOB, "a", tokens=[5], messages=turns("bob"), fingerprint="fp-x")
+    store.commit(ALICE, "a", tokens=[], messages=turns("empty"), fingerprint="fp-x")  # no tokens: left out
+    walked = [(v.session_id, v.number, v.fingerprint, v.tokens.tolist()) for v in store.iter_tokens(ALICE)]
+    expected = [
+        (sid, i + 1, "fp-x" if i % 2 else "fp-y", [i + 1] * (i + 1)) for sid in ("a", "b") for i in range(11)
+    ]
+    assert walked == expected
+    assert [(v.session_id, v.number) for v in store.iter_tokens(ALICE, fingerprints=["fp-x"])] == [
+        (sid, n) for sid in ("a", "b") for n in (2, 4, 6, 8, 10)
+    ]
+    assert list(store.iter_tokens(ALICE, fingerprints=[])) == []
+    assert [v.number for v in store.iter_tokens(ALICE, "b", after=3, through=9)] == [4, 5, 6, 7, 8, 9]
+    assert [v.tokens.tolist() for v in store.iter_tokens(BOB)] == [[5]]
+    with pytest.raises(SessionNotFound):
+        store.iter_tokens(BOB, "b")  # at the call, not at the first item
+
+    page, more = store.version_page(ALICE, "a", limit=5)
+    assert [v.number for v in page] == [1, 2, 3, 4, 5] and more
+    page, more = store.version_page(ALICE, "a", limit=5, after=10)
+    assert [v.number for v in page] == [11, 12] and not more
+    store.delete_subtree(ALICE, "a", 12)
+    assert store.version_page(ALICE, "a", limit=5, after=12) == ([], False)  # a gone cursor still pages
+    assert [v.number for v in store.version_page(ALICE, "a", limit=5, after=10)[0]] == [11]
+    with pytest.raises(InvalidInput):
+        store.version_page(ALICE, "a", limit=0)
+    with pytest.raises(SessionNotFound):
+        store.version_page(BOB, "b")

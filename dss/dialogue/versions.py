@@ -31,7 +31,19 @@ from datetime import UTC, datetime
 from typing import Any, Literal, cast, overload
 
 import numpy as np
-from sqlalchemy import CursorResult, Delete, Update, and_, delete, func, select, tuple_, update
+from sqlalchemy import (
+    CursorResult,
+    Delete,
+    Select,
+    Update,
+    and_,
+    bindparam,
+    delete,
+    func,
+    select,
+    tuple_,
+    update,
+)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
@@ -64,7 +76,7 @@ MAX_LIST_LIMIT = 1000
 MAX_COMMIT_ATTEMPTS = 64
 # Bound parameters per IN (...) list; SQLite allows 32766 in all, PostgreSQL 65535.
 _IN_CHUNK = 500
-# Versions whose token ids `iter_tokens` reads per transaction: what it holds at once is this many
+# Versions whose token ids `iter_tokens` reads per query: what it holds at once is this many
 # versions' ids (8 x 64 KiB at 16k tokens), whatever the length of the history it walks.
 _TOKEN_CHUNK = 8
 
@@ -447,48 +459,55 @@ class VersionStore:
         session `sid` only when given (numbers in (`after`, `through`]), only those of these
         model `fingerprints` when given. No message is read.
 
-        Read `_TOKEN_CHUNK` versions per transaction, so a walk over a whole history holds one
-        chunk at a time; versions committed or deleted during the walk may or may not be seen.
-        `SessionNotFound` at the call (not at the first item) when `sid` is not the user's.
+        Read `_TOKEN_CHUNK` versions per query (keyset on (session, number)), so a walk over a
+        whole history holds one chunk, not the history. One read transaction serves the walk
+        until it ends or the iterator is dropped. `SessionNotFound` at the call (not at the
+        first item) when `sid` is not the user's.
         """
-        if sid is not None:
-            with transaction(self._factory) as db:
-                self._owned(db, user, sid)
         only = sorted(set(fingerprints)) if fingerprints is not None else None
-        return self._token_chunks(user, sid, only, after, through)
-
-    def _token_chunks(
-        self, user: str, sid: str | None, only: list[str] | None, after: int, through: int | None
-    ) -> Iterator[VersionTokens]:
-        if only is not None and not only:
-            return
         where: list[Any] = [VersionRow.user_id == user, VersionRow.n_tokens > 0]
         if sid is not None:
-            where += [VersionRow.session_id == sid, VersionRow.number > after]
+            where.append(VersionRow.session_id == sid)
             if through is not None:
                 where.append(VersionRow.number <= through)
         if only is not None:
             where.append(VersionRow.fingerprint.in_(only))
-        cols = (VersionRow.session_id, VersionRow.number, VersionRow.fingerprint, VersionRow.tokens)
-        key = tuple_(VersionRow.session_id, VersionRow.number)
-        last: tuple[str, int] | None = None
-        while True:
-            q = select(*cols).where(*where)
-            if last is not None:
-                q = q.where(key > tuple_(*last))
-            with transaction(self._factory) as db:
-                rows = db.execute(q.order_by(VersionRow.session_id, VersionRow.number).limit(_TOKEN_CHUNK)).all()
-            for r in rows:
-                yield VersionTokens(
-                    session_id=SessionId(r.session_id),
-                    number=r.number,
-                    fingerprint=FingerprintId(r.fingerprint) if r.fingerprint else None,
-                    tokens=np.frombuffer(r.tokens, dtype=TOKEN_DTYPE),
-                )
-            if len(rows) < _TOKEN_CHUNK:
-                return
-            last = (rows[-1].session_id, rows[-1].number)
-            del rows  # the chunk's bodies go before the next chunk is read
+        # One statement for every chunk, the cursor bound: session ids are never empty, so the
+        # first cursor ("", -1) is below every row of a walk over all sessions.
+        cursor = tuple_(VersionRow.session_id, VersionRow.number) > tuple_(bindparam("sid"), bindparam("n"))
+        q = (
+            select(VersionRow.session_id, VersionRow.number, VersionRow.fingerprint, VersionRow.tokens)
+            .where(*where, cursor)
+            .order_by(VersionRow.session_id, VersionRow.number)
+            .limit(_TOKEN_CHUNK)
+        )
+        db = self._factory()
+        try:
+            db.begin()
+            if sid is not None:
+                self._owned(db, user, sid)
+        except BaseException:
+            db.close()
+            raise
+        start = (sid, after) if sid is not None else ("", -1)
+        return self._token_chunks(db, q if only is None or only else None, start)
+
+    @staticmethod
+    def _token_chunks(db: Session, q: Select[Any] | None, last: tuple[str, int]) -> Iterator[VersionTokens]:
+        with db:  # closed, its read transaction rolled back, when the walk ends or is dropped
+            while q is not None:
+                chunk = db.execute(q, {"sid": last[0], "n": last[1]}).all()
+                for r in chunk:
+                    yield VersionTokens(
+                        session_id=SessionId(r.session_id),
+                        number=r.number,
+                        fingerprint=FingerprintId(r.fingerprint) if r.fingerprint else None,
+                        tokens=np.frombuffer(r.tokens, dtype=TOKEN_DTYPE),
+                    )
+                if len(chunk) < _TOKEN_CHUNK:
+                    return
+                last = (chunk[-1].session_id, chunk[-1].number)
+                del chunk, r  # this chunk's bodies go before the next one is read
 
     def delete_session(self, user: str, sid: str) -> int:
         """Delete the session with its branches, versions and stored responses; return the number
