@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import pytest
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.dialogue.versions import MAX_TOKENS, VersionInfo, VersionStore
@@ -40,6 +41,12 @@ def msg(role: str, content: str) -> dict[str, Any]:
 def turns(*contents: str) -> list[dict[str, Any]]:
     """Alternating user/assistant messages."""
     return [msg("user" if i % 2 == 0 else "assistant", c) for i, c in enumerate(contents)]
+
+
+def store_engine(store: VersionStore) -> Engine:
+    engine = store._factory.kw["bind"]  # the test's own store: its engine's pool is what is checked
+    assert isinstance(engine, Engine)
+    return engine
 
 
 def heads(store: VersionStore, user: str, sid: str) -> dict[str, int]:
@@ -459,6 +466,13 @@ def test_token_ids_are_walked_in_chunks_and_versions_listed_in_pages(store: Vers
     assert [v.tokens.tolist() for v in store.iter_tokens(BOB)] == [[5]]
     with pytest.raises(SessionNotFound):
         store.iter_tokens(BOB, "b")  # at the call, not at the first item
+    pool = store_engine(store).pool
+    before = pool.checkedout()  # type: ignore[attr-defined]
+    unstarted, half = store.iter_tokens(ALICE, "b"), store.iter_tokens(ALICE)
+    next(half)
+    assert pool.checkedout() == before + 2  # type: ignore[attr-defined]  # "b" was checked already
+    del unstarted, half  # dropped walks end their transactions and give their connections back
+    assert pool.checkedout() == before  # type: ignore[attr-defined]
 
     page, more = store.version_page(ALICE, "a", limit=5)
     assert [v.number for v in page] == [1, 2, 3, 4, 5] and more

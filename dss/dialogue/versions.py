@@ -481,20 +481,20 @@ class VersionStore:
             .order_by(VersionRow.session_id, VersionRow.number)
             .limit(_TOKEN_CHUNK)
         )
-        db = self._factory()
-        try:
-            db.begin()
+        start = (sid, after) if sid is not None else ("", -1)
+        walk = self._token_chunks(user, sid, q if only is None or only else None, start)
+        next(walk)  # opens the transaction and checks the session: SessionNotFound here, at the call
+        return (v for v in walk if v is not None)
+
+    def _token_chunks(
+        self, user: str, sid: str | None, q: Select[Any] | None, last: tuple[str, int]
+    ) -> Iterator[VersionTokens | None]:
+        """None first (once the session is checked), then the versions. A walk dropped before its
+        end is closed by the garbage collector, which ends its transaction."""
+        with transaction(self._factory) as db:
             if sid is not None:
                 self._owned(db, user, sid)
-        except BaseException:
-            db.close()
-            raise
-        start = (sid, after) if sid is not None else ("", -1)
-        return self._token_chunks(db, q if only is None or only else None, start)
-
-    @staticmethod
-    def _token_chunks(db: Session, q: Select[Any] | None, last: tuple[str, int]) -> Iterator[VersionTokens]:
-        with db:  # closed, its read transaction rolled back, when the walk ends or is dropped
+            yield None
             while q is not None:
                 chunk = db.execute(q, {"sid": last[0], "n": last[1]}).all()
                 for r in chunk:
