@@ -139,4 +139,5 @@ def test_versions_are_listed_a_page_at_a_time(tmp_path: Path) -> None:
         assert c.get("/v1/sessions/s0/versions?after=99", headers=h).json()["data"] == []
         assert c.get("/v1/sessions/s0/versions?limit=0", headers=h).status_code == 400
         assert c.get("/v1/sessions/s0/versions?after=-1", headers=h).status_code == 400
+        assert c.get(f"/v1/sessions/s0/versions?after={2**31}", headers=h).status_code == 400
         assert c.get("/v1/sessions/s0/versions", headers=as_user("bob")).status_code == 404

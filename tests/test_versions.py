@@ -481,6 +481,9 @@ def test_token_ids_are_walked_in_chunks_and_versions_listed_in_pages(store: Vers
     store.delete_subtree(ALICE, "a", 12)
     assert store.version_page(ALICE, "a", limit=5, after=12) == ([], False)  # a gone cursor still pages
     assert [v.number for v in store.version_page(ALICE, "a", limit=5, after=10)[0]] == [11]
+    assert store.version_page(ALICE, "a", limit=5, after=2**63 - 1) == ([], False)  # past INTEGER
+    assert list(store.iter_tokens(ALICE, "a", after=2**63 - 1)) == []
+    assert [v.number for v in store.iter_tokens(ALICE, "a", after=10, through=2**63 - 1)] == [11]
     with pytest.raises(InvalidInput):
         store.version_page(ALICE, "a", limit=0)
     with pytest.raises(SessionNotFound):

@@ -47,7 +47,7 @@ def list_versions(
     state: StateDep,
     principal: PrincipalDep,
     limit: Annotated[int | None, Query(ge=1, le=1000)] = None,
-    after: Annotated[int | None, Query(ge=0, le=2**63 - 1)] = None,
+    after: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
 ) -> ListResponse[VersionOut]:
     """The versions by number (also those no branch points at any more), with where their KV
     lives now; `limit` at a time (default and maximum `limits.max_list_limit`) after version

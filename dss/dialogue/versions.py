@@ -469,7 +469,7 @@ class VersionStore:
         if sid is not None:
             where.append(VersionRow.session_id == sid)
             if through is not None:
-                where.append(VersionRow.number <= through)
+                where.append(VersionRow.number <= min(through, _INT32_MAX))
         if only is not None:
             where.append(VersionRow.fingerprint.in_(only))
         # One statement for every chunk, the cursor bound: session ids are never empty, so the
@@ -481,7 +481,8 @@ class VersionStore:
             .order_by(VersionRow.session_id, VersionRow.number)
             .limit(_TOKEN_CHUNK)
         )
-        start = (sid, after) if sid is not None else ("", -1)
+        # Numbers are INTEGER columns: a larger bound names no version (and PostgreSQL refuses it).
+        start = (sid, min(after, _INT32_MAX)) if sid is not None else ("", -1)
         walk = self._token_chunks(user, sid, q if only is None or only else None, start)
         next(walk)  # opens the transaction and checks the session: SessionNotFound here, at the call
         return (v for v in walk if v is not None)
@@ -734,7 +735,7 @@ class VersionStore:
             self._owned(db, user, sid)
             q = (
                 select(*_SUMMARY_COLS)
-                .where(*_version_key(user, sid), VersionRow.number > after)
+                .where(*_version_key(user, sid), VersionRow.number > min(after, _INT32_MAX))
                 .order_by(VersionRow.number)
                 .limit(limit + 1)
             )
