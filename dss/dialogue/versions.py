@@ -1111,7 +1111,7 @@ def _check_user(user: str) -> None:
         raise InvalidInput("user id must be 1-256 characters")
 
 
-_MAX_NUMBER = (1 << 63) - 1  # BIGINT: a larger number cannot name a stored version
+_MAX_NUMBER = int(_INT32_MAX)  # INTEGER columns: a larger number cannot name a stored version
 
 
 def _check_number(number: int, sid: str) -> None:
