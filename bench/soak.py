@@ -912,8 +912,14 @@ class Client(threading.Thread):
         s = self.rng.choice(list(self.sessions.values()))
         if not any(k[0] == s.sid for k in self.ledger):
             return
-        r = self.req("read", "GET", f"/v1/sessions/{s.sid}/versions")
-        listed = {v["number"] for v in r.json()["data"]}
+        listed: set[int] = set()
+        after = 0
+        while True:  # the listing comes in pages of limits.max_list_limit
+            page = self.req("read", "GET", f"/v1/sessions/{s.sid}/versions?after={after}").json()
+            listed |= {v["number"] for v in page["data"]}
+            if not page["has_more"]:
+                break
+            after = int(page["last_id"])
         for (sid, n), e in list(self.ledger.items()):
             if sid == s.sid and n not in listed:
                 self.ctl.lost(self, e, "not listed (online read)", {"listed": sorted(listed)})
@@ -1038,6 +1044,22 @@ class Controller:
         )
 
     # ------------------------------------------------------------------------------ checking
+    def _versions(self, client: httpx.Client, sid: str) -> dict[int, Any] | int | None:
+        """Every listed version of the session by number, page after page (the listing comes in
+        pages of limits.max_list_limit); a page's status when it is not 200; None when a page
+        failed (recorded by `_get`)."""
+        listed: dict[int, Any] = {}
+        after = 0
+        while True:
+            r = self._get(client, f"/v1/sessions/{sid}/versions?after={after}")
+            if r is None or r.status_code != 200:
+                return None if r is None else r.status_code
+            page = r.json()
+            listed.update({v["number"]: v for v in page["data"]})
+            if not page["has_more"]:
+                return listed
+            after = int(page["last_id"])
+
     def _get(self, client: httpx.Client, path: str) -> httpx.Response | None:
         self.rec.count("requests")
         try:
@@ -1059,14 +1081,14 @@ class Controller:
             sids = sorted({sid for sid, _ in c.ledger})
             for sid in sids:
                 entries = [e for (s, _), e in c.ledger.items() if s == sid]
-                r = self._get(c.http, f"/v1/sessions/{sid}/versions")
-                if r is None:
+                listed = self._versions(c.http, sid)
+                if listed is None:
                     continue
-                if r.status_code == 404:
+                if isinstance(listed, int):
+                    what = "session not found" if listed == 404 else f"versions listing {listed}"
                     for e in entries:
-                        self.lost(c, e, f"session not found ({phase})", {})
+                        self.lost(c, e, f"{what} ({phase})", {})
                     continue
-                listed = {v["number"]: v for v in r.json()["data"]}
                 for e in entries:
                     checked += 1
                     v = listed.get(e.number)

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import pytest
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.dialogue.versions import MAX_TOKENS, VersionInfo, VersionStore
@@ -40,6 +41,12 @@ def msg(role: str, content: str) -> dict[str, Any]:
 def turns(*contents: str) -> list[dict[str, Any]]:
     """Alternating user/assistant messages."""
     return [msg("user" if i % 2 == 0 else "assistant", c) for i, c in enumerate(contents)]
+
+
+def store_engine(store: VersionStore) -> Engine:
+    engine = store._factory.kw["bind"]  # the test's own store: its engine's pool is what is checked
+    assert isinstance(engine, Engine)
+    return engine
 
 
 def heads(store: VersionStore, user: str, sid: str) -> dict[str, int]:
@@ -418,9 +425,10 @@ def test_find_deepest_prefix_version_with_edited_history(store: VersionStore) ->
     assert found.tokens.tolist() == [5]
 
 
-@pytest.mark.parametrize("number", [10**20, -(10**20), (1 << 63), -1])
+@pytest.mark.parametrize("number", [10**20, -(10**20), (1 << 63), (1 << 40), (1 << 31), -1])
 def test_numbers_no_column_can_hold_are_not_found(store: VersionStore, number: int) -> None:
-    """`GET .../versions/99999999999999999999` answered 500: the number overflowed the driver."""
+    """`GET .../versions/99999999999999999999` answered 500: the number overflowed the driver; on
+    PostgreSQL so did any number past the INTEGER column (2**31 and up: DataError)."""
     store.create_session(ALICE, "s")
     store.commit(ALICE, "s", tokens=[1], messages=[])
     with pytest.raises(VersionNotFound):
@@ -433,3 +441,51 @@ def test_numbers_no_column_can_hold_are_not_found(store: VersionStore, number: i
         store.rollback(ALICE, "s", "main", number)
     with pytest.raises(VersionNotFound):
         store.ancestors(ALICE, "s", number)
+
+
+def test_token_ids_are_walked_in_chunks_and_versions_listed_in_pages(store: VersionStore) -> None:
+    """`iter_tokens` (deleting a session, `stored_bytes`) reads token ids a few versions per
+    transaction, never messages; `version_page` is the versions listing's cursor page."""
+    for sid in ("a", "b"):
+        store.create_session(ALICE, sid)
+        for i in range(11):  # more than one chunk
+            fp = "fp-x" if i % 2 else "fp-y"
+            store.commit(ALICE, sid, tokens=[i + 1] * (i + 1), messages=turns(f"{sid}{i}"), fingerprint=fp)
+    store.create_session(BOB, "a")
+    store.commit(BOB, "a", tokens=[5], messages=turns("bob"), fingerprint="fp-x")
+    store.commit(ALICE, "a", tokens=[], messages=turns("empty"), fingerprint="fp-x")  # no tokens: left out
+    walked = [(v.session_id, v.number, v.fingerprint, v.tokens.tolist()) for v in store.iter_tokens(ALICE)]
+    expected = [
+        (sid, i + 1, "fp-x" if i % 2 else "fp-y", [i + 1] * (i + 1)) for sid in ("a", "b") for i in range(11)
+    ]
+    assert walked == expected
+    assert [(v.session_id, v.number) for v in store.iter_tokens(ALICE, fingerprints=["fp-x"])] == [
+        (sid, n) for sid in ("a", "b") for n in (2, 4, 6, 8, 10)
+    ]
+    assert list(store.iter_tokens(ALICE, fingerprints=[])) == []
+    assert [v.number for v in store.iter_tokens(ALICE, "b", after=3, through=9)] == [4, 5, 6, 7, 8, 9]
+    assert [v.tokens.tolist() for v in store.iter_tokens(BOB)] == [[5]]
+    with pytest.raises(SessionNotFound):
+        store.iter_tokens(BOB, "b")  # at the call, not at the first item
+    pool = store_engine(store).pool
+    before = pool.checkedout()  # type: ignore[attr-defined]
+    unstarted, half = store.iter_tokens(ALICE, "b"), store.iter_tokens(ALICE)
+    next(half)
+    assert pool.checkedout() == before + 2  # type: ignore[attr-defined]  # "b" was checked already
+    del unstarted, half  # dropped walks end their transactions and give their connections back
+    assert pool.checkedout() == before  # type: ignore[attr-defined]
+
+    page, more = store.version_page(ALICE, "a", limit=5)
+    assert [v.number for v in page] == [1, 2, 3, 4, 5] and more
+    page, more = store.version_page(ALICE, "a", limit=5, after=10)
+    assert [v.number for v in page] == [11, 12] and not more
+    store.delete_subtree(ALICE, "a", 12)
+    assert store.version_page(ALICE, "a", limit=5, after=12) == ([], False)  # a gone cursor still pages
+    assert [v.number for v in store.version_page(ALICE, "a", limit=5, after=10)[0]] == [11]
+    assert store.version_page(ALICE, "a", limit=5, after=2**63 - 1) == ([], False)  # past INTEGER
+    assert list(store.iter_tokens(ALICE, "a", after=2**63 - 1)) == []
+    assert [v.number for v in store.iter_tokens(ALICE, "a", after=10, through=2**63 - 1)] == [11]
+    with pytest.raises(InvalidInput):
+        store.version_page(ALICE, "a", limit=0)
+    with pytest.raises(SessionNotFound):
+        store.version_page(BOB, "b")

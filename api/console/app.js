@@ -325,6 +325,20 @@ function drawTree(container, versions, branches, selected, onSelect) {
   container.replaceChildren(root);
 }
 
+// Every version of the session, a page at a time (the server lists `limits.max_list_limit` at most
+// per request): the tree needs them all.
+async function allVersions(path) {
+  const versions = [];
+  let after = null;
+  do {
+    const q = after ? `?after=${encodeURIComponent(after)}` : "";
+    const page = await api("GET", `${path}/versions${q}`);
+    versions.push(...page.data);
+    after = page.has_more ? page.last_id : null;
+  } while (after);
+  return versions;
+}
+
 async function sessionView(sid) {
   mount("tpl-session");
   const path = `/v1/sessions/${encodeURIComponent(sid)}`;
@@ -334,7 +348,7 @@ async function sessionView(sid) {
   let selected = null;
 
   async function reload(select) {
-    [session, { data: versions }] = await Promise.all([api("GET", path), api("GET", `${path}/versions`)]);
+    [session, versions] = await Promise.all([api("GET", path), allVersions(path)]);
     const heads = session.branches.map((b) => `${b.name} → v${b.head_version}`).join(", ");
     $("session-summary").textContent =
       `${session.version_count} versions · branches: ${heads || "none"} · last activity ${when(session.updated_at)}`;

@@ -31,7 +31,6 @@ from dss.dialogue.turns import message_target
 from dss.dialogue.versions import SessionInfo
 from dss.errors import ModelNotFound, SessionNotFound
 from dss.ops.retention import KEEP
-from dss.types import FingerprintId
 
 router = APIRouter(tags=["sessions"])
 
@@ -40,13 +39,14 @@ SidPath = Annotated[str, "session id"]
 
 def stored_bytes(state: AppState, user: str, session_id: str) -> int:
     """The KV bytes stored for the session's versions (`KVCache.stored_bytes`); 0 for a session
-    deleted meanwhile (a listing does not fail for it)."""
+    deleted meanwhile (a listing does not fail for it). The versions' token ids are read a few at
+    a time (`iter_tokens`): a session's whole history is never held at once."""
     try:
-        versions = state.store.versions.list_versions(user, session_id, with_body=True)
+        versions = state.store.versions.iter_tokens(user, session_id)
     except SessionNotFound:
         return 0
-    sequences = [(FingerprintId(v.fingerprint), v.tokens) for v in versions if v.fingerprint and v.n_tokens]
-    return state.store.stored_bytes(state.store.tenant_for(user), sequences) if sequences else 0
+    sequences = ((v.fingerprint, v.tokens) for v in versions if v.fingerprint is not None)
+    return state.store.stored_bytes(state.store.tenant_for(user), sequences)
 
 
 def session_out(s: SessionInfo, stored: int) -> SessionOut:

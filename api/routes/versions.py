@@ -2,48 +2,67 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
+
+import numpy as np
+from fastapi import APIRouter, Query
 
 from api.deps import PrincipalDep, StateDep
 from api.errors import error_responses
 from api.schemas import BranchOut, ListResponse, RollbackRequest, TierTokens, VersionDetail, VersionOut
 from api.state import AppState
-from dss.dialogue.versions import VersionInfo
+from dss.dialogue.versions import VersionSummary
 from dss.types import FingerprintId, Tier
 
 router = APIRouter(tags=["versions"])
 
 
-def _resident(state: AppState, user: str, v: VersionInfo) -> TierTokens:
+def _resident(state: AppState, user: str, fingerprint: str | None, tokens: np.ndarray) -> TierTokens:
     """Tokens of the version whose KV sits in each tier now (nothing for an unknown model)."""
-    if not v.fingerprint or v.fingerprint not in state.store.fingerprints or v.n_tokens == 0:
+    if not fingerprint or fingerprint not in state.store.fingerprints or len(tokens) == 0:
         return TierTokens()
     tenant = state.store.tenant_for(user)
-    split = state.store.residency(FingerprintId(v.fingerprint), tenant, v.tokens)
+    split = state.store.residency(FingerprintId(fingerprint), tenant, tokens)
     return TierTokens(**{t.value: split.get(t.value, 0) for t in Tier})
 
 
-def _out(state: AppState, user: str, v: VersionInfo) -> VersionOut:
+def _out(v: VersionSummary, resident: TierTokens) -> VersionOut:
     return VersionOut(
         number=v.number,
         parent=v.parent,
         branch=v.branch,
         created_at=v.created_at,
         n_tokens=v.n_tokens,
-        resident=_resident(state, user, v),
+        resident=resident,
     )
 
 
 @router.get(
     "/v1/sessions/{session_id}/versions",
     response_model=ListResponse[VersionOut],
-    responses=error_responses(401, 404),
+    responses=error_responses(400, 401, 404),
 )
-def list_versions(session_id: str, state: StateDep, principal: PrincipalDep) -> ListResponse[VersionOut]:
-    """Every version (also those no branch points at any more), with where its KV lives now."""
-    rows = state.store.versions.list_versions(principal.user, session_id, with_body=True)
-    data = [_out(state, principal.user, v) for v in rows]
-    return ListResponse[VersionOut](data=data, has_more=False)
+def list_versions(
+    session_id: str,
+    state: StateDep,
+    principal: PrincipalDep,
+    limit: Annotated[int | None, Query(ge=1, le=1000)] = None,
+    after: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
+) -> ListResponse[VersionOut]:
+    """The versions by number (also those no branch points at any more), with where their KV
+    lives now; `limit` at a time (default and maximum `limits.max_list_limit`) after version
+    `after`. The page's token ids are read a few versions at a time, never the whole tree's."""
+    cap = state.settings.limits.max_list_limit
+    limit = min(limit if limit is not None else cap, cap)
+    start = after if after is not None else 0
+    user = principal.user
+    rows, has_more = state.store.versions.version_page(user, session_id, limit=limit, after=start)
+    resident: dict[int, TierTokens] = {}
+    if rows:
+        for v in state.store.versions.iter_tokens(user, session_id, after=start, through=rows[-1].number):
+            resident[v.number] = _resident(state, user, v.fingerprint, v.tokens)
+    data = [_out(v, resident.get(v.number, TierTokens())) for v in rows]
+    return ListResponse[VersionOut](data=data, has_more=has_more)
 
 
 @router.get(
@@ -53,7 +72,8 @@ def list_versions(session_id: str, state: StateDep, principal: PrincipalDep) -> 
 )
 def get_version(session_id: str, number: int, state: StateDep, principal: PrincipalDep) -> VersionDetail:
     v = state.store.versions.get_version(principal.user, session_id, number)
-    return VersionDetail(**_out(state, principal.user, v).model_dump(), messages=v.messages)
+    resident = _resident(state, principal.user, v.fingerprint, v.tokens)
+    return VersionDetail(**_out(v, resident).model_dump(), messages=v.messages)
 
 
 @router.post(

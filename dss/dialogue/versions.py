@@ -25,13 +25,25 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal, cast, overload
 
 import numpy as np
-from sqlalchemy import CursorResult, Delete, Update, and_, delete, func, select, tuple_, update
+from sqlalchemy import (
+    CursorResult,
+    Delete,
+    Select,
+    Update,
+    and_,
+    bindparam,
+    delete,
+    func,
+    select,
+    tuple_,
+    update,
+)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
@@ -51,7 +63,7 @@ from dss.errors import (
     VersionNotFound,
 )
 from dss.index.hashing import TOKEN_DTYPE
-from dss.types import SessionId, UserId
+from dss.types import FingerprintId, SessionId, UserId
 
 MAIN_BRANCH = "main"
 EMPTY_HEAD = 0
@@ -64,6 +76,9 @@ MAX_LIST_LIMIT = 1000
 MAX_COMMIT_ATTEMPTS = 64
 # Bound parameters per IN (...) list; SQLite allows 32766 in all, PostgreSQL 65535.
 _IN_CHUNK = 500
+# Versions whose token ids `iter_tokens` reads per query: what it holds at once is this many
+# versions' ids (8 x 64 KiB at 16k tokens), whatever the length of the history it walks.
+_TOKEN_CHUNK = 8
 
 KV_RETENTIONS = ("pinned", "normal", "evict")
 MIN_IDLE_TTL_S = 1
@@ -123,6 +138,16 @@ class VersionSummary:
 class VersionInfo(VersionSummary):
     tokens: np.ndarray  # int32, read-only
     messages: list[dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class VersionTokens:
+    """A version's token ids without its messages (what `iter_tokens` yields)."""
+
+    session_id: SessionId
+    number: int
+    fingerprint: FingerprintId | None
+    tokens: np.ndarray  # int32, read-only
 
 
 def _aware(ts: datetime) -> datetime:
@@ -421,6 +446,70 @@ class VersionStore:
                     out[number] = np.frombuffer(raw, dtype=TOKEN_DTYPE) if raw else _EMPTY_TOKENS
         return out
 
+    def iter_tokens(
+        self,
+        user: str,
+        sid: str | None = None,
+        *,
+        fingerprints: Iterable[str] | None = None,
+        after: int = 0,
+        through: int | None = None,
+    ) -> Iterator[VersionTokens]:
+        """The token ids of the user's versions that have tokens, by (session, number): those of
+        session `sid` only when given (numbers in (`after`, `through`]), only those of these
+        model `fingerprints` when given. No message is read.
+
+        Read `_TOKEN_CHUNK` versions per query (keyset on (session, number)), so a walk over a
+        whole history holds one chunk, not the history. One read transaction serves the walk
+        until it ends or the iterator is dropped. `SessionNotFound` at the call (not at the
+        first item) when `sid` is not the user's.
+        """
+        only = sorted(set(fingerprints)) if fingerprints is not None else None
+        where: list[Any] = [VersionRow.user_id == user, VersionRow.n_tokens > 0]
+        if sid is not None:
+            where.append(VersionRow.session_id == sid)
+            if through is not None:
+                where.append(VersionRow.number <= min(through, _INT32_MAX))
+        if only is not None:
+            where.append(VersionRow.fingerprint.in_(only))
+        # One statement for every chunk, the cursor bound: session ids are never empty, so the
+        # first cursor ("", -1) is below every row of a walk over all sessions.
+        cursor = tuple_(VersionRow.session_id, VersionRow.number) > tuple_(bindparam("sid"), bindparam("n"))
+        q = (
+            select(VersionRow.session_id, VersionRow.number, VersionRow.fingerprint, VersionRow.tokens)
+            .where(*where, cursor)
+            .order_by(VersionRow.session_id, VersionRow.number)
+            .limit(_TOKEN_CHUNK)
+        )
+        # Numbers are INTEGER columns: a larger bound names no version (and PostgreSQL refuses it).
+        start = (sid, min(after, _INT32_MAX)) if sid is not None else ("", -1)
+        walk = self._token_chunks(user, sid, q if only is None or only else None, start)
+        next(walk)  # opens the transaction and checks the session: SessionNotFound here, at the call
+        return (v for v in walk if v is not None)
+
+    def _token_chunks(
+        self, user: str, sid: str | None, q: Select[Any] | None, last: tuple[str, int]
+    ) -> Iterator[VersionTokens | None]:
+        """None first (once the session is checked), then the versions. A walk dropped before its
+        end is closed by the garbage collector, which ends its transaction."""
+        with transaction(self._factory) as db:
+            if sid is not None:
+                self._owned(db, user, sid)
+            yield None
+            while q is not None:
+                chunk = db.execute(q, {"sid": last[0], "n": last[1]}).all()
+                for r in chunk:
+                    yield VersionTokens(
+                        session_id=SessionId(r.session_id),
+                        number=r.number,
+                        fingerprint=FingerprintId(r.fingerprint) if r.fingerprint else None,
+                        tokens=np.frombuffer(r.tokens, dtype=TOKEN_DTYPE),
+                    )
+                if len(chunk) < _TOKEN_CHUNK:
+                    return
+                last = (chunk[-1].session_id, chunk[-1].number)
+                del chunk, r  # this chunk's bodies go before the next one is read
+
     def delete_session(self, user: str, sid: str) -> int:
         """Delete the session with its branches, versions and stored responses; return the number
         of versions deleted."""
@@ -634,6 +723,24 @@ class VersionStore:
                 return out
             q2 = select(*_SUMMARY_COLS).where(*_version_key(user, sid)).order_by(VersionRow.number)
             return [_summary(r) for r in db.execute(q2)]
+
+    def version_page(
+        self, user: str, sid: str, limit: int = 20, after: int = 0
+    ) -> tuple[list[VersionSummary], bool]:
+        """The session's versions by number, `limit` at a time after number `after` (a cursor that
+        names a deleted version, or none, still works: numbers only grow); whether more follow."""
+        if not 1 <= limit <= MAX_LIST_LIMIT:
+            raise InvalidInput(f"limit must be in [1, {MAX_LIST_LIMIT}]")
+        with transaction(self._factory) as db:
+            self._owned(db, user, sid)
+            q = (
+                select(*_SUMMARY_COLS)
+                .where(*_version_key(user, sid), VersionRow.number > min(after, _INT32_MAX))
+                .order_by(VersionRow.number)
+                .limit(limit + 1)
+            )
+            rows = [_summary(r) for r in db.execute(q)]
+        return rows[:limit], len(rows) > limit
 
     @overload
     def get_version(
@@ -1004,7 +1111,7 @@ def _check_user(user: str) -> None:
         raise InvalidInput("user id must be 1-256 characters")
 
 
-_MAX_NUMBER = (1 << 63) - 1  # BIGINT: a larger number cannot name a stored version
+_MAX_NUMBER = int(_INT32_MAX)  # INTEGER columns: a larger number cannot name a stored version
 
 
 def _check_number(number: int, sid: str) -> None:

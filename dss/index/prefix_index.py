@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import numpy as np
@@ -182,28 +183,40 @@ class PrefixIndex:
             orphans.extend(p for p in self._tails.remove_under([*gone_set, *cut]) if p not in gone_set)
             return self._unreached(orphans)
 
+    def path_pages(self, ns: Namespace, tokens: np.ndarray) -> frozenset[PageHash]:
+        """The pages of the namespace's trie on the path of `tokens`, and the tail page that ends
+        it (what `remove_paths` keeps for a path that stays)."""
+        with self._lock:
+            trie = self._tries.get(ns.id)
+            if trie is None:
+                return frozenset()
+            pages = set(trie.match(tokens, touch=False).pages)
+            tail = self._tail_of_path(trie, tokens, (ns.id,), trie.page_size)
+        if tail is not None:
+            pages.add(tail)
+        return frozenset(pages)
+
     def remove_paths(
-        self, ns: Namespace, drop: Sequence[np.ndarray], keep: Sequence[np.ndarray]
+        self, ns: Namespace, drop: Sequence[np.ndarray], keep: AbstractSet[PageHash]
     ) -> list[PageHash]:
-        """Cut the namespace's pages on the paths of `drop` that no path of `keep` uses (a
-        deleted session). Public pages stay. Returns the cut pages no trie reaches any more."""
+        """Cut the namespace's pages on the paths of `drop` that are not in `keep` (the
+        `path_pages` of the paths that stay: a deleted session's, against the user's other
+        sessions). Public pages stay. Returns the cut pages no trie reaches any more."""
         pub_id = public_namespace(ns.fingerprint).id
         with self._lock:
             trie = self._tries.get(ns.id)
             if trie is None:
                 return []
             public = self._tries.get(pub_id)
-            kept = {h for t in keep for h in trie.match(t, touch=False).pages}
             spaces = (ns.id,)
             bs = trie.page_size
-            kept_tails = {self._tail_of_path(trie, t, spaces, bs) for t in keep}
             removed: list[PageHash] = []
             for tokens in drop:
                 tail = self._tail_of_path(trie, tokens, spaces, bs)
-                if tail is not None and tail not in kept_tails and self._tails.remove(tail):
+                if tail is not None and tail not in keep and self._tails.remove(tail):
                     removed.append(tail)
                 for h in trie.match(tokens, touch=False).pages:
-                    if h in kept or h not in trie or (public is not None and h in public):
+                    if h in keep or h not in trie or (public is not None and h in public):
                         continue
                     # The first private page of the path that no kept path shares: it and
                     # everything below it belong to dropped paths only.

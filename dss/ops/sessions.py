@@ -4,6 +4,10 @@ The session's rows go first (one transaction); then its private pages that none 
 other versions reach are cut from the index and dropped from every tier. Pages shared with
 another session of the same user stay (they are that session's cache too), and public-prefix
 pages are never touched.
+
+Memory follows the deleted session, not the user's history: its versions' token ids are read
+(no messages), and the user's other versions are walked a few at a time (`iter_tokens`), each
+reduced at once to the pages it shares with the deleted paths.
 """
 
 from __future__ import annotations
@@ -13,14 +17,13 @@ from collections import defaultdict
 
 import numpy as np
 
-from dss.dialogue.versions import MAX_LIST_LIMIT, VersionStore
+from dss.dialogue.versions import VersionStore
 from dss.index.fingerprints import FingerprintRegistry
-from dss.index.hashing import as_tokens
 from dss.index.prefix_index import PrefixIndex
 from dss.keys.identity import Identity
 from dss.namespace import make_namespace
 from dss.pages.manager import TieredPages
-from dss.types import FingerprintId
+from dss.types import FingerprintId, Namespace, PageHash
 
 log = logging.getLogger("dss.sessions")
 
@@ -35,30 +38,40 @@ def delete_session(
     sid: str,
 ) -> int:
     """Delete session `sid` of `user` and its exclusive pages; returns the pages dropped."""
-    doomed = versions.list_versions(user, sid, with_body=True)  # SessionNotFound for anyone else
-    versions.delete_session(user, sid)
     drop: dict[FingerprintId, list[np.ndarray]] = defaultdict(list)
-    for v in doomed:
-        if v.fingerprint:
-            drop[FingerprintId(v.fingerprint)].append(as_tokens(v.tokens))
-    if not drop:
-        return 0
-    keep: dict[FingerprintId, list[np.ndarray]] = defaultdict(list)
-    after: str | None = None
-    while True:
-        sessions, more = versions.list_sessions(user, limit=MAX_LIST_LIMIT, after=after)
-        for s in sessions:
-            for v in versions.list_versions(user, s.id, with_body=True):
-                if v.fingerprint in drop:
-                    keep[FingerprintId(v.fingerprint)].append(as_tokens(v.tokens))
-        if not more or not sessions:
-            break
-        after = sessions[-1].id
+    for v in versions.iter_tokens(user, sid):  # SessionNotFound for anyone else
+        if v.fingerprint is not None:
+            drop[v.fingerprint].append(v.tokens)
+    n_versions = versions.delete_session(user, sid)
     tenant = identity.tenant_for(user)
+    spaces = {fid: make_namespace(fid, tenant) for fid in drop if fid in fingerprints}
+    # The pages the deleted paths reach; of the other paths, only what they share with these.
+    doomed: dict[FingerprintId, frozenset[PageHash]] = {}
+    for fid, ns in spaces.items():
+        doomed[fid] = frozenset().union(*(index.path_pages(ns, t) for t in drop[fid]))
+    keep = _kept_pages(versions, index, user, spaces, {f: d for f, d in doomed.items() if d})
     dropped = 0
-    for fid, seqs in drop.items():
-        if fid in fingerprints:
-            cut = index.remove_paths(make_namespace(fid, tenant), seqs, keep.get(fid, []))
-            dropped += len(pages.drop(cut))
-    log.info("deleted a session with %d versions and %d cached pages", len(doomed), dropped)
+    for fid, ns in spaces.items():
+        if doomed[fid]:
+            dropped += len(pages.drop(index.remove_paths(ns, drop[fid], keep[fid])))
+    log.info("deleted a session with %d versions and %d cached pages", n_versions, dropped)
     return dropped
+
+
+def _kept_pages(
+    versions: VersionStore,
+    index: PrefixIndex,
+    user: str,
+    spaces: dict[FingerprintId, Namespace],
+    doomed: dict[FingerprintId, frozenset[PageHash]],
+) -> dict[FingerprintId, set[PageHash]]:
+    """Of the `doomed` pages, those a remaining version of the user still reaches."""
+    keep: dict[FingerprintId, set[PageHash]] = {fid: set() for fid in spaces}
+    if not doomed:
+        return keep
+    for v in versions.iter_tokens(user, fingerprints=doomed):
+        fid = v.fingerprint
+        if fid is None or fid not in doomed or len(keep[fid]) == len(doomed[fid]):
+            continue  # every deleted page of this model is kept already
+        keep[fid] |= index.path_pages(spaces[fid], v.tokens) & doomed[fid]
+    return keep
