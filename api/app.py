@@ -189,7 +189,7 @@ async def _start(app: FastAPI) -> None:
 async def _open(app: FastAPI, settings: Settings, startup: Startup) -> None:
     metrics: Metrics = app.state.metrics
     aborter = TenantAborter(asyncio.get_running_loop())  # erasures by other servers of the fleet
-    store = await asyncio.to_thread(Store.open, settings.store.to_config(), aborter)
+    store = await asyncio.to_thread(Store.open, settings.store_config(), aborter)
     try:
         keys = ApiKeys(store.sf, settings.auth.key_cache_ttl_s)
         await asyncio.to_thread(log_auth_mode, settings, keys)
