@@ -24,7 +24,7 @@ from dss.db.models import SessionRow
 from dss.dialogue.responses import ResponseRecord, ResponseStore, new_response_id
 from dss.dialogue.versions import VersionStore
 from dss.errors import JsonTooDeep, JsonTooLarge
-from dss.jsonlimits import JsonLimits, check_json, json_depth
+from dss.jsonlimits import MAX_SERVABLE_DEPTH, JsonLimits, check_json, json_depth
 from tests.test_api_unit import DEV, as_user, settings_for, started, state_of
 
 
@@ -228,3 +228,20 @@ def test_deep_json_of_a_turn_is_refused_before_generating(gen: TestClient) -> No
     r = gen.post("/v1/responses", json={"input": "hi", "text": plain}, headers=h)
     assert error_of(r)["code"] == "reached_engine", r.text
     assert gen.get("/v1/sessions", headers=h).json()["data"] == []  # nothing stored
+
+
+def test_the_deepest_allowed_metadata_is_served(tmp_path: Path) -> None:
+    """`max_json_depth` stops below what the response serialiser can nest (pydantic-core refuses
+    ~255 levels; a listing wraps the metadata in four of its own)."""
+    settings = settings_for(tmp_path / "data", auth=DEV, limits={"max_json_depth": MAX_SERVABLE_DEPTH})
+    with TestClient(create_app(settings), raise_server_exceptions=False) as c:
+        started(c)
+        h = as_user("u")
+        r = c.post("/v1/sessions", json={"session_id": "d", "metadata": deep(MAX_SERVABLE_DEPTH)}, headers=h)
+        assert r.status_code == 201, r.text
+        r = c.get("/v1/sessions", headers=h)
+        assert (
+            r.status_code == 200
+            and json_depth(r.json()["data"][0]["metadata"], 1000)[0] == MAX_SERVABLE_DEPTH
+        )
+        assert c.get("/v1/sessions/d", headers=h).status_code == 200
