@@ -23,9 +23,10 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from api.auth import ApiKeys, check_user_name
+from api.deps import authenticate_before_body
 from api.errors import install_error_handlers
 from api.metrics import Metrics
-from api.middleware import BodyLimit, DevHostGuard, RequestMetrics, ServerIdHeader
+from api.middleware import AuthBeforeBody, BodyLimit, DevHostGuard, RequestMetrics, ServerIdHeader
 from api.routes import (
     branches,
     chat,
@@ -85,6 +86,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     ):
         app.include_router(module.router)
     app.add_middleware(BodyLimit, max_bytes=settings.server.max_body_bytes)
+    # Outside the size limit (which reads the body): an unauthenticated body is never read.
+    app.add_middleware(AuthBeforeBody, authenticate=authenticate_before_body)
     if settings.auth.dev_mode:
         app.add_middleware(DevHostGuard, extra=settings.auth.dev_allowed_hosts)
     app.add_middleware(RequestMetrics, metrics=app.state.metrics)
@@ -189,7 +192,7 @@ async def _start(app: FastAPI) -> None:
 async def _open(app: FastAPI, settings: Settings, startup: Startup) -> None:
     metrics: Metrics = app.state.metrics
     aborter = TenantAborter(asyncio.get_running_loop())  # erasures by other servers of the fleet
-    store = await asyncio.to_thread(Store.open, settings.store.to_config(), aborter)
+    store = await asyncio.to_thread(Store.open, settings.store_config(), aborter)
     try:
         keys = ApiKeys(store.sf, settings.auth.key_cache_ttl_s)
         await asyncio.to_thread(log_auth_mode, settings, keys)

@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING, Annotated
 from fastapi import Depends, Header, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.types import Scope
 
-from api.auth import KEY_PREFIX, Principal, check_user_name
+from api.auth import KEY_PREFIX, Principal, bearer_token, check_user_name
 from api.errors import EngineUnavailable, Forbidden, ServerStarting, SessionIdConflict, Unauthorized
 from api.schemas import NAME_PATTERN
 from api.state import AppState, Phase, Startup
@@ -52,27 +53,51 @@ async def get_store(state: StateDep) -> Store:
 StoreDep = Annotated[Store, Depends(get_store)]
 
 
+# Where `authenticate_before_body` leaves the principal it found, for `get_principal`.
+_PRINCIPAL_KEY = "dss_principal"
+
+
 async def get_principal(
     request: Request,
     state: StateDep,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    _scheme: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],  # for the OpenAPI schema
 ) -> Principal:
-    """The caller. A key validated within the cache's lifetime is answered here on the event
-    loop (a hash and a dictionary look-up); anything that may read the database runs in a thread."""
-    token = credentials.credentials if credentials is not None else None
+    """The caller: the one `authenticate_before_body` found (a request with a body), else from
+    the headers here, the same way."""
+    early = getattr(request.state, _PRINCIPAL_KEY, None)
+    if isinstance(early, Principal):
+        return early
+    return await _authenticate(state, request)
+
+
+async def authenticate_before_body(scope: Scope) -> None:
+    """`Unauthorized` (or `ServerStarting`) for a request whose headers do not authenticate it,
+    decided before any of its body is read (`api.middleware.AuthBeforeBody`): FastAPI reads and
+    parses a body before the route's dependencies run, so without this an unauthenticated client
+    could make the event loop parse megabytes of JSON per request. The principal found is kept
+    in the request's state for `get_principal`."""
+    request = Request(scope)  # headers only: nothing here receives the body
+    principal = await _authenticate(await get_state(request), request)
+    setattr(request.state, _PRINCIPAL_KEY, principal)
+
+
+async def _authenticate(state: AppState, request: Request) -> Principal:
+    """A key validated within the cache's lifetime is answered here on the event loop (a hash
+    and a dictionary look-up); anything that may read the database runs in a thread."""
+    token = bearer_token(request.headers.get("authorization"))
     if token is not None and token.startswith(KEY_PREFIX):
         hit = state.keys.cached(token)
         if hit is not None:
             return hit
-    return await run_in_threadpool(_principal, request, state, token)
+    return await run_in_threadpool(_principal, state, token, request.headers.get(DEV_USER_HEADER))
 
 
-def _principal(request: Request, state: AppState, token: str | None) -> Principal:
+def _principal(state: AppState, token: str | None, dev_user: str | None) -> Principal:
     if state.dev_mode and (token is None or not token.startswith(KEY_PREFIX)):
         # No DSS key: the openai client always sends some api_key, so a placeholder ("dev", an
         # OPENAI_API_KEY) means "no key" here. A `dss-` token is checked below: a typo or a
         # revoked key must fail, not quietly turn into an admin.
-        user = request.headers.get(DEV_USER_HEADER) or state.settings.auth.dev_default_user
+        user = dev_user or state.settings.auth.dev_default_user
         try:
             return Principal(UserId(check_user_name(user)), is_admin=True, key_id=None, dev_mode=True)
         except InvalidInput as exc:

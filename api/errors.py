@@ -169,7 +169,8 @@ def response_for(exc: BaseException) -> JSONResponse:
         headers = _RETRY_AFTER_503 if status == 503 else None
         if isinstance(exc, e.QuotaExceeded | e.RetentionBusy):
             headers = {"Retry-After": str(exc.retry_after_s)}
-        return error_response(status, message, kind, _snake(type(exc).__name__), headers=headers)
+        param = exc.field if isinstance(exc, e.LimitExceeded) else None  # the request field over a limit
+        return error_response(status, message, kind, _snake(type(exc).__name__), param, headers)
     if isinstance(exc, OperationalError):
         # The metadata database does not answer (PostgreSQL down or restarting, the connection
         # lost, SQLite locked): as a rule nothing was committed (a connection lost during COMMIT

@@ -1,19 +1,65 @@
-"""ASGI middleware: the request body size limit, per-route request metrics, development mode's
-Host-header allow-list, and the `X-DSS-Server` response header."""
+"""ASGI middleware: authentication before a body is read, the request body size limit, per-route
+request metrics, development mode's Host-header allow-list, and the `X-DSS-Server` response
+header."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import HostNotAllowed, PayloadTooLarge, response_for
+from api.errors import ApiError, HostNotAllowed, PayloadTooLarge, response_for
 from api.metrics import Metrics
 
 access_log = logging.getLogger("dss.access")
+
+
+class AuthBeforeBody:
+    """A request that carries a body is authenticated from its headers (`authenticate`, which
+    raises `Unauthorized`, or `ServerStarting` before the store is open) before any of the body
+    is received; refused, it is answered at once and its body is never read. FastAPI receives
+    and parses a body before it runs a route's dependencies (the key check among them), on the
+    event loop: unauthenticated multi-megabyte posts slowed every other user's requests.
+    Requests without a body are authenticated by the routes, as before."""
+
+    def __init__(self, app: ASGIApp, authenticate: Callable[[Scope], Awaitable[None]]) -> None:
+        self.app = app
+        self.authenticate = authenticate
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not _has_body(scope):
+            await self.app(scope, receive, send)
+            return
+        try:
+            await self.authenticate(scope)
+        except ApiError as exc:
+            refusal = response_for(exc)
+            declared = _content_length(scope)
+            if declared is None or declared > DRAIN_MAX_BYTES:
+                # The server would still receive (and drop) the rest of the body to keep the
+                # connection: closing it drops a big one unread.
+                refusal.headers["Connection"] = "close"
+            await refusal(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+# A refused request's body up to this size is still received and dropped (by the HTTP server, not
+# parsed), so that a client with a wrong key reads its 401 (most clients send the whole body before
+# they read an answer) on a connection it may reuse; past it, or of unknown length, the connection
+# is closed instead and the rest is never received (such a client may see the connection reset).
+DRAIN_MAX_BYTES = 1 << 20
+
+
+def _has_body(scope: Scope) -> bool:
+    declared = _content_length(scope)
+    if declared is not None:
+        return declared > 0
+    # No (valid) Content-Length: chunked, or a length that does not parse: assume a body.
+    return any(name in (b"transfer-encoding", b"content-length") for name, _ in scope.get("headers", ()))
 
 
 class BodyLimit:

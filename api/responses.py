@@ -36,6 +36,7 @@ from api.turns import Answer, Prepared, Turn, answer, commit, dss_info, events, 
 from dss.dialogue.responses import ResponseRecord, new_response_id
 from dss.dialogue.turns import Committed, add_response
 from dss.errors import DSSError
+from dss.jsonlimits import JsonLimits, check_items, check_json
 
 RESPONSE_ID_PATTERN = r"^resp_[0-9a-f]{48}$"
 _MAX_METADATA_KEYS = 16
@@ -218,6 +219,13 @@ class ResponsePlan:
     id: str = field(default_factory=new_response_id)
     created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     item_id: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")  # its output message
+
+    def check_json(self, limits: JsonLimits) -> None:
+        """The request's JSON its record will store (the input items' parts and annotations,
+        `text.format.schema`) against the limits, before anything is generated: the store checks
+        the record again, but only once the answer exists."""
+        check_items("input", self.input_items, limits)
+        check_json("text", self.body.text_config(), limits)
 
 
 def response_body(record: ResponseRecord) -> dict[str, Any]:

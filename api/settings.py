@@ -9,6 +9,7 @@ Every field can come from the environment (`DSS_SERVER__PORT=9000`,
 from __future__ import annotations
 
 import ipaddress
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,6 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from dss.config import FleetConfig, GiB, RemoteConfig, RetentionConfig, StoreConfig
 from dss.dialogue.quotas import Quotas
+from dss.jsonlimits import MAX_SERVABLE_DEPTH, JsonLimits
 
 MiB = 1 << 20
 DEFAULT_DATA_DIR = Path("~/.local/share/dss")
@@ -167,6 +169,31 @@ class LimitsSettings(BaseModel):
     max_stop_sequences: int = Field(default=4, ge=0)
     max_n: int = Field(default=8, ge=1, le=128)  # alternatives one request may ask for
     max_list_limit: int = Field(default=100, ge=1, le=1000)
+    # Every free-form JSON value the server stores (session metadata, a message's tool calls, a
+    # response's items and `text.format.schema`) or passes to vLLM (`response_format`, `tools`):
+    # nesting depth and compact size of each. Checked before anything is written or generated.
+    max_json_depth: int = Field(default=64, ge=1, le=MAX_SERVABLE_DEPTH)
+    max_json_bytes: int = Field(default=1 << 20, ge=1024)
+    # Per-request lists and maps that vLLM applies at every decoding step (logit masks, penalties,
+    # stop and bad-word checks): each entry adds to the step time of the whole batch.
+    max_logit_bias: int = Field(default=300, ge=0)
+    max_allowed_token_ids: int = Field(default=1024, ge=0)
+    max_stop_token_ids: int = Field(default=64, ge=0)
+    max_bad_words: int = Field(default=64, ge=0)
+    max_tools: int = Field(default=128, ge=0)
+
+    def json_limits(self) -> JsonLimits:
+        return JsonLimits(max_depth=self.max_json_depth, max_bytes=self.max_json_bytes)
+
+    def entry_limits(self) -> dict[str, tuple[str, int]]:
+        """Request field -> (its setting, the most entries it may have)."""
+        return {
+            "logit_bias": ("max_logit_bias", self.max_logit_bias),
+            "allowed_token_ids": ("max_allowed_token_ids", self.max_allowed_token_ids),
+            "stop_token_ids": ("max_stop_token_ids", self.max_stop_token_ids),
+            "bad_words": ("max_bad_words", self.max_bad_words),
+            "tools": ("max_tools", self.max_tools),
+        }
 
 
 class AuthSettings(BaseModel):
@@ -195,6 +222,11 @@ class Settings(BaseSettings):
     engine: EngineGroup = EngineGroup()
     limits: LimitsSettings = LimitsSettings()
     auth: AuthSettings = AuthSettings()
+
+    def store_config(self) -> StoreConfig:
+        """The store's configuration: the store group, with the JSON limits of the limits table
+        (the store enforces them on every write)."""
+        return replace(self.store.to_config(), json_limits=self.limits.json_limits())
 
 
 def load_settings(**overrides: Any) -> Settings:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,10 +20,12 @@ import numpy as np
 
 from api.engine import ChatEngine, Delta, Finished, Sampling
 from api.schemas import DssInfo, GenerationParams, PromptTokensDetails, TierTokens, Usage
+from api.settings import LimitsSettings
 from api.state import AppState
 from dss.dialogue.turns import Committed, TurnTarget, check_text, commit_alternatives
 from dss.errors import LimitExceeded
 from dss.index.hashing import TOKEN_DTYPE
+from dss.jsonlimits import check_items, check_json
 from dss.types import TenantId, UserId
 
 
@@ -65,8 +67,27 @@ class Answer:
         return msg
 
 
-def check_limits(state: AppState, params: GenerationParams, messages: list[dict[str, Any]]) -> None:
-    lim = state.settings.limits
+def check_limits(
+    lim: LimitsSettings,
+    params: GenerationParams,
+    messages: list[dict[str, Any]],
+    fields: Mapping[str, Any] | None = None,
+) -> None:
+    """The limits table on a turn's request, before any work for it: every 400 names the field
+    and the limit. `fields`: the honoured OpenAI fields passed to vLLM."""
+    json_limits = lim.json_limits()
+    # First: what follows (and vLLM) walks these values recursively.
+    check_items("messages", messages, json_limits)
+    for name, (setting, most) in lim.entry_limits().items():
+        value = (fields or {}).get(name)
+        if isinstance(value, Sized) and not isinstance(value, str) and len(value) > most:
+            raise LimitExceeded(
+                f"`{name}` has {len(value)} entries, over this server's limit of {most} ({setting})",
+                field=name,
+            )
+    for name, value in (fields or {}).items():
+        if isinstance(value, Mapping | list | tuple):
+            check_json(name, value, json_limits)
     check_text(messages, "messages")
     check_text(list(params.stop or []), "stop")
     if len(messages) > lim.max_messages:
@@ -89,7 +110,7 @@ async def prepare(state: AppState, engine: ChatEngine, turn: Turn) -> Prepared:
     get before a stream starts. (What vLLM checks against the model when the request reaches
     the engine, such as `top_logprobs` above its maximum, fails in `generate`: in a stream, as
     an error event after the 200, as in vLLM's own server.)"""
-    check_limits(state, turn.params, turn.messages)
+    check_limits(state.settings.limits, turn.params, turn.messages, turn.fields)
     # Validated first (a malformed tool must not reach the template); max_tokens is set below.
     lim = state.settings.limits
     checked = engine.sampling(

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dss.dialogue.quotas import Quotas
+from dss.jsonlimits import JsonLimits
 
 GiB = 1 << 30
 
@@ -74,6 +75,8 @@ class StoreConfig:
     lease_timeout_s: float = 600.0  # a load or save not finished by then is presumed dead
     quotas: Quotas = field(default_factory=Quotas)  # per user: sessions, versions, stored bytes
     retention: RetentionConfig = field(default_factory=RetentionConfig)
+    # Depth and size of every free-form JSON value the store keeps (metadata, tool calls, ...).
+    json_limits: JsonLimits = field(default_factory=JsonLimits)
     remote: RemoteConfig = field(default_factory=RemoteConfig)
     # This server's name in a fleet (page rows of its local tiers, erasure acknowledgements);
     # None: the one recorded in data_dir/server-id (a random one is written on first start).

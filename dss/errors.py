@@ -112,7 +112,20 @@ class FingerprintMismatch(InvalidInput):
 
 
 class LimitExceeded(InvalidInput):
-    """A size limit (tokens, messages, bytes) was exceeded."""
+    """A size limit (tokens, messages, bytes) was exceeded. `field` names the request field
+    that exceeded it, when one does (the API's error `param`)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class JsonTooDeep(LimitExceeded):
+    """A free-form JSON value to be stored is nested deeper than the limit (`dss.jsonlimits`)."""
+
+
+class JsonTooLarge(LimitExceeded):
+    """A free-form JSON value to be stored is larger than the limit (`dss.jsonlimits`)."""
 
 
 # --- storage ------------------------------------------------------------------

@@ -116,8 +116,8 @@ class Store:
         # page, and through an fsync each would hold SQLite's write lock that rollbacks wait for.
         self._db_relaxed = make_engine(url, durable_commits=False) if is_sqlite_file(url) else None
         relaxed_sf = make_session_factory(self._db_relaxed) if self._db_relaxed is not None else self.sf
-        self.versions = VersionStore(self.sf, self.config.quotas)
-        self.responses = ResponseStore(self.sf, self.versions)
+        self.versions = VersionStore(self.sf, self.config.quotas, self.config.json_limits)
+        self.responses = ResponseStore(self.sf, self.versions, self.config.json_limits)
         self.keys = load_master_key(self.sf, cfg.resolved_key_file, cfg.create_master_key)
         self.identity = Identity.load(self.sf, self.keys)
         self.keyring = Keyring(self.keys, self.sf)
@@ -155,7 +155,7 @@ class Store:
         )
         self.recovery_report = recovery.rebuild(self.sf, self.disk, self.pages, self.index, self.fingerprints)
         self.kv = KVCache(cfg, self.fingerprints, self.index, self.pages, self.keyring.is_retired)
-        self.prefixes = PublicPrefixes(self.sf, self.fingerprints, self.kv)
+        self.prefixes = PublicPrefixes(self.sf, self.fingerprints, self.kv, self.config.json_limits)
         self.eraser = Eraser(
             self.sf,
             self.db,

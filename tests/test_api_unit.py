@@ -250,12 +250,9 @@ def test_chat_text_with_a_lone_surrogate_is_refused_before_the_engine() -> None:
     from api.turns import check_limits
 
     body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi \ud800"}]})
-
-    class _State:
-        settings = settings_for(Path("/nonexistent"))
-
+    limits = settings_for(Path("/nonexistent")).limits
     with pytest.raises(e.InvalidInput, match="not valid Unicode"):
-        check_limits(_State(), body, [m.plain() for m in body.messages])  # type: ignore[arg-type]
+        check_limits(limits, body, [m.plain() for m in body.messages])
 
 
 def test_bad_input_is_400_and_unknown_fields_are_ignored(client: TestClient) -> None:

@@ -56,7 +56,7 @@ async def create_chat_completion(
 
     async def build() -> Turn:
         messages = [m.plain() for m in body.messages]
-        check_limits(state, body, messages)
+        check_limits(state.settings.limits, body, messages, fields)
         target = None
         if session_id is not None:
             target = await asyncio.to_thread(

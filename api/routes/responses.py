@@ -50,12 +50,13 @@ async def create_response(
     body.check_fields()
     items = body.items()
     plan = ResponsePlan(body, stored_items(items))
+    plan.check_json(state.settings.limits.json_limits())
     params = GenerationParams(max_tokens=body.max_output_tokens, stream=body.stream)
     fields = body.sampling_fields()
 
     async def build() -> Turn:
         new = item_messages(items)
-        check_limits(state, params, new)
+        check_limits(state.settings.limits, params, new, fields)
         planned = await asyncio.to_thread(
             response_target,
             state.store.versions,

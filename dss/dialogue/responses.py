@@ -58,6 +58,7 @@ from dss.errors import (
     ResponseNotFound,
     VersionNotFound,
 )
+from dss.jsonlimits import JsonLimits, check_items, check_json
 
 RESPONSE_ID_PREFIX = "resp_"
 _ID_RE = re.compile(r"resp_[0-9a-f]{48}")
@@ -140,16 +141,21 @@ def _record(row: ResponseRow) -> ResponseRecord:
 
 
 def _plain_json(
-    record: ResponseRecord,
+    record: ResponseRecord, limits: JsonLimits
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
     """The record's JSON parts as they will come back from the database; `InvalidInput` for
-    anything that is not JSON, `LimitExceeded` past MAX_RECORD_BYTES."""
-    for kind, items in (("input_items", record.input_items), ("output", record.output)):
+    anything that is not JSON, `LimitExceeded` past MAX_RECORD_BYTES or past `limits` (each
+    structured field of an item, each parameter: named as the request names it)."""
+    named = (("input_items", "input", record.input_items), ("output", "output", record.output))
+    for kind, name, items in named:
         if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
             raise InvalidInput(f"{kind} must be a list of JSON objects")
+        check_items(name, items, limits)
     for kind, obj in (("usage", record.usage), ("params", record.params)):
         if not isinstance(obj, dict):
             raise InvalidInput(f"{kind} must be a JSON object")
+        for key, value in obj.items():
+            check_json(key, value, limits)
     parts = [record.input_items, record.output, record.usage, record.params]
     try:
         text = json.dumps(parts, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
@@ -188,9 +194,15 @@ class ResponseStore:
     an unknown id. Version rows are read and deleted only through `VersionStore`.
     """
 
-    def __init__(self, session_factory: sessionmaker[Session], versions: VersionStore) -> None:
+    def __init__(
+        self,
+        session_factory: sessionmaker[Session],
+        versions: VersionStore,
+        json_limits: JsonLimits | None = None,
+    ) -> None:
         self._factory = session_factory
         self._versions = versions
+        self._json_limits = json_limits if json_limits is not None else JsonLimits()
 
     # --- writes --------------------------------------------------------------------------------
     def add(self, record: ResponseRecord) -> None:
@@ -199,7 +211,7 @@ class ResponseStore:
         response of the same user (`ResponseNotFound`) in the same session whose version is an
         ancestor of this one's (`InvalidInput`); an id already used raises `ResponseExists`."""
         _check_record(record)
-        inputs, output, usage, params = _plain_json(record)
+        inputs, output, usage, params = _plain_json(record, self._json_limits)
         user, sid = record.user, record.session_id
         try:
             with transaction(self._factory) as db:

@@ -23,6 +23,7 @@ session, a user's sessions or a version subtree deletes the responses that hold 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -63,7 +64,10 @@ from dss.errors import (
     VersionNotFound,
 )
 from dss.index.hashing import TOKEN_DTYPE
+from dss.jsonlimits import JsonLimits, check_items, check_json, servable
 from dss.types import FingerprintId, SessionId, UserId
+
+log = logging.getLogger("dss.versions")
 
 MAIN_BRANCH = "main"
 EMPTY_HEAD = 0
@@ -204,14 +208,19 @@ def _branch_info(row: BranchRow) -> BranchInfo:
     return BranchInfo(name=row.name, head_version=row.head_version, created_at=_aware(row.created_at))
 
 
-def _session_info(row: SessionRow, branches: Iterable[BranchRow]) -> SessionInfo:
+def _session_info(row: SessionRow, branches: Iterable[BranchRow], limits: JsonLimits) -> SessionInfo:
+    meta = dict(row.meta or {})
+    if not servable(meta, limits):
+        # Stored before the depth limit existed: serving it would fail the user's whole listing.
+        log.warning("stored session metadata nested over %d levels deep: served empty", limits.max_depth)
+        meta = {}
     return SessionInfo(
         id=SessionId(row.id),
         user_id=UserId(row.user_id),
         created_at=_aware(row.created_at),
         updated_at=_aware(row.updated_at),
         system_prompt=row.system_prompt,
-        metadata=dict(row.meta or {}),
+        metadata=meta,
         version_count=row.version_count,
         branches=tuple(_branch_info(b) for b in branches),
         kv_retention=row.kv_retention,
@@ -301,9 +310,15 @@ class VersionStore:
     session without its user, so one user's ids say nothing about another's.
     """
 
-    def __init__(self, session_factory: sessionmaker[Session], quotas: Quotas | None = None) -> None:
+    def __init__(
+        self,
+        session_factory: sessionmaker[Session],
+        quotas: Quotas | None = None,
+        json_limits: JsonLimits | None = None,
+    ) -> None:
         self._factory = session_factory
         self._quotas = quotas if quotas is not None else Quotas()
+        self._json_limits = json_limits if json_limits is not None else JsonLimits()
 
     # --- sessions ------------------------------------------------------------------------------
     def create_session(
@@ -320,8 +335,8 @@ class VersionStore:
         if system_prompt is not None and len(system_prompt) > MAX_SYSTEM_PROMPT_CHARS:
             raise LimitExceeded(f"system prompt longer than {MAX_SYSTEM_PROMPT_CHARS} characters")
         meta = dict(metadata) if metadata is not None else None
-        if meta is not None and _json_size("metadata", meta) > MAX_METADATA_BYTES:
-            raise LimitExceeded(f"metadata over {MAX_METADATA_BYTES} bytes of JSON")
+        if meta is not None and check_json("metadata", meta, self._json_limits) > MAX_METADATA_BYTES:
+            raise LimitExceeded(f"metadata over {MAX_METADATA_BYTES} bytes of JSON", field="metadata")
         try:
             with transaction(self._factory) as db:
                 check_session_quota(db, user, self._quotas)
@@ -342,14 +357,14 @@ class VersionStore:
                 )
                 db.add(main)
                 db.flush()
-                return _session_info(row, [main])
+                return _session_info(row, [main], self._json_limits)
         except IntegrityError as exc:
             raise SessionExists(f"session id {sid!r} is already in use") from exc
 
     def get_session(self, user: str, sid: str) -> SessionInfo:
         with transaction(self._factory) as db:
             row = self._owned(db, user, sid)
-            return _session_info(row, self._branch_rows(db, user, sid))
+            return _session_info(row, self._branch_rows(db, user, sid), self._json_limits)
 
     def ensure_session(
         self,
@@ -397,7 +412,7 @@ class VersionStore:
                     .order_by(BranchRow.created_at, BranchRow.name)
                 ):
                     by_session[b.session_id].append(b)
-            return [_session_info(r, by_session[r.id]) for r in rows], has_more
+            return [_session_info(r, by_session[r.id], self._json_limits) for r in rows], has_more
 
     def set_retention(self, user: str, sid: str, kv_retention: str, kv_idle_ttl_s: int | None) -> SessionInfo:
         """Set the session's KV retention hint and idle TTL (None: none). `InvalidInput` for a hint
@@ -408,7 +423,7 @@ class VersionStore:
             row.kv_retention = kv_retention
             row.kv_idle_ttl_s = kv_idle_ttl_s
             db.flush()
-            return _session_info(row, self._branch_rows(db, user, sid))
+            return _session_info(row, self._branch_rows(db, user, sid), self._json_limits)
 
     def retention_hints(
         self, *, updated_after: datetime | None = None, hinted_only: bool = False, limit: int = MAX_LIST_LIMIT
@@ -537,6 +552,7 @@ class VersionStore:
         whatever the head is when it lands.
         """
         arr = _coerce_tokens(tokens)
+        check_items("messages", messages, self._json_limits)  # before anything walks them recursively
         msgs = _normalised(messages)
         if fingerprint is not None and len(fingerprint) > 64:
             raise InvalidInput("fingerprint longer than 64 characters")

@@ -18,6 +18,7 @@ from dss.db.models import PublicPrefixRow
 from dss.errors import InvalidInput, PrefixNotFound
 from dss.index.fingerprints import FingerprintRegistry
 from dss.index.hashing import as_tokens
+from dss.jsonlimits import JsonLimits, check_items
 from dss.ops.kv import KVCache
 from dss.types import PUBLIC_TENANT, FingerprintId
 
@@ -35,9 +36,14 @@ class PrefixInfo:
 
 class PublicPrefixes:
     def __init__(
-        self, session_factory: sessionmaker[Session], fingerprints: FingerprintRegistry, kv: KVCache
+        self,
+        session_factory: sessionmaker[Session],
+        fingerprints: FingerprintRegistry,
+        kv: KVCache,
+        json_limits: JsonLimits | None = None,
     ) -> None:
         self._sf = session_factory
+        self._json_limits = json_limits if json_limits is not None else JsonLimits()
         self._fingerprints = fingerprints
         self._kv = kv
         for fid in list(fingerprints):
@@ -52,6 +58,8 @@ class PublicPrefixes:
         messages: list[dict[str, object]] | None = None,
         pin: bool = False,
     ) -> PrefixInfo:
+        if messages is not None:
+            check_items("messages", messages, self._json_limits)
         fp = self._fingerprints.get(fid)
         arr = as_tokens(tokens)
         if len(arr) < fp.block_size:
