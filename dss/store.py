@@ -153,7 +153,9 @@ class Store:
             PageCodecProcess(cfg.codec) if cfg.codec_process else None,
             self.remote,
         )
-        self.recovery_report = recovery.rebuild(self.sf, self.disk, self.pages, self.index, self.fingerprints)
+        self.recovery_report = recovery.rebuild(
+            self.sf, self.disk, self.pages, self.index, self.fingerprints, self.keyring.data_key
+        )
         self.kv = KVCache(cfg, self.fingerprints, self.index, self.pages, self.keyring.is_retired)
         self.prefixes = PublicPrefixes(self.sf, self.fingerprints, self.kv)
         self.eraser = Eraser(
