@@ -2,9 +2,9 @@
 
 Runs after a clean stop or a `kill -9`. The database rows and the page files are reconciled
 (a row without its file, a file without its row, a page of a tenant whose key is gone, a row
-whose sealed token ids do not open, a half written temp file: all removed), then every surviving page becomes a disk-resident entry and the
-tries are rebuilt from the parent chains. Nothing here trusts page bytes: they are verified
-against their checksum when they are loaded.
+whose sealed token ids do not open, a half written temp file: all removed), then every surviving
+page becomes a disk-resident entry and the tries are rebuilt from the parent chains. Nothing here
+trusts page bytes: they are verified against their checksum when they are loaded.
 """
 
 from __future__ import annotations
