@@ -42,6 +42,7 @@ from dss.index.fingerprints import FingerprintRegistry
 from dss.index.prefix_index import PrefixIndex
 from dss.keys.identity import Identity, load_master_key
 from dss.keys.keyring import Keyring
+from dss.keys.upgrade import upgrade_derivation
 from dss.namespace import ModelFingerprint
 from dss.ops import recovery
 from dss.ops.erasure import Eraser, ErasureReceipt, OnTenantErased, Verification
@@ -120,6 +121,8 @@ class Store:
         self.responses = ResponseStore(self.sf, self.versions)
         self.keys = load_master_key(self.sf, cfg.resolved_key_file, cfg.create_master_key)
         self.identity = Identity.load(self.sf, self.keys)
+        # A store made under the first (ambiguous) derivation: before anything reads a tenant.
+        upgrade_derivation(self.sf, self.identity)
         self.keyring = Keyring(self.keys, self.sf)
         self.fingerprints = FingerprintRegistry(self.sf)
 
@@ -269,7 +272,10 @@ class Store:
     def receipt_subjects(self, user: str) -> set[str]:
         """What the user's erasure receipts may name: every tenant the user had (and, for receipts
         written before tenants had epochs, the subject hash)."""
-        return {*self.identity.tenants_of(user), self.identity.subject_hash(user)}
+        subjects = {*self.identity.tenants_of(user), self.identity.subject_hash(user)}
+        if self.identity.legacy:
+            subjects.add(self.identity.legacy_subject_hash(user))
+        return subjects
 
     def register_fingerprint(self, fp: ModelFingerprint) -> FingerprintId:
         return self.fingerprints.register(fp)
