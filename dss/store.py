@@ -36,6 +36,7 @@ from dss.db.engine import is_sqlite_file, make_engine, make_session_factory, upg
 from dss.dialogue.responses import ResponseStore
 from dss.dialogue.versions import VersionStore
 from dss.errors import DataDirInUse, StoreClosed
+from dss.files import try_lock_exclusive
 from dss.fleet.erasures import ErasureFollower
 from dss.fleet.members import Membership, resolve_server_id
 from dss.index.fingerprints import FingerprintRegistry
@@ -243,13 +244,9 @@ class Store:
             os.close(fd)  # closing the descriptor drops the lock, if this process took it
 
     def _take_owner_lock(self) -> None:
-        path = self.config.owner_lock_path
-        f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o600), "a+b")  # held for the store's lifetime
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.close()
-            raise _data_dir_in_use(self.config) from None
+        f = try_lock_exclusive(self.config.owner_lock_path)  # held for the store's lifetime
+        if f is None:
+            raise _data_dir_in_use(self.config)
         self._owner_lock = f
 
     def _release_owner_lock(self) -> None:
