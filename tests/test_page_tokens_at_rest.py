@@ -8,7 +8,8 @@ import os
 from pathlib import Path
 
 import numpy as np
-from sqlalchemy import select
+import pytest
+from sqlalchemy import select, text
 
 from dss.db.engine import SQLITE_FILENAME
 from dss.db.models import PageRow
@@ -82,5 +83,26 @@ def test_rows_whose_tokens_cannot_be_opened_are_dropped_at_recovery(tmp_path: Pa
     assert len(os.listdir(data / "pages")) == 0 or not any(
         f for _r, _d, files in os.walk(data / "pages") for f in files
     )
+    store.check()
+    store.close()
+
+
+@pytest.mark.pg
+def test_page_rows_hold_no_token_ids_on_postgresql(tmp_path: Path, pg_url: str) -> None:
+    """What `pg_dump` would show: every cell of every `pages` row, raw."""
+    data = tmp_path / "data"
+    store = open_store(data, shm_dir=tmp_path / "shm", db_url=pg_url)
+    fid = store.register_fingerprint(SMALL_FP)
+    tenant = store.tenant_for("alice")
+    assert store.put_sequence(fid, tenant, TOKENS, pages_for(SMALL_FP, TOKENS)) == 4
+    assert store.flush()
+    with store.db.connect() as conn:
+        dump = conn.execute(text("SELECT * FROM pages")).all()
+    assert len(dump) == 4
+    cells = b"".join(bytes(v) for r in dump for v in r if isinstance(v, bytes | memoryview))
+    assert not any(arr in cells for arr in _page_arrays(TOKENS, SMALL_FP.block_size))
+    store.close()
+    store = open_store(data, shm_dir=tmp_path / "shm", db_url=pg_url)
+    assert store.load_sequence(fid, tenant, TOKENS) == (16, pages_for(SMALL_FP, TOKENS))
     store.check()
     store.close()
