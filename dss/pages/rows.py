@@ -50,7 +50,9 @@ def seal_tokens(meta: PageMeta, data_key: bytes) -> bytes:
     return crypto.encrypt(data_key, as_tokens(meta.tokens).tobytes(), _tokens_aad(meta.tenant, meta.hash))
 
 
-def open_tokens(sealed: bytes, tenant: TenantId, page: PageHash, data_key: bytes) -> np.ndarray:
+def open_tokens(
+    sealed: bytes, tenant: TenantId, page: PageHash, data_key: bytes | crypto.AESGCM
+) -> np.ndarray:
     """Raises `CorruptPage` when the value does not open under the key (moved, damaged, wrong key)."""
     plain = crypto.decrypt(data_key, sealed, _tokens_aad(tenant, page))
     if len(plain) % TOKEN_DTYPE.itemsize:
@@ -117,13 +119,17 @@ class PageRows:
             rows = list(s.execute(select(PageRow).where(PageRow.server == self.server)).scalars())
         ok: list[tuple[PageMeta, int]] = []
         unusable: list[PageHash] = []
+        ciphers: dict[TenantId, crypto.AESGCM | None] = {}
         for r in rows:
             h, tenant = PageHash(bytes(r.hash)), TenantId(r.tenant)
-            key = key_of(tenant)
+            if tenant not in ciphers:
+                key = key_of(tenant)
+                ciphers[tenant] = crypto.cipher(key) if key is not None else None
+            aead = ciphers[tenant]
             try:
-                if key is None:
+                if aead is None:
                     raise CorruptPage("no data key")
-                tokens = open_tokens(bytes(r.sealed_tokens), tenant, h, key)
+                tokens = open_tokens(bytes(r.sealed_tokens), tenant, h, aead)
                 if len(tokens) != r.n_tokens:
                     raise CorruptPage("sealed page tokens do not match the row's count")
             except CorruptPage:
