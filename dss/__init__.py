@@ -2,8 +2,8 @@
 
 Parts (each a package with one job; see docs/architecture.md):
 `index` (hashing, the radix trie, the per-namespace prefix index), `pages` (page table, tiers,
-eviction, page format and codecs), `keys` (crypto, identity, data keys, cache salts, master-key rotation), `dialogue`
-(versions, branches, turn targets), `ops` (KV loads/saves, the disk writer, erasure, recovery,
+eviction, page format and codecs), `keys` (crypto, identity, data keys, cache salts, master-key
+rotation), `dialogue` (versions, branches, turn targets), `ops` (KV loads/saves, the disk writer, erasure, recovery,
 session deletion, public prefixes), `store` (the thin facade), `wire` (the typed cross-process
 contract), `rpc` (the local RPC with deadlines), `derive` (length-prefixed
 inputs of every keyed hash), `db` (SQLAlchemy models and migrations).
