@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from sqlalchemy import create_engine, select
+from sqlalchemy import create_engine, select, text
 from typer.testing import CliRunner
 
 from dss.config import StoreConfig
@@ -168,3 +168,26 @@ def test_a_master_key_inside_the_data_dir_is_warned_about_outside_dev_mode(
     assert master_key_warning(outside) is None
     monkeypatch.setenv("DSS_MASTER_KEY", "00" * 32)
     assert master_key_warning(inside) is None
+
+
+@pytest.mark.pg
+def test_rotation_is_refused_while_a_server_of_the_fleet_is_alive(
+    tmp_path: Path, pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another server of the database holds the old master in memory: its data dir's lock is
+    elsewhere, so the `servers` heartbeats decide."""
+    monkeypatch.delenv("DSS_MASTER_KEY", raising=False)
+    key_file = tmp_path / "fleet.key"
+    other = open_store(tmp_path / "other", shm_dir=tmp_path / "shm", db_url=pg_url, master_key_file=key_file)
+    cfg = StoreConfig(data_dir=tmp_path / "mine", db_url=pg_url, master_key_file=key_file, fsync=False)
+    with pytest.raises(DataDirInUse, match="stop every server"):
+        rotation.rotate_master(cfg)
+    other.close()
+    with other.db.begin() as conn:  # as if it stopped long ago
+        conn.execute(text("UPDATE servers SET last_seen = now() - interval '1 hour'"))
+    assert rotation.rotate_master(cfg).data_keys >= 0
+    with pytest.raises(WrongMasterKey):
+        open_store(
+            tmp_path / "other", shm_dir=tmp_path / "shm", db_url=pg_url, master_key_file=tmp_path / "x.key"
+        )
+    open_store(tmp_path / "other", shm_dir=tmp_path / "shm", db_url=pg_url, master_key_file=key_file).close()

@@ -165,8 +165,9 @@ def overwrite_key_file(path: Path, key: bytes) -> None:
     """Write `key` over the existing file's bytes in place (same length: on a file system that
     writes in place, the old key's blocks are overwritten, not just unlinked), then fsync."""
     text = (key.hex() + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+    fd = os.open(path, os.O_WRONLY)  # through a symlink too: the key was read through it
     try:
+        os.fchmod(fd, 0o600)
         os.pwrite(fd, text, 0)
         os.ftruncate(fd, len(text))
         os.fsync(fd)
@@ -202,7 +203,7 @@ def finish_rotation(key_file: Path, verifier: bytes) -> KeyManager | None:
 def destroy_key_file(path: Path) -> None:
     """Overwrite a key file with zeros, fsync, unlink (best effort against the blocks staying)."""
     with contextlib.suppress(FileNotFoundError):
-        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_WRONLY)
         try:
             os.pwrite(fd, b"\0" * max(os.fstat(fd).st_size, 2 * KEY_BYTES + 1), 0)
             os.fsync(fd)

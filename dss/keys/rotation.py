@@ -131,8 +131,11 @@ def _rotate(sf: sessionmaker[Session], current: KeyManager, new_file: Path | Non
     n = rewrap_all(sf, current, new)
     removed = None
     if current.file is not None and current.file.resolve() != new_file.resolve():
-        destroy_key_file(current.file)
-        removed = current.file
+        try:
+            destroy_key_file(current.file)
+            removed = current.file
+        except OSError as exc:  # committed already: the old key opens nothing now, but say so
+            log.warning("could not remove the old master key file %s (%s): delete it", current.file, exc)
     return RotationReport(n, new_file, removed)
 
 
