@@ -76,7 +76,9 @@ def upgrade_derivation(sf: sessionmaker[Session], identity: Identity) -> Derivat
                 CursorResult[Any], s.execute(delete(DataKey).where(DataKey.tenant != PUBLIC_TENANT))
             ).rowcount
     except IntegrityError:
-        return None  # another server upgraded meanwhile
+        if meta_get(sf, DERIVATION_META) == DERIVATION:
+            return None  # another server upgraded meanwhile
+        raise
     identity.forget_all()
     report = DerivationUpgrade(rekeyed, unknown, int(pages), int(keys))
     log.warning(
