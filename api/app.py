@@ -43,6 +43,7 @@ from api.routes import (
 from api.settings import Settings
 from api.state import AppState, Phase, Startup, TenantAborter
 from dss.errors import DataDirInUse, DSSError, InvalidInput
+from dss.keys.crypto import env_master_key_set
 from dss.store import Store
 
 log = logging.getLogger("dss.api")
@@ -122,6 +123,22 @@ def check_startup(settings: Settings) -> None:
             raise StartupRefused(f"DSS_AUTH__DEV_DEFAULT_USER: {exc}") from None
 
 
+def master_key_warning(settings: Settings) -> str | None:
+    """Outside development mode, a master key file inside the data directory is worth a warning:
+    a copy of the directory (a disk backup, a snapshot) then holds the key with what it protects."""
+    if settings.auth.dev_mode or env_master_key_set():
+        return None
+    cfg = settings.store.to_config()
+    key_file = cfg.resolved_key_file.expanduser().resolve()
+    if not key_file.is_relative_to(cfg.data_dir.resolve()):
+        return None
+    return (
+        f"the master key file {key_file} is inside the data directory: any copy of the directory "
+        "carries the key with the data it protects; keep it elsewhere (DSS_STORE__MASTER_KEY_FILE, "
+        "or DSS_MASTER_KEY from a secret manager): `dss keys rotate-master --new-key-file PATH`"
+    )
+
+
 def log_auth_mode(settings: Settings, keys: ApiKeys) -> None:
     if settings.auth.dev_mode:
         log.warning(
@@ -196,6 +213,8 @@ async def _open(app: FastAPI, settings: Settings, startup: Startup) -> None:
     try:
         keys = ApiKeys(store.sf, settings.auth.key_cache_ttl_s)
         await asyncio.to_thread(log_auth_mode, settings, keys)
+        if (warning := master_key_warning(settings)) is not None:
+            log.warning("%s", warning)
         state = AppState(settings=settings, store=store, keys=keys, metrics=metrics)
         app.state.collector = metrics.watch_store(store.stats)
     except BaseException:

@@ -1,7 +1,8 @@
-"""The `dss` command: `serve`, `keys create|list|revoke`, `model pull`.
+"""The `dss` command: `serve`, `keys create|list|revoke|rotate-master`, `model pull`.
 
 Flags override the `DSS_*` environment (see `api.settings`). `keys` works on the database
-directly (it does not need the server, and may run while the server runs).
+directly (it does not need the server, and may run while the server runs), except
+`keys rotate-master`, which runs only while no server owns the store.
 """
 
 from __future__ import annotations
@@ -216,6 +217,41 @@ def keys_revoke(key_id: str, data_dir: DataDirOpt = None, db_url: DbUrlOpt = Non
     finally:
         engine.dispose()
     typer.echo(f"revoked {key_id}", err=True)
+
+
+@keys_app.command("rotate-master")
+def keys_rotate_master(
+    new_key_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--new-key-file",
+            help="Write the new master key to this new file (required when the key comes from "
+            "DSS_MASTER_KEY); default: over the current key file",
+        ),
+    ] = None,
+    data_dir: DataDirOpt = None,
+    db_url: DbUrlOpt = None,
+) -> None:
+    """Re-wrap every data key and the server secret under a new master key; the old one stops
+    opening the store. Offline: stop every server of the store first."""
+    from dss.errors import DataDirInUse, WrongMasterKey
+    from dss.keys.rotation import rotate_master
+
+    settings = _settings("dss keys rotate-master", store={"data_dir": data_dir, "db_url": db_url})
+    try:
+        report = rotate_master(
+            settings.store.to_config(), new_key_file.expanduser() if new_key_file else None
+        )
+    except (DataDirInUse, WrongMasterKey) as exc:
+        typer.echo(f"dss keys rotate-master: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(
+        f"re-wrapped {report.data_keys} data key(s) and the server secret; "
+        f"new master key in {report.key_file}"
+    )
+    if report.removed_key_file is not None:
+        typer.echo(f"the old key file {report.removed_key_file} was overwritten and removed", err=True)
+    typer.echo("start every server of this store with the new key; the old one opens nothing now", err=True)
 
 
 @model_app.command("pull")

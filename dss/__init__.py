@@ -2,10 +2,11 @@
 
 Parts (each a package with one job; see docs/architecture.md):
 `index` (hashing, the radix trie, the per-namespace prefix index), `pages` (page table, tiers,
-eviction, page format and codecs), `keys` (crypto, identity, data keys, cache salts), `dialogue`
-(versions, branches, turn targets), `ops` (KV loads/saves, the disk writer, erasure, recovery,
-session deletion, public prefixes), `store` (the thin facade), `wire` (the typed cross-process
-contract), `rpc` (the local RPC with deadlines), `db` (SQLAlchemy models and migrations).
+eviction, page format and codecs), `keys` (crypto, identity, data keys, cache salts, master-key
+rotation), `dialogue` (versions, branches, turn targets), `ops` (KV loads/saves, the disk
+writer, erasure, recovery, session deletion, public prefixes), `store` (the thin facade), `wire`
+(the typed cross-process contract), `rpc` (the local RPC with deadlines), `derive`
+(length-prefixed inputs of every keyed hash), `db` (SQLAlchemy models and migrations).
 
 Import rules: `dss` never imports vLLM, FastAPI, `api` or `engine_patch`; `pages` and `index`
 never import each other; only `ops` and `store` combine parts; every lock is a leaf.

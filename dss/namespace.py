@@ -12,6 +12,7 @@ import hmac
 import json
 from dataclasses import asdict, dataclass
 
+from dss.derive import blake2b, hmac_sha256
 from dss.types import PUBLIC_TENANT, FingerprintId, Namespace, NamespaceId, TenantId, UserId
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1, "uint8": 1}
@@ -68,9 +69,16 @@ class ModelFingerprint:
 def tenant_for_user(server_secret: bytes, user: UserId | str, epoch: int = 0) -> TenantId:
     """The per-user cache salt: an HMAC under the server secret, so it cannot be guessed or chosen.
     `epoch` counts the user's erasures: a re-created user gets a tenant nothing was ever stored
-    under (epoch 0 keeps the derivation every existing tenant was made with)."""
+    under. Fields are length-prefixed (`dss.derive`), so no user id names another's tenant."""
     if not user:
         raise ValueError("user id must not be empty")
+    return TenantId(hmac_sha256(server_secret, "dss/tenant/v2", str(user), epoch).hex()[:32])
+
+
+def legacy_tenant_for_user(server_secret: bytes, user: UserId | str, epoch: int = 0) -> TenantId:
+    """The first derivation (`"dss-tenant\\0" + user + "\\0epoch\\0" + n`): ambiguous, never used
+    for new data. Only to recognise what a store upgraded from it recorded: its receipts name
+    tenants of this form (`dss.keys.upgrade`)."""
     msg = b"dss-tenant\x00" + str(user).encode()
     if epoch:
         msg += b"\x00epoch\x00" + str(epoch).encode()
@@ -78,7 +86,7 @@ def tenant_for_user(server_secret: bytes, user: UserId | str, epoch: int = 0) ->
 
 
 def namespace_id(fingerprint: FingerprintId, tenant: TenantId) -> NamespaceId:
-    return NamespaceId(hashlib.blake2b(f"{fingerprint}\x00{tenant}".encode(), digest_size=16).digest())
+    return NamespaceId(blake2b("dss/namespace/v2", fingerprint, tenant, digest_size=16))
 
 
 def make_namespace(fingerprint: FingerprintId, tenant: TenantId) -> Namespace:

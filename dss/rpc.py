@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import hmac
 import logging
 import os
 import socket
@@ -32,6 +31,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from dss.derive import hmac_sha256
 from dss.errors import DSSError
 from dss.namespace import ModelFingerprint
 from dss.types import FingerprintId, TenantId
@@ -52,7 +52,7 @@ __all__ = [
     "socket_path_for",
 ]
 
-_AUTHKEY_LABEL = b"dss/rpc-authkey/v1"
+_AUTHKEY_LABEL = "dss/rpc-authkey/v2"
 _MAX_UNIX_PATH = 107  # sun_path is 108 bytes on Linux, NUL included
 
 
@@ -98,7 +98,7 @@ def rpc_authkey(server_secret: bytes) -> bytes:
     the key of a previous owner are accepted by the one that replaces it."""
     if not server_secret:
         raise ValueError("server secret must not be empty")
-    return hmac.new(server_secret, _AUTHKEY_LABEL, hashlib.sha256).digest()
+    return hmac_sha256(server_secret, _AUTHKEY_LABEL)
 
 
 class StoreService(Protocol):

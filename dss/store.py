@@ -36,12 +36,14 @@ from dss.db.engine import is_sqlite_file, make_engine, make_session_factory, upg
 from dss.dialogue.responses import ResponseStore
 from dss.dialogue.versions import VersionStore
 from dss.errors import DataDirInUse, StoreClosed
+from dss.files import try_lock_exclusive
 from dss.fleet.erasures import ErasureFollower
 from dss.fleet.members import Membership, resolve_server_id
 from dss.index.fingerprints import FingerprintRegistry
 from dss.index.prefix_index import PrefixIndex
 from dss.keys.identity import Identity, load_master_key
 from dss.keys.keyring import Keyring
+from dss.keys.upgrade import upgrade_derivation
 from dss.namespace import ModelFingerprint
 from dss.ops import recovery
 from dss.ops.erasure import Eraser, ErasureReceipt, OnTenantErased, Verification
@@ -120,6 +122,8 @@ class Store:
         self.responses = ResponseStore(self.sf, self.versions, self.config.json_limits)
         self.keys = load_master_key(self.sf, cfg.resolved_key_file, cfg.create_master_key)
         self.identity = Identity.load(self.sf, self.keys)
+        # A store made under the first (ambiguous) derivation: before anything reads a tenant.
+        upgrade_derivation(self.sf, self.identity)
         self.keyring = Keyring(self.keys, self.sf)
         self.fingerprints = FingerprintRegistry(self.sf)
 
@@ -153,7 +157,9 @@ class Store:
             PageCodecProcess(cfg.codec) if cfg.codec_process else None,
             self.remote,
         )
-        self.recovery_report = recovery.rebuild(self.sf, self.disk, self.pages, self.index, self.fingerprints)
+        self.recovery_report = recovery.rebuild(
+            self.sf, self.disk, self.pages, self.index, self.fingerprints, self.keyring.data_key
+        )
         self.kv = KVCache(cfg, self.fingerprints, self.index, self.pages, self.keyring.is_retired)
         self.prefixes = PublicPrefixes(self.sf, self.fingerprints, self.kv, self.config.json_limits)
         self.eraser = Eraser(
@@ -238,13 +244,9 @@ class Store:
             os.close(fd)  # closing the descriptor drops the lock, if this process took it
 
     def _take_owner_lock(self) -> None:
-        path = self.config.owner_lock_path
-        f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o600), "a+b")  # held for the store's lifetime
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.close()
-            raise _data_dir_in_use(self.config) from None
+        f = try_lock_exclusive(self.config.owner_lock_path)  # held for the store's lifetime
+        if f is None:
+            raise _data_dir_in_use(self.config)
         self._owner_lock = f
 
     def _release_owner_lock(self) -> None:
@@ -267,7 +269,10 @@ class Store:
     def receipt_subjects(self, user: str) -> set[str]:
         """What the user's erasure receipts may name: every tenant the user had (and, for receipts
         written before tenants had epochs, the subject hash)."""
-        return {*self.identity.tenants_of(user), self.identity.subject_hash(user)}
+        subjects = {*self.identity.tenants_of(user), self.identity.subject_hash(user)}
+        if self.identity.legacy:
+            subjects.add(self.identity.legacy_subject_hash(user))
+        return subjects
 
     def register_fingerprint(self, fp: ModelFingerprint) -> FingerprintId:
         return self.fingerprints.register(fp)

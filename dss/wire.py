@@ -16,13 +16,12 @@ vLLM carries `kv_transfer_params` as plain JSON-like dicts, so the two request-l
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from dss.derive import hmac_sha256
 from dss.types import PageHash, TenantId, Tier
 
 KV_TRANSFER_PARAMS = "kv_transfer_params"
@@ -110,13 +109,10 @@ class SavePlan:
     pages: tuple[PageSlot, ...]
 
 
-_TAG_KEY_LABEL = b"dss/session-tag/v1"
-
-
 def tag_key(authkey: bytes) -> bytes:
     """The key that signs `SessionTag`s: derived from the store's RPC authkey, which the API and
     the connector both hold (and a client of a plain `vllm serve` does not)."""
-    return hmac.new(authkey, _TAG_KEY_LABEL, hashlib.sha256).digest()
+    return hmac_sha256(authkey, "dss/session-tag-key/v2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,8 +131,8 @@ class SessionTag:
     state_version: int | None = None
 
     def _mac(self, key: bytes) -> str:
-        body = json.dumps([self.tenant, self.session_id, self.state_version], separators=(",", ":"))
-        return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
+        version = "" if self.state_version is None else self.state_version  # never "" otherwise
+        return hmac_sha256(key, "dss/session-tag/v2", self.tenant, self.session_id, version).hex()
 
     def to_params(self, key: bytes) -> dict[str, Any]:
         return {

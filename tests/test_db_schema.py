@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
@@ -20,6 +21,10 @@ from dss.db.engine import (
     upgrade_to_head,
 )
 from dss.db.models import Base, StoreMeta
+from dss.pages.meta import PageMeta
+from dss.types import FingerprintId, NamespaceId, PageHash, TenantId
+
+HEAD = "0007_sealed_tokens"
 
 EXPECTED_TABLES = {
     "store_meta",
@@ -38,6 +43,20 @@ EXPECTED_TABLES = {
 }
 
 
+def _meta(h: bytes) -> PageMeta:
+    return PageMeta(
+        hash=PageHash(h),
+        namespace=NamespaceId(b"\x02" * 16),
+        tenant=TenantId("t1"),
+        fingerprint=FingerprintId("fp"),
+        parent=PageHash(b"\0" * 32),
+        index=0,
+        nbytes=16,
+        tokens=np.array([1, 2], dtype="<i4"),
+        checksum=b"c",
+    )
+
+
 def _diff(url: str) -> list[object]:
     engine = make_engine(url)
     try:
@@ -51,7 +70,7 @@ def _diff(url: str) -> list[object]:
 def test_upgrade_creates_the_model_schema(db_url: str) -> None:
     assert current_revision(db_url) is None
     upgrade_to_head(db_url)
-    assert current_revision(db_url) == "0006"
+    assert current_revision(db_url) == HEAD
     assert _diff(db_url) == []
     engine = make_engine(db_url)
     try:
@@ -67,7 +86,7 @@ def test_upgrade_twice_is_a_noop(db_url: str) -> None:
         with transaction(make_session_factory(engine)) as db:
             db.add(StoreMeta(key="format", value="1"))
         upgrade_to_head(db_url)
-        assert current_revision(db_url) == "0006"
+        assert current_revision(db_url) == HEAD
         with engine.connect() as conn:
             assert conn.execute(text("SELECT value FROM store_meta WHERE key = 'format'")).scalar_one() == "1"
             assert conn.execute(text("SELECT count(*) FROM alembic_version")).scalar_one() == 1
@@ -97,7 +116,7 @@ def test_upgrade_works_from_any_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.chdir(tmp_path)
     url = f"sqlite:///{tmp_path / 'x.sqlite3'}"
     upgrade_to_head(url)
-    assert current_revision(url) == "0006"
+    assert current_revision(url) == HEAD
 
 
 def test_in_memory_sqlite_migrates_through_the_given_engine() -> None:
@@ -106,7 +125,7 @@ def test_in_memory_sqlite_migrates_through_the_given_engine() -> None:
         upgrade_to_head("sqlite://", engine=engine)
         with engine.connect() as conn:
             ctx = MigrationContext.configure(conn, opts={"compare_type": True})
-            assert ctx.get_current_revision() == "0006"
+            assert ctx.get_current_revision() == HEAD
             assert list(compare_metadata(ctx, Base.metadata)) == []
     finally:
         engine.dispose()
@@ -140,7 +159,7 @@ def test_concurrent_upgrades_from_several_processes_agree(db_url: str) -> None:
     ]
     errors = [p.communicate(timeout=120)[1] for p in procs if p.wait(timeout=120) != 0]
     assert errors == []
-    assert current_revision(db_url) == "0006"
+    assert current_revision(db_url) == HEAD
     assert _diff(db_url) == []
 
 
@@ -157,7 +176,7 @@ def test_0002_upgrades_a_0001_database_with_data_in_it(db_url: str) -> None:
             conn.execute(text("INSERT INTO store_meta (key, value) VALUES ('kept', 'yes')"))
             conn.execute(text("INSERT INTO sessions (id, user_id, version_count) VALUES ('s1', 'alice', 0)"))
         upgrade_to_head(db_url)
-        assert current_revision(db_url) == "0006"
+        assert current_revision(db_url) == HEAD
         with engine.connect() as conn:
             assert conn.execute(text("SELECT value FROM store_meta WHERE key = 'kept'")).scalar_one() == "yes"
             assert conn.execute(text("SELECT user_id FROM sessions WHERE id = 's1'")).scalar_one() == "alice"
@@ -212,7 +231,7 @@ def test_0003_rekeys_sessions_per_user_and_keeps_every_version(db_url: str) -> N
                 text("INSERT INTO branches (session_id, name, head_version) VALUES ('trip', 'edit', 3)")
             )
         upgrade_to_head(db_url)
-        assert current_revision(db_url) == "0006"
+        assert current_revision(db_url) == HEAD
         vs = VersionStore(make_session_factory(engine))
         assert vs.check() == []
         assert [v.messages for v in vs.list_versions("alice", "trip", with_body=True)] == [h1, h2, edit]
@@ -259,25 +278,33 @@ def test_0006_gives_page_rows_a_server_and_a_store_adopts_them(db_url: str) -> N
                     "c": b"c",
                 },
             )
-        upgrade_to_head(db_url)
-        assert current_revision(db_url) == "0006"
+        command.upgrade(alembic_config(db_url), "0006")
         with engine.connect() as conn:
             assert conn.execute(text("SELECT server FROM pages")).scalars().all() == [""]
             assert conn.execute(text("SELECT count(*) FROM versions")).scalar_one() == 1
             assert conn.execute(text("SELECT count(*) FROM servers")).scalar_one() == 0
+        # 0007 deletes rows holding plain token ids (a cache; recovery removes their files).
+        upgrade_to_head(db_url)
+        assert current_revision(db_url) == HEAD
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM pages")).scalar_one() == 0
+            assert conn.execute(text("SELECT count(*) FROM versions")).scalar_one() == 1
         sf = make_session_factory(engine)
+        key = b"k" * 32
+        unowned = PageRows(sf, "zstd-byteplane", "")
+        unowned.add(_meta(b"\x01" * 32), 20, key)  # a row as written before rows had servers
         other = PageRows(sf, "zstd-byteplane", "srv-other")
-        assert other.all() == []  # not its row (yet): an unowned row is nobody's
+        assert other.all(lambda _t: key) == ([], [])  # not its row (yet): an unowned row is nobody's
         # A new server opening first, without the file, takes nothing; the one that holds it does.
-        assert other.adopt_unowned(lambda _h: False) == 0 and other.all() == []
+        assert other.adopt_unowned(lambda _h: False) == 0 and other.all(lambda _t: key) == ([], [])
         mine = PageRows(sf, "zstd-byteplane", "srv-mine")
         assert mine.adopt_unowned(lambda h: h == b"\x01" * 32) == 1
-        assert [meta.hash for meta, _ in mine.all()] == [b"\x01" * 32]
-        assert other.adopt_unowned(lambda _h: True) == 0 and other.all() == []
+        assert [meta.hash for meta, _ in mine.all(lambda _t: key)[0]] == [b"\x01" * 32]
+        assert other.adopt_unowned(lambda _h: True) == 0 and other.all(lambda _t: key) == ([], [])
         # Two servers may now hold rows of the same page.
-        other.add(mine.all()[0][0], 20)
+        other.add(mine.all(lambda _t: key)[0][0][0], 20, key)
         other.delete([b"\x01" * 32])  # type: ignore[list-item]
-        assert len(mine.all()) == 1 and other.all() == []
+        assert len(mine.all(lambda _t: key)[0]) == 1 and other.all(lambda _t: key) == ([], [])
     finally:
         engine.dispose()
     assert _diff(db_url) == []

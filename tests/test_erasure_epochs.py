@@ -82,7 +82,7 @@ def test_verification_counts_rows_written_after_the_erase(tmp_path):
         tokens=tokens[:4],
         checksum=b"\x03" * 16,
     )
-    store.pages.rows.add(planted, 100)  # as a write-back racing the erase would have
+    store.pages.rows.add(planted, 100, b"\x00" * 32)  # as a write-back racing the erase would have
     v = store.verify_erasure(receipt.id)
     assert v.remnants == 1 and "page row" in " ".join(v.details)
     store.close()

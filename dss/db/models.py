@@ -213,7 +213,9 @@ class PageRow(Base):
     parent: Mapped[bytes] = mapped_column(LargeBinary(HASH_LEN), nullable=False)
     page_index: Mapped[int] = mapped_column(Integer, nullable=False)
     n_tokens: Mapped[int] = mapped_column(Integer, nullable=False)
-    tokens: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    # The page's token ids (int32 LE), AES-GCM under the tenant's data key (`dss.pages.rows`):
+    # user content, never in the clear here (migration 0007).
+    sealed_tokens: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
     nbytes: Mapped[int] = mapped_column(Integer, nullable=False)
     disk_bytes: Mapped[int] = mapped_column(Integer, nullable=False)
     codec: Mapped[str] = mapped_column(String(32), nullable=False)

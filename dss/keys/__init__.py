@@ -1,2 +1,3 @@
 """Keys and identity: the master key, the server secret (tenants, receipt subjects), per-tenant
-data keys, and the engine cache salts."""
+data keys, the engine cache salts, master-key rotation, and the one-time upgrade of the tenant
+derivation."""

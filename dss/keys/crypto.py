@@ -5,6 +5,11 @@ keys; pages are encrypted under their tenant's data key. Erasing a tenant destro
 data key in the database, which makes every page of that tenant unreadable at once, wherever
 copies of the files went (crypto-shredding).
 
+The master key rotates (`dss.keys.rotation`): every wrapped key is re-wrapped under a new one
+and the old key file is overwritten. The new key is first written next to the file as a
+pending key (`pending_key_path`), so a rotation killed after its commit is finished by the next
+`load_master_key`, never leaving a store that no key opens.
+
 Nonces are 96 random bits per message. NIST SP 800-38D allows 2**32 messages per key with random
 nonces; a data key encrypts one tenant's pages, far below that.
 """
@@ -50,12 +55,15 @@ def _parse_hex_key(text: str, source: str) -> bytes:
 class KeyManager:
     """Holds the master key; wraps and unwraps tenant data keys under it."""
 
-    def __init__(self, master_key: bytes, source: str, generated: bool = False) -> None:
+    def __init__(
+        self, master_key: bytes, source: str, generated: bool = False, file: Path | None = None
+    ) -> None:
         if len(master_key) != KEY_BYTES:
             raise WrongMasterKey(f"master key from {source} must be {KEY_BYTES} bytes")
         self._aead = AESGCM(master_key)
         self.source = source
         self.generated = generated
+        self.file = file  # the key file it was read from; None: the environment
 
     def __repr__(self) -> str:  # never print key material
         return f"KeyManager(source={self.source!r}, generated={self.generated})"
@@ -72,13 +80,18 @@ class KeyManager:
         if key_file is not None:
             key_file = Path(key_file)
             if key_file.exists():
-                return cls(_read_key_file(key_file), str(key_file))
+                return cls(_read_key_file(key_file), str(key_file), file=key_file)
             if create_if_missing:
-                return cls(_create_key_file(key_file), str(key_file), generated=True)
+                return cls(_create_key_file(key_file), str(key_file), generated=True, file=key_file)
             raise WrongMasterKey(
                 f"no master key: env {env_var} is unset and key file {key_file} does not exist"
             )
         raise WrongMasterKey(f"no master key: env {env_var} is unset and no key file is configured")
+
+    @classmethod
+    def from_file(cls, path: Path) -> KeyManager:
+        """The key in `path` alone (the environment is not consulted)."""
+        return cls(_read_key_file(path), str(path), file=path)
 
     def new_data_key(self) -> bytes:
         return secrets.token_bytes(KEY_BYTES)
@@ -115,6 +128,89 @@ class KeyManager:
             raise WrongMasterKey(
                 f"the master key from {self.source} is not the key this store was created with"
             )
+
+
+def env_master_key_set(env_var: str = DEFAULT_ENV_VAR) -> bool:
+    """Whether the master key comes from the environment (it wins over any key file)."""
+    return bool(os.environ.get(env_var))
+
+
+def pending_key_path(key_file: Path) -> Path:
+    """Where a rotation keeps the new key until the old file is overwritten with it."""
+    return key_file.with_name(f".{key_file.name}.rotating")
+
+
+def new_key_file(path: Path) -> bytes:
+    """A fresh key in a new 0600 file (refused if `path` exists), durable before it returns."""
+    key = secrets.token_bytes(KEY_BYTES)
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, (key.hex() + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(path.parent)
+    except FileExistsError:
+        raise WrongMasterKey(
+            f"{path} already exists: a new master key is never written over a file"
+        ) from None
+    except OSError as exc:
+        raise WrongMasterKey(f"cannot write master key file {path}: {exc.strerror or exc}") from exc
+    return key
+
+
+def overwrite_key_file(path: Path, key: bytes) -> None:
+    """Write `key` over the existing file's bytes in place (same length: on a file system that
+    writes in place, the old key's blocks are overwritten, not just unlinked), then fsync."""
+    text = (key.hex() + "\n").encode()
+    fd = os.open(path, os.O_WRONLY)  # through a symlink too: the key was read through it
+    try:
+        os.fchmod(fd, 0o600)
+        os.pwrite(fd, text, 0)
+        os.ftruncate(fd, len(text))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def install_pending_key(key_file: Path) -> None:
+    """The last step of a rotation (or of its completion at the next open): the pending key
+    replaces the key file's content, then the pending file goes."""
+    pending = pending_key_path(key_file)
+    key = _read_key_file(pending)
+    if key_file.exists():
+        overwrite_key_file(key_file, key)
+    else:
+        os.link(pending, key_file)
+    os.unlink(pending)
+    fsync_dir(key_file.parent)
+
+
+def finish_rotation(key_file: Path, verifier: bytes) -> KeyManager | None:
+    """A rotation killed after its commit left the new key pending: if it opens the store
+    (`verifier`), install it and return it; None when there is nothing to finish."""
+    pending = pending_key_path(key_file)
+    if not pending.exists():
+        return None
+    keys = KeyManager.from_file(pending)
+    keys.check_verifier(verifier)
+    install_pending_key(key_file)
+    return KeyManager.from_file(key_file)
+
+
+def destroy_key_file(path: Path) -> None:
+    """Overwrite a key file with zeros, fsync, unlink (best effort against the blocks staying)."""
+    with contextlib.suppress(FileNotFoundError):
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, b"\0" * max(os.fstat(fd).st_size, 2 * KEY_BYTES + 1), 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.unlink(path)
+        fsync_dir(path.parent)
 
 
 def _read_key_file(path: Path) -> bytes:
@@ -163,12 +259,19 @@ def encrypt(data_key: bytes, plaintext: Buffer, aad: bytes) -> bytes:
     return nonce + AESGCM(data_key).encrypt(nonce, plaintext, aad)
 
 
-def decrypt(data_key: bytes, blob: Buffer, aad: bytes) -> bytes:
+def cipher(data_key: bytes) -> AESGCM:
+    """A data key's cipher, for callers that open many small values under one key (setting up
+    the key schedule costs more than opening a 64-byte value)."""
+    return AESGCM(data_key)
+
+
+def decrypt(data_key: bytes | AESGCM, blob: Buffer, aad: bytes) -> bytes:
     """Raises `CorruptPage` when authentication fails: damaged bytes, or a wrong/destroyed key."""
     view = memoryview(blob)
     if len(view) < NONCE_BYTES + TAG_BYTES:
         raise CorruptPage(f"encrypted blob too short ({len(view)} B)")
+    aead = data_key if isinstance(data_key, AESGCM) else AESGCM(data_key)
     try:
-        return AESGCM(data_key).decrypt(view[:NONCE_BYTES], view[NONCE_BYTES:], aad)
+        return aead.decrypt(view[:NONCE_BYTES], view[NONCE_BYTES:], aad)
     except InvalidTag:
         raise CorruptPage("page failed authentication (damaged, or encrypted under another key)") from None

@@ -18,35 +18,59 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from dss.db.meta import meta_get, meta_set
 from dss.db.models import ErasureEpoch
+from dss.derive import keyed_blake2b
 from dss.errors import WrongMasterKey
-from dss.keys.crypto import KeyManager
-from dss.namespace import tenant_for_user
+from dss.keys.crypto import KeyManager, env_master_key_set, finish_rotation
+from dss.namespace import legacy_tenant_for_user, tenant_for_user
 from dss.rpc import rpc_authkey
 from dss.types import TenantId
 
 log = logging.getLogger("dss.keys")
 
-_VERIFIER_KEY = "master_key_verifier"
-_SECRET_KEY = "server_secret_wrapped"
+MASTER_VERIFIER_META = "master_key_verifier"
+SERVER_SECRET_META = "server_secret_wrapped"
+SERVER_SECRET_AAD = "server-secret"  # the "tenant" the server secret is wrapped as
+# The derivation of tenants and subjects this store's data was made under (`dss.derive`): absent
+# in a store made before fields were length-prefixed, which `dss.keys.upgrade` upgrades at open;
+# DERIVATION_LEGACY_META says the store was upgraded and holds receipts of the first derivation.
+DERIVATION_META = "derivation"
+DERIVATION = "2"
+DERIVATION_LEGACY_META = "derivation_upgraded_from"
 
 
 def load_master_key(sf: sessionmaker[Session], key_file: Path, create_if_missing: bool) -> KeyManager:
-    verifier = meta_get(sf, _VERIFIER_KEY)
-    keys = KeyManager.load(key_file, create_if_missing=create_if_missing and verifier is None)
+    verifier = meta_get(sf, MASTER_VERIFIER_META)
+    try:
+        keys = KeyManager.load(key_file, create_if_missing=create_if_missing and verifier is None)
+        if verifier is not None:
+            _check(keys, verifier)
+    except WrongMasterKey:
+        # A rotation killed between its commit and replacing the key file: finish it.
+        finished = (
+            None
+            if verifier is None or env_master_key_set()
+            else finish_rotation(key_file, bytes.fromhex(verifier))
+        )
+        if finished is None:
+            raise
+        log.warning("finished an interrupted master-key rotation: %s now holds the new key", key_file)
+        return finished
     if keys.generated:
         log.warning(
             "generated a new master key at %s: back it up; without it the disk tier is unreadable", key_file
         )
     if verifier is None:
-        meta_set(sf, _VERIFIER_KEY, keys.make_verifier().hex())
-        return keys
+        meta_set(sf, MASTER_VERIFIER_META, keys.make_verifier().hex())
+    return keys
+
+
+def _check(keys: KeyManager, verifier: str) -> None:
     try:
         keys.check_verifier(bytes.fromhex(verifier))
     except WrongMasterKey:
         raise
     except Exception as exc:
         raise WrongMasterKey(f"master key from {keys.source} does not open this store") from exc
-    return keys
 
 
 class Identity:
@@ -62,8 +86,13 @@ class Identity:
     keeps a read that raced the erasure from caching the old epoch.
     """
 
-    def __init__(self, server_secret: bytes, session_factory: sessionmaker[Session]) -> None:
+    def __init__(
+        self, server_secret: bytes, session_factory: sessionmaker[Session], legacy: bool = False
+    ) -> None:
         self._secret = server_secret
+        # Whether the store holds receipts of the first (ambiguous) derivation: then a user's old
+        # tenants and subject hash of that form are still theirs (`tenants_of`, `legacy_subject_hash`).
+        self.legacy = legacy
         self._sf = session_factory
         self._lock = threading.Lock()
         self._epochs: dict[str, int] = {}  # by subject hash
@@ -71,19 +100,27 @@ class Identity:
 
     @classmethod
     def load(cls, sf: sessionmaker[Session], keys: KeyManager) -> Identity:
-        wrapped = meta_get(sf, _SECRET_KEY)
+        wrapped = meta_get(sf, SERVER_SECRET_META)
         if wrapped is None:
             secret = secrets.token_bytes(32)
-            meta_set(sf, _SECRET_KEY, keys.wrap(secret, "server-secret").hex())
+            meta_set(sf, DERIVATION_META, DERIVATION)  # first: a new store never needs the upgrade
+            meta_set(sf, SERVER_SECRET_META, keys.wrap(secret, SERVER_SECRET_AAD).hex())
             return cls(secret, sf)
-        return cls(keys.unwrap(bytes.fromhex(wrapped), "server-secret"), sf)
+        # Not upgraded yet (`dss.keys.upgrade` runs next), or upgraded with old receipts to honour.
+        legacy = (
+            meta_get(sf, DERIVATION_META) != DERIVATION or meta_get(sf, DERIVATION_LEGACY_META) is not None
+        )
+        return cls(keys.unwrap(bytes.fromhex(wrapped), SERVER_SECRET_AAD), sf, legacy=legacy)
 
     def tenant_for(self, user: str) -> TenantId:
         return tenant_for_user(self._secret, user, self.epoch_of(user))
 
     def tenants_of(self, user: str) -> list[TenantId]:
-        """Every tenant the user had, the current one last (receipts name the erased ones)."""
-        return [tenant_for_user(self._secret, user, e) for e in range(self.epoch_of(user) + 1)]
+        """Every tenant the user had, the current one last (receipts name the erased ones); in a
+        store upgraded from the first derivation, also the tenants of that form (first)."""
+        epochs = range(self.epoch_of(user) + 1)
+        legacy = [legacy_tenant_for_user(self._secret, user, e) for e in epochs] if self.legacy else []
+        return [*legacy, *(tenant_for_user(self._secret, user, e) for e in epochs)]
 
     def epoch_of(self, user: str) -> int:
         subject = self.subject_hash(user)
@@ -126,7 +163,12 @@ class Identity:
             self._generation += 1
 
     def subject_hash(self, user: str) -> str:
-        """The salted hash of a user id written into erasure receipts (never the id itself)."""
+        """The salted hash of a user id (keys `erasure_epochs`; named receipts before epochs)."""
+        return keyed_blake2b(self._secret[:32], "dss/subject/v2", user, digest_size=20).hex()
+
+    def legacy_subject_hash(self, user: str) -> str:
+        """The first derivation's subject hash: what `erasure_epochs` and the oldest receipts
+        were keyed by before the upgrade (`dss.keys.upgrade`)."""
         return hashlib.blake2b(
             b"dss-subject\x00" + user.encode(), key=self._secret[:32], digest_size=20
         ).hexdigest()

@@ -1,15 +1,16 @@
 """Start-up recovery: rebuild the in-memory index from the database and the disk tier.
 
 Runs after a clean stop or a `kill -9`. The database rows and the page files are reconciled
-(a row without its file, a file without its row, a page of a tenant whose key is gone, a half
-written temp file: all removed), then every surviving page becomes a disk-resident entry and the
-tries are rebuilt from the parent chains. Nothing here trusts page bytes: they are verified
-against their checksum when they are loaded.
+(a row without its file, a file without its row, a page of a tenant whose key is gone, a row
+whose sealed token ids do not open, a half written temp file: all removed), then every surviving
+page becomes a disk-resident entry and the tries are rebuilt from the parent chains. Nothing here
+trusts page bytes: they are verified against their checksum when they are loaded.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.db.models import DataKey
+from dss.errors import KeyDestroyed, WrongMasterKey
 from dss.index.fingerprints import FingerprintRegistry
 from dss.index.hashing import ROOT_PARENT
 from dss.index.prefix_index import PrefixIndex
@@ -24,7 +26,7 @@ from dss.namespace import make_namespace
 from dss.pages.manager import TieredPages
 from dss.pages.meta import PageMeta
 from dss.pages.tiers.disk import DiskTier
-from dss.types import PageHash
+from dss.types import PageHash, TenantId
 
 log = logging.getLogger("dss.ops.recovery")
 
@@ -44,27 +46,37 @@ def rebuild(
     pages: TieredPages,
     index: PrefixIndex,
     fingerprints: FingerprintRegistry,
+    data_key: Callable[[TenantId], bytes],
 ) -> RecoveryReport:
-    """Runs at open, before any other thread uses the store."""
+    """Runs at open, before any other thread uses the store. `data_key` is the keyring's lookup:
+    the rows' token ids are sealed under their tenant's key (`dss.pages.rows`); it is asked only
+    for tenants that have a stored key (it would create a missing one)."""
     temp_removed = disk.gc_temp() if disk is not None else 0
     files: dict[PageHash, int] = {}
     if disk is not None:
         for h, _header, size in disk.scan():
             files[h] = size
 
-    rows = pages.rows.all()
     with sf() as s:
         keyed = set(s.execute(select(DataKey.tenant)).scalars())
 
+    def key_of(tenant: TenantId) -> bytes | None:
+        if tenant not in keyed:
+            return None
+        try:
+            return data_key(tenant)
+        except (KeyDestroyed, WrongMasterKey):  # erased, or a wrapped key that does not open
+            return None
+
+    rows, unusable = pages.rows.all(key_of)
     keep: dict[PageHash, PageMeta] = {}
-    unusable: list[PageHash] = []
     missing_file = 0
     for meta, _disk_bytes in rows:
         h = meta.hash
         if h not in files:
             missing_file += 1
             unusable.append(h)
-        elif meta.tenant not in keyed or meta.fingerprint not in fingerprints:
+        elif meta.fingerprint not in fingerprints:
             unusable.append(h)
         else:
             keep[h] = meta

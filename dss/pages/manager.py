@@ -267,7 +267,7 @@ class TieredPages:
         if not written:
             return 0
         try:
-            self.rows.add(meta, written)
+            self.rows.add(meta, written, key)
         except Exception:
             log.exception("could not record page %s on disk; file removed", meta.hash.hex()[:16])
             disk.delete(meta.hash)

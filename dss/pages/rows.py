@@ -4,6 +4,13 @@ Rows are per server (`server`, this store's `Store.server_id`): servers that sha
 each have their own disk tier, so `add`, `delete` and `all` touch this server's rows only. Only
 an erasure deletes rows of every server (`dss.ops.erasure`, by tenant, in its own transaction).
 
+A row holds the page's token ids sealed (AES-GCM) under its tenant's data key, never in the
+clear: they are user content (a sessionless chat's prompt) and a database backup must not show
+them. Recovery opens them with the keyring (`all(key_of)`); a row whose key is gone (an erased
+tenant) or that does not open under it is unusable and goes, like a row without its file. The
+associated data names the tenant and the page, so a sealed value moved to another row does not
+open. The public tenant has a data key like any other, so public pages are sealed the same way.
+
 A row is written after its page file is durable and deleted before the file is unlinked, so a
 crash leaves at worst a file without a row (an orphan that recovery removes), never a row that
 names bytes we cannot read. For the same reason a row's insert need not be fsynced (a power loss
@@ -22,10 +29,35 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from dss.db.engine import transaction
 from dss.db.models import PageRow
+from dss.derive import encode_fields
+from dss.errors import CorruptPage
+from dss.index.hashing import TOKEN_DTYPE, as_tokens
+from dss.keys import crypto
 from dss.pages.meta import PageMeta
 from dss.types import FingerprintId, NamespaceId, PageHash, TenantId
 
 _CHUNK = 500
+
+KeyOf = Callable[[TenantId], bytes | None]
+"""A tenant's data key, or None when it has none (erased, never created): its rows are unusable."""
+
+
+def _tokens_aad(tenant: TenantId, page: PageHash) -> bytes:
+    return encode_fields("dss/page-tokens/v1", tenant, page)
+
+
+def seal_tokens(meta: PageMeta, data_key: bytes) -> bytes:
+    return crypto.encrypt(data_key, as_tokens(meta.tokens).tobytes(), _tokens_aad(meta.tenant, meta.hash))
+
+
+def open_tokens(
+    sealed: bytes, tenant: TenantId, page: PageHash, data_key: bytes | crypto.AESGCM
+) -> np.ndarray:
+    """Raises `CorruptPage` when the value does not open under the key (moved, damaged, wrong key)."""
+    plain = crypto.decrypt(data_key, sealed, _tokens_aad(tenant, page))
+    if len(plain) % TOKEN_DTYPE.itemsize:
+        raise CorruptPage("sealed page tokens have a partial token id")
+    return np.frombuffer(plain, dtype=TOKEN_DTYPE).copy()
 
 
 class PageRows:
@@ -44,7 +76,8 @@ class PageRows:
         # outlived its file would name bytes we cannot read.
         self._add_sf = add_factory if add_factory is not None else session_factory
 
-    def add(self, meta: PageMeta, disk_bytes: int) -> None:
+    def add(self, meta: PageMeta, disk_bytes: int, data_key: bytes) -> None:
+        """`data_key`: the tenant's, which the page file was just encrypted under."""
         row = PageRow(
             server=self.server,
             hash=meta.hash,
@@ -54,7 +87,7 @@ class PageRows:
             parent=meta.parent,
             page_index=meta.index,
             n_tokens=meta.n_tokens,
-            tokens=meta.tokens.tobytes(),
+            sealed_tokens=seal_tokens(meta, data_key),
             nbytes=meta.nbytes,
             disk_bytes=disk_bytes,
             codec=self._codec,
@@ -79,11 +112,31 @@ class PageRows:
                     )
                 )
 
-    def all(self) -> list[tuple[PageMeta, int]]:
-        """This server's rows as (page metadata, bytes on disk), for recovery."""
+    def all(self, key_of: KeyOf) -> tuple[list[tuple[PageMeta, int]], list[PageHash]]:
+        """This server's rows, for recovery: (page metadata, bytes on disk) of the rows whose
+        tokens open under their tenant's key (`key_of`), and the hashes of those that do not."""
         with self._sf() as s:
             rows = list(s.execute(select(PageRow).where(PageRow.server == self.server)).scalars())
-        return [(meta_of(r), int(r.disk_bytes)) for r in rows]
+        ok: list[tuple[PageMeta, int]] = []
+        unusable: list[PageHash] = []
+        ciphers: dict[TenantId, crypto.AESGCM | None] = {}
+        for r in rows:
+            h, tenant = PageHash(bytes(r.hash)), TenantId(r.tenant)
+            if tenant not in ciphers:
+                key = key_of(tenant)
+                ciphers[tenant] = crypto.cipher(key) if key is not None else None
+            aead = ciphers[tenant]
+            try:
+                if aead is None:
+                    raise CorruptPage("no data key")
+                tokens = open_tokens(bytes(r.sealed_tokens), tenant, h, aead)
+                if len(tokens) != r.n_tokens:
+                    raise CorruptPage("sealed page tokens do not match the row's count")
+            except CorruptPage:
+                unusable.append(h)
+                continue
+            ok.append((meta_of(r, tokens), int(r.disk_bytes)))
+        return ok, unusable
 
     def adopt_unowned(self, holds: Callable[[PageHash], bool]) -> int:
         """Take the rows written before rows had a server (server '', migration 0006) whose page
@@ -114,7 +167,7 @@ class PageRows:
         return n
 
 
-def meta_of(row: PageRow) -> PageMeta:
+def meta_of(row: PageRow, tokens: np.ndarray) -> PageMeta:
     return PageMeta(
         hash=PageHash(bytes(row.hash)),
         namespace=NamespaceId(bytes(row.namespace)),
@@ -123,6 +176,6 @@ def meta_of(row: PageRow) -> PageMeta:
         parent=PageHash(bytes(row.parent)),
         index=row.page_index,
         nbytes=row.nbytes,
-        tokens=np.frombuffer(row.tokens, dtype="<i4").copy(),
+        tokens=tokens,
         checksum=bytes(row.checksum or b""),
     )
