@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Header, Request
@@ -13,8 +14,8 @@ from api.errors import EngineUnavailable, Forbidden, ServerStarting, SessionIdCo
 from api.schemas import NAME_PATTERN
 from api.state import AppState, Phase, Startup
 from dss.errors import InvalidInput
+from dss.inputs import check_text, check_user_id
 from dss.store import Store
-from dss.types import UserId
 
 if TYPE_CHECKING:
     from api.engine import ChatEngine
@@ -30,6 +31,33 @@ NO_KEY_YET = (
     "this server has no API key yet: create one with `dss keys create --user NAME` "
     "(or run `dss serve --dev` on loopback for local development without keys)"
 )
+
+
+# A NUL or a lone surrogate reaches a JSON string only as an escape (JSON text holds no raw
+# control character, and UTF-8 no surrogate): a body without one is not walked.
+_SUSPECT_ESCAPE = re.compile(rb"\\u(?:0000|[dD][89a-fA-F][0-9a-fA-F]{2})")
+
+
+async def check_request_text(request: Request) -> None:
+    """Every request's text, before its route runs (an app-wide dependency): the path parameters,
+    the query and the JSON body hold no NUL and no lone surrogate (`dss.inputs.check_text`). One
+    check for every route: PostgreSQL refuses such text with a `DataError` deep inside a
+    transaction, SQLite keeps it.
+
+    The body is the one FastAPI has already read and parsed for the route (`Request` caches both),
+    and it is walked only when its bytes hold a suspect escape."""
+    check_text(request.path_params, "path")
+    query = request.query_params
+    if query:
+        check_text({k: query.getlist(k) for k in query}, "query")
+    if request.method in ("POST", "PUT", "PATCH", "DELETE"):
+        body = await request.body()
+        if body and _SUSPECT_ESCAPE.search(body) is not None:
+            try:
+                parsed = await request.json()
+            except ValueError:  # not JSON: the route's own validation answers it
+                return
+            check_text(parsed, "body")
 
 
 async def get_state(request: Request) -> AppState:
@@ -73,9 +101,10 @@ def _principal(request: Request, state: AppState, token: str | None) -> Principa
         # OPENAI_API_KEY) means "no key" here. A `dss-` token is checked below: a typo or a
         # revoked key must fail, not quietly turn into an admin.
         user = request.headers.get(DEV_USER_HEADER) or state.settings.auth.dev_default_user
+        check_user_id(user)  # malformed: a 400 (`InvalidUserId`) that names the rule
         try:
-            return Principal(UserId(check_user_name(user)), is_admin=True, key_id=None, dev_mode=True)
-        except InvalidInput as exc:
+            return Principal(check_user_name(user), is_admin=True, key_id=None, dev_mode=True)
+        except InvalidInput as exc:  # the admin's name: not an identity this caller may take
             raise Unauthorized(f"{DEV_USER_HEADER}: {exc}") from None
     if token is None:
         raise Unauthorized() if state.keys.any_active() else Unauthorized(NO_KEY_YET)

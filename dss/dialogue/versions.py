@@ -51,6 +51,7 @@ from dss.errors import (
     VersionNotFound,
 )
 from dss.index.hashing import TOKEN_DTYPE
+from dss.inputs import check_session_id, check_stored_user_id
 from dss.types import SessionId, UserId
 
 MAIN_BRANCH = "main"
@@ -290,8 +291,8 @@ class VersionStore:
     ) -> SessionInfo:
         """A new session of `user` with an empty `main` branch; `SessionExists` when the user
         already has a session of that id (another user's sessions do not matter)."""
-        _check_user(user)
-        sid = _check_name("session id", session_id) if session_id is not None else f"sess_{uuid.uuid4().hex}"
+        check_stored_user_id(user)  # a user made before ids lost '/' keeps creating sessions
+        sid = check_session_id(session_id) if session_id is not None else f"sess_{uuid.uuid4().hex}"
         if system_prompt is not None and len(system_prompt) > MAX_SYSTEM_PROMPT_CHARS:
             raise LimitExceeded(f"system prompt longer than {MAX_SYSTEM_PROMPT_CHARS} characters")
         meta = dict(metadata) if metadata is not None else None
@@ -997,11 +998,6 @@ def check_retention(kv_retention: str, kv_idle_ttl_s: int | None) -> None:
         )
     if ttl is not None and ttl > MAX_IDLE_TTL_S:
         raise LimitExceeded(f"kv_idle_ttl_s {ttl} exceeds the limit of {MAX_IDLE_TTL_S} s")
-
-
-def _check_user(user: str) -> None:
-    if not isinstance(user, str) or not user or len(user) > 256:
-        raise InvalidInput("user id must be 1-256 characters")
 
 
 _MAX_NUMBER = (1 << 63) - 1  # BIGINT: a larger number cannot name a stored version
