@@ -175,6 +175,11 @@ class ApiKeys:
             self._any = None
         return bool(n)
 
+    def holds_user(self, user: str) -> bool:
+        """Whether any key, active or revoked, was made for `user`."""
+        with transaction(self._sf) as db:
+            return db.scalar(select(ApiKeyRow.id).where(ApiKeyRow.user_id == user).limit(1)) is not None
+
     def list(self) -> list[KeyInfo]:
         with transaction(self._sf) as db:
             rows = db.scalars(select(ApiKeyRow).order_by(ApiKeyRow.created_at, ApiKeyRow.id))

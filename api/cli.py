@@ -279,17 +279,23 @@ def users_erase(
 ) -> None:
     """Erase everything the store holds of USER; print the verified receipt as JSON (exit 1 when
     its verification finds remnants or a broken receipt chain)."""
-    from api.routes.users import receipt_out
+    from api.auth import ApiKeys
+    from api.routes.users import erasable_user, receipt_out
     from dss.errors import DSSError, InvalidInput
     from dss.inputs import check_stored_user_id
 
     command = "dss users erase"
     try:
-        user = check_stored_user_id(user)
+        check_stored_user_id(user)  # before opening anything
     except InvalidInput as exc:
         typer.echo(f"{command}: {exc}", err=True)
         raise typer.Exit(2) from None
     with _open_store(command, data_dir, db_url) as store:
+        try:
+            user = erasable_user(store, ApiKeys(store.sf), user)
+        except InvalidInput as exc:
+            typer.echo(f"{command}: {exc}", err=True)
+            raise typer.Exit(2) from None
         try:
             out = receipt_out(store, store.erase_user(user))
         except DSSError as exc:

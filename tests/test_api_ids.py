@@ -20,6 +20,7 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import exc as sa_exc
@@ -38,6 +39,7 @@ from dss.errors import InvalidSessionId, InvalidUserId
 from dss.inputs import check_session_id, check_stored_user_id, check_user_id
 from dss.types import UserId
 from tests.api_server import ApiServer
+from tests.store_helpers import SMALL_FP, pages_for
 
 DEV = {"dev_mode": True, "dev_allowed_hosts": ["testserver"]}
 
@@ -194,9 +196,24 @@ def test_a_legacy_user_with_a_slash_is_erasable(tmp_path: Path) -> None:
         # The user themself, with a raw slash.
         r = c.delete("/v1/users/org/bob", headers=bearer(bob))
         assert r.status_code == 200 and r.json()["counts"]["sessions"] == 1, r.text
-        # Another user may not erase them.
-        r = c.delete("/v1/users/org/carol", headers=bearer(bob))
-        assert r.status_code == 403, r.text
+        # Another user may not erase them (nor learn whether an id exists).
+        for path in ["/v1/users/org/carol", "/v1/users/org/nobody"]:
+            r = c.delete(path, headers=bearer(bob))
+            assert r.status_code == 403, r.text
+        # A legacy user whose only trace is KV (a sessionless chat): its tenant's data key.
+        store = c.app.state.dss.store  # type: ignore[attr-defined]
+        fid = store.register_fingerprint(SMALL_FP)
+        toks = np.arange(100, 116, dtype=np.int32)
+        store.put_sequence(fid, store.tenant_for("org/kv"), toks, pages_for(SMALL_FP, toks))
+        assert store.flush()
+        r = c.delete("/v1/users/org%2Fkv", headers=bearer(admin))
+        assert r.status_code == 200, r.text
+        assert r.json()["counts"]["data_keys_destroyed"] == 1 and r.json()["counts"]["page_rows"] == 4
+        assert r.json()["verification"]["remnants"] == 0
+        # An id outside the rule that the store does not hold: refused, not an empty receipt.
+        for path in ["/v1/users/org/nobody", "/v1/users/alice/", "/v1/users/a%01b"]:
+            r = c.delete(path, headers=bearer(admin))
+            assert r.status_code == 400 and error_code(r) == "invalid_user_id", (path, r.text)
         assert len(c.get("/v1/sessions", headers=bearer(carol)).json()["data"]) == 1
 
 
@@ -214,8 +231,8 @@ def test_development_mode_refuses_bad_user_ids_and_erases_good_ones(tmp_path: Pa
             r = c.delete(f"/v1/users/{quote(user, safe='')}", headers=h)
             assert r.status_code == 200 and r.json()["counts"]["sessions"] == 1, (user, r.text)
             assert c.get("/v1/sessions", headers=h).json()["data"] == []
-        # The erasure path takes any id an earlier version may have stored, and nothing else.
-        for path in ["/v1/users/%00", "/v1/users/a%00b", "/v1/users/%20%20", "/v1/users/" + "x" * 257]:
+        # The erasure path refuses ids outside the rule that the store does not hold.
+        for path in ["/v1/users/org/alice", "/v1/users/a%7Fb", "/v1/users/%20%20", "/v1/users/" + "x" * 257]:
             r = c.delete(path)
             assert r.status_code == 400, (path, r.text)
     # The `user` field names the user in development mode: the same rule.
@@ -247,8 +264,9 @@ def test_cli_erases_and_verifies_a_user(db: str, tmp_path: Path, request: pytest
     # Unknown receipt, refused id: one line, non-zero.
     res = runner.invoke(cli, ["users", "verify", "era_nope", *common])
     assert res.exit_code == 1 and "era_nope" in res.output, res.output
-    res = runner.invoke(cli, ["users", "erase", "  ", *common])
-    assert res.exit_code == 2 and "user id" in res.output, res.output
+    for user in ["  ", "org/nobody"]:
+        res = runner.invoke(cli, ["users", "erase", user, *common])
+        assert res.exit_code == 2 and "user id" in res.output, res.output
     # A broken chain: the verification says so, and the exit status too.
     engine = make_engine(url)
     try:

@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
+from api.auth import ApiKeys
 from api.deps import PrincipalDep, StateDep
 from api.errors import Forbidden, error_responses
 from api.schemas import (
@@ -16,10 +17,11 @@ from api.schemas import (
     ListResponse,
     VerificationOut,
 )
-from dss.errors import ReceiptNotFound
-from dss.inputs import check_stored_user_id
+from dss.errors import InvalidUserId, ReceiptNotFound
+from dss.inputs import check_stored_user_id, check_user_id
 from dss.ops.erasure import ErasureReceipt, Verification
 from dss.store import Store
+from dss.types import UserId
 
 router = APIRouter(tags=["users"])
 
@@ -51,6 +53,20 @@ def verification_out(v: Verification) -> VerificationOut:
     )
 
 
+def erasable_user(store: Store, keys: ApiKeys, user: str) -> UserId:
+    """`user` if it may be erased: an id of today's alphabet, or one outside it that the store
+    holds (made before the rule: `org/alice`); else `InvalidUserId` naming the rule. Any id an
+    earlier version may have stored stays erasable; an unknown one breaking the rule (a typo such
+    as `alice/`) is refused rather than answered with an empty receipt. Reads the database."""
+    stored = check_stored_user_id(user)
+    try:
+        return check_user_id(stored)
+    except InvalidUserId:
+        if keys.holds_user(stored) or store.holds_user(stored):
+            return stored
+        raise
+
+
 # `:path`: a user id made before ids lost `/` (`org/alice`) must still reach its erasure, whether
 # the client sends the slash encoded (`org%2Falice`, decoded before routing) or raw.
 @router.delete(
@@ -60,12 +76,11 @@ async def erase_user(user_id: str, state: StateDep, principal: PrincipalDep) -> 
     """Erase everything the server holds of a user; the receipt is verified before it is returned.
     The user's generations still running are stopped first (none of them commits a version).
 
-    Any id an earlier version may have stored is accepted here (`check_stored_user_id`), so that
-    every user a store holds is erasable; only a new id must follow the alphabet."""
-    user_id = check_stored_user_id(user_id)
+    An id outside today's alphabet is erased when the store holds it (`erasable_user`)."""
+    store = state.store
     if not principal.is_admin and principal.user != user_id:
         raise Forbidden("only an admin key or the user themself may erase a user")
-    store = state.store
+    user_id = await asyncio.to_thread(erasable_user, store, state.keys, user_id)
     if state.engine is not None:
         await state.engine.abort_tenant(store.tenant_for(user_id))
     receipt = await asyncio.to_thread(store.erase_user, user_id)

@@ -783,6 +783,14 @@ class VersionStore:
             return self._full_version(db, user, sid, best[0])
 
     # --- erasure -------------------------------------------------------------------------------
+    def holds_user(self, user: str) -> bool:
+        """Whether `user` has a session or a stored response."""
+        with self._factory() as db:
+            for table in (SessionRow, ResponseRow):
+                if db.scalar(select(table.user_id).where(table.user_id == user).limit(1)) is not None:
+                    return True
+        return False
+
     def delete_user_sessions(self, user: str, db: Session | None = None) -> dict[str, int]:
         """Delete every session of `user`; counts of deleted sessions, versions, branches and
         stored responses.
