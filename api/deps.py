@@ -33,9 +33,18 @@ NO_KEY_YET = (
 )
 
 
-# A NUL or a lone surrogate reaches a JSON string only as an escape (JSON text holds no raw
-# control character, and UTF-8 no surrogate): a body without one is not walked.
-_SUSPECT_ESCAPE = re.compile(rb"\\u(?:0000|[dD][89a-fA-F][0-9a-fA-F]{2})")
+# In a UTF-8 JSON body a NUL or a surrogate can only be an escape (JSON text holds no raw control
+# character) or, for a surrogate, its three bytes (`json.loads` decodes bytes with
+# "surrogatepass"): a UTF-8 body without either is not walked. Other encodings (UTF-16, UTF-32,
+# which json also reads) always are.
+_SUSPECT_TEXT = re.compile(rb"\\u(?:0000|[dD][89a-fA-F][0-9a-fA-F]{2})|\xed[\xa0-\xbf]")
+_UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+
+
+def _may_hold_bad_text(body: bytes) -> bool:
+    if b"\x00" in body or body.startswith(_UTF16_BOMS):  # not UTF-8
+        return True
+    return _SUSPECT_TEXT.search(body) is not None
 
 
 async def check_request_text(request: Request) -> None:
@@ -45,14 +54,14 @@ async def check_request_text(request: Request) -> None:
     transaction, SQLite keeps it.
 
     The body is the one FastAPI has already read and parsed for the route (`Request` caches both),
-    and it is walked only when its bytes hold a suspect escape."""
+    and it is walked only when its bytes may hold such text."""
     check_text(request.path_params, "path")
     query = request.query_params
     if query:
         check_text({k: query.getlist(k) for k in query}, "query")
     if request.method in ("POST", "PUT", "PATCH", "DELETE"):
         body = await request.body()
-        if body and _SUSPECT_ESCAPE.search(body) is not None:
+        if body and _may_hold_bad_text(body):
             try:
                 parsed = await request.json()
             except (ValueError, RecursionError):  # not JSON (for FastAPI either): its 400 answers

@@ -89,9 +89,11 @@ def check_session_id(sid: object) -> SessionId:
 
 
 def check_text(value: object, where: str) -> None:
-    """`InvalidText` when a string anywhere in `value` (a JSON-like tree of dicts, lists and
-    scalars; dict keys included) holds a NUL or a lone surrogate; `where` names the value's place
-    in the request and the message adds the path inside it."""
+    """`InvalidText` (`InvalidUnicode`) when a string anywhere in `value` (a JSON-like tree of
+    dicts, lists and scalars; dict keys included) holds a NUL (a lone surrogate); `where` names
+    the value's place in the request and the message adds the path inside it."""
+    if _clean(value):
+        return
     # Iterative (a deep tree must not exhaust the recursion limit); a place's path is a linked
     # list of (parent, step) built into text only for the message.
     stack: list[tuple[object, _Place]] = [(value, (None, where))]
@@ -112,6 +114,29 @@ def check_text(value: object, where: str) -> None:
 
 
 _Place = tuple["_Place | None", "str | int"]
+
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
+
+
+def _clean(value: object) -> bool:
+    """True when no string in `value` holds a NUL or a surrogate: the walk of every request,
+    kept lean (no places; an ASCII string, the usual kind, is known surrogate-free in O(1)) so
+    that it costs less than parsing the JSON did. False: walk again, naming the place."""
+    stack = [value]
+    pop, extend = stack.pop, stack.extend
+    while stack:
+        v = pop()
+        if isinstance(v, str):
+            if "\x00" in v or (not v.isascii() and _SURROGATE_RE.search(v) is not None):
+                return False
+        elif isinstance(v, dict):
+            for k in v:
+                if isinstance(k, str) and ("\x00" in k or (not k.isascii() and _SURROGATE_RE.search(k))):
+                    return False
+            extend(v.values())
+        elif isinstance(v, list | tuple):
+            extend(v)
+    return True
 
 
 def _check_string(text: str, place: _Place) -> None:

@@ -317,6 +317,16 @@ def test_nul_anywhere_is_a_400(db: str, tmp_path: Path, request: pytest.FixtureR
             r = c.request(method, path, json=body, headers=h)
             assert r.status_code == 400, (method, path, body, r.status_code, r.text)
             assert error_code(r) == "invalid_text" and "NUL" in r.json()["error"]["message"], r.text
+        # Bodies that only hold such text after decoding: UTF-16 JSON (json reads it), and the
+        # three UTF-8 bytes of a surrogate (json decodes bytes with "surrogatepass").
+        raw = {"Content-Type": "application/json", **h}
+        utf16 = json.dumps({"session_id": "t5", "system_prompt": "a\x00"}).encode("utf-16")
+        r = c.post("/v1/sessions", content=utf16, headers=raw)
+        assert r.status_code == 400 and error_code(r) == "invalid_text", r.text
+        r = c.post(
+            "/v1/sessions", content=b'{"session_id": "t6", "system_prompt": "a\xed\xa0\x80"}', headers=raw
+        )
+        assert r.status_code == 400 and error_code(r) == "invalid_unicode", r.text
         # Nothing of it was written, and the user's reads still work.
         listed = c.get("/v1/sessions", headers=h)
         assert listed.status_code == 200 and [s["id"] for s in listed.json()["data"]] == ["s"]
