@@ -304,6 +304,7 @@ def test_nul_anywhere_is_a_400(db: str, tmp_path: Path, request: pytest.FixtureR
             ("GET", "/v1/erasures/era_%00", None),
             ("POST", "/v1/sessions", {"session_id": "t1", "system_prompt": "be\x00nice"}),
             ("POST", "/v1/sessions", {"session_id": "t2", "metadata": {"k": "v\x00"}}),
+            ("POST", "/v1/sessions", {"session_id": "t7", "system_prompt": "x" * (300 << 10) + "\x00"}),
             ("POST", "/v1/sessions", {"session_id": "t3", "metadata": {"k\x00": 1}}),
             ("POST", "/v1/sessions", {"session_id": "t4", "metadata": {"a": [{"b": ["\x00"]}]}}),
             ("PATCH", "/v1/sessions/s", {"metadata": {"k": "\x00"}}),
