@@ -97,7 +97,8 @@ class RequestMetrics:
 
 def _route_of(scope: Scope) -> str:
     route: Any = scope.get("route")
-    path = getattr(route, "path", None)
+    # `path_format`: the template without convertors (`/v1/users/{user_id}`, not `{user_id:path}`).
+    path = getattr(route, "path_format", None) or getattr(route, "path", None)
     return str(path) if path else "unmatched"
 
 
