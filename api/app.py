@@ -20,10 +20,10 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from api.auth import ApiKeys, check_user_name
-from api.deps import authenticate_before_body
+from api.deps import authenticate_before_body, check_request_text
 from api.errors import install_error_handlers
 from api.metrics import Metrics
 from api.middleware import AuthBeforeBody, BodyLimit, DevHostGuard, RequestMetrics, ServerIdHeader
@@ -64,6 +64,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version=API_VERSION,
         description="An OpenAI-compatible, session-aware chat server: versions, rollback, branch, erase.",
         lifespan=_lifespan,
+        # Before any route's own dependencies: no NUL or lone surrogate reaches a route.
+        dependencies=[Depends(check_request_text)],
     )
     app.state.settings = settings
     app.state.metrics = Metrics()

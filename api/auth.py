@@ -32,13 +32,13 @@ from sqlalchemy.orm import Session, sessionmaker
 from dss.db.engine import transaction
 from dss.db.models import ApiKeyRow
 from dss.errors import InvalidInput
+from dss.inputs import check_user_id
 from dss.types import UserId
 
 log = logging.getLogger("dss.api.auth")
 
 KEY_PREFIX = "dss-"
 ADMIN_USER = UserId("admin")
-_MAX_USER_LEN = 256
 _ANY_KEY_TTL_S = 2.0
 
 
@@ -53,7 +53,7 @@ class Principal:
 
     def as_user(self, user: str) -> Principal:
         """Development mode only: act as another user named by the request."""
-        return replace(self, user=UserId(check_user_name(user)))
+        return replace(self, user=check_user_name(user))
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,18 +77,14 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def check_user_id(user: str) -> str:
-    if not isinstance(user, str) or not user.strip() or len(user) > _MAX_USER_LEN:
-        raise InvalidInput(f"user id must be 1-{_MAX_USER_LEN} characters")
-    return user
-
-
-def check_user_name(user: str) -> str:
-    """A user id a user may act as: any valid id except the admin keys' own."""
+def check_user_name(user: str) -> UserId:
+    """A user id a user may take (a new key, development mode's header or `user` field): one of
+    the alphabet (`dss.inputs.check_user_id`, else `InvalidUserId`) except the admin keys' own
+    (`InvalidInput`)."""
     check_user_id(user)
     if user == ADMIN_USER:
         raise InvalidInput(f"the user id {ADMIN_USER!r} is reserved for admin keys")
-    return user
+    return UserId(user)
 
 
 class ApiKeys:
@@ -110,7 +106,7 @@ class ApiKeys:
         elif user is None:
             raise InvalidInput("a user key needs a user id")
         else:
-            owner = UserId(check_user_name(user))
+            owner = check_user_name(user)
         key = KEY_PREFIX + secrets.token_urlsafe(32)
         kid = "key_" + uuid.uuid4().hex[:16]
         with transaction(self._sf) as db:
@@ -178,6 +174,11 @@ class ApiKeys:
             self._cache.clear()
             self._any = None
         return bool(n)
+
+    def holds_user(self, user: str) -> bool:
+        """Whether any key, active or revoked, was made for `user`."""
+        with transaction(self._sf) as db:
+            return db.scalar(select(ApiKeyRow.id).where(ApiKeyRow.user_id == user).limit(1)) is not None
 
     def list(self) -> list[KeyInfo]:
         with transaction(self._sf) as db:

@@ -1,20 +1,32 @@
-"""The `dss` command: `serve`, `keys create|list|revoke|rotate-master`, `model pull`.
+"""The `dss` command: `serve`, `keys create|list|revoke|rotate-master`, `users erase|verify`,
+`model pull`.
 
 Flags override the `DSS_*` environment (see `api.settings`). `keys` works on the database
 directly (it does not need the server, and may run while the server runs), except
-`keys rotate-master`, which runs only while no server owns the store.
+`keys rotate-master`, which runs only while no server owns the store. `users` opens the
+store itself (the pages on disk are part of an erasure), so it needs the data directory free: with
+a server running, erase through its API.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
 from api.settings import Settings, load_settings
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from dss.ops.erasure import Verification
+    from dss.store import Store
 
 main = typer.Typer(
     name="dss", help="DSS, the dialogue state store.", no_args_is_help=True, add_completion=False
@@ -23,7 +35,12 @@ keys_app = typer.Typer(
     help="API keys (the secret is printed once; only its hash is stored).", no_args_is_help=True
 )
 model_app = typer.Typer(help="The default model.", no_args_is_help=True)
+users_app = typer.Typer(
+    help="Erase a user and verify erasure receipts (on a data directory no server owns).",
+    no_args_is_help=True,
+)
 main.add_typer(keys_app, name="keys")
+main.add_typer(users_app, name="users")
 main.add_typer(model_app, name="model")
 
 DataDirOpt = Annotated[
@@ -252,6 +269,98 @@ def keys_rotate_master(
     if report.removed_key_file is not None:
         typer.echo(f"the old key file {report.removed_key_file} was overwritten and removed", err=True)
     typer.echo("start every server of this store with the new key; the old one opens nothing now", err=True)
+
+
+# Opening the store to erase makes no arena (the host tier is empty at start, and arenas are made
+# on first use), but the host tier checks its capacity fits in /dev/shm: ask for little.
+_CLI_HOST_CAPACITY = 16 << 20
+
+
+@contextmanager
+def _open_store(command: str, data_dir: Path | None, db_url: str | None) -> Iterator[Store]:
+    """The store of the server's data directory, opened by this process; exit 2 with one line
+    when a server owns it (the owner lock)."""
+    from dss.errors import DataDirInUse
+    from dss.store import Store
+
+    settings = _settings(command, store={"data_dir": data_dir, "db_url": db_url})
+    config = replace(settings.store.to_config(), host_capacity_bytes=_CLI_HOST_CAPACITY, codec_process=False)
+    try:
+        store = Store.open(config)
+    except DataDirInUse:
+        typer.echo(
+            f"{command}: a running server owns the data directory {config.data_dir}; ask it instead "
+            "(DELETE /v1/users/{user_id} with an admin key or the user's own, "
+            "GET /v1/erasures/{receipt_id}), or stop it first",
+            err=True,
+        )
+        raise typer.Exit(2) from None
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def _print_verified(out: BaseModel, verification: Verification) -> None:
+    """Print `out` as JSON; exit 1 when the verification found remnants or a broken chain."""
+    typer.echo(out.model_dump_json(indent=2))
+    if verification.remnants or not verification.chain_ok:
+        raise typer.Exit(1)
+
+
+@users_app.command("erase")
+def users_erase(
+    user: Annotated[str, typer.Argument(help="The user id (any id a key or request ever used)")],
+    data_dir: DataDirOpt = None,
+    db_url: DbUrlOpt = None,
+) -> None:
+    """Erase everything the store holds of USER; print the verified receipt as JSON (exit 1 when
+    its verification finds remnants or a broken receipt chain)."""
+    from api.auth import ApiKeys
+    from api.routes.users import erasable_user, receipt_out
+    from dss.errors import DSSError, InvalidInput
+    from dss.inputs import check_stored_user_id
+
+    command = "dss users erase"
+    try:
+        check_stored_user_id(user)  # before opening anything
+    except InvalidInput as exc:
+        typer.echo(f"{command}: {exc}", err=True)
+        raise typer.Exit(2) from None
+    with _open_store(command, data_dir, db_url) as store:
+        try:
+            user = erasable_user(store, ApiKeys(store.sf), user)
+        except InvalidInput as exc:
+            typer.echo(f"{command}: {exc}", err=True)
+            raise typer.Exit(2) from None
+        try:
+            out = receipt_out(store, store.erase_user(user))
+        except DSSError as exc:
+            typer.echo(f"{command}: {type(exc).__name__}: {exc}", err=True)
+            raise typer.Exit(1) from None
+        verification = store.verify_erasure(out.id)
+    _print_verified(out, verification)
+
+
+@users_app.command("verify")
+def users_verify(
+    receipt_id: Annotated[str, typer.Argument(help="An erasure receipt id (era_...)")],
+    data_dir: DataDirOpt = None,
+    db_url: DbUrlOpt = None,
+) -> None:
+    """Verify an erasure receipt afresh and print the verification as JSON (exit 1 when it finds
+    remnants or a broken receipt chain, or there is no such receipt)."""
+    from api.routes.users import verification_out
+    from dss.errors import DSSError
+
+    command = "dss users verify"
+    with _open_store(command, data_dir, db_url) as store:
+        try:
+            verification = store.verify_erasure(receipt_id)
+        except DSSError as exc:
+            typer.echo(f"{command}: {exc}", err=True)
+            raise typer.Exit(1) from None
+    _print_verified(verification_out(verification), verification)
 
 
 @model_app.command("pull")

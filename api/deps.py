@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Header, Request
 from fastapi.concurrency import run_in_threadpool
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.types import Scope
 
@@ -14,8 +16,8 @@ from api.errors import EngineUnavailable, Forbidden, ServerStarting, SessionIdCo
 from api.schemas import NAME_PATTERN
 from api.state import AppState, Phase, Startup
 from dss.errors import InvalidInput
+from dss.inputs import check_text, check_user_id
 from dss.store import Store
-from dss.types import UserId
 
 if TYPE_CHECKING:
     from api.engine import ChatEngine
@@ -31,6 +33,47 @@ NO_KEY_YET = (
     "this server has no API key yet: create one with `dss keys create --user NAME` "
     "(or run `dss serve --dev` on loopback for local development without keys)"
 )
+
+
+# In a UTF-8 JSON body a NUL or a surrogate can only be an escape (JSON text holds no raw control
+# character) or, for a surrogate, its three bytes (`json.loads` decodes bytes with
+# "surrogatepass"): a UTF-8 body without either is not walked. Other encodings (UTF-16, UTF-32,
+# which json also reads) always are.
+_SUSPECT_TEXT = re.compile(rb"\\u(?:0000|[dD][89a-fA-F][0-9a-fA-F]{2})|\xed[\xa0-\xbf]")
+_UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+_WALK_ON_LOOP_MAX_BYTES = 256 << 10
+
+
+def _may_hold_bad_text(body: bytes) -> bool:
+    if b"\x00" in body or body.startswith(_UTF16_BOMS):  # not UTF-8
+        return True
+    return _SUSPECT_TEXT.search(body) is not None
+
+
+async def check_request_text(request: Request) -> None:
+    """Every request's text, before its route runs (an app-wide dependency): the path parameters,
+    the query and the JSON body hold no NUL and no lone surrogate (`dss.inputs.check_text`). One
+    check for every route: PostgreSQL refuses such text with a `DataError` deep inside a
+    transaction, SQLite keeps it.
+
+    The body is the one FastAPI has already read and parsed for the route (`Request` caches both),
+    and it is walked only when its bytes may hold such text."""
+    check_text(request.path_params, "path")
+    query = request.query_params
+    if query:
+        check_text({k: query.getlist(k) for k in query}, "query")
+    route = request.scope.get("route")
+    if isinstance(route, APIRoute) and route.body_field is not None:  # else FastAPI reads none
+        body = await request.body()
+        if body and _may_hold_bad_text(body):
+            try:
+                parsed = await request.json()
+            except (ValueError, RecursionError):  # not JSON (for FastAPI either): its 400 answers
+                return
+            if len(body) > _WALK_ON_LOOP_MAX_BYTES:  # ~15 ms per MB of JSON: not on the event loop
+                await run_in_threadpool(check_text, parsed, "body")
+            else:
+                check_text(parsed, "body")
 
 
 async def get_state(request: Request) -> AppState:
@@ -98,9 +141,10 @@ def _principal(state: AppState, token: str | None, dev_user: str | None) -> Prin
         # OPENAI_API_KEY) means "no key" here. A `dss-` token is checked below: a typo or a
         # revoked key must fail, not quietly turn into an admin.
         user = dev_user or state.settings.auth.dev_default_user
+        check_user_id(user)  # malformed: a 400 (`InvalidUserId`) that names the rule
         try:
-            return Principal(UserId(check_user_name(user)), is_admin=True, key_id=None, dev_mode=True)
-        except InvalidInput as exc:
+            return Principal(check_user_name(user), is_admin=True, key_id=None, dev_mode=True)
+        except InvalidInput as exc:  # the admin's name: not an identity this caller may take
             raise Unauthorized(f"{DEV_USER_HEADER}: {exc}") from None
     if token is None:
         raise Unauthorized() if state.keys.any_active() else Unauthorized(NO_KEY_YET)

@@ -3,19 +3,21 @@
 `{"error": {"message", "type", "param", "code"}}` for every error the server answers: the store's
 typed exceptions (`dss.errors`), the API's own (`ApiError` below), request validation (always 400,
 malformed JSON included, never FastAPI's 422), unknown routes, and anything unexpected (500,
-logged, with no internals in the message).
+logged, with no internals in the message; a database error is logged without its message, which
+may quote user content).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import traceback
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dss import errors as e
@@ -186,8 +188,22 @@ def response_for(exc: BaseException) -> JSONResponse:
             400, "the request holds text that is not valid Unicode (a lone surrogate)",
             "invalid_request_error", "invalid_unicode",
         )  # fmt: skip
-    log.error("unhandled error answering a request", exc_info=exc)
+    if isinstance(exc, SQLAlchemyError):
+        # Its message, and its driver's (PostgreSQL's DETAIL quotes key values), may hold user
+        # content: logged are the kinds and the stack, never a message.
+        stack = "".join(traceback.format_tb(exc.__traceback__)).rstrip()
+        log.error("database error answering a request: %s\n%s", _db_error_kind(exc), stack)
+    else:
+        log.error("unhandled error answering a request", exc_info=exc)
     return error_response(500, "internal server error", "server_error", "internal_error")
+
+
+def _db_error_kind(exc: SQLAlchemyError) -> str:
+    orig = getattr(exc, "orig", None)
+    if orig is None:
+        return type(exc).__name__
+    state = getattr(orig, "sqlstate", None) or getattr(orig, "sqlite_errorname", None)
+    return f"{type(exc).__name__} ({type(orig).__name__}{f', {state}' if state else ''})"
 
 
 def _snake(name: str) -> str:

@@ -13,13 +13,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import ApiError, HostNotAllowed, PayloadTooLarge, response_for
 from api.metrics import Metrics
+from dss.errors import DSSError
 
 access_log = logging.getLogger("dss.access")
 
 
 class AuthBeforeBody:
     """A request that carries a body is authenticated from its headers (`authenticate`, which
-    raises `Unauthorized`, or `ServerStarting` before the store is open) before any of the body
+    raises `Unauthorized`, `InvalidUserId` for a malformed `X-DSS-User`, or `ServerStarting`
+    before the store is open) before any of the body
     is received; refused, it is answered at once and its body is never read. FastAPI receives
     and parses a body before it runs a route's dependencies (the key check among them), on the
     event loop: unauthenticated multi-megabyte posts slowed every other user's requests.
@@ -35,7 +37,7 @@ class AuthBeforeBody:
             return
         try:
             await self.authenticate(scope)
-        except ApiError as exc:
+        except (ApiError, DSSError) as exc:  # e.g. `Unauthorized`, or an `X-DSS-User` off the id rule
             refusal = response_for(exc)
             declared = _content_length(scope)
             if declared is None or declared > DRAIN_MAX_BYTES:
@@ -143,7 +145,8 @@ class RequestMetrics:
 
 def _route_of(scope: Scope) -> str:
     route: Any = scope.get("route")
-    path = getattr(route, "path", None)
+    # `path_format`: the template without convertors (`/v1/users/{user_id}`, not `{user_id:path}`).
+    path = getattr(route, "path_format", None) or getattr(route, "path", None)
     return str(path) if path else "unmatched"
 
 

@@ -103,6 +103,22 @@ class InvalidInput(DSSError):
     """A value is malformed or out of the allowed range."""
 
 
+class InvalidUserId(InvalidInput):
+    """A user id outside the alphabet (`dss.inputs`): `/`, a control character, blank, too long."""
+
+
+class InvalidSessionId(InvalidInput):
+    """A session id outside the alphabet (`dss.inputs`), or `.` / `..`."""
+
+
+class InvalidText(InvalidInput):
+    """A request's text holds a NUL character (`dss.inputs.check_text`)."""
+
+
+class InvalidUnicode(InvalidText):
+    """A request's text holds a lone surrogate: it has no UTF-8 form (`dss.inputs.check_text`)."""
+
+
 class PageShapeMismatch(InvalidInput):
     """Page bytes do not have the size the namespace's model fingerprint implies."""
 

@@ -356,6 +356,11 @@ class Store:
         self.retention.forget_session(user, sid)
         return dropped
 
+    def holds_user(self, user: str) -> bool:
+        """Whether anything of `user` is stored: a session, a stored response, or a data key of
+        its tenant (KV it wrote). API keys are the API's (`ApiKeys.holds_user`)."""
+        return self.versions.holds_user(user) or self.keyring.holds_key(self.tenant_for(user))
+
     def erase_user(self, user: str) -> ErasureReceipt:
         self._ensure_open()
         receipt = self.eraser.erase_user(user)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from api.auth import check_user_id
+from api.auth import ApiKeys
 from api.deps import PrincipalDep, StateDep
 from api.errors import Forbidden, error_responses
 from api.schemas import (
@@ -17,15 +17,17 @@ from api.schemas import (
     ListResponse,
     VerificationOut,
 )
-from api.state import AppState
-from dss.errors import ReceiptNotFound
-from dss.ops.erasure import ErasureReceipt
+from dss.errors import InvalidUserId, ReceiptNotFound
+from dss.inputs import check_stored_user_id, check_user_id
+from dss.ops.erasure import ErasureReceipt, Verification
+from dss.store import Store
+from dss.types import UserId
 
 router = APIRouter(tags=["users"])
 
 
-def receipt_out(state: AppState, r: ErasureReceipt) -> ErasureReceiptOut:
-    v = state.store.verify_erasure(r.id)
+def receipt_out(store: Store, r: ErasureReceipt) -> ErasureReceiptOut:
+    """The receipt with a fresh verification, as the API (and `dss users erase`) shows it."""
     return ErasureReceiptOut(
         id=r.id,
         erased_at=r.erased_at,
@@ -37,31 +39,53 @@ def receipt_out(state: AppState, r: ErasureReceipt) -> ErasureReceiptOut:
             if r.fleet is not None
             else None
         ),
-        verification=VerificationOut(
-            checked_at=v.checked_at,
-            remnants=v.remnants,
-            chain_ok=v.chain_ok,
-            details=list(v.details),
-            database_scrubbed=v.database_scrubbed,
-        ),
+        verification=verification_out(store.verify_erasure(r.id)),
     )
 
 
+def verification_out(v: Verification) -> VerificationOut:
+    return VerificationOut(
+        checked_at=v.checked_at,
+        remnants=v.remnants,
+        chain_ok=v.chain_ok,
+        details=list(v.details),
+        database_scrubbed=v.database_scrubbed,
+    )
+
+
+def erasable_user(store: Store, keys: ApiKeys, user: str) -> UserId:
+    """`user` if it may be erased: an id of today's alphabet, or one outside it that the store
+    holds (made before the rule: `org/alice`); else `InvalidUserId` naming the rule. Any id an
+    earlier version may have stored stays erasable; an unknown one breaking the rule (a typo such
+    as `alice/`) is refused rather than answered with an empty receipt. Reads the database."""
+    stored = check_stored_user_id(user)
+    try:
+        return check_user_id(stored)
+    except InvalidUserId:
+        if keys.holds_user(stored) or store.holds_user(stored):
+            return stored
+        raise
+
+
+# `:path`: a user id made before ids lost `/` (`org/alice`) must still reach its erasure, whether
+# the client sends the slash encoded (`org%2Falice`, decoded before routing) or raw.
 @router.delete(
-    "/v1/users/{user_id}", response_model=ErasureReceiptOut, responses=error_responses(400, 401, 403)
+    "/v1/users/{user_id:path}", response_model=ErasureReceiptOut, responses=error_responses(400, 401, 403)
 )
 async def erase_user(user_id: str, state: StateDep, principal: PrincipalDep) -> ErasureReceiptOut:
     """Erase everything the server holds of a user; the receipt is verified before it is returned.
-    The user's generations still running are stopped first (none of them commits a version)."""
-    check_user_id(user_id)
+    The user's generations still running are stopped first (none of them commits a version).
+
+    An id outside today's alphabet is erased when the store holds it (`erasable_user`)."""
+    store = state.store
     if not principal.is_admin and principal.user != user_id:
         raise Forbidden("only an admin key or the user themself may erase a user")
-    store = state.store
+    user_id = await asyncio.to_thread(erasable_user, store, state.keys, user_id)
     if state.engine is not None:
         await state.engine.abort_tenant(store.tenant_for(user_id))
     receipt = await asyncio.to_thread(store.erase_user, user_id)
     state.metrics.erasures.inc()
-    return await asyncio.to_thread(receipt_out, state, receipt)
+    return await asyncio.to_thread(receipt_out, store, receipt)
 
 
 @router.get(
@@ -96,4 +120,4 @@ def get_erasure(receipt_id: str, state: StateDep, principal: PrincipalDep) -> Er
     receipt = store.get_receipt(receipt_id)
     if not principal.is_admin and receipt.subject not in store.receipt_subjects(principal.user):
         raise ReceiptNotFound(f"no erasure receipt {receipt_id!r}")
-    return receipt_out(state, receipt)
+    return receipt_out(store, receipt)

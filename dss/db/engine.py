@@ -86,6 +86,7 @@ def _set_sqlite_relaxed(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
 
 def make_engine(url: str, *, durable_commits: bool = True, **kwargs: Any) -> Engine:
     """An engine with the store's connection settings; extra `kwargs` go to `create_engine`.
+    Its errors never show SQL parameters (`hide_parameters`).
 
     `durable_commits=False` (SQLite): its commits do not fsync (`synchronous=NORMAL`); a power
     loss may undo its last commits, never corrupt the database, and the next durable commit of
@@ -93,6 +94,9 @@ def make_engine(url: str, *, durable_commits: bool = True, **kwargs: Any) -> Eng
     its file becomes an orphan that start-up removes), so that they do not hold SQLite's one
     write lock through an fsync while a rollback waits for it. Ignored elsewhere."""
     parsed = make_url(url)
+    # An error's message (logged, raised) never shows the statement's parameters: they are user
+    # ids, messages, token ids. Always, whatever the caller passes.
+    kwargs["hide_parameters"] = True
     if parsed.get_backend_name() == "sqlite":
         database = parsed.database or ""
         in_memory = database in ("", ":memory:") or database.startswith("file::memory:")

@@ -64,6 +64,7 @@ from dss.errors import (
     VersionNotFound,
 )
 from dss.index.hashing import TOKEN_DTYPE
+from dss.inputs import check_session_id, check_stored_user_id
 from dss.jsonlimits import JsonLimits, check_items, check_json, servable
 from dss.types import FingerprintId, SessionId, UserId
 
@@ -330,8 +331,8 @@ class VersionStore:
     ) -> SessionInfo:
         """A new session of `user` with an empty `main` branch; `SessionExists` when the user
         already has a session of that id (another user's sessions do not matter)."""
-        _check_user(user)
-        sid = _check_name("session id", session_id) if session_id is not None else f"sess_{uuid.uuid4().hex}"
+        check_stored_user_id(user)  # a user made before ids lost '/' keeps creating sessions
+        sid = check_session_id(session_id) if session_id is not None else f"sess_{uuid.uuid4().hex}"
         if system_prompt is not None and len(system_prompt) > MAX_SYSTEM_PROMPT_CHARS:
             raise LimitExceeded(f"system prompt longer than {MAX_SYSTEM_PROMPT_CHARS} characters")
         meta = dict(metadata) if metadata is not None else None
@@ -905,6 +906,14 @@ class VersionStore:
             return self._full_version(db, user, sid, best[0])
 
     # --- erasure -------------------------------------------------------------------------------
+    def holds_user(self, user: str) -> bool:
+        """Whether `user` has a session or a stored response."""
+        with self._factory() as db:
+            for table in (SessionRow, ResponseRow):
+                if db.scalar(select(table.user_id).where(table.user_id == user).limit(1)) is not None:
+                    return True
+        return False
+
     def delete_user_sessions(self, user: str, db: Session | None = None) -> dict[str, int]:
         """Delete every session of `user`; counts of deleted sessions, versions, branches and
         stored responses.
@@ -1120,11 +1129,6 @@ def check_retention(kv_retention: str, kv_idle_ttl_s: int | None) -> None:
         )
     if ttl is not None and ttl > MAX_IDLE_TTL_S:
         raise LimitExceeded(f"kv_idle_ttl_s {ttl} exceeds the limit of {MAX_IDLE_TTL_S} s")
-
-
-def _check_user(user: str) -> None:
-    if not isinstance(user, str) or not user or len(user) > 256:
-        raise InvalidInput("user id must be 1-256 characters")
 
 
 _MAX_NUMBER = int(_INT32_MAX)  # INTEGER columns: a larger number cannot name a stored version

@@ -83,6 +83,14 @@ class Keyring:
                 raise KeyDestroyed(f"tenant {tenant} was erased; its data key is gone")
             return self._cache.setdefault(tenant, key)
 
+    def holds_key(self, tenant: TenantId) -> bool:
+        """Whether `tenant` has a data key (it wrote KV once, and was not erased since)."""
+        with self._lock:
+            if tenant in self._cache:
+                return True
+        with self._sf() as s:
+            return s.scalar(select(DataKey.tenant).where(DataKey.tenant == tenant)) is not None
+
     def destroy_in(self, session: Session, tenant: TenantId) -> int:
         """Delete the wrapped key inside the caller's transaction; forget the cached copy."""
         n = cast(CursorResult[Any], session.execute(delete(DataKey).where(DataKey.tenant == tenant))).rowcount
