@@ -9,6 +9,7 @@ namespace) and into the subject hash written in erasure receipts.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import secrets
 import threading
@@ -130,6 +131,16 @@ class Identity:
         return hashlib.blake2b(
             b"dss-subject\x00" + user.encode(), key=self._secret[:32], digest_size=20
         ).hexdigest()
+
+    def seal(self, label: str, *fields: str) -> str:
+        """An HMAC-SHA256 (hex) of `fields` under the server secret, for records the database
+        holds but must not be able to forge (the receipt chain's checkpoints). Every part is
+        length-prefixed, so no two different (label, fields) give the same input."""
+        mac = hmac.new(self._secret, digestmod=hashlib.sha256)
+        for part in (label, *fields):
+            data = part.encode()
+            mac.update(len(data).to_bytes(8, "big") + data)
+        return mac.hexdigest()
 
     def rpc_authkey(self) -> bytes:
         """The engines' RPC authkey: the same for every owner of this store, so an engine
