@@ -167,6 +167,10 @@ class LimitsSettings(BaseModel):
     max_stop_sequences: int = Field(default=4, ge=0)
     max_n: int = Field(default=8, ge=1, le=128)  # alternatives one request may ask for
     max_list_limit: int = Field(default=100, ge=1, le=1000)
+    # Erasure checks (a self-erasure, `GET /v1/erasures/{id}`: each verifies a receipt) per user:
+    # a bucket of `burst`, refilled at `per_minute` (0: unlimited). Admin keys are not limited.
+    erasure_checks_per_minute: float = Field(default=12.0, ge=0)
+    erasure_checks_burst: int = Field(default=5, ge=1)
 
 
 class AuthSettings(BaseModel):

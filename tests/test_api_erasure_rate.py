@@ -35,3 +35,19 @@ def test_erasure_checks_are_rate_limited_per_user(tmp_path: Path) -> None:
         for _ in range(5):
             got = c.get(f"/v1/erasures/{rid}", headers={"Authorization": f"Bearer {admin}"})
             assert got.status_code == 200, got.text
+
+
+def test_token_buckets_refill_and_say_how_long_to_wait() -> None:
+    from api.ratelimit import TokenBuckets
+
+    now = [100.0]
+    buckets = TokenBuckets(per_minute=6, burst=2, clock=lambda: now[0], max_keys=1)
+    assert buckets.take("a") == 0 and buckets.take("a") == 0
+    assert buckets.take("a") == 10  # one token every 10 s
+    now[0] += 4
+    assert buckets.take("a") == 6
+    now[0] += 6
+    assert buckets.take("a") == 0 and buckets.take("b") == 0
+    now[0] += 60  # both full again: dropped once the table outgrows max_keys
+    assert buckets.take("c") == 0
+    assert TokenBuckets(per_minute=0, burst=1).take("a") == 0  # 0: unlimited

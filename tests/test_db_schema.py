@@ -35,6 +35,7 @@ EXPECTED_TABLES = {
     "responses",
     "servers",
     "erasure_acks",
+    "chain_checkpoints",
 }
 
 
@@ -51,7 +52,7 @@ def _diff(url: str) -> list[object]:
 def test_upgrade_creates_the_model_schema(db_url: str) -> None:
     assert current_revision(db_url) is None
     upgrade_to_head(db_url)
-    assert current_revision(db_url) == "0006"
+    assert current_revision(db_url) == "0007"
     assert _diff(db_url) == []
     engine = make_engine(db_url)
     try:
@@ -67,7 +68,7 @@ def test_upgrade_twice_is_a_noop(db_url: str) -> None:
         with transaction(make_session_factory(engine)) as db:
             db.add(StoreMeta(key="format", value="1"))
         upgrade_to_head(db_url)
-        assert current_revision(db_url) == "0006"
+        assert current_revision(db_url) == "0007"
         with engine.connect() as conn:
             assert conn.execute(text("SELECT value FROM store_meta WHERE key = 'format'")).scalar_one() == "1"
             assert conn.execute(text("SELECT count(*) FROM alembic_version")).scalar_one() == 1
@@ -97,7 +98,7 @@ def test_upgrade_works_from_any_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.chdir(tmp_path)
     url = f"sqlite:///{tmp_path / 'x.sqlite3'}"
     upgrade_to_head(url)
-    assert current_revision(url) == "0006"
+    assert current_revision(url) == "0007"
 
 
 def test_in_memory_sqlite_migrates_through_the_given_engine() -> None:
@@ -106,7 +107,7 @@ def test_in_memory_sqlite_migrates_through_the_given_engine() -> None:
         upgrade_to_head("sqlite://", engine=engine)
         with engine.connect() as conn:
             ctx = MigrationContext.configure(conn, opts={"compare_type": True})
-            assert ctx.get_current_revision() == "0006"
+            assert ctx.get_current_revision() == "0007"
             assert list(compare_metadata(ctx, Base.metadata)) == []
     finally:
         engine.dispose()
@@ -140,7 +141,7 @@ def test_concurrent_upgrades_from_several_processes_agree(db_url: str) -> None:
     ]
     errors = [p.communicate(timeout=120)[1] for p in procs if p.wait(timeout=120) != 0]
     assert errors == []
-    assert current_revision(db_url) == "0006"
+    assert current_revision(db_url) == "0007"
     assert _diff(db_url) == []
 
 
@@ -157,7 +158,7 @@ def test_0002_upgrades_a_0001_database_with_data_in_it(db_url: str) -> None:
             conn.execute(text("INSERT INTO store_meta (key, value) VALUES ('kept', 'yes')"))
             conn.execute(text("INSERT INTO sessions (id, user_id, version_count) VALUES ('s1', 'alice', 0)"))
         upgrade_to_head(db_url)
-        assert current_revision(db_url) == "0006"
+        assert current_revision(db_url) == "0007"
         with engine.connect() as conn:
             assert conn.execute(text("SELECT value FROM store_meta WHERE key = 'kept'")).scalar_one() == "yes"
             assert conn.execute(text("SELECT user_id FROM sessions WHERE id = 's1'")).scalar_one() == "alice"
@@ -212,7 +213,7 @@ def test_0003_rekeys_sessions_per_user_and_keeps_every_version(db_url: str) -> N
                 text("INSERT INTO branches (session_id, name, head_version) VALUES ('trip', 'edit', 3)")
             )
         upgrade_to_head(db_url)
-        assert current_revision(db_url) == "0006"
+        assert current_revision(db_url) == "0007"
         vs = VersionStore(make_session_factory(engine))
         assert vs.check() == []
         assert [v.messages for v in vs.list_versions("alice", "trip", with_body=True)] == [h1, h2, edit]
@@ -260,7 +261,7 @@ def test_0006_gives_page_rows_a_server_and_a_store_adopts_them(db_url: str) -> N
                 },
             )
         upgrade_to_head(db_url)
-        assert current_revision(db_url) == "0006"
+        assert current_revision(db_url) == "0007"
         with engine.connect() as conn:
             assert conn.execute(text("SELECT server FROM pages")).scalars().all() == [""]
             assert conn.execute(text("SELECT count(*) FROM versions")).scalar_one() == 1

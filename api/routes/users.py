@@ -1,4 +1,11 @@
-"""Erasing a user (admin, or the user themself) and reading erasure receipts."""
+"""Erasing a user (admin, or the user themself) and reading erasure receipts.
+
+Both answers carry a fresh verification of the receipt. A user's erasure checks (self-erasure,
+`GET /v1/erasures/{id}`) share one token bucket (`limits.erasure_checks_*`; 429 beyond it). Admin
+keys are not limited: the operator's batch erasures and audits are theirs to schedule, and an
+admin key can erase every user anyway, so a limit would protect nothing from it; a user's key is
+what any signed-up user holds.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +14,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from api.auth import check_user_id
+from api.auth import Principal, check_user_id
 from api.deps import PrincipalDep, StateDep
-from api.errors import Forbidden, error_responses
+from api.errors import Forbidden, RateLimited, error_responses
 from api.schemas import (
     ErasureFleetOut,
     ErasureReceiptOut,
@@ -22,6 +29,15 @@ from dss.errors import ReceiptNotFound
 from dss.ops.erasure import ErasureReceipt
 
 router = APIRouter(tags=["users"])
+
+
+def check_rate(state: AppState, principal: Principal) -> None:
+    """Take one of the principal's erasure-check tokens, or refuse with 429 (admins: no limit)."""
+    if principal.is_admin:
+        return
+    wait_s = state.erasure_checks.take(principal.user)
+    if wait_s:
+        raise RateLimited(f"too many erasure checks for this user; retry in {wait_s} s", wait_s)
 
 
 def receipt_out(state: AppState, r: ErasureReceipt) -> ErasureReceiptOut:
@@ -48,7 +64,7 @@ def receipt_out(state: AppState, r: ErasureReceipt) -> ErasureReceiptOut:
 
 
 @router.delete(
-    "/v1/users/{user_id}", response_model=ErasureReceiptOut, responses=error_responses(400, 401, 403)
+    "/v1/users/{user_id}", response_model=ErasureReceiptOut, responses=error_responses(400, 401, 403, 429)
 )
 async def erase_user(user_id: str, state: StateDep, principal: PrincipalDep) -> ErasureReceiptOut:
     """Erase everything the server holds of a user; the receipt is verified before it is returned.
@@ -56,6 +72,7 @@ async def erase_user(user_id: str, state: StateDep, principal: PrincipalDep) -> 
     check_user_id(user_id)
     if not principal.is_admin and principal.user != user_id:
         raise Forbidden("only an admin key or the user themself may erase a user")
+    check_rate(state, principal)
     store = state.store
     if state.engine is not None:
         await state.engine.abort_tenant(store.tenant_for(user_id))
@@ -88,7 +105,7 @@ def list_erasures(
 
 
 @router.get(
-    "/v1/erasures/{receipt_id}", response_model=ErasureReceiptOut, responses=error_responses(401, 404)
+    "/v1/erasures/{receipt_id}", response_model=ErasureReceiptOut, responses=error_responses(401, 404, 429)
 )
 def get_erasure(receipt_id: str, state: StateDep, principal: PrincipalDep) -> ErasureReceiptOut:
     """The receipt with a fresh verification (admins: any; users: their own)."""
@@ -96,4 +113,5 @@ def get_erasure(receipt_id: str, state: StateDep, principal: PrincipalDep) -> Er
     receipt = store.get_receipt(receipt_id)
     if not principal.is_admin and receipt.subject not in store.receipt_subjects(principal.user):
         raise ReceiptNotFound(f"no erasure receipt {receipt_id!r}")
+    check_rate(state, principal)
     return receipt_out(state, receipt)
