@@ -176,3 +176,20 @@ def test_verification_runs_no_wal_checkpoint_once_the_erasure_scrubbed(tmp_path:
         event.remove(store.db, "before_cursor_execute", on_execute)
     assert [s for s in statements if "wal_checkpoint" in s.lower()] == []
     store.close()
+
+
+def test_an_edit_behind_a_checkpoint_is_found_by_its_own_receipt_and_the_full_audit(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    _extend_chain(store, 300)
+    receipt = store.erase_user("alice")
+    assert store.verify_erasure(receipt.id).chain_ok  # seals checkpoint #256
+    with store.sf() as s, s.begin():
+        row = s.execute(select(ErasureReceiptRow).where(ErasureReceiptRow.seq == 100)).scalar_one()
+        row.counts = {"sessions": 99}
+        edited = row.id
+    # The documented limit: a verification starts at #256, past the edit.
+    assert store.verify_erasure(receipt.id).chain_ok
+    assert not store.eraser.verify(receipt.id, full=True).chain_ok
+    v = store.verify_erasure(edited)
+    assert not v.chain_ok and any("#100" in d for d in v.details), v.details
+    store.close()

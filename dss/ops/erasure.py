@@ -11,12 +11,14 @@ A receipt records counts, a time and the subject's salted hash (its tenant id), 
 Receipts form an append-only hash chain; `verify` re-scans the database and every tier for
 anything of the subject older than the erasure, and checks the chain up to the receipt.
 
-What one verification costs is bounded by what its receipt covers, not by all data: the chain
-since the last sealed checkpoint before the receipt (`dss.ops.receipt_chain`, at most 257
-receipts), the tenant's entries in the page table and its files on the disk tier (the tier
-indexes files by tenant; only files it does not know are opened), a count per table by indexed
-columns, and no blocking WAL checkpoint (`dss.ops.wal_scrub`: the erasure scrubs, verification
-reads what was done). `verify(..., full=True)` is the audit that walks everything.
+What one verification costs follows what its receipt covers, not all data: the chain since the
+last sealed checkpoint before the receipt (`dss.ops.receipt_chain`: one every 256 receipts,
+sealed by the first verification that passes it); the tenant's entries in the page table and its
+files on the disk tier (the tier indexes files by tenant; only files it does not know are
+opened); counts by indexed columns; and no blocking WAL checkpoint (`dss.ops.wal_scrub`: the
+erasure scrubs, a verification reads what was done). One part still grows with the number of
+users: finding the user ids whose tenants include the subject (a hash per distinct user id).
+`verify(..., full=True)` is the audit that walks everything.
 
 Several servers on one PostgreSQL database (`dss.fleet`): the rows and the data key are shared
 and go in the one transaction; each server's own copies (host arena, disk tier) are dropped by

@@ -72,7 +72,10 @@ def _iso(t: datetime) -> str:
 
 
 def _row_hash(row: ErasureReceiptRow) -> str:
-    return entry_hash(row.prev_hash, row.id, row.seq, row.erased_at, row.subject, dict(row.counts))
+    try:
+        return entry_hash(row.prev_hash, row.id, row.seq, row.erased_at, row.subject, dict(row.counts))
+    except (TypeError, ValueError):  # a row edited into something no receipt is: not intact
+        return ""
 
 
 def _seal(identity: Identity, seq: int, entry: str) -> str:
@@ -80,7 +83,9 @@ def _seal(identity: Identity, seq: int, entry: str) -> str:
 
 
 def _sealed(identity: Identity, checkpoint: ChainCheckpointRow) -> bool:
-    return hmac.compare_digest(checkpoint.seal, _seal(identity, checkpoint.seq, checkpoint.entry_hash))
+    # As bytes: a seal edited to non-ASCII text must fail the comparison, not raise.
+    expected = _seal(identity, checkpoint.seq, checkpoint.entry_hash)
+    return hmac.compare_digest(checkpoint.seal.encode(), expected.encode())
 
 
 @dataclass(frozen=True, slots=True)

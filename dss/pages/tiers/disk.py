@@ -293,9 +293,9 @@ class DiskTier(IndexedTier):
         pages yet; `gc_temp` removes leftovers) and files of another name than `<hash>.page`.
         """
         found: set[PageHash] = set()
-        for sub in os.scandir(self.root):
-            if not sub.is_dir(follow_symlinks=False) or len(sub.name) != 2:
-                continue
+        with os.scandir(self.root) as entries:
+            subdirs = [e for e in entries if e.is_dir(follow_symlinks=False) and len(e.name) == 2]
+        for sub in subdirs:
             try:
                 names = os.listdir(sub.path)
             except FileNotFoundError:
