@@ -193,3 +193,32 @@ def test_an_edit_behind_a_checkpoint_is_found_by_its_own_receipt_and_the_full_au
     v = store.verify_erasure(edited)
     assert not v.chain_ok and any("#100" in d for d in v.details), v.details
     store.close()
+
+
+def test_verification_reads_the_erasure_epochs_once_not_per_user(tmp_path: Path) -> None:
+    from sqlalchemy import insert
+
+    from dss.db.models import SessionRow
+
+    store = open_store(tmp_path)
+    with store.sf() as s, s.begin():
+        s.execute(
+            insert(SessionRow), [{"user_id": f"user-{i}", "id": "s1", "version_count": 0} for i in range(300)]
+        )
+    store.versions.create_session("alice")
+    receipt = store.erase_user("alice")
+    store.close()
+    store = open_store(tmp_path)  # a restart: no epoch is cached
+    statements: list[str] = []
+
+    def on_execute(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        statements.append(statement)
+
+    event.listen(store.db, "before_cursor_execute", on_execute)
+    try:
+        assert store.verify_erasure(receipt.id).remnants == 0
+    finally:
+        event.remove(store.db, "before_cursor_execute", on_execute)
+    epoch_reads = [s for s in statements if "erasure_epochs" in s]
+    assert len(epoch_reads) <= 2, f"{len(epoch_reads)} reads of erasure_epochs"  # was: one per user (301)
+    store.close()

@@ -13,8 +13,10 @@ import hmac
 import logging
 import secrets
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.db.meta import meta_get, meta_set
@@ -85,6 +87,20 @@ class Identity:
     def tenants_of(self, user: str) -> list[TenantId]:
         """Every tenant the user had, the current one last (receipts name the erased ones)."""
         return [tenant_for_user(self._secret, user, e) for e in range(self.epoch_of(user) + 1)]
+
+    def users_having(self, tenant: TenantId, users: Iterable[str]) -> list[str]:
+        """Which of `users` ever had `tenant` (one tenant per erasure epoch, as `tenants_of`). The
+        epochs come from one query, not one per user: a verification over 20,000 users spent 13 s
+        reading them one by one."""
+        by_subject = {self.subject_hash(u): u for u in users}
+        with self._sf() as s:
+            epochs = dict(s.execute(select(ErasureEpoch.subject, ErasureEpoch.epoch)).tuples().all())
+        found = []
+        for subject, user in by_subject.items():
+            last = epochs.get(subject, 0)
+            if any(tenant_for_user(self._secret, user, e) == tenant for e in range(last + 1)):
+                found.append(user)
+        return sorted(found)
 
     def epoch_of(self, user: str) -> int:
         subject = self.subject_hash(user)

@@ -17,7 +17,8 @@ sealed by the first verification that passes it); the tenant's entries in the pa
 files on the disk tier (the tier indexes files by tenant; only files it does not know are
 opened); counts by indexed columns; and no blocking WAL checkpoint (`dss.ops.wal_scrub`: the
 erasure scrubs, a verification reads what was done). One part still grows with the number of
-users: finding the user ids whose tenants include the subject (a hash per distinct user id).
+users: finding the user ids whose tenants include the subject (`Identity.users_having`: a keyed
+hash per distinct user id, one query for the erasure epochs).
 `verify(..., full=True)` is the audit that walks everything.
 
 Several servers on one PostgreSQL database (`dss.fleet`): the rows and the data key are shared
@@ -421,7 +422,7 @@ def verify(
         # of, written before the erasure (after it, they belong to the user's next epoch).
         users = set(s.execute(select(m.SessionRow.user_id).distinct()).scalars())
         users |= set(s.execute(select(m.ResponseRow.user_id).distinct()).scalars())
-        mine = sorted(u for u in users if tenant in identity.tenants_of(u))
+        mine = identity.users_having(tenant, users)
         if mine:
             for what, table in (("session", m.SessionRow), ("stored response", m.ResponseRow)):
                 old = s.execute(
