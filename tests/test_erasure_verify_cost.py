@@ -5,6 +5,7 @@ blocking WAL checkpoint; and which remnants it still finds."""
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -210,9 +211,11 @@ def test_verification_reads_the_erasure_epochs_once_not_per_user(tmp_path: Path)
     store.close()
     store = open_store(tmp_path)  # a restart: no epoch is cached
     statements: list[str] = []
+    me = threading.get_ident()
 
     def on_execute(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        statements.append(statement)
+        if threading.get_ident() == me:  # not the retention sweep's
+            statements.append(statement)
 
     event.listen(store.db, "before_cursor_execute", on_execute)
     try:
