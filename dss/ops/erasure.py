@@ -12,7 +12,7 @@ Receipts form an append-only hash chain; `verify` re-scans the database and ever
 anything of the subject older than the erasure, and checks the chain up to the receipt.
 
 What one verification costs follows what its receipt covers, not all data: the chain since the
-last sealed checkpoint before the receipt (`dss.ops.receipt_chain`: one every 256 receipts,
+last sealed checkpoint before the receipt (`dss.ops.receipt_chain`: one every 64 receipts,
 sealed by the first verification that passes it); the tenant's entries in the page table and its
 files on the disk tier (the tier indexes files by tenant; only files it does not know are
 opened); counts by indexed columns; and no blocking WAL checkpoint (`dss.ops.wal_scrub`: the
