@@ -293,8 +293,11 @@ class DiskTier(IndexedTier):
         pages yet; `gc_temp` removes leftovers) and files of another name than `<hash>.page`.
         """
         found: set[PageHash] = set()
-        with os.scandir(self.root) as entries:
-            subdirs = [e for e in entries if e.is_dir(follow_symlinks=False) and len(e.name) == 2]
+        try:
+            with os.scandir(self.root) as entries:
+                subdirs = [e for e in entries if e.is_dir(follow_symlinks=False) and len(e.name) == 2]
+        except OSError as exc:
+            raise TierUnavailable(f"disk tier cannot list {self.root}: {exc.strerror or exc}") from exc
         for sub in subdirs:
             try:
                 names = os.listdir(sub.path)
