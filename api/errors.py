@@ -78,6 +78,16 @@ class PayloadTooLarge(ApiError):
     type = "invalid_request_error"
 
 
+class RateLimited(ApiError):
+    """A per-user rate limit (`api.ratelimit`) refused the request; retry after `Retry-After`."""
+
+    status = 429
+    type = "rate_limit_error"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message, code="rate_limited", headers={"Retry-After": str(retry_after_s)})
+
+
 class EngineUnavailable(ApiError):
     """The engine is not running (starting, disabled, or dead)."""
 
@@ -283,6 +293,7 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         404: "Not found",
         409: "Conflict with the current state",
         413: "Body too large",
+        429: "Rate limited (see Retry-After)",
         503: "Engine unavailable or overloaded (see Retry-After)",
     }
     return {s: {"model": ErrorResponse, "description": descriptions.get(s, "Error")} for s in statuses}

@@ -181,6 +181,10 @@ class LimitsSettings(BaseModel):
     max_stop_token_ids: int = Field(default=64, ge=0)
     max_bad_words: int = Field(default=64, ge=0)
     max_tools: int = Field(default=128, ge=0)
+    # Erasure checks (a self-erasure, `GET /v1/erasures/{id}`: each verifies a receipt) per user:
+    # a bucket of `burst`, refilled at `per_minute` (0: unlimited). Admin keys are not limited.
+    erasure_checks_per_minute: float = Field(default=12.0, ge=0)
+    erasure_checks_burst: int = Field(default=5, ge=1)
 
     def json_limits(self) -> JsonLimits:
         return JsonLimits(max_depth=self.max_json_depth, max_bytes=self.max_json_bytes)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from api.auth import ApiKeys
 from api.metrics import Metrics
+from api.ratelimit import TokenBuckets
 from api.settings import Settings
 from dss.store import Store
 from dss.types import TenantId
@@ -86,6 +87,12 @@ class AppState:
     engine: ChatEngine | None = None
     started: bool = field(default=False)
     short_db: ThreadPoolExecutor = field(default_factory=_short_db_pool)
+    # Per-user buckets for erasure checks (`api.routes.users`), sized by the limits table.
+    erasure_checks: TokenBuckets = field(init=False)
+
+    def __post_init__(self) -> None:
+        limits = self.settings.limits
+        self.erasure_checks = TokenBuckets(limits.erasure_checks_per_minute, limits.erasure_checks_burst)
 
     async def short_db_op(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """`fn(*args, **kwargs)` on the short-operation threads: one trip from the event loop."""

@@ -24,7 +24,7 @@ from dss.db.models import Base, StoreMeta
 from dss.pages.meta import PageMeta
 from dss.types import FingerprintId, NamespaceId, PageHash, TenantId
 
-HEAD = "0007_sealed_tokens"
+HEAD = "0008"
 
 EXPECTED_TABLES = {
     "store_meta",
@@ -40,6 +40,7 @@ EXPECTED_TABLES = {
     "responses",
     "servers",
     "erasure_acks",
+    "chain_checkpoints",
 }
 
 

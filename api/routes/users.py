@@ -1,4 +1,11 @@
-"""Erasing a user (admin, or the user themself) and reading erasure receipts."""
+"""Erasing a user (admin, or the user themself) and reading erasure receipts.
+
+Both answers carry a fresh verification of the receipt. A user's erasure checks (self-erasure,
+`GET /v1/erasures/{id}`) share one token bucket (`limits.erasure_checks_*`; 429 beyond it). Admin
+keys are not limited: the operator's batch erasures and audits are theirs to schedule, and an
+admin key can erase every user anyway, so a limit would protect nothing from it; a user's key is
+what any signed-up user holds.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +14,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from api.auth import ApiKeys
+from api.auth import ApiKeys, Principal
 from api.deps import PrincipalDep, StateDep
-from api.errors import Forbidden, error_responses
+from api.errors import Forbidden, RateLimited, error_responses
 from api.schemas import (
     ErasureFleetOut,
     ErasureReceiptOut,
@@ -17,6 +24,7 @@ from api.schemas import (
     ListResponse,
     VerificationOut,
 )
+from api.state import AppState
 from dss.errors import InvalidUserId, ReceiptNotFound
 from dss.inputs import check_stored_user_id, check_user_id
 from dss.ops.erasure import ErasureReceipt, Verification
@@ -24,6 +32,15 @@ from dss.store import Store
 from dss.types import UserId
 
 router = APIRouter(tags=["users"])
+
+
+def check_rate(state: AppState, principal: Principal) -> None:
+    """Take one of the principal's erasure-check tokens, or refuse with 429 (admins: no limit)."""
+    if principal.is_admin:
+        return
+    wait_s = state.erasure_checks.take(principal.user)
+    if wait_s:
+        raise RateLimited(f"too many erasure checks for this user; retry in {wait_s} s", wait_s)
 
 
 def receipt_out(store: Store, r: ErasureReceipt) -> ErasureReceiptOut:
@@ -70,7 +87,9 @@ def erasable_user(store: Store, keys: ApiKeys, user: str) -> UserId:
 # `:path`: a user id made before ids lost `/` (`org/alice`) must still reach its erasure, whether
 # the client sends the slash encoded (`org%2Falice`, decoded before routing) or raw.
 @router.delete(
-    "/v1/users/{user_id:path}", response_model=ErasureReceiptOut, responses=error_responses(400, 401, 403)
+    "/v1/users/{user_id:path}",
+    response_model=ErasureReceiptOut,
+    responses=error_responses(400, 401, 403, 429),
 )
 async def erase_user(user_id: str, state: StateDep, principal: PrincipalDep) -> ErasureReceiptOut:
     """Erase everything the server holds of a user; the receipt is verified before it is returned.
@@ -80,6 +99,7 @@ async def erase_user(user_id: str, state: StateDep, principal: PrincipalDep) -> 
     store = state.store
     if not principal.is_admin and principal.user != user_id:
         raise Forbidden("only an admin key or the user themself may erase a user")
+    check_rate(state, principal)
     user_id = await asyncio.to_thread(erasable_user, store, state.keys, user_id)
     if state.engine is not None:
         await state.engine.abort_tenant(store.tenant_for(user_id))
@@ -112,7 +132,7 @@ def list_erasures(
 
 
 @router.get(
-    "/v1/erasures/{receipt_id}", response_model=ErasureReceiptOut, responses=error_responses(401, 404)
+    "/v1/erasures/{receipt_id}", response_model=ErasureReceiptOut, responses=error_responses(401, 404, 429)
 )
 def get_erasure(receipt_id: str, state: StateDep, principal: PrincipalDep) -> ErasureReceiptOut:
     """The receipt with a fresh verification (admins: any; users: their own)."""
@@ -120,4 +140,5 @@ def get_erasure(receipt_id: str, state: StateDep, principal: PrincipalDep) -> Er
     receipt = store.get_receipt(receipt_id)
     if not principal.is_admin and receipt.subject not in store.receipt_subjects(principal.user):
         raise ReceiptNotFound(f"no erasure receipt {receipt_id!r}")
+    check_rate(state, principal)
     return receipt_out(store, receipt)

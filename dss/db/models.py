@@ -250,6 +250,19 @@ class ErasureReceiptRow(Base):
     entry_hash: Mapped[str] = mapped_column(String(64), nullable=False)
 
 
+class ChainCheckpointRow(Base):
+    """A point of the receipt chain verified intact from its start: receipt `seq` had `entry_hash`
+    then. `seal` is an HMAC of both under the server secret (`dss.ops.receipt_chain`), so a
+    verification may start here, and whoever holds only the database cannot add one."""
+
+    __tablename__ = "chain_checkpoints"
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    entry_hash: Mapped[str] = mapped_column(String(64), nullable=False)
+    seal: Mapped[str] = mapped_column(String(64), nullable=False)
+    created_at: Mapped[datetime] = _timestamp()
+
+
 class ApiKeyRow(Base):
     __tablename__ = "api_keys"
 

@@ -9,11 +9,14 @@ namespace) and into the subject hash written in erasure receipts.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import secrets
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.db.meta import meta_get, meta_set
@@ -122,6 +125,20 @@ class Identity:
         legacy = [legacy_tenant_for_user(self._secret, user, e) for e in epochs] if self.legacy else []
         return [*legacy, *(tenant_for_user(self._secret, user, e) for e in epochs)]
 
+    def users_having(self, tenant: TenantId, users: Iterable[str]) -> list[str]:
+        """Which of `users` ever had `tenant` (one tenant per erasure epoch, as `tenants_of`). The
+        epochs come from one query, not one per user: a verification over 20,000 users spent 13 s
+        reading them one by one."""
+        by_subject = {self.subject_hash(u): u for u in users}
+        with self._sf() as s:
+            epochs = dict(s.execute(select(ErasureEpoch.subject, ErasureEpoch.epoch)).tuples().all())
+        found = []
+        for subject, user in by_subject.items():
+            last = epochs.get(subject, 0)
+            if any(tenant_for_user(self._secret, user, e) == tenant for e in range(last + 1)):
+                found.append(user)
+        return sorted(found)
+
     def epoch_of(self, user: str) -> int:
         subject = self.subject_hash(user)
         with self._lock:
@@ -172,6 +189,16 @@ class Identity:
         return hashlib.blake2b(
             b"dss-subject\x00" + user.encode(), key=self._secret[:32], digest_size=20
         ).hexdigest()
+
+    def seal(self, label: str, *fields: str) -> str:
+        """An HMAC-SHA256 (hex) of `fields` under the server secret, for records the database
+        holds but must not be able to forge (the receipt chain's checkpoints). Every part is
+        length-prefixed, so no two different (label, fields) give the same input."""
+        mac = hmac.new(self._secret, digestmod=hashlib.sha256)
+        for part in (label, *fields):
+            data = part.encode()
+            mac.update(len(data).to_bytes(8, "big") + data)
+        return mac.hexdigest()
 
     def rpc_authkey(self) -> bytes:
         """The engines' RPC authkey: the same for every owner of this store, so an engine

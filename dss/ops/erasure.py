@@ -11,6 +11,16 @@ A receipt records counts, a time and the subject's salted hash (its tenant id), 
 Receipts form an append-only hash chain; `verify` re-scans the database and every tier for
 anything of the subject older than the erasure, and checks the chain up to the receipt.
 
+What one verification costs follows what its receipt covers, not all data: the chain since the
+last sealed checkpoint before the receipt (`dss.ops.receipt_chain`: one every 64 receipts,
+sealed by the first verification that passes it); the tenant's entries in the page table and its
+files on the disk tier (the tier indexes files by tenant; only files it does not know are
+opened); counts by indexed columns; and no blocking WAL checkpoint (`dss.ops.wal_scrub`: the
+erasure scrubs, a verification reads what was done). One part still grows with the number of
+users: finding the user ids whose tenants include the subject (`Identity.users_having`: a keyed
+hash per distinct user id, one query for the erasure epochs).
+`verify(..., full=True)` is the audit that walks everything.
+
 Several servers on one PostgreSQL database (`dss.fleet`): the rows and the data key are shared
 and go in the one transaction; each server's own copies (host arena, disk tier) are dropped by
 that server. The erasing server notifies the others in its transaction and waits (bounded) for
@@ -22,12 +32,9 @@ tier (Redis, shared by the fleet) is emptied of the tenant by the erasing server
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +45,7 @@ from sqlalchemy import CursorResult, Engine, delete, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.db import models as m
-from dss.db.engine import BUSY_TIMEOUT_MS, transaction
+from dss.db.engine import transaction
 from dss.dialogue.versions import VersionStore
 from dss.errors import ReceiptNotFound, TierUnavailable
 from dss.fleet.erasures import (
@@ -55,18 +62,15 @@ from dss.index.prefix_index import PrefixIndex
 from dss.keys.identity import Identity
 from dss.keys.keyring import Keyring
 from dss.ops.kv import KVCache
+from dss.ops.receipt_chain import GENESIS, check_chain, entry_hash
+from dss.ops.wal_scrub import WalScrubber
 from dss.pages.manager import TieredPages
 from dss.pages.table import PageEntry
 from dss.types import PUBLIC_TENANT, TenantId, Tier
 
 log = logging.getLogger("dss.erasure")
 _SETTLE_S = 30.0
-_CHECKPOINT_ATTEMPTS = 5
-_CHECKPOINT_WAIT_MS = 200
-_CHECKPOINT_PAUSE_S = 0.1
 
-
-GENESIS = "0" * 64
 _append_lock = threading.Lock()
 # Arbitrary constant naming the advisory lock that serialises appends to the receipt chain
 # across the servers of a fleet (the in-process lock above only covers one process).
@@ -98,23 +102,6 @@ class Verification:
     details: tuple[str, ...]
     chain_ok: bool
     database_scrubbed: bool | None = None
-
-
-def _entry_hash(
-    prev_hash: str, rid: str, seq: int, erased_at: datetime, subject: str, counts: dict[str, Any]
-) -> str:
-    body = json.dumps(
-        {"id": rid, "seq": seq, "erased_at": _iso(erased_at), "subject": subject, "counts": counts},
-        sort_keys=True,
-        separators=(",", ":"),
-    )
-    return hashlib.sha256((prev_hash + body).encode()).hexdigest()
-
-
-def _iso(t: datetime) -> str:
-    if t.tzinfo is None:
-        t = t.replace(tzinfo=UTC)
-    return t.astimezone(UTC).isoformat(timespec="microseconds")
 
 
 def _receipt(row: m.ErasureReceiptRow, fleet: FleetReport | None = None) -> ErasureReceipt:
@@ -170,6 +157,7 @@ class Eraser:
         self._membership = membership
         self._ack_timeout_s = ack_timeout_s
         self._on_tenant_erased = on_tenant_erased
+        self._wal = WalScrubber(db)
 
     def erase_user(self, user: str) -> ErasureReceipt:
         """Erase `user` everywhere; the returned receipt counts this server's copies and, in a
@@ -221,7 +209,7 @@ class Eraser:
                 log.warning(
                     "erasure %s: no acknowledgement in time from %s", rid, ", ".join(fleet.unanswered)
                 )
-        scrubbed = scrub_database(self._db)
+        scrubbed = self._wal.scrub()
         return ErasureReceipt(rid, seq, erased_at, tenant, out, prev, entry, scrubbed, fleet)
 
     def _detach_tenant(self, tenant: TenantId) -> tuple[dict[Tier, tuple[int, int]], list[PageEntry]]:
@@ -293,8 +281,9 @@ class Eraser:
     def list_receipts(self, limit: int, after: str | None = None) -> tuple[list[ErasureReceipt], bool]:
         return list_receipts(self._sf, limit, after)
 
-    def verify(self, receipt_id: str) -> Verification:
-        return verify(self._sf, self._db, self._identity, self._pages, receipt_id)
+    def verify(self, receipt_id: str, full: bool = False) -> Verification:
+        """`full`: the audit (the chain from its start, every page file's header), O(all data)."""
+        return verify(self._sf, self._wal, self._identity, self._pages, receipt_id, full)
 
 
 def _local_counts(usage: dict[Tier, tuple[int, int]]) -> dict[str, Any]:
@@ -302,19 +291,30 @@ def _local_counts(usage: dict[Tier, tuple[int, int]]) -> dict[str, Any]:
     return {"pages": {t.value: usage[t][0] for t in Tier}, "bytes": {t.value: usage[t][1] for t in Tier}}
 
 
-def _local_remnants(pages: TieredPages, tenant: TenantId, cutoff_ts: float) -> list[str]:
-    """What this server's page table and disk tier still hold of `tenant` (written by `cutoff_ts`)."""
+def _local_remnants(pages: TieredPages, tenant: TenantId, cutoff_ts: float, full: bool = False) -> list[str]:
+    """What this server's page table and disk tier still hold of `tenant` (written by `cutoff_ts`).
+
+    The disk tier's files of the tenant (`DiskTier.tenant_files`): those it wrote or scanned for
+    the tenant, a racing writer's late file included, and any file it does not know whose header
+    names the tenant (a restored backup); no header of another tenant's known file is read.
+    `full`: every file's header instead (`DiskTier.scan`, which also removes corrupt files)."""
     details: list[str] = []
     for e in pages.table.snapshot(tenant):
         if e.created_wall <= cutoff_ts:
             details.append(f"{'/'.join(sorted(t.value for t in e.tiers))}: page {e.meta.hash.hex()[:16]}")
-    if pages.disk is not None:
-        for h, header, _size in pages.disk.scan():
-            if header.tenant == tenant:
-                path = pages.disk.path_of(h)
-                mtime = os.path.getmtime(path) if os.path.exists(path) else 0.0
-                if mtime <= cutoff_ts:
-                    details.append(f"disk: page file {h.hex()[:16]}")
+    disk = pages.disk
+    if disk is not None:
+        if full:
+            files = [h for h, header, _size in disk.scan() if header.tenant == tenant]
+        else:
+            files = disk.tenant_files(tenant)
+        for h in files:
+            try:
+                mtime = os.path.getmtime(disk.path_of(h))
+            except FileNotFoundError:
+                continue  # deleted meanwhile
+            if mtime <= cutoff_ts:
+                details.append(f"disk: page file {h.hex()[:16]}")
     return details
 
 
@@ -355,7 +355,7 @@ def _append_receipt(
         ).scalar()
         seq = (last.seq + 1) if last else 1
         prev = last.entry_hash if last else GENESIS
-        entry = _entry_hash(prev, rid, seq, erased_at, subject, counts)
+        entry = entry_hash(prev, rid, seq, erased_at, subject, counts)
         s.add(
             m.ErasureReceiptRow(
                 id=rid,
@@ -369,31 +369,6 @@ def _append_receipt(
         )
         s.flush()
     return seq, prev, entry
-
-
-def scrub_database(db: Engine) -> bool | None:
-    """Make SQLite's copies of deleted rows go away; whether that worked (None: not SQLite).
-
-    `secure_delete` zeroes freed pages, but only once they are checkpointed from the WAL into
-    the database file, and a reader holding an old snapshot keeps the checkpoint from finishing
-    (the erased rows then stay in the WAL file). So the checkpoint is retried a few times, each
-    waiting briefly for readers, and its result is reported, not assumed.
-    """
-    if db.dialect.name != "sqlite":
-        return None
-    with db.connect() as c:
-        try:
-            c.exec_driver_sql(f"PRAGMA busy_timeout={_CHECKPOINT_WAIT_MS}")
-            for attempt in range(_CHECKPOINT_ATTEMPTS):
-                busy, log_frames, moved = c.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)").one()
-                if busy == 0 and log_frames == moved:
-                    return True
-                if attempt + 1 < _CHECKPOINT_ATTEMPTS:
-                    time.sleep(_CHECKPOINT_PAUSE_S)
-            log.warning("erasure: a reader kept the WAL checkpoint from finishing; erased rows may linger")
-            return False
-        finally:
-            c.exec_driver_sql(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
 
 
 def get_receipt(sf: sessionmaker[Session], receipt_id: str) -> ErasureReceipt:
@@ -421,10 +396,19 @@ def list_receipts(
 
 
 def verify(
-    sf: sessionmaker[Session], db: Engine, identity: Identity, pages: TieredPages, receipt_id: str
+    sf: sessionmaker[Session],
+    wal: WalScrubber,
+    identity: Identity,
+    pages: TieredPages,
+    receipt_id: str,
+    full: bool = False,
 ) -> Verification:
     """Re-scan the database and every tier for anything of the receipt's subject (since the erasure
-    retired it: anything at all; for receipts older than erasure epochs: what predates them)."""
+    retired it: anything at all; for receipts older than erasure epochs: what predates them), check
+    the chain up to the receipt, and report whether the WAL is scrubbed of it.
+
+    Its cost follows the receipt, not all data (see the module docstring); `full` walks the whole
+    chain and reads every page file's header instead (an audit)."""
     receipt = get_receipt(sf, receipt_id)
     tenant = TenantId(receipt.subject)
     # A receipt that moved the user's epoch retired its tenant for good: anything of that tenant,
@@ -434,18 +418,11 @@ def verify(
     cutoff_ts = float("inf") if retired else cutoff.timestamp()
     details: list[str] = []
     with sf() as s:
-        chain = list(
-            s.execute(
-                select(m.ErasureReceiptRow)
-                .where(m.ErasureReceiptRow.seq <= receipt.seq)
-                .order_by(m.ErasureReceiptRow.seq)
-            ).scalars()
-        )
         # Rows keyed by a user id: those of every user the subject's tenant was ever the tenant
         # of, written before the erasure (after it, they belong to the user's next epoch).
         users = set(s.execute(select(m.SessionRow.user_id).distinct()).scalars())
         users |= set(s.execute(select(m.ResponseRow.user_id).distinct()).scalars())
-        mine = sorted(u for u in users if tenant in identity.tenants_of(u))
+        mine = identity.users_having(tenant, users)
         if mine:
             for what, table in (("session", m.SessionRow), ("stored response", m.ResponseRow)):
                 old = s.execute(
@@ -469,19 +446,10 @@ def verify(
         ).scalar_one()
         if keys:
             details.append("database: the data key still exists")
-    chain_ok = True
-    prev = GENESIS
-    for row in chain:
-        r = _receipt(row)
-        if (
-            r.prev_hash != prev
-            or _entry_hash(prev, r.id, r.seq, r.erased_at, r.subject, r.counts) != r.entry_hash
-        ):
-            chain_ok = False
-            details.append(f"audit chain broken at receipt #{r.seq}")
-            break
-        prev = r.entry_hash
-    details.extend(_local_remnants(pages, tenant, cutoff_ts))
+    chain = check_chain(sf, identity, receipt.seq, full=full)
+    if chain.problem is not None:
+        details.append(chain.problem)
+    details.extend(_local_remnants(pages, tenant, cutoff_ts, full=full))
     if receipt.fleet is not None:
         # Servers alive at the erasure that have not dropped their copies yet (down, or slow).
         details.extend(f"server {sid}: has not acknowledged the erasure" for sid in receipt.fleet.unanswered)
@@ -503,7 +471,7 @@ def verify(
         else:
             if left:
                 details.append(f"remote: {left} key(s) of the tenant")
-    scrubbed = scrub_database(db)
+    scrubbed = wal.scrubbed(receipt.seq)
     if scrubbed is False:
         details.append("database: a reader keeps the WAL from being checkpointed; erased rows may linger")
-    return Verification(receipt.id, datetime.now(UTC), len(details), tuple(details), chain_ok, scrubbed)
+    return Verification(receipt.id, datetime.now(UTC), len(details), tuple(details), chain.ok, scrubbed)

@@ -722,6 +722,7 @@ class TieredPages:
                 f"{len(expected - actual)} missing"
             )
         if self.disk is not None:
+            self.disk.check()
             on_disk = {e.meta.hash for e in entries if Tier.DISK in e.tiers}
             for h in self.disk.keys():  # noqa: SIM118 - a tier, not a dict
                 if h not in on_disk:

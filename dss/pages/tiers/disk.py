@@ -7,6 +7,10 @@ crash leaves either the whole page or a temp file that `gc_temp` removes at star
 When the file system refuses a write (full, read-only, permissions), the tier raises
 `TierUnavailable` and marks itself unavailable: further writes fail fast until `probe()` sees
 the directory writable again. Reads keep working while they can.
+
+The tier knows the tenant of each file it wrote (`adopt`) or whose header it read (`scan`, which
+recovery runs at start-up), so that an erasure's verification finds a tenant's files without
+reading every header (`tenant_files`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dss.pages.codec import Codec
 from dss.pages.meta import PageMeta
 from dss.pages.pagefile import HEADER_LEN, PageFileHeader, decode_page_of, encode_page, read_header
 from dss.pages.tiers.base import IndexedTier
-from dss.types import Buffer, PageHash, Tier
+from dss.types import Buffer, PageHash, TenantId, Tier
 
 PAGE_SUFFIX = ".page"
 TEMP_MARK = ".tmp-"
@@ -60,6 +64,11 @@ class DiskTier(IndexedTier):
         self._pending = 0  # bytes reserved by writes in flight
         self._writing: set[str] = set()  # temp file names of this process's writes in flight
         self._known_dirs: set[str] = set()
+        # The tenant of each page file whose tenant is known (written here, or its header read),
+        # and the reverse. A subset of `_sizes`: a file listed at open is unclassified until
+        # `scan` (or `tenant_files`) reads its header.
+        self._tenant_of: dict[PageHash, TenantId] = {}
+        self._files_of: dict[TenantId, set[PageHash]] = {}
         try:
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._index_at_open()
@@ -170,6 +179,7 @@ class DiskTier(IndexedTier):
                 if committed:
                     self._used += size - self._sizes.get(meta.hash, 0)
                     self._sizes[meta.hash] = size
+                    self._classify_locked(meta.hash, meta.tenant)
             if not committed:
                 with contextlib.suppress(OSError):
                     tmp.unlink()
@@ -197,6 +207,7 @@ class DiskTier(IndexedTier):
         except FileNotFoundError:
             with self._lock:
                 self._used -= self._sizes.pop(page, 0)
+                self._unclassify_locked(page)
             raise PageMissing(f"page {page.hex()} is not on disk") from None
         except OSError as exc:
             raise TierUnavailable(f"disk tier cannot read {path}: {exc.strerror or exc}") from exc
@@ -233,6 +244,7 @@ class DiskTier(IndexedTier):
         with self._lock:
             self.corrupt_pages += 1
             self._used -= self._sizes.pop(page, 0)
+            self._unclassify_locked(page)
         with contextlib.suppress(OSError):
             (path or self.path_of(page)).unlink()
 
@@ -264,7 +276,86 @@ class DiskTier(IndexedTier):
                 with self._lock:
                     self._used += size - self._sizes.get(page, 0)
                     self._sizes[page] = size
+                    self._classify_locked(page, header.tenant)
                 yield page, header, size
+
+    def tenant_files(self, tenant: TenantId) -> list[PageHash]:
+        """The page files of `tenant` on disk now, reading no header of another tenant's file the
+        tier knows.
+
+        Found: (1) every file this tier wrote for the tenant (`adopt` records the tenant, also for
+        a writer that raced an erasure and landed after its rows were deleted) or classified for
+        it (`scan` at start-up); (2) any file the tier does not know whose header names the
+        tenant: a file copied in from outside (a restored backup), a file whose delete failed,
+        or one listed at open and never scanned. (2) costs a listing of the file names (no file
+        is opened) and one header read per unknown file; the classification of files the tier
+        holds is kept, so each is read once. Not found: temp files of writes in flight (not
+        pages yet; `gc_temp` removes leftovers) and files of another name than `<hash>.page`.
+        """
+        found: set[PageHash] = set()
+        try:
+            with os.scandir(self.root) as entries:
+                subdirs = [e for e in entries if e.is_dir(follow_symlinks=False) and len(e.name) == 2]
+        except OSError as exc:
+            raise TierUnavailable(f"disk tier cannot list {self.root}: {exc.strerror or exc}") from exc
+        for sub in subdirs:
+            try:
+                names = os.listdir(sub.path)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise TierUnavailable(f"disk tier cannot list {sub.path}: {exc.strerror or exc}") from exc
+            pages = [p for p in map(_page_from_name, names) if p is not None]
+            with self._lock:
+                unknown = [p for p in pages if p not in self._tenant_of]
+            for page in unknown:
+                header = self._peek_header(page)
+                if header is None:
+                    continue
+                with self._lock:
+                    if page in self._sizes:  # a file the tier holds: classified from now on
+                        self._classify_locked(page, header.tenant)
+                if header.tenant == tenant:
+                    found.add(page)
+        with self._lock:
+            found |= self._files_of.get(tenant, set())
+        return sorted(found)
+
+    def _peek_header(self, page: PageHash) -> PageFileHeader | None:
+        """The header of `page`'s file, or None when it is gone or not a page file's (verification
+        only looks: recovery is what removes bad files)."""
+        path = self.path_of(page)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                prefix = f.read(HEADER_LEN)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise TierUnavailable(f"disk tier cannot read {path}: {exc.strerror or exc}") from exc
+        try:
+            header = read_header(prefix)
+        except CorruptPage:
+            return None
+        return header if header.page_hash == page else None
+
+    def _classify_locked(self, page: PageHash, tenant: TenantId) -> None:
+        old = self._tenant_of.get(page)
+        if old == tenant:
+            return
+        if old is not None:
+            self._unclassify_locked(page)
+        self._tenant_of[page] = tenant
+        self._files_of.setdefault(tenant, set()).add(page)
+
+    def _unclassify_locked(self, page: PageHash) -> None:
+        tenant = self._tenant_of.pop(page, None)
+        if tenant is None:
+            return
+        files = self._files_of.get(tenant)
+        if files is not None:
+            files.discard(page)
+            if not files:
+                del self._files_of[tenant]
 
     def gc_temp(self) -> int:
         """Remove temp files left by interrupted writes; returns how many."""
@@ -285,6 +376,8 @@ class DiskTier(IndexedTier):
         with self._lock:
             size = self._sizes.pop(page, 0)
             self._used -= size
+            # A file whose unlink fails below is unknown from here on: `tenant_files` reads it.
+            self._unclassify_locked(page)
         # Metadata first; the unlink after it is the irreversible part.
         with contextlib.suppress(FileNotFoundError):
             self.path_of(page).unlink()
@@ -292,6 +385,19 @@ class DiskTier(IndexedTier):
 
     def _page_index(self) -> Mapping[PageHash, object]:
         return self._sizes
+
+    def check(self) -> None:
+        """Invariants of the tenant index: a subset of the files held, each file under one tenant."""
+        with self._lock:
+            if not self._tenant_of.keys() <= self._sizes.keys():
+                raise AssertionError("disk tier: a classified page file is not held")
+            n = 0
+            for tenant, files in self._files_of.items():
+                n += len(files)
+                if not files or any(self._tenant_of.get(p) != tenant for p in files):
+                    raise AssertionError("disk tier: the tenant index disagrees with itself")
+            if n != len(self._tenant_of):
+                raise AssertionError("disk tier: the tenant index disagrees with itself")
 
     def size_of(self, page: PageHash) -> int | None:
         with self._lock:
