@@ -20,6 +20,7 @@ from api.schemas import (
 from api.state import AppState
 from dss.errors import ReceiptNotFound
 from dss.ops.erasure import ErasureReceipt
+from dss.types import TenantId
 
 router = APIRouter(tags=["users"])
 
@@ -52,7 +53,9 @@ def receipt_out(state: AppState, r: ErasureReceipt) -> ErasureReceiptOut:
 )
 async def erase_user(user_id: str, state: StateDep, principal: PrincipalDep) -> ErasureReceiptOut:
     """Erase everything the server holds of a user; the receipt is verified before it is returned.
-    The user's generations still running are stopped first (none of them commits a version)."""
+    The user's generations still running are stopped first (none of them commits a version), and
+    again once the erasure committed (those that started meanwhile); a turn of the user that was
+    not generating then (being prepared, or committing) is refused at its commit instead."""
     check_user_id(user_id)
     if not principal.is_admin and principal.user != user_id:
         raise Forbidden("only an admin key or the user themself may erase a user")
@@ -60,6 +63,8 @@ async def erase_user(user_id: str, state: StateDep, principal: PrincipalDep) -> 
     if state.engine is not None:
         await state.engine.abort_tenant(store.tenant_for(user_id))
     receipt = await asyncio.to_thread(store.erase_user, user_id)
+    if state.engine is not None:
+        await state.engine.abort_tenant(TenantId(receipt.subject))
     state.metrics.erasures.inc()
     return await asyncio.to_thread(receipt_out, state, receipt)
 

@@ -14,11 +14,13 @@ import secrets
 import threading
 from pathlib import Path
 
+from sqlalchemy import select, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.db.meta import meta_get, meta_set
 from dss.db.models import ErasureEpoch
-from dss.errors import WrongMasterKey
+from dss.errors import UserErased, WrongMasterKey
 from dss.keys.crypto import KeyManager
 from dss.namespace import tenant_for_user
 from dss.rpc import rpc_authkey
@@ -60,6 +62,17 @@ class Identity:
     Lock: `_lock` is a leaf around the epoch cache; the database is read outside it. An erasure
     bumps the epoch in its own transaction and then `forget`s the cached one; a generation number
     keeps a read that raced the erasure from caching the old epoch.
+
+    The write fence: the user's `erasure_epochs` row is the lock that orders an erasure against
+    every write of the user's rows. A write takes it shared as the first statement of its
+    transaction (`fence_in`), an erasure takes it exclusive as the first statement of its own
+    (`next_epoch_in`) before it deletes. So a racing write either commits first (and the erasure,
+    which reads after its lock, deletes what it wrote) or runs after the erasure, sees the new
+    epoch, and is refused when it was admitted under the old one (`UserErased`). PostgreSQL: the
+    row is locked `FOR SHARE` / `FOR UPDATE` (created first if missing, so there is always a row
+    to lock); SQLite: the upsert that makes sure the row exists takes the database's one write
+    lock, so the epoch read after it is the latest and nothing commits in between. Always the
+    epoch row first, then the user's rows: one lock order, no deadlock between the two.
     """
 
     def __init__(self, server_secret: bytes, session_factory: sessionmaker[Session]) -> None:
@@ -81,9 +94,15 @@ class Identity:
     def tenant_for(self, user: str) -> TenantId:
         return tenant_for_user(self._secret, user, self.epoch_of(user))
 
-    def tenants_of(self, user: str) -> list[TenantId]:
-        """Every tenant the user had, the current one last (receipts name the erased ones)."""
-        return [tenant_for_user(self._secret, user, e) for e in range(self.epoch_of(user) + 1)]
+    def tenant_at(self, user: str, epoch: int) -> TenantId:
+        """The user's tenant in erasure epoch `epoch` (a request's, fixed when it was admitted)."""
+        return tenant_for_user(self._secret, user, epoch)
+
+    def tenants_of(self, user: str, through: int | None = None) -> list[TenantId]:
+        """Every tenant the user had (up to epoch `through`; default: the current one), the
+        current one last (receipts name the erased ones)."""
+        last = self.epoch_of(user) if through is None else through
+        return [tenant_for_user(self._secret, user, e) for e in range(last + 1)]
 
     def epoch_of(self, user: str) -> int:
         subject = self.subject_hash(user)
@@ -100,17 +119,54 @@ class Identity:
                 self._epochs[subject] = epoch
         return epoch
 
-    def next_epoch_in(self, session: Session, user: str) -> int:
-        """Inside an erasure's transaction: move the user to the next epoch (returned); the user
-        has the new tenant once it commits. Call `forget` after the commit."""
+    def stored_epoch_in(self, session: Session, user: str) -> int:
+        """The user's epoch as the database has it now (not the cache), without a row lock."""
+        stored = session.scalar(
+            select(ErasureEpoch.epoch).where(ErasureEpoch.subject == self.subject_hash(user))
+        )
+        return int(stored) if stored is not None else 0
+
+    def fence_in(self, session: Session, user: str, admitted: int | None) -> int:
+        """The write fence (see the class docstring), as the first statement of a transaction that
+        writes rows of `user`: holds the user's epoch row shared until the transaction ends and
+        returns the epoch. `UserErased` when `admitted` (the epoch the request was admitted
+        under; None: any) is not the current one: the user was erased since."""
+        epoch = self._lock_epoch_row(session, user, exclusive=False)
+        if admitted is not None and epoch != admitted:
+            self.forget(user)  # the cache may hold the old epoch (another server's erasure)
+            raise UserErased("the user was erased while this request was in flight; nothing of it was kept")
+        return epoch
+
+    def next_epoch_in(self, session: Session, user: str, expected: int | None = None) -> int:
+        """As the first statement of an erasure's transaction: lock the user's epoch row (racing
+        writes of the user commit before, or wait and are refused after) and move the user to the
+        next epoch (returned); the user has the new tenant once it commits. `expected`: the epoch
+        the erasure read before (erasures of one user are serialised, so it has not moved).
+        Call `forget` after the commit."""
+        epoch = self._lock_epoch_row(session, user, exclusive=True)
+        if expected is not None and epoch != expected:
+            raise RuntimeError(f"the erasure epoch moved from {expected} to {epoch} under the erasure")
+        session.execute(
+            update(ErasureEpoch)
+            .where(ErasureEpoch.subject == self.subject_hash(user))
+            .values(epoch=epoch + 1)
+            .execution_options(synchronize_session=False)
+        )
+        return epoch + 1
+
+    def _lock_epoch_row(self, session: Session, user: str, exclusive: bool) -> int:
+        """Create the user's epoch row if missing, then read it under a row lock (shared or
+        exclusive; on SQLite the upsert has taken the database write lock already)."""
         subject = self.subject_hash(user)
-        row = session.get(ErasureEpoch, subject, with_for_update=True)
-        if row is None:
-            row = ErasureEpoch(subject=subject, epoch=0)
-            session.add(row)
-        row.epoch += 1
-        session.flush()
-        return int(row.epoch)
+        dialect = session.get_bind().dialect.name
+        insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+        session.execute(
+            insert(ErasureEpoch)
+            .values(subject=subject, epoch=0)
+            .on_conflict_do_nothing(index_elements=["subject"])
+        )
+        q = select(ErasureEpoch.epoch).where(ErasureEpoch.subject == subject)
+        return int(session.scalar(q.with_for_update(read=not exclusive)) or 0)
 
     def forget(self, user: str) -> None:
         with self._lock:
