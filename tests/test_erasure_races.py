@@ -24,7 +24,7 @@ from sqlalchemy import event, func, select
 from dss.config import FleetConfig, StoreConfig
 from dss.db.models import DataKey, PageRow, ResponseRow, SessionRow, VersionRow
 from dss.dialogue.responses import ResponseRecord, new_response_id
-from dss.errors import ConflictError, NotFoundError
+from dss.errors import ConflictError, NotFoundError, UserErased
 from dss.ops.erasure import ErasureReceipt
 from dss.store import Store
 from dss.types import TenantId
@@ -65,19 +65,35 @@ def _record(user: str, sid: str, version: int) -> ResponseRecord:
 
 
 def _write_turns(
-    store: Store, user: str, tag: str, stop: threading.Event, failures: list[BaseException]
+    store: Store,
+    user: str,
+    tag: str,
+    stop: threading.Event,
+    failures: list[BaseException],
+    admitted: dict[str, int] | None = None,
 ) -> None:
     """A session, a version and a stored response, again and again, until `stop`. A step that
-    finds its session or version erased (or is refused) starts over."""
+    finds its session or version erased (or is refused) starts over. With `admitted`, each turn
+    is admitted under the user's epoch first (as the API does) and records it by session id."""
     i = 0
     while not stop.is_set():
         i += 1
+        sid = f"{tag}-{i}"
         try:
-            s = store.versions.create_session(user, f"{tag}-{i}", system_prompt="my secret")
-            v = store.versions.commit(
-                user, s.id, tokens=[1, 2, 3], messages=[{"role": "user", "content": "x"}]
-            )
-            store.responses.add(_record(user, s.id, v.number))
+            if admitted is None:
+                store.versions.create_session(user, sid, system_prompt="my secret")
+                v = store.versions.commit(
+                    user, sid, tokens=[1, 2, 3], messages=[{"role": "user", "content": "x"}]
+                )
+                store.responses.add(_record(user, sid, v.number))
+            else:
+                epoch = store.epoch_of(user)
+                store.versions.create_session(user, sid, system_prompt="my secret", epoch=epoch)
+                admitted[sid] = epoch
+                v = store.versions.commit(
+                    user, sid, tokens=[1, 2, 3], messages=[{"role": "user", "content": "x"}], epoch=epoch
+                )
+                store.responses.add(_record(user, sid, v.number), epoch=epoch)
         except (NotFoundError, ConflictError):
             continue
         except BaseException as exc:  # anything else is a failure of the test
@@ -108,16 +124,22 @@ def _assert_receipts_clean(store: Store, receipts: list[ErasureReceipt]) -> None
         assert v.chain_ok
 
 
-def test_writes_racing_erasures_leave_no_remnant(store: Store) -> None:
+@pytest.mark.parametrize("admit", [False, True], ids=["unadmitted", "admitted"])
+def test_writes_racing_erasures_leave_no_remnant(store: Store, admit: bool) -> None:
     """Two threads create sessions, commit versions and store responses for `u` while erasures of
     `u` run: every receipt verifies with no remnant, and nothing created before the last erasure
     survives. (Before: `erased_at` was taken before the erasure's transaction and a session
-    created meanwhile survived it: "remnants: 1, session(s) created before the erasure".)"""
+    created meanwhile survived it: "remnants: 1, session(s) created before the erasure"; on
+    PostgreSQL a commit and the erasure's deletes also deadlocked.) Admitted under an epoch, what
+    survives was admitted under the last one."""
     user = "race-u"
     stop = threading.Event()
     failures: list[BaseException] = []
+    admitted: dict[str, int] | None = {} if admit else None
     writers = [
-        threading.Thread(target=_write_turns, args=(store, user, f"w{k}", stop, failures), daemon=True)
+        threading.Thread(
+            target=_write_turns, args=(store, user, f"w{k}", stop, failures, admitted), daemon=True
+        )
         for k in range(WRITERS)
     ]
     for t in writers:
@@ -141,6 +163,46 @@ def test_writes_racing_erasures_leave_no_remnant(store: Store) -> None:
         "responses": 0,
     }
     assert store.versions.check() == [] and store.responses.check() == []
+    if admitted is not None:
+        survivors, _ = store.versions.list_sessions(user, limit=1000)
+        assert {admitted[s.id] for s in survivors} <= {ERASURES}
+
+
+def test_a_write_admitted_before_an_erasure_is_refused_after_it(store: Store) -> None:
+    """Every write of a request admitted under an epoch the user has left is refused, the one
+    that would create a session included; the re-created user writes under the new epoch."""
+    user = "adm-u"
+    old = store.epoch_of(user)
+    store.versions.create_session(user, "a", epoch=old)
+    v = store.versions.commit(
+        user, "a", tokens=[1, 2], messages=[{"role": "user", "content": "x"}], epoch=old
+    )
+    store.responses.add(_record(user, "a", v.number), epoch=old)
+    receipt = store.erase_user(user)
+    new = store.epoch_of(user)
+    assert new == old + 1 == receipt.counts["epoch"]
+    with pytest.raises(UserErased):
+        store.versions.create_session(user, "a", epoch=old)
+    with pytest.raises(UserErased):
+        store.versions.ensure_session(user, "b", epoch=old)
+    store.versions.create_session(user, "a", epoch=new)  # the re-created user
+    msgs = [{"role": "user", "content": "y"}]
+    with pytest.raises(UserErased):
+        store.versions.commit(user, "a", tokens=[3], messages=msgs, epoch=old)
+    v2 = store.versions.commit(user, "a", tokens=[3], messages=msgs, epoch=new)
+    with pytest.raises(UserErased):
+        store.responses.add(_record(user, "a", v2.number), epoch=old)
+    with pytest.raises(UserErased):
+        store.versions.branch(user, "a", v2.number, "side", epoch=old)
+    with pytest.raises(UserErased):
+        store.versions.rollback(user, "a", "main", v2.number, epoch=old)
+    assert store.versions.count_user_rows(user) == {
+        "sessions": 1,
+        "versions": 1,
+        "branches": 1,
+        "responses": 0,
+    }
+    assert store.verify_erasure(receipt.id).remnants == 0
 
 
 @contextlib.contextmanager

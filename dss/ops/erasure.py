@@ -245,7 +245,12 @@ class Eraser:
                 # From here the tenants get no data key: nothing of them is written or read again.
                 for t in doomed:
                     self._keyring.retire(t)
-                usage, detached = self._detach_tenants(doomed)
+                try:
+                    usage, detached = self._detach_tenants(doomed)
+                except BaseException:
+                    for t in doomed:
+                        self._keyring.unretire(t)
+                    raise
                 rid = "era_" + uuid.uuid4().hex[:24]
                 try:
                     # First in the transaction: the epoch row, locked (the write fence).
