@@ -266,7 +266,7 @@ class RetentionHint:
 
 class WriteFence(Protocol):
     """Orders the writes of a user's rows against erasures of that user (`Identity.fence_in`):
-    called as the first statement of every transaction that writes or deletes rows of `user`;
+    called before the first write of every transaction that writes or deletes rows of `user`;
     raises `UserErased` when `admitted` (the erasure epoch the request was admitted under; None:
     any) is no longer the user's. Returns the user's epoch."""
 
@@ -296,10 +296,10 @@ class VersionStore:
         self._fence = fence
 
     def hold_user(self, db: Session, user: str, epoch: int | None = None) -> None:
-        """The write fence (`WriteFence`), first in a transaction that writes rows of `user`:
-        an erasure of the user then runs entirely before or entirely after it, and `UserErased`
-        when `epoch` (the one the request was admitted under; None: any) is not the user's any
-        more. Without a fence (a bare `VersionStore`), nothing."""
+        """The write fence (`WriteFence`), before the first write (or row lock) of a transaction
+        that writes rows of `user`: an erasure of the user then runs entirely before or entirely
+        after the writes, and `UserErased` when `epoch` (the one the request was admitted under;
+        None: any) is not the user's any more. Without a fence (a bare `VersionStore`), nothing."""
         if self._fence is not None:
             self._fence.fence_in(db, user, epoch)
 
@@ -326,9 +326,11 @@ class VersionStore:
             raise LimitExceeded(f"metadata over {MAX_METADATA_BYTES} bytes of JSON")
         try:
             with transaction(self._factory) as db:
-                self.hold_user(db, user, epoch)
                 check_session_quota(db, user, self._quotas)
-                now = utcnow()  # after the fence: a racing erasure's `erased_at` is earlier
+                # Before the first write (the reads before it lock nothing), and the time after it:
+                # a racing erasure's `erased_at` is earlier, or it deletes this row.
+                self.hold_user(db, user, epoch)
+                now = utcnow()
                 row = SessionRow(
                     id=sid,
                     user_id=user,
@@ -515,7 +517,6 @@ class VersionStore:
         epoch: int | None,
     ) -> VersionInfo:
         with transaction(self._factory) as db:
-            self.hold_user(db, user, epoch)
             count = self._owned(db, user, sid).version_count
             head = self._branch_row(db, user, sid, branch).head_version
             if want is not None and head != want:
@@ -533,6 +534,9 @@ class VersionStore:
             stored = stored_form(msgs, *(base if base is not None else (None, None)))
             delta_bytes = _json_size("messages", stored.delta)
             check_commit_quota(db, user, self._quotas, len(body) + delta_bytes)
+            # The fence before the first write (on SQLite it takes the write lock, so the quota's
+            # sum above did not hold it); what was read before is checked by the compare-and-sets.
+            self.hold_user(db, user, epoch)
             number = count + 1
             now = utcnow()
             # Both compare-and-sets must hold for the commit to stand; a miss means another writer

@@ -64,15 +64,16 @@ class Identity:
     keeps a read that raced the erasure from caching the old epoch.
 
     The write fence: the user's `erasure_epochs` row is the lock that orders an erasure against
-    every write of the user's rows. A write takes it shared as the first statement of its
-    transaction (`fence_in`), an erasure takes it exclusive as the first statement of its own
-    (`next_epoch_in`) before it deletes. So a racing write either commits first (and the erasure,
-    which reads after its lock, deletes what it wrote) or runs after the erasure, sees the new
-    epoch, and is refused when it was admitted under the old one (`UserErased`). PostgreSQL: the
-    row is locked `FOR SHARE` / `FOR UPDATE` (created first if missing, so there is always a row
-    to lock); SQLite: the upsert that makes sure the row exists takes the database's one write
-    lock, so the epoch read after it is the latest and nothing commits in between. Always the
-    epoch row first, then the user's rows: one lock order, no deadlock between the two.
+    every write of the user's rows. A write takes it shared before the first write of its
+    transaction (`fence_in`; its reads before lock nothing), an erasure takes it exclusive
+    before anything else of its own (`next_epoch_in`), then deletes. So a racing write either
+    commits first (and the erasure, which reads after its lock, deletes what it wrote) or runs
+    after the erasure, sees the new epoch, and is refused when it was admitted under the old one
+    (`UserErased`). PostgreSQL: the row is locked `FOR SHARE` / `FOR UPDATE` (created first if
+    missing, so there is always a row to lock); SQLite: the upsert that makes sure the row exists
+    takes the database's one write lock, so the epoch read after it is the latest and nothing
+    commits in between. Always the epoch row first, then the user's rows: one lock order, no
+    deadlock between the two.
     """
 
     def __init__(self, server_secret: bytes, session_factory: sessionmaker[Session]) -> None:
@@ -127,7 +128,7 @@ class Identity:
         return int(stored) if stored is not None else 0
 
     def fence_in(self, session: Session, user: str, admitted: int | None) -> int:
-        """The write fence (see the class docstring), as the first statement of a transaction that
+        """The write fence (see the class docstring), before the first write of a transaction that
         writes rows of `user`: holds the user's epoch row shared until the transaction ends and
         returns the epoch. `UserErased` when `admitted` (the epoch the request was admitted
         under; None: any) is not the current one: the user was erased since."""
@@ -138,9 +139,9 @@ class Identity:
         return epoch
 
     def next_epoch_in(self, session: Session, user: str, expected: int | None = None) -> int:
-        """As the first statement of an erasure's transaction: lock the user's epoch row (racing
-        writes of the user commit before, or wait and are refused after) and move the user to the
-        next epoch (returned); the user has the new tenant once it commits. `expected`: the epoch
+        """Before any other write or row lock of an erasure's transaction: lock the user's epoch
+        row (racing writes of the user commit before, or wait and are refused after) and move the
+        user to the next epoch (returned); the user has the new tenant once it commits. `expected`: the epoch
         the erasure read before (erasures of one user are serialised, so it has not moved).
         Call `forget` after the commit."""
         epoch = self._lock_epoch_row(session, user, exclusive=True)
