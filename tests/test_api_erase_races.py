@@ -9,6 +9,7 @@ erasure. Every write of a turn is now fenced by the erasure epoch the turn was a
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -20,7 +21,10 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.engine import ChatEngine
+from tests.api_server import ApiServer, api_server
 from tests.test_api_unit import DEV, as_user, settings_for, started, state_of
+
+__all__ = ["api_server"]
 
 
 class HeldTokenizer:
@@ -151,3 +155,46 @@ def test_a_turn_being_prepared_when_its_user_is_erased_keeps_nothing(
         assert c.post("/v1/sessions", json={"session_id": "s1"}, headers=headers).status_code == 201
     again_turn = c.post(path, json=body, headers=headers)
     assert again_turn.status_code == 200, again_turn.text
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_responses_in_flight_through_the_engine_keep_nothing_after_the_erasure(api_server: ApiServer) -> None:
+    """The same through `dss serve` and vLLM: first Responses turns, each past its preparation
+    (its stream has started), when their user is erased. Each one ends stored before the
+    erasure (then erased with it), stopped, or refused at its commit: afterwards the user has no
+    session and none of the responses exists."""
+    user = "inflight-engine"
+    body = {"model": "default", "input": "Count from one to twenty.", "stream": True, "max_output_tokens": 24}
+    ids: list[str] = []
+    ends: list[str] = []
+    started_streams = threading.Semaphore(0)
+
+    def stream() -> None:
+        with api_server.client(user).stream("POST", "/v1/responses", json=body) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                ev = json.loads(line[6:])
+                if ev["type"] == "response.created":
+                    ids.append(ev["response"]["id"])
+                    started_streams.release()
+                elif ev["type"] in ("response.completed", "error"):
+                    ends.append(ev["type"] if ev["type"] != "error" else ev["code"])
+
+    streams = [threading.Thread(target=stream, daemon=True) for _ in range(3)]
+    for t in streams:
+        t.start()
+    for _ in streams:
+        assert started_streams.acquire(timeout=120)
+    erased = api_server.client(user).delete(f"/v1/users/{user}")
+    assert erased.status_code == 200, erased.text
+    for t in streams:
+        t.join(120)
+        assert not t.is_alive()
+    assert len(ends) == 3 and set(ends) <= {"response.completed", "user_erased", "erased_during_generation"}
+    client = api_server.client(user)
+    assert client.get("/v1/sessions").json()["data"] == []
+    assert all(client.get(f"/v1/responses/{rid}").status_code == 404 for rid in ids)
+    receipt = api_server.client("admin", admin=True).get(f"/v1/erasures/{erased.json()['id']}").json()
+    assert receipt["verification"]["remnants"] == 0, receipt["verification"]["details"]

@@ -141,12 +141,13 @@ class Identity:
     def next_epoch_in(self, session: Session, user: str, expected: int | None = None) -> int:
         """Before any other write or row lock of an erasure's transaction: lock the user's epoch
         row (racing writes of the user commit before, or wait and are refused after) and move the
-        user to the next epoch (returned); the user has the new tenant once it commits. `expected`: the epoch
-        the erasure read before (erasures of one user are serialised, so it has not moved).
-        Call `forget` after the commit."""
+        user to the next epoch (returned); the user has the new tenant once it commits.
+        `expected`: the epoch the erasure read before it erased that epoch's tenant (erasures of
+        one user are serialised, so it has not moved; if it did, `UserErased` and nothing is
+        done). Call `forget` after the commit."""
         epoch = self._lock_epoch_row(session, user, exclusive=True)
         if expected is not None and epoch != expected:
-            raise RuntimeError(f"the erasure epoch moved from {expected} to {epoch} under the erasure")
+            raise UserErased(f"the user was erased by another erasure meanwhile (epoch {epoch}); erase again")
         session.execute(
             update(ErasureEpoch)
             .where(ErasureEpoch.subject == self.subject_hash(user))
