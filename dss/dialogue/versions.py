@@ -517,7 +517,11 @@ class VersionStore:
         epoch: int | None,
     ) -> VersionInfo:
         with transaction(self._factory) as db:
-            count = self._owned(db, user, sid).version_count
+            try:
+                count = self._owned(db, user, sid).version_count
+            except SessionNotFound:
+                self.hold_user(db, user, epoch)  # `UserErased` when an erasure deleted it
+                raise
             head = self._branch_row(db, user, sid, branch).head_version
             if want is not None and head != want:
                 raise StaleHead(f"branch {branch!r} head is {head}, expected {want}")
