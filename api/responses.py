@@ -355,7 +355,7 @@ async def _finish(
 
     def record(committed: list[Committed]) -> None:
         rec = _record(plan, turn.user, engine, prep, answers[0], committed[0], sid)
-        add_response(state.store.versions, state.store.responses, rec)
+        add_response(state.store.versions, state.store.responses, rec, turn.epoch)
         records.append(rec)
 
     committed = await commit(state, engine, turn, prep, answers, then=record)

@@ -39,6 +39,10 @@ class Turn:
     fields: Mapping[str, Any] = field(default_factory=dict)
     # False: the store neither loads nor saves this turn's KV (a Responses `store: false`).
     persist: bool = True
+    # The user's erasure epoch when the turn was admitted (`admitted_epoch`): its tenant, and
+    # every write it makes is refused (`UserErased`) once the user was erased since, however
+    # far the turn got (prepared, generating, committing). None: whatever the epoch is then.
+    epoch: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +69,11 @@ class Answer:
         if self.tool_calls:
             msg["tool_calls"] = self.tool_calls
         return msg
+
+
+async def admitted_epoch(state: AppState, user: str) -> int:
+    """The user's erasure epoch as a turn is admitted, before it reads or writes anything."""
+    return await asyncio.to_thread(state.store.epoch_of, user)
 
 
 def check_limits(
@@ -125,8 +134,11 @@ async def prepare(state: AppState, engine: ChatEngine, turn: Turn) -> Prepared:
     )
     sampling = engine.sampling(turn.messages, turn.fields, max_tokens)
     store = state.store
-    tenant = store.tenant_for(turn.user)
-    salt = await asyncio.to_thread(store.cache_salt, turn.user)
+    if turn.epoch is not None:  # the turn's own tenant: an erasure since retired it
+        tenant, salt = store.tenant_at(turn.user, turn.epoch), store.cache_salt(turn.user, turn.epoch)
+    else:
+        tenant = store.tenant_for(turn.user)
+        salt = await asyncio.to_thread(store.cache_salt, turn.user)
     return Prepared(prompt_ids, sampling, tenant, salt)
 
 
@@ -208,7 +220,9 @@ async def commit(
     ]
 
     def commit_all() -> list[Committed]:
-        done = commit_alternatives(state.store.versions, turn.user, target, choices, engine.fingerprint)
+        done = commit_alternatives(
+            state.store.versions, turn.user, target, choices, engine.fingerprint, turn.epoch
+        )
         if then is not None:
             then(done)
         return done

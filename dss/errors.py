@@ -45,7 +45,13 @@ class ConflictError(DSSError):
     """The request is well-formed but contradicts the current state."""
 
 
-class ErasedDuringGeneration(ConflictError):
+class UserErased(ConflictError):
+    """The user was erased while this request was in flight (it was admitted under an earlier
+    erasure epoch than the user has now): nothing it would have written was kept. A retry is a
+    new request of the re-created user."""
+
+
+class ErasedDuringGeneration(UserErased):
     """The user was erased while an answer was being generated for them; nothing of it was kept."""
 
 

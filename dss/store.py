@@ -118,12 +118,15 @@ class Store:
         # page, and through an fsync each would hold SQLite's write lock that rollbacks wait for.
         self._db_relaxed = make_engine(url, durable_commits=False) if is_sqlite_file(url) else None
         relaxed_sf = make_session_factory(self._db_relaxed) if self._db_relaxed is not None else self.sf
-        self.versions = VersionStore(self.sf, self.config.quotas, self.config.json_limits)
-        self.responses = ResponseStore(self.sf, self.versions, self.config.json_limits)
         self.keys = load_master_key(self.sf, cfg.resolved_key_file, cfg.create_master_key)
         self.identity = Identity.load(self.sf, self.keys)
         # A store made under the first (ambiguous) derivation: before anything reads a tenant.
         upgrade_derivation(self.sf, self.identity)
+        # Every write of a user's rows is fenced by the user's erasure epoch (`Identity.fence_in`).
+        self.versions = VersionStore(
+            self.sf, self.config.quotas, self.config.json_limits, fence=self.identity
+        )
+        self.responses = ResponseStore(self.sf, self.versions, self.config.json_limits)
         self.keyring = Keyring(self.keys, self.sf)
         self.fingerprints = FingerprintRegistry(self.sf)
 
@@ -263,6 +266,15 @@ class Store:
     def tenant_for(self, user: str) -> TenantId:
         return self.identity.tenant_for(user)
 
+    def epoch_of(self, user: str) -> int:
+        """The user's erasure epoch now: what a request is admitted under. Its writes pass it on
+        (`epoch=`) and are refused with `UserErased` once the user was erased since."""
+        return self.identity.epoch_of(user)
+
+    def tenant_at(self, user: str, epoch: int) -> TenantId:
+        """The user's tenant in `epoch` (a request's, from `epoch_of` when it was admitted)."""
+        return self.identity.tenant_at(user, epoch)
+
     def subject_hash(self, user: str) -> str:
         return self.identity.subject_hash(user)
 
@@ -377,11 +389,11 @@ class Store:
         """Erasure receipts newest first; and whether more follow."""
         return self.eraser.list_receipts(limit, after)
 
-    def cache_salt(self, user: str) -> str:
-        """The engine prefix-cache salt of `user`: the tenant, which moves with each erasure of the
-        user (vLLM's own cache keeps an erased user's blocks until they age out; a re-created user
-        must not hit them)."""
-        return str(self.tenant_for(user))
+    def cache_salt(self, user: str, epoch: int | None = None) -> str:
+        """The engine prefix-cache salt of `user` (in `epoch`; default: the current one): the
+        tenant, which moves with each erasure of the user (vLLM's own cache keeps an erased
+        user's blocks until they age out; a re-created user must not hit them)."""
+        return str(self.tenant_for(user) if epoch is None else self.tenant_at(user, epoch))
 
     # ================================================================== introspection
     def check(self) -> None:

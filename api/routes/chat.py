@@ -17,7 +17,7 @@ from api.deps import EngineDep, PrincipalDep, SessionHeaderDep, StateDep, acting
 from api.errors import BadRequest, error_responses
 from api.openai_fields import check_fields
 from api.schemas import ChatCompletion, ChatCompletionRequest
-from api.turns import Turn, check_limits
+from api.turns import Turn, admitted_epoch, check_limits
 from dss.dialogue.turns import chat_target
 from dss.errors import ModelNotFound
 
@@ -57,11 +57,12 @@ async def create_chat_completion(
     async def build() -> Turn:
         messages = [m.plain() for m in body.messages]
         check_limits(state.settings.limits, body, messages, fields)
+        epoch = await admitted_epoch(state, who.user)
         target = None
         if session_id is not None:
             target = await asyncio.to_thread(
-                chat_target, state.store.versions, who.user, session_id, messages, body.state_version
+                chat_target, state.store.versions, who.user, session_id, messages, body.state_version, epoch
             )
-        return Turn(who.user, messages, body, target, fields)
+        return Turn(who.user, messages, body, target, fields, epoch=epoch)
 
     return await serve_turn(state, engine, request, bool(body.stream), build)

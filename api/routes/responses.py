@@ -25,7 +25,7 @@ from api.responses import (
 )
 from api.schemas import GenerationParams
 from api.state import AppState
-from api.turns import Turn, check_limits
+from api.turns import Turn, admitted_epoch, check_limits
 from dss.dialogue.turns import response_target
 from dss.errors import ModelNotFound
 
@@ -57,6 +57,7 @@ async def create_response(
     async def build() -> Turn:
         new = item_messages(items)
         check_limits(state.settings.limits, params, new, fields)
+        epoch = await admitted_epoch(state, who.user)
         planned = await asyncio.to_thread(
             response_target,
             state.store.versions,
@@ -68,7 +69,9 @@ async def create_response(
             body.store,
         )
         # `store: false` keeps nothing, not even KV: the connector neither loads nor saves it.
-        return Turn(who.user, planned.messages, params, planned.target, fields, persist=body.store)
+        return Turn(
+            who.user, planned.messages, params, planned.target, fields, persist=body.store, epoch=epoch
+        )
 
     async def run(state: AppState, engine: ChatEngine, turn: Turn, request: Request) -> Any:
         return await run_response(state, engine, turn, request, plan)

@@ -26,7 +26,7 @@ from api.schemas import (
     WarmRequest,
 )
 from api.state import AppState
-from api.turns import Turn
+from api.turns import Turn, admitted_epoch
 from dss.dialogue.turns import message_target
 from dss.dialogue.versions import SessionInfo
 from dss.errors import ModelNotFound, SessionNotFound
@@ -76,8 +76,13 @@ def create_session(
     body: SessionCreate, state: StateDep, principal: PrincipalDep, session_header: SessionHeaderDep = None
 ) -> SessionOut:
     session_id = session_id_of(body.session_id, session_header)
-    s = state.store.versions.create_session(
-        principal.user, session_id, system_prompt=body.system_prompt, metadata=body.metadata
+    store = state.store
+    s = store.versions.create_session(
+        principal.user,
+        session_id,
+        system_prompt=body.system_prompt,
+        metadata=body.metadata,
+        epoch=store.epoch_of(principal.user),  # refused if the user is erased before it commits
     )
     return session_out(s, 0)  # no version yet, no KV
 
@@ -195,9 +200,11 @@ async def post_message(
     check_fields(fields, own=(), honoured=HONOURED_CHAT - {"messages"}, refused=_MESSAGE_REFUSED)
 
     async def build() -> Turn:
+        epoch = await admitted_epoch(state, who.user)
         target, base = await asyncio.to_thread(
             message_target, state.store.versions, who.user, session_id, body.branch, body.version
         )
-        return Turn(who.user, [*base, {"role": "user", "content": body.text()}], body, target, fields)
+        messages = [*base, {"role": "user", "content": body.text()}]
+        return Turn(who.user, messages, body, target, fields, epoch=epoch)
 
     return await serve_turn(state, engine, request, bool(body.stream), build)

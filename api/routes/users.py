@@ -29,7 +29,7 @@ from dss.errors import InvalidUserId, ReceiptNotFound
 from dss.inputs import check_stored_user_id, check_user_id
 from dss.ops.erasure import ErasureReceipt, Verification
 from dss.store import Store
-from dss.types import UserId
+from dss.types import TenantId, UserId
 
 router = APIRouter(tags=["users"])
 
@@ -93,7 +93,9 @@ def erasable_user(store: Store, keys: ApiKeys, user: str) -> UserId:
 )
 async def erase_user(user_id: str, state: StateDep, principal: PrincipalDep) -> ErasureReceiptOut:
     """Erase everything the server holds of a user; the receipt is verified before it is returned.
-    The user's generations still running are stopped first (none of them commits a version).
+    The user's generations still running are stopped first (none of them commits a version), and
+    again once the erasure committed (those that started meanwhile); a turn of the user that was
+    not generating then (being prepared, or committing) is refused at its commit instead.
 
     An id outside today's alphabet is erased when the store holds it (`erasable_user`)."""
     store = state.store
@@ -104,6 +106,8 @@ async def erase_user(user_id: str, state: StateDep, principal: PrincipalDep) -> 
     if state.engine is not None:
         await state.engine.abort_tenant(store.tenant_for(user_id))
     receipt = await asyncio.to_thread(store.erase_user, user_id)
+    if state.engine is not None:
+        await state.engine.abort_tenant(TenantId(receipt.subject))
     state.metrics.erasures.inc()
     return await asyncio.to_thread(receipt_out, store, receipt)
 

@@ -205,16 +205,19 @@ class ResponseStore:
         self._json_limits = json_limits if json_limits is not None else JsonLimits()
 
     # --- writes --------------------------------------------------------------------------------
-    def add(self, record: ResponseRecord) -> None:
+    def add(self, record: ResponseRecord, *, epoch: int | None = None) -> None:
         """Store `record`. Its version must exist in its session of its user (`VersionNotFound`,
         also for a session that is missing or another user's); a `previous_response_id` must be a
         response of the same user (`ResponseNotFound`) in the same session whose version is an
-        ancestor of this one's (`InvalidInput`); an id already used raises `ResponseExists`."""
+        ancestor of this one's (`InvalidInput`); an id already used raises `ResponseExists`.
+        `epoch`: the erasure epoch the request was admitted under (`UserErased` when the user was
+        erased since; `VersionStore.hold_user`)."""
         _check_record(record)
         inputs, output, usage, params = _plain_json(record, self._json_limits)
         user, sid = record.user, record.session_id
         try:
             with transaction(self._factory) as db:
+                self._versions.hold_user(db, user, epoch)
                 lineage = self._versions.lineage(user, sid, record.version, db)
                 if record.previous_response_id is not None:
                     prev = self._row(db, user, record.previous_response_id)
@@ -259,6 +262,7 @@ class ResponseStore:
         descendants only with `cascade` (then with all of them and its version subtree, in one
         transaction), else `ResponseHasDescendants` and nothing deleted."""
         with transaction(self._factory) as db:
+            self._versions.hold_user(db, user)  # erasures of the user first or after, never between
             row = self._row(db, user, response_id)
             sid = row.session_id
             # Held before the subtree is read: no commit or delete of the session gets in between.

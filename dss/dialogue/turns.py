@@ -4,6 +4,10 @@ A turn extends one version (its parent) and is committed on a branch whose head 
 When no branch head is the parent (the client edited history, or named an older version), the
 commit creates a new branch (`fork-...`) at the parent first, so no existing branch is rewritten.
 All of this runs after the generation: a turn that is cancelled leaves no branch and no version.
+
+Every write here takes the erasure epoch the turn was admitted under (`epoch`; None: any): a turn
+whose user was erased after its admission, while it was prepared, generated or committed, writes
+nothing (`UserErased`), even where its commit would create the session anew.
 """
 
 from __future__ import annotations
@@ -88,9 +92,9 @@ def branch_at(session: SessionInfo, version: int | None) -> str | None:
     return None
 
 
-def open_session(versions: VersionStore, user: str, sid: str) -> SessionInfo:
+def open_session(versions: VersionStore, user: str, sid: str, epoch: int | None = None) -> SessionInfo:
     """The user's session, created on first use (ids are per user: another user's do not matter)."""
-    return versions.ensure_session(user, sid)[0]
+    return versions.ensure_session(user, sid, epoch=epoch)[0]
 
 
 def chat_target(
@@ -99,9 +103,10 @@ def chat_target(
     sid: str,
     messages: Sequence[Mapping[str, Any]],
     state_version: int | None,
+    epoch: int | None = None,
 ) -> TurnTarget:
     """Where a `/v1/chat/completions` turn with the full `messages` attaches."""
-    session = open_session(versions, user, sid)
+    session = open_session(versions, user, sid, epoch)
     if state_version is not None:
         base = versions.get_version(user, sid, state_version)
         stored = base.messages
@@ -205,6 +210,7 @@ def commit_alternatives(
     target: TurnTarget,
     choices: Sequence[tuple[np.ndarray, Sequence[Mapping[str, Any]]]],
     fingerprint: str | None,
+    epoch: int | None = None,
 ) -> list[Committed]:
     """Commit each choice of a turn (its tokens and messages) as a version: the first where the
     turn attaches, every other as a sibling on a branch of its own forked at the same parent.
@@ -219,7 +225,7 @@ def commit_alternatives(
             where = (
                 target if i == 0 else replace(target, branch=None, fork_on_race=True, create_session=False)
             )
-            done.append(commit_turn(versions, user, where, tokens, messages, fingerprint))
+            done.append(commit_turn(versions, user, where, tokens, messages, fingerprint, epoch))
     except BaseException:
         for c in reversed(done):
             forget_version(versions, user, target.session_id, c.version.number)
@@ -238,11 +244,13 @@ def forget_version(versions: VersionStore, user: str, sid: str, number: int) -> 
         return False
 
 
-def add_response(versions: VersionStore, responses: ResponseStore, record: ResponseRecord) -> None:
+def add_response(
+    versions: VersionStore, responses: ResponseStore, record: ResponseRecord, epoch: int | None = None
+) -> None:
     """Record a response for the version its turn committed. When the record cannot be added,
     the version goes again (`forget_version`): no version is left without its response."""
     try:
-        responses.add(record)
+        responses.add(record, epoch=epoch)
     except BaseException:
         forget_version(versions, record.user, record.session_id, record.version)
         raise
@@ -255,15 +263,16 @@ def commit_turn(
     tokens: np.ndarray,
     messages: Sequence[Mapping[str, Any]],
     fingerprint: str | None,
+    epoch: int | None = None,
 ) -> Committed:
     """Commit the finished turn as a child of `target.parent`, forking a branch when needed
     (and creating the session first when the target says it does not exist yet)."""
     if target.create_session:
-        versions.ensure_session(user, target.session_id)
+        versions.ensure_session(user, target.session_id, epoch=epoch)
     for _ in range(_MAX_COMMIT_TRIES):
         branch = target.branch
         if branch is None:
-            branch = _fork(versions, user, target)
+            branch = _fork(versions, user, target, epoch)
         try:
             v = versions.commit(
                 user,
@@ -273,6 +282,7 @@ def commit_turn(
                 branch=branch,
                 expected_head=target.expected_head,
                 fingerprint=fingerprint,
+                epoch=epoch,
             )
             return Committed(v, branch)
         except StaleHead:
@@ -282,12 +292,12 @@ def commit_turn(
     raise StaleHead(f"session {target.session_id!r} kept moving under the commit; retry the request")
 
 
-def _fork(versions: VersionStore, user: str, target: TurnTarget) -> str:
+def _fork(versions: VersionStore, user: str, target: TurnTarget, epoch: int | None) -> str:
     stem = f"fork-v{target.parent}" if target.parent is not None else "fork-root"
     for i in range(_MAX_FORK_NAMES):
         name = stem if i == 0 else f"{stem}-{i + 1}"
         try:
-            versions.branch(user, target.session_id, target.expected_head, name)
+            versions.branch(user, target.session_id, target.expected_head, name, epoch=epoch)
             return name
         except BranchExists:
             continue

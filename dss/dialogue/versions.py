@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal, cast, overload
+from typing import Any, Literal, Protocol, cast, overload
 
 import numpy as np
 from sqlalchemy import (
@@ -299,6 +299,15 @@ class RetentionHint:
     updated_at: datetime
 
 
+class WriteFence(Protocol):
+    """Orders the writes of a user's rows against erasures of that user (`Identity.fence_in`):
+    called before the first write of every transaction that writes or deletes rows of `user`;
+    raises `UserErased` when `admitted` (the erasure epoch the request was admitted under; None:
+    any) is no longer the user's. Returns the user's epoch."""
+
+    def fence_in(self, session: Session, user: str, admitted: int | None) -> int: ...
+
+
 class _LostRace(StaleHead):
     """A compare-and-set missed: another writer got in between. Caught and retried internally;
     a StaleHead so that even an escape would carry the right meaning."""
@@ -316,10 +325,20 @@ class VersionStore:
         session_factory: sessionmaker[Session],
         quotas: Quotas | None = None,
         json_limits: JsonLimits | None = None,
+        fence: WriteFence | None = None,
     ) -> None:
         self._factory = session_factory
         self._quotas = quotas if quotas is not None else Quotas()
         self._json_limits = json_limits if json_limits is not None else JsonLimits()
+        self._fence = fence
+
+    def hold_user(self, db: Session, user: str, epoch: int | None = None) -> None:
+        """The write fence (`WriteFence`), before the first write (or row lock) of a transaction
+        that writes rows of `user`: an erasure of the user then runs entirely before or entirely
+        after the writes, and `UserErased` when `epoch` (the one the request was admitted under;
+        None: any) is not the user's any more. Without a fence (a bare `VersionStore`), nothing."""
+        if self._fence is not None:
+            self._fence.fence_in(db, user, epoch)
 
     # --- sessions ------------------------------------------------------------------------------
     def create_session(
@@ -328,9 +347,13 @@ class VersionStore:
         session_id: str | None = None,
         system_prompt: str | None = None,
         metadata: Mapping[str, Any] | None = None,
+        *,
+        epoch: int | None = None,
     ) -> SessionInfo:
         """A new session of `user` with an empty `main` branch; `SessionExists` when the user
-        already has a session of that id (another user's sessions do not matter)."""
+        already has a session of that id (another user's sessions do not matter). `epoch`: the
+        erasure epoch the request was admitted under (`UserErased` when the user was erased
+        since; see `hold_user`)."""
         check_stored_user_id(user)  # a user made before ids lost '/' keeps creating sessions
         sid = check_session_id(session_id) if session_id is not None else f"sess_{uuid.uuid4().hex}"
         if system_prompt is not None and len(system_prompt) > MAX_SYSTEM_PROMPT_CHARS:
@@ -341,6 +364,9 @@ class VersionStore:
         try:
             with transaction(self._factory) as db:
                 check_session_quota(db, user, self._quotas)
+                # Before the first write (the reads before it lock nothing), and the time after it:
+                # a racing erasure's `erased_at` is earlier, or it deletes this row.
+                self.hold_user(db, user, epoch)
                 now = utcnow()
                 row = SessionRow(
                     id=sid,
@@ -373,14 +399,20 @@ class VersionStore:
         sid: str,
         system_prompt: str | None = None,
         metadata: Mapping[str, Any] | None = None,
+        *,
+        epoch: int | None = None,
     ) -> tuple[SessionInfo, bool]:
-        """Get the user's session `sid`, creating it if missing; `created` says which happened."""
+        """Get the user's session `sid`, creating it if missing; `created` says which happened.
+        `epoch`: as for `create_session`."""
         try:
             return self.get_session(user, sid), False
         except SessionNotFound:
             pass
         try:
-            return self.create_session(user, sid, system_prompt=system_prompt, metadata=metadata), True
+            created = self.create_session(
+                user, sid, system_prompt=system_prompt, metadata=metadata, epoch=epoch
+            )
+            return created, True
         except SessionExists:
             # Lost a creation race with another request of the same user.
             return self.get_session(user, sid), False
@@ -530,6 +562,7 @@ class VersionStore:
         """Delete the session with its branches, versions and stored responses; return the number
         of versions deleted."""
         with transaction(self._factory) as db:
+            self.hold_user(db, user)
             self._owned(db, user, sid)
             return self._delete_where(db, user, sid)["versions"]
 
@@ -545,12 +578,14 @@ class VersionStore:
         parent: int | None = None,
         expected_head: int | None = None,
         fingerprint: str | None = None,
+        epoch: int | None = None,
     ) -> VersionInfo:
         """Append a version as the child of `branch`'s head and move the head to it.
 
         `parent` and `expected_head` both pin the head the caller built on (0 = empty branch):
         when the head is elsewhere, `StaleHead`. Without either, the commit goes on top of
-        whatever the head is when it lands.
+        whatever the head is when it lands. `epoch`: the erasure epoch the turn was admitted
+        under (`UserErased` when the user was erased since; see `hold_user`).
         """
         arr = _coerce_tokens(tokens)
         check_items("messages", messages, self._json_limits)  # before anything walks them recursively
@@ -564,7 +599,9 @@ class VersionStore:
         body = arr.tobytes()
         for _ in range(MAX_COMMIT_ATTEMPTS):
             try:
-                return self._try_commit(user, sid, branch, want, body, int(arr.size), msgs, fingerprint)
+                return self._try_commit(
+                    user, sid, branch, want, body, int(arr.size), msgs, fingerprint, epoch
+                )
             except _LostRace:
                 continue
         raise StaleHead(f"commit on {sid!r}/{branch!r} lost {MAX_COMMIT_ATTEMPTS} races in a row")
@@ -579,9 +616,14 @@ class VersionStore:
         n_tokens: int,
         msgs: list[dict[str, Any]],
         fingerprint: str | None,
+        epoch: int | None,
     ) -> VersionInfo:
         with transaction(self._factory) as db:
-            count = self._owned(db, user, sid).version_count
+            try:
+                count = self._owned(db, user, sid).version_count
+            except SessionNotFound:
+                self.hold_user(db, user, epoch)  # `UserErased` when an erasure deleted it
+                raise
             head = self._branch_row(db, user, sid, branch).head_version
             if want is not None and head != want:
                 raise StaleHead(f"branch {branch!r} head is {head}, expected {want}")
@@ -598,6 +640,9 @@ class VersionStore:
             stored = stored_form(msgs, *(base if base is not None else (None, None)))
             delta_bytes = _json_size("messages", stored.delta)
             check_commit_quota(db, user, self._quotas, len(body) + delta_bytes)
+            # The fence before the first write (on SQLite it takes the write lock, so the quota's
+            # sum above did not hold it); what was read before is checked by the compare-and-sets.
+            self.hold_user(db, user, epoch)
             number = count + 1
             now = utcnow()
             # Both compare-and-sets must hold for the commit to stand; a miss means another writer
@@ -644,15 +689,24 @@ class VersionStore:
         )
 
     def rollback(
-        self, user: str, sid: str, branch: str, to_version: int, expected_head: int | None = None
+        self,
+        user: str,
+        sid: str,
+        branch: str,
+        to_version: int,
+        expected_head: int | None = None,
+        *,
+        epoch: int | None = None,
     ) -> BranchInfo:
         """Move `branch`'s head back to `to_version`, an ancestor-or-self of the current head.
 
         Versions after it stay stored and listed (another branch may still point at them).
+        `epoch`: as for `commit`.
         """
         for _ in range(MAX_COMMIT_ATTEMPTS):
             try:
                 with transaction(self._factory) as db:
+                    self.hold_user(db, user, epoch)
                     self._owned(db, user, sid)
                     brow = self._branch_row(db, user, sid, branch)
                     head = brow.head_version
@@ -675,13 +729,17 @@ class VersionStore:
                     raise StaleHead(f"branch {branch!r} head moved during the rollback") from None
         raise StaleHead(f"rollback of {sid!r}/{branch!r} lost {MAX_COMMIT_ATTEMPTS} races in a row")
 
-    def branch(self, user: str, sid: str, from_version: int, name: str) -> BranchInfo:
+    def branch(
+        self, user: str, sid: str, from_version: int, name: str, *, epoch: int | None = None
+    ) -> BranchInfo:
         """A new branch `name` whose head is the existing version `from_version`
-        (`EMPTY_HEAD`, 0: a branch with no versions yet, for a fork of a session's first turn)."""
+        (`EMPTY_HEAD`, 0: a branch with no versions yet, for a fork of a session's first turn).
+        `epoch`: as for `commit`."""
         _check_name("branch name", name)
         _check_number(from_version, sid)
         try:
             with transaction(self._factory) as db:
+                self.hold_user(db, user, epoch)
                 self._owned(db, user, sid)
                 if from_version != EMPTY_HEAD:
                     exists = db.scalar(
@@ -839,6 +897,7 @@ class VersionStore:
             with transaction(self._factory) as own:
                 return self.delete_subtree(user, sid, number, own)
         _check_number(number, sid)
+        self.hold_user(db, user)
         self.hold_session(user, sid, db)
         parents = self._parents(db, user, sid)
         if number not in parents:

@@ -16,13 +16,14 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import select, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.db.meta import meta_get, meta_set
 from dss.db.models import ErasureEpoch
 from dss.derive import keyed_blake2b
-from dss.errors import WrongMasterKey
+from dss.errors import UserErased, WrongMasterKey
 from dss.keys.crypto import KeyManager, env_master_key_set, finish_rotation
 from dss.namespace import legacy_tenant_for_user, tenant_for_user
 from dss.rpc import rpc_authkey
@@ -87,6 +88,18 @@ class Identity:
     Lock: `_lock` is a leaf around the epoch cache; the database is read outside it. An erasure
     bumps the epoch in its own transaction and then `forget`s the cached one; a generation number
     keeps a read that raced the erasure from caching the old epoch.
+
+    The write fence: the user's `erasure_epochs` row is the lock that orders an erasure against
+    every write of the user's rows. A write takes it shared before the first write of its
+    transaction (`fence_in`; its reads before lock nothing), an erasure takes it exclusive
+    before anything else of its own (`next_epoch_in`), then deletes. So a racing write either
+    commits first (and the erasure, which reads after its lock, deletes what it wrote) or runs
+    after the erasure, sees the new epoch, and is refused when it was admitted under the old one
+    (`UserErased`). PostgreSQL: the row is locked `FOR SHARE` / `FOR UPDATE` (created first if
+    missing, so there is always a row to lock); SQLite: the upsert that makes sure the row exists
+    takes the database's one write lock, so the epoch read after it is the latest and nothing
+    commits in between. Always the epoch row first, then the user's rows: one lock order, no
+    deadlock between the two.
     """
 
     def __init__(
@@ -118,10 +131,15 @@ class Identity:
     def tenant_for(self, user: str) -> TenantId:
         return tenant_for_user(self._secret, user, self.epoch_of(user))
 
-    def tenants_of(self, user: str) -> list[TenantId]:
-        """Every tenant the user had, the current one last (receipts name the erased ones); in a
-        store upgraded from the first derivation, also the tenants of that form (first)."""
-        epochs = range(self.epoch_of(user) + 1)
+    def tenant_at(self, user: str, epoch: int) -> TenantId:
+        """The user's tenant in erasure epoch `epoch` (a request's, fixed when it was admitted)."""
+        return tenant_for_user(self._secret, user, epoch)
+
+    def tenants_of(self, user: str, through: int | None = None) -> list[TenantId]:
+        """Every tenant the user had (up to epoch `through`; default: the current one), the current
+        one last (receipts name the erased ones); in a store upgraded from the first derivation,
+        also the tenants of that form (first)."""
+        epochs = range((self.epoch_of(user) if through is None else through) + 1)
         legacy = [legacy_tenant_for_user(self._secret, user, e) for e in epochs] if self.legacy else []
         return [*legacy, *(tenant_for_user(self._secret, user, e) for e in epochs)]
 
@@ -154,17 +172,55 @@ class Identity:
                 self._epochs[subject] = epoch
         return epoch
 
-    def next_epoch_in(self, session: Session, user: str) -> int:
-        """Inside an erasure's transaction: move the user to the next epoch (returned); the user
-        has the new tenant once it commits. Call `forget` after the commit."""
+    def stored_epoch_in(self, session: Session, user: str) -> int:
+        """The user's epoch as the database has it now (not the cache), without a row lock."""
+        stored = session.scalar(
+            select(ErasureEpoch.epoch).where(ErasureEpoch.subject == self.subject_hash(user))
+        )
+        return int(stored) if stored is not None else 0
+
+    def fence_in(self, session: Session, user: str, admitted: int | None) -> int:
+        """The write fence (see the class docstring), before the first write of a transaction that
+        writes rows of `user`: holds the user's epoch row shared until the transaction ends and
+        returns the epoch. `UserErased` when `admitted` (the epoch the request was admitted
+        under; None: any) is not the current one: the user was erased since."""
+        epoch = self._lock_epoch_row(session, user, exclusive=False)
+        if admitted is not None and epoch != admitted:
+            self.forget(user)  # the cache may hold the old epoch (another server's erasure)
+            raise UserErased("the user was erased while this request was in flight; nothing of it was kept")
+        return epoch
+
+    def next_epoch_in(self, session: Session, user: str, expected: int | None = None) -> int:
+        """Before any other write or row lock of an erasure's transaction: lock the user's epoch
+        row (racing writes of the user commit before, or wait and are refused after) and move the
+        user to the next epoch (returned); the user has the new tenant once it commits.
+        `expected`: the epoch the erasure read before it erased that epoch's tenant (erasures of
+        one user are serialised, so it has not moved; if it did, `UserErased` and nothing is
+        done). Call `forget` after the commit."""
+        epoch = self._lock_epoch_row(session, user, exclusive=True)
+        if expected is not None and epoch != expected:
+            raise UserErased(f"the user was erased by another erasure meanwhile (epoch {epoch}); erase again")
+        session.execute(
+            update(ErasureEpoch)
+            .where(ErasureEpoch.subject == self.subject_hash(user))
+            .values(epoch=epoch + 1)
+            .execution_options(synchronize_session=False)
+        )
+        return epoch + 1
+
+    def _lock_epoch_row(self, session: Session, user: str, exclusive: bool) -> int:
+        """Create the user's epoch row if missing, then read it under a row lock (shared or
+        exclusive; on SQLite the upsert has taken the database write lock already)."""
         subject = self.subject_hash(user)
-        row = session.get(ErasureEpoch, subject, with_for_update=True)
-        if row is None:
-            row = ErasureEpoch(subject=subject, epoch=0)
-            session.add(row)
-        row.epoch += 1
-        session.flush()
-        return int(row.epoch)
+        dialect = session.get_bind().dialect.name
+        insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+        session.execute(
+            insert(ErasureEpoch)
+            .values(subject=subject, epoch=0)
+            .on_conflict_do_nothing(index_elements=["subject"])
+        )
+        q = select(ErasureEpoch.epoch).where(ErasureEpoch.subject == subject)
+        return int(session.scalar(q.with_for_update(read=not exclusive)) or 0)
 
     def forget(self, user: str) -> None:
         with self._lock:

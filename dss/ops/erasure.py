@@ -36,7 +36,8 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, cast
@@ -75,6 +76,39 @@ _append_lock = threading.Lock()
 # Arbitrary constant naming the advisory lock that serialises appends to the receipt chain
 # across the servers of a fleet (the in-process lock above only covers one process).
 _CHAIN_LOCK_KEY = 0x44535302
+# The first key of the two-key advisory locks that serialise erasures of one user across the
+# fleet (the second: 32 bits of the user's subject hash). PostgreSQL keeps two-key locks apart
+# from one-key ones such as the chain's, so the two never collide.
+_USER_LOCK_CLASS = 0x44535303
+
+
+class _OneErasurePerUser:
+    """Erasures of one user in this process, one at a time (per subject hash).
+
+    An outer lock, the one exception to "locks are leaves": held for a whole erasure (which takes
+    the leaf locks of the page table, the index, the keyring, and does I/O under it), it is taken
+    only by `Eraser.erase_user`, first, with no other lock held, and nothing under it takes it
+    again, so no lock order can form around it. `_guard` (a leaf) guards the table of them."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[str, tuple[threading.Lock, int]] = {}  # subject -> (lock, users of it)
+
+    @contextmanager
+    def holding(self, subject: str) -> Iterator[None]:
+        with self._guard:
+            lock, n = self._locks.get(subject, (threading.Lock(), 0))
+            self._locks[subject] = (lock, n + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._guard:
+                lock, n = self._locks[subject]
+                if n == 1:
+                    del self._locks[subject]
+                else:
+                    self._locks[subject] = (lock, n - 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,42 +192,79 @@ class Eraser:
         self._ack_timeout_s = ack_timeout_s
         self._on_tenant_erased = on_tenant_erased
         self._wal = WalScrubber(db)
+        self._one_per_user = _OneErasurePerUser()
 
     def erase_user(self, user: str) -> ErasureReceipt:
         """Erase `user` everywhere; the returned receipt counts this server's copies and, in a
         fleet, every other server's (those that acknowledged within `ack_timeout_s`).
 
+        Erasures of one user run one at a time (in this process, and across the fleet through a
+        PostgreSQL advisory lock held by the erasure's transaction), so each one reads the epoch
+        the one before it left and erases the tenant of that epoch. With it go the user's
+        earlier tenants that are not retired yet (none, unless an erasure failed, or ran before
+        erasures were serialised): every tenant the user ever had ends retired, keyless, empty.
+
+        Writes of the user racing the erasure are ordered by the write fence (the user's epoch
+        row, `Identity.fence_in`), which the transaction locks first: they committed before it
+        (and are deleted by it) or run after it in the new epoch; `erased_at` is taken after
+        that lock, so "created before the erasure" means exactly the rows it deleted.
+
         The remote tier's keys of the tenant are deleted after the commit (`counts["remote_keys"]`,
         or "unavailable" when Redis does not answer): whatever is left there is unreadable, since
         the tenant's data key is destroyed in the transaction, and `verify` reports it."""
-        tenant = self._identity.tenant_for(user)
-        if tenant == PUBLIC_TENANT:  # cannot happen (an HMAC is hex), but never erase shared pages
-            raise ValueError("refusing to erase the public tenant")
-        with self._kv.erasing(tenant):
-            # From here the tenant gets no data key: nothing of it is written or read again.
-            self._keyring.retire(tenant)
-            usage, detached = self._detach_tenant(tenant)
-            erased_at = datetime.now(UTC)
-            rid = "era_" + uuid.uuid4().hex[:24]
-            try:
-                with transaction(self._sf) as s:
-                    counts = _delete_rows(s, user, tenant, self._versions, self._keyring, usage)
+        subject = self._identity.subject_hash(user)
+        with self._one_per_user.holding(subject), self._sf() as s:
+            if s.get_bind().dialect.name == "postgresql":
+                # Held until this transaction ends: another server's erasure of the user waits.
+                key = int(subject[:8], 16) - (1 << 31)  # 32 bits of the subject hash, as a signed int4
+                s.execute(
+                    text("SELECT pg_advisory_xact_lock(CAST(:c AS integer), CAST(:k AS integer))"),
+                    {"c": _USER_LOCK_CLASS, "k": key},
+                )
+            epoch = self._identity.stored_epoch_in(s, user)
+            tenants = self._identity.tenants_of(user, through=epoch)
+            tenant = tenants[-1]
+            if PUBLIC_TENANT in tenants:  # cannot happen (an HMAC is hex), but never erase shared pages
+                raise ValueError("refusing to erase the public tenant")
+            doomed = [*_never_erased(s, tenants[:-1]), tenant]
+            with ExitStack() as erasing:
+                for t in doomed:
+                    erasing.enter_context(self._kv.erasing(t))
+                # From here the tenants get no data key: nothing of them is written or read again.
+                for t in doomed:
+                    self._keyring.retire(t)
+                try:
+                    usage, detached = self._detach_tenants(doomed)
+                except BaseException:
+                    for t in doomed:
+                        self._keyring.unretire(t)
+                    raise
+                rid = "era_" + uuid.uuid4().hex[:24]
+                try:
+                    # First in the transaction: the epoch row, locked (the write fence).
+                    new_epoch = self._identity.next_epoch_in(s, user, expected=epoch)
+                    erased_at = datetime.now(UTC)
+                    counts = _delete_rows(s, user, doomed, self._versions, self._keyring, usage)
                     # The user's next tenant: a re-created user starts cold everywhere.
-                    counts["epoch"] = self._identity.next_epoch_in(s, user)
+                    counts["epoch"] = new_epoch
                     seq, prev, entry = _append_receipt(s, rid, erased_at, tenant, counts)
                     if self._membership is not None:
                         alive = self._membership.alive_in(s)
                         record_erasure_in(s, rid, self._server_id, alive, _local_counts(usage))
-            except BaseException:
-                self._pages.abandon(detached)  # nothing was erased; recovery finds the files
-                self._keyring.unretire(tenant)
-                raise
-            self._identity.forget(user)
-            # Committed: now the irreversible part.
-            self._keyring.forget_cached(tenant)
-            self._pages.destroy(detached, rows_deleted=True)
+                    s.commit()
+                except BaseException:
+                    s.rollback()
+                    self._pages.abandon(detached)  # nothing was erased; recovery finds the files
+                    for t in doomed:
+                        self._keyring.unretire(t)
+                    raise
+                self._identity.forget(user)
+                # Committed: now the irreversible part.
+                for t in doomed:
+                    self._keyring.forget_cached(t)
+                self._pages.destroy(detached, rows_deleted=True)
         out = dict(counts)
-        remote_keys = self._erase_remote(tenant)
+        remote_keys = self._erase_remote_all(doomed)
         fleet: FleetReport | None = None
         if remote_keys is not None:
             out["remote_keys"] = remote_keys
@@ -204,13 +275,23 @@ class Eraser:
             fleet = wait_for_acks(self._sf, rid, self._ack_timeout_s)
             # The other servers' writers may have sent pages of the tenant to the remote tier
             # until they applied the erasure (each also empties it then): a second pass here.
-            self._erase_remote(tenant)
+            self._erase_remote_all(doomed)
             if fleet is not None and fleet.unanswered:
                 log.warning(
                     "erasure %s: no acknowledgement in time from %s", rid, ", ".join(fleet.unanswered)
                 )
         scrubbed = self._wal.scrub()
         return ErasureReceipt(rid, seq, erased_at, tenant, out, prev, entry, scrubbed, fleet)
+
+    def _detach_tenants(self, tenants: list[TenantId]) -> tuple[dict[Tier, tuple[int, int]], list[PageEntry]]:
+        """`_detach_tenant` of each, with what they held added up per tier."""
+        usage = {t: (0, 0) for t in Tier}
+        detached: list[PageEntry] = []
+        for tenant in tenants:
+            held, entries = self._detach_tenant(tenant)
+            usage = {t: (usage[t][0] + held[t][0], usage[t][1] + held[t][1]) for t in Tier}
+            detached.extend(entries)
+        return usage, detached
 
     def _detach_tenant(self, tenant: TenantId) -> tuple[dict[Tier, tuple[int, int]], list[PageEntry]]:
         """Inside `erasing(tenant)`: the tenant's pages out of the page table and the index at once
@@ -224,6 +305,15 @@ class Eraser:
         if not self._pages.wait_settled([h for h in gone if h not in mine], _SETTLE_S):
             log.warning("erasure: some pages of a tenant were still being moved after %ss", _SETTLE_S)
         return usage, detached
+
+    def _erase_remote_all(self, tenants: list[TenantId]) -> int | str | None:
+        """`_erase_remote` of each tenant: the keys deleted in all, "unavailable" when the remote
+        tier did not answer for one of them, None without a remote tier."""
+        found = [self._erase_remote(t) for t in tenants]
+        if any(isinstance(n, str) for n in found):
+            return "unavailable"
+        counted = [n for n in found if isinstance(n, int)]
+        return sum(counted) if counted else None
 
     def _erase_remote(self, tenant: TenantId) -> int | str | None:
         """Delete the tenant's keys in the remote tier (None: there is none)."""
@@ -318,19 +408,31 @@ def _local_remnants(pages: TieredPages, tenant: TenantId, cutoff_ts: float, full
     return details
 
 
+def _never_erased(s: Session, tenants: list[TenantId]) -> list[TenantId]:
+    """Those of `tenants` no receipt names: none, unless an erasure ran before erasures of
+    a user were serialised. (A tenant a receipt names is erased, and retired, by the erasure
+    that wrote it, and on every other server of the fleet by its follower.)"""
+    if not tenants:
+        return []
+    named = set(
+        s.scalars(select(m.ErasureReceiptRow.subject).where(m.ErasureReceiptRow.subject.in_(tenants)))
+    )
+    return [t for t in tenants if t not in named]
+
+
 def _delete_rows(
     s: Session,
     user: str,
-    tenant: TenantId,
+    tenants: list[TenantId],
     versions: VersionStore,
     keyring: Keyring,
     usage: dict[Tier, tuple[int, int]],
 ) -> dict[str, Any]:
     dialogue = versions.delete_user_sessions(user, s)
     n_page_rows = cast(
-        CursorResult[Any], s.execute(delete(m.PageRow).where(m.PageRow.tenant == tenant))
+        CursorResult[Any], s.execute(delete(m.PageRow).where(m.PageRow.tenant.in_(tenants)))
     ).rowcount
-    n_keys = keyring.destroy_in(s, tenant)
+    n_keys = sum(keyring.destroy_in(s, t) for t in tenants)
     return {
         "sessions": dialogue["sessions"],
         "versions": dialogue["versions"],
