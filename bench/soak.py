@@ -445,6 +445,7 @@ class Erasure:
     e: float | None = None
     receipt: str | None = None
     by: str = "admin"
+    together: int = 1  # erasures of the same user sent at the same moment
 
 
 class Caller:
@@ -1484,7 +1485,7 @@ class Operator(Caller, threading.Thread):
         user = self.rng.choice(sorted(self.users))
         k = self.rng.choices([1, 2, 3], [6, 3, 1])[0]
         threads = [
-            threading.Thread(target=self.erase_one, args=(user, self.rng.random() < 0.3), daemon=True)
+            threading.Thread(target=self.erase_one, args=(user, self.rng.random() < 0.3, k), daemon=True)
             for _ in range(k)
         ]
         for th in threads:
@@ -1493,9 +1494,9 @@ class Operator(Caller, threading.Thread):
             th.join(self.ctl.deadline_s * 2 + 10)
         self.rec.count(f"race_erasures_x{k}")
 
-    def erase_one(self, user: str, own_key: bool) -> None:
+    def erase_one(self, user: str, own_key: bool, together: int) -> None:
         """One DELETE /v1/users/{user}; the receipt's verification at once (`remnants_at_erasure`)."""
-        er = self.ctl.begin_erasure(user, "user" if own_key else "admin")
+        er = self.ctl.begin_erasure(user, "user" if own_key else "admin", together)
         gen0, t0 = self.gate.gen, time.monotonic()
         self.rec.count("requests")
         key = self.users[user] if own_key else self.ctl.admin_key
@@ -1516,6 +1517,9 @@ class Operator(Caller, threading.Thread):
             self._check_time("race_erase", t0)
             if r.status_code != 200:
                 self.ctl.end_erasure(er, None)
+                self.rec.event(
+                    "race_erase_answer", user=user, by=er.by, together=together, status=r.status_code
+                )
                 with contextlib.suppress(Ambiguous):
                     self._status("race_erase", r.status_code, r.text, (200,))
                 return
@@ -1599,9 +1603,9 @@ class Controller:
         self.operator = Operator(self, args.seed, racing)
 
     # ----------------------------------------------------------------------------- erasures
-    def begin_erasure(self, user: str, by: str) -> Erasure:
+    def begin_erasure(self, user: str, by: str, together: int = 1) -> Erasure:
         with self.erasure_lock:
-            er = Erasure(user, time.monotonic(), by=by)
+            er = Erasure(user, time.monotonic(), by=by, together=together)
             self.erasures.setdefault(user, []).append(er)
             return er
 
@@ -1613,7 +1617,13 @@ class Controller:
             if bad:
                 self.rec.count("remnants_at_erasure", bad)
                 self.rec.event(
-                    "erasure_remnants", user=er.user, by=er.by, receipt=receipt.get("id"), verification=ver
+                    "erasure_remnants",
+                    user=er.user,
+                    by=er.by,
+                    together=er.together,
+                    took_s=round(time.monotonic() - er.s, 3),
+                    receipt=receipt.get("id"),
+                    verification=ver,
                 )
         with self.erasure_lock:
             er.e = float("inf") if unknown else time.monotonic()
