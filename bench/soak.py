@@ -3,8 +3,9 @@ racing it, SIGKILLed and restarted.
 
 What it does (docs/operations.md, "Soak and fault campaign", says how to read the result):
 
-- creates API keys (`dss keys create`) for one user per client, one admin and one replay user in
-  a fresh data directory, then starts `dss serve` as a subprocess in its own process group, with
+- creates API keys (`dss keys create`) for one user per client (client 1's id is
+  `soak@org/user-1` unless `--no-odd-user-id` or `dss keys create` refuses it: every id the
+  server accepts must be erasable), one admin and one replay user in a fresh data directory, then starts `dss serve` as a subprocess in its own process group, with
   small tiers (host arena 64 MiB, disk 256 MiB, vLLM KV cache 1 GiB) so that eviction runs;
 - runs `--clients` threads for `--duration-s` seconds of traffic (time spent restarting does not
   count), each as its own user, mixing every route a user has, generations kept short (4-16
@@ -90,6 +91,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -131,6 +133,7 @@ ERASE_RACE_STATUSES = (404, 409, 410)
 # where they differ, before the difference is not rounding any more (bf16 on CPU moves a
 # 135M model's logits by a few tenths at most between batch compositions).
 CORRUPT_MARGIN = 1.5
+ODD_USER = "soak@org/user-1"  # client 1's user id with --odd-user-id
 
 QUESTIONS = [
     "Which shelf holds the oldest item?",
@@ -179,6 +182,19 @@ def create_key(data_dir: Path, user: str | None) -> str:
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"`{' '.join(cmd)}` failed ({proc.returncode}): {proc.stderr[-2000:]}")
     return lines[-1]
+
+
+def try_create_key(data_dir: Path, user: str) -> str | None:
+    """A user's key, or None where `dss keys create` refuses the id."""
+    try:
+        return create_key(data_dir, user)
+    except SystemExit:
+        return None
+
+
+def user_path(user: str) -> str:
+    """`/v1/users/{id}` with the id percent-encoded (a `/` in it is data, not a path separator)."""
+    return "/v1/users/" + urllib.parse.quote(user, safe="")
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -1385,7 +1401,7 @@ class Client(Caller, threading.Thread):
         last = next((e for e in reversed(self.ledger.values()) if e.messages is not None), None)
         er = self.ctl.begin_erasure(self.user, "self")
         try:
-            r = self.req("erase", "DELETE", f"/v1/users/{self.user}", client=self.admin)
+            r = self.req("erase", "DELETE", user_path(self.user), client=self.admin)
         except Ambiguous:
             self.ctl.end_erasure(er, None, unknown=True)
             raise
@@ -1502,7 +1518,7 @@ class Operator(Caller, threading.Thread):
         key = self.users[user] if own_key else self.ctl.admin_key
         try:
             with self.http_client(key) as c:
-                r = c.delete(f"/v1/users/{user}")
+                r = c.delete(user_path(user))
         except httpx.TimeoutException as exc:
             self.ctl.end_erasure(er, None, unknown=True)
             with self.lock, contextlib.suppress(Exception):
@@ -1588,11 +1604,22 @@ class Controller:
         self.lost_lock = threading.Lock()
         self.restart_failures = 0
         self.verified = 0
-        users = [f"soak-user-{i}" for i in range(args.clients)]
         t0 = time.monotonic()
         self.admin_key = create_key(data_dir, None)
         self.replay_key = create_key(data_dir, "soak-replay")
-        keys = [create_key(data_dir, u) for u in users]
+        users, keys = [], []
+        for i in range(args.clients):
+            user, key = f"soak-user-{i}", None
+            if i == 1 and args.odd_user_id:
+                # A user id with a slash and an at sign (issue 19, item 1): every id the server
+                # accepts must be erasable; where `dss keys create` refuses it, a plain one.
+                key = try_create_key(data_dir, ODD_USER)
+                user = ODD_USER if key is not None else user
+                print(
+                    f"user id {ODD_USER!r}: {'accepted' if key else 'refused by dss keys create'}", flush=True
+                )
+            users.append(user)
+            keys.append(key or create_key(data_dir, user))
         print(f"created {len(keys) + 2} API keys in {time.monotonic() - t0:.1f} s", flush=True)
         port = args.port or free_port()
         self.server = Server(data_dir, port, out / "server.log", self.admin_key)
@@ -1964,6 +1991,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replay-fraction", type=float, default=0.25, help="non-streamed turns replayed cold")
     p.add_argument(
         "--erase-weight", type=float, default=1.0, help="weight of a client erasing itself (chat turns: 20)"
+    )
+    p.add_argument(
+        "--odd-user-id",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=f"client 1 is the user {ODD_USER!r} (if `dss keys create` accepts it)",
     )
     p.add_argument(
         "--race-erase-every-s",
