@@ -5,8 +5,9 @@ What it does (docs/operations.md, "Soak and fault campaign", says how to read th
 
 - creates API keys (`dss keys create`) for one user per client (client 1's id is
   `soak@org/user-1` unless `--no-odd-user-id` or `dss keys create` refuses it: every id the
-  server accepts must be erasable), one admin and one replay user in a fresh data directory, then starts `dss serve` as a subprocess in its own process group, with
-  small tiers (host arena 64 MiB, disk 256 MiB, vLLM KV cache 1 GiB) so that eviction runs;
+  server accepts must be erasable), one admin and one replay user in a fresh data directory,
+  then starts `dss serve` as a subprocess in its own process group, with small tiers (host arena
+  64 MiB, disk 256 MiB, vLLM KV cache 1 GiB) so that eviction runs;
 - runs `--clients` threads for `--duration-s` seconds of traffic (time spent restarting does not
   count), each as its own user, mixing every route a user has, generations kept short (4-16
   tokens): chat turns with `session_id` through the official `openai` client (streamed and not,
@@ -462,6 +463,7 @@ class Erasure:
     receipt: str | None = None
     by: str = "admin"
     together: int = 1  # erasures of the same user sent at the same moment
+    void: bool = False  # answered 4xx: it erased nothing
 
 
 class Caller:
@@ -477,6 +479,7 @@ class Caller:
     def __init__(self, ctl: Controller) -> None:
         self.ctl, self.gate, self.rec = ctl, ctl.gate, ctl.rec
         self.n0 = 0  # erasures of self.user known to this caller when its request was sent
+        self.last_status: int | None = None  # of the last `req` answered
         self.last_q = 0.0  # when the last request was sent (a version's "request start")
 
     def http_client(self, key: str) -> httpx.Client:
@@ -523,13 +526,15 @@ class Caller:
     def on_erased_answer(self) -> None:
         """A request lost a race with an erasure of this user (the client re-reads its state)."""
 
-    def _status(self, kind: str, status: int, body: str, expect: tuple[int, ...]) -> None:
+    def _status(
+        self, kind: str, status: int, body: str, expect: tuple[int, ...], race_ok: bool = True
+    ) -> None:
         if status in expect:
             return
         if status >= 500:
             self.rec.count("errors_5xx")
             self.rec.event("5xx", user=self.user, op=kind, status=status, body=body[:2000])
-        elif status in ERASE_RACE_STATUSES and self.raced():
+        elif status in ERASE_RACE_STATUSES and race_ok and self.raced():
             self.rec.count("erased_4xx")
             self.rec.count(f"erased_4xx {kind} {status}")
             self.rec.event("erased_4xx", keep=8, user=self.user, op=kind, status=status, body=body[:500])
@@ -560,7 +565,9 @@ class Caller:
         body: Any = None,
         expect: tuple[int, ...] = (200,),
         client: httpx.Client | None = None,
+        race_ok: bool = True,
     ) -> httpx.Response:
+        """`race_ok=False`: a request whose 4xx no racing erasure can explain (an erasure itself)."""
         gen0, t0 = self._begin()
         try:
             r = (client or self.http).request(method, path, json=body)
@@ -568,8 +575,9 @@ class Caller:
             raise self._outcome(kind, gen0, t0, exc, timeout=True) from None
         except httpx.TransportError as exc:
             raise self._outcome(kind, gen0, t0, exc, timeout=False) from None
+        self.last_status = r.status_code
         self._check_time(kind, t0)
-        self._status(kind, r.status_code, r.text, expect)
+        self._status(kind, r.status_code, r.text, expect, race_ok)
         return r
 
     http: httpx.Client
@@ -777,6 +785,8 @@ class Client(Caller, threading.Thread):
         while self.processed < len(done) and done[self.processed].e is not None:
             er = done[self.processed]
             self.processed += 1
+            if er.void:
+                continue
             end = float(er.e)  # type: ignore[arg-type]
             kept = {k: e for k, e in self.ledger.items() if e.q >= end}
             self.rec.count("erased_versions", len(self.ledger) - len(kept))
@@ -1400,10 +1410,20 @@ class Client(Caller, threading.Thread):
         self.pending_erase = True
         last = next((e for e in reversed(self.ledger.values()) if e.messages is not None), None)
         er = self.ctl.begin_erasure(self.user, "self")
+        self.last_status = None
+        gen0 = self.gate.gen
         try:
-            r = self.req("erase", "DELETE", user_path(self.user), client=self.admin)
+            r = self.req("erase", "DELETE", user_path(self.user), client=self.admin, race_ok=False)
         except Ambiguous:
-            self.ctl.end_erasure(er, None, unknown=True)
+            answered = self.last_status
+            # A 4xx erased nothing: void. No answer or a 5xx: it may have erased (a hang may even
+            # erase later: unknown). Answered either way, it is a finding already counted, and
+            # not retried (a kill's cut erasure is).
+            self.ctl.end_erasure(
+                er, None, unknown=answered is None, void=answered is not None and answered < 500
+            )
+            if answered is not None and not (self.gate.down or self.gate.gen != gen0):
+                self.pending_erase = False
             raise
         receipt = r.json()
         self.ctl.end_erasure(er, receipt)
@@ -1532,7 +1552,7 @@ class Operator(Caller, threading.Thread):
         with self.lock:
             self._check_time("race_erase", t0)
             if r.status_code != 200:
-                self.ctl.end_erasure(er, None)
+                self.ctl.end_erasure(er, None, void=r.status_code < 500)
                 self.rec.event(
                     "race_erase_answer", user=user, by=er.by, together=together, status=r.status_code
                 )
@@ -1636,8 +1656,11 @@ class Controller:
             self.erasures.setdefault(user, []).append(er)
             return er
 
-    def end_erasure(self, er: Erasure, receipt: dict[str, Any] | None, unknown: bool = False) -> None:
-        """Its answer (a receipt), or none: `unknown` when it may still commit (a hang)."""
+    def end_erasure(
+        self, er: Erasure, receipt: dict[str, Any] | None, unknown: bool = False, void: bool = False
+    ) -> None:
+        """Its answer (a receipt), or none: `unknown` when it may still commit (a hang), `void`
+        when it was refused (4xx: nothing erased)."""
         if receipt is not None:
             ver = receipt.get("verification") or {}
             bad = int(ver.get("remnants") or 0) + (0 if ver.get("chain_ok") else 1)
@@ -1653,6 +1676,7 @@ class Controller:
                     verification=ver,
                 )
         with self.erasure_lock:
+            er.void = void
             er.e = float("inf") if unknown else time.monotonic()
             if receipt is not None and isinstance(receipt.get("id"), str):
                 er.receipt = receipt["id"]
@@ -1674,7 +1698,7 @@ class Controller:
         """An erasure of `user` began by now and had not ended when `q` (a request) was sent:
         what that request wrote may be gone legitimately."""
         with self.erasure_lock:
-            return any(er.e is None or er.e > q for er in self.erasures.get(user, []))
+            return any(not er.void and (er.e is None or er.e > q) for er in self.erasures.get(user, []))
 
     def lost(self, client: Client, e: Entry, why: str, detail: dict[str, Any]) -> None:
         client.ledger.pop((e.sid, e.number), None)
