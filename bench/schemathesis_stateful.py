@@ -359,8 +359,12 @@ if os.environ.get("SCHEMATHESIS_HOOKS") == HOOKS_MODULE:
 
 
 class FuzzServer(soak.Server):
+    db_url: str | None = None  # default: SQLite in the data directory
+
     def env(self) -> dict[str, str]:
         env = super().env()
+        if self.db_url:
+            env["DSS_STORE__DB_URL"] = self.db_url
         env.update(
             {
                 # A fuzzer's max_tokens must not keep the CPU engine busy for minutes.
@@ -463,6 +467,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--server-root", type=Path, default=None, help="run this copy of the code")
+    p.add_argument(
+        "--db-url",
+        default=None,
+        help="an empty database for the server (e.g. postgresql+psycopg://...; default: SQLite)",
+    )
     p.add_argument("--race-examples", type=int, default=20, help="cases per operation of the erasure race")
     p.add_argument(
         "--race-timeout-s", type=float, default=600, help="kill the erasure race run after this long"
@@ -477,13 +486,14 @@ def main(argv: list[str] | None = None) -> int:
     if data_dir.exists() and any(data_dir.iterdir()):
         raise SystemExit(f"{data_dir} is not empty")
     data_dir.mkdir(parents=True, exist_ok=True)
-    admin_key = soak.create_key(data_dir, None)
-    user_key = soak.create_key(data_dir, "st-fuzz")
+    admin_key = soak.create_key(data_dir, None, args.db_url)
+    user_key = soak.create_key(data_dir, "st-fuzz", args.db_url)
     race_user = "st-race"
-    race_key = soak.create_key(data_dir, race_user)
+    race_key = soak.create_key(data_dir, race_user, args.db_url)
     racer: EraseRacer | None = None
     remnants = 0
     server = FuzzServer(data_dir, args.port or soak.free_port(), out / "server.log", admin_key)
+    server.db_url = args.db_url
     t0 = time.monotonic()
     try:
         server.start()

@@ -172,9 +172,10 @@ def code_env() -> dict[str, str]:
     return env
 
 
-def create_key(data_dir: Path, user: str | None) -> str:
+def create_key(data_dir: Path, user: str | None, db_url: str | None = None) -> str:
     """`dss keys create --user NAME` / `--admin`: the key is the last line of its stdout."""
     cmd = [*dss_cli(), "keys", "create", "--data-dir", str(data_dir)]
+    cmd += ["--db-url", db_url] if db_url else []
     cmd += ["--admin"] if user is None else ["--user", user]
     proc = subprocess.run(
         cmd, cwd=SERVER_ROOT, env=code_env(), capture_output=True, text=True, timeout=120, check=False
