@@ -1580,7 +1580,7 @@ class Operator(Caller, threading.Thread):
                 text = "You are the front desk of the soak museum. " + " ".join(
                     f"Room {i} shows {self.rng.choice(ITEMS)} from {1700 + 7 * i}." for i in range(40)
                 )
-                body = {"messages": [{"role": "system", "content": text}], "pin": self.rng.random() < 0.5}
+                body = {"messages": [{"role": "system", "content": text}], "pin": self.rng.random() < 0.25}
                 pid = self.req("prefix_create", "POST", "/v1/prefixes", body, expect=(201,)).json()["id"]
                 self.prefixes.append(pid)
             else:
