@@ -792,7 +792,8 @@ class Client(Caller, threading.Thread):
             kept = {k: e for k, e in self.ledger.items() if e.q >= end}
             self.rec.count("erased_versions", len(self.ledger) - len(kept))
             self.ledger = kept
-            overlapped = [e for e in self.uncertain if e.q < er.s < e.a]
+            # Only an erasure that answered its receipt certainly ran (a hung one may not have).
+            overlapped = [e for e in self.uncertain if e.q < er.s < e.a] if er.receipt else []
             self.uncertain = [e for e in self.uncertain if e.q >= end]
             live = {e.sid for e in kept.values()}
             for sid in list(self.sessions):
