@@ -56,6 +56,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _soak_server
 import soak  # the server and key helpers of the soak
 
 CHECKS = ",".join(
@@ -479,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--race-erase-every-s", type=float, default=3.0, help="mean period of the racing erasures")
     args = p.parse_args(argv)
     if args.server_root is not None:
-        soak.SERVER_ROOT = args.server_root.resolve()
+        _soak_server.use_server_root(args.server_root)
     out = args.out or Path(tempfile.mkdtemp(prefix="dss-schemathesis-"))
     out.mkdir(parents=True, exist_ok=True)
     data_dir = out / "data"
