@@ -225,6 +225,7 @@ class Client(Caller, threading.Thread):
         self.epoch_markers: list[str] = []
         self.receipts: list[str] = []
         self.processed = 0  # this user's erasures (Controller.erasures_of) taken into account
+        self.errors_seen = 0
         # Versions acknowledged while an erasure of this user was running: their fate is the
         # erasure's (kept out of the ledger); one sent before it began must not survive it.
         self.uncertain: list[Entry] = []
@@ -389,7 +390,9 @@ class Client(Caller, threading.Thread):
                 self.resync(s)
             self.random_op()
         except Ambiguous:
-            pass
+            if self.rec.counts["errors_5xx"] > self.errors_seen:  # do not hammer a failing server
+                self.errors_seen = self.rec.counts["errors_5xx"]
+                time.sleep(2.0)
 
     def resolve(self) -> None:
         """After a restart and before a check (called by the controller while this client is paused)."""
@@ -484,9 +487,11 @@ class Client(Caller, threading.Thread):
         kind = ("chat_stream" if stream else "chat") + ("_n" if n > 1 else "")
         # n > 1 samples (siblings would be identical greedily); a single answer is greedy and,
         # not streamed, carries log-probs for the cold recompute (`greedy_replay`).
-        sampling: dict[str, Any] = (
-            {"temperature": 0} if n == 1 else {"temperature": 1.0, "seed": self.counter}
-        )
+        if n > 1 and self.ctl.alt_seed:
+            extra_seed: dict[str, Any] = {"seed": self.counter}
+        else:
+            extra_seed = {}
+        sampling: dict[str, Any] = extra_seed | ({"temperature": 0} if n == 1 else {"temperature": 1.0})
         s.dirty = True  # until acknowledged
         if not stream:
             resp = self.openai_call(
@@ -1053,10 +1058,12 @@ class Operator(Caller, threading.Thread):
                 self.req("receipt", "GET", f"/v1/erasures/{rid}")
         elif op == "prefix":
             if len(self.prefixes) < 2 or self.rng.random() < 0.5:
-                text = "You are the front desk of the soak museum. " + " ".join(
+                # A text prefix: no chat prompt starts with its tokens, so a prefix of the
+                # template (`<|im_start|>system`) never shows as cached in an erasure's checks.
+                text = "Soak museum front desk. " + " ".join(
                     f"Room {i} shows {self.rng.choice(ITEMS)} from {1700 + 7 * i}." for i in range(40)
                 )
-                body = {"messages": [{"role": "system", "content": text}], "pin": self.rng.random() < 0.25}
+                body = {"text": text, "pin": self.rng.random() < 0.25}
                 pid = self.req("prefix_create", "POST", "/v1/prefixes", body, expect=(201,)).json()["id"]
                 self.prefixes.append(pid)
             else:
@@ -1091,6 +1098,7 @@ class Controller:
         self.deadline_s = float(args.deadline_s)
         self.replay_fraction = float(args.replay_fraction)
         self.erase_weight = float(args.erase_weight)
+        self.alt_seed = bool(args.alt_seed)
         self.race_erase_every_s = float(args.race_erase_every_s)
         self.erasure_lock = threading.Lock()
         self.erasures: dict[str, list[Erasure]] = {}
@@ -1492,6 +1500,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replay-fraction", type=float, default=0.25, help="non-streamed turns replayed cold")
     p.add_argument(
         "--erase-weight", type=float, default=1.0, help="weight of a client erasing itself (chat turns: 20)"
+    )
+    p.add_argument(
+        "--alt-seed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="`n` = 2 alternatives carry a `seed` (the CPU engine of vLLM 0.32 dies on a seeded "
+        "request whose prefill is chunked: --no-alt-seed to get past that)",
     )
     p.add_argument(
         "--odd-user-id",
