@@ -61,10 +61,10 @@ def create_key(data_dir: Path, user: str | None, db_url: str | None = None) -> s
     return lines[-1]
 
 
-def try_create_key(data_dir: Path, user: str) -> str | None:
+def try_create_key(data_dir: Path, user: str, db_url: str | None = None) -> str | None:
     """A user's key, or None where `dss keys create` refuses the id."""
     try:
-        return create_key(data_dir, user)
+        return create_key(data_dir, user, db_url)
     except SystemExit:
         return None
 

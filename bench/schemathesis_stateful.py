@@ -18,7 +18,10 @@ data directory with API keys (one user, one admin), fetches `/openapi.json` and 
 Then runs schemathesis on that schema: the fuzzing phase (`--max-examples` cases per operation)
 and the stateful phase (scenarios that follow the links, plus the links schemathesis infers
 itself), as the user; then the admin-only operations (and the erasure list and receipts) as the
-admin; then the erasure race: fuzzing and stateful again as a second user whom a thread erases
+admin; then the hostile probes (`probes`: a NUL in ids, prompts and paths, metadata 300 deep,
+session ids `.` and `..`, 20,000 `stop_token_ids`, 5,000 `bad_words`, the erasure of a user
+whose id has a slash): each must answer its documented 4xx (the erasure: 200), never a 5xx, and
+the listing read after it must still answer; then the erasure race: fuzzing and stateful again as a second user whom a thread erases
 every `--race-erase-every-s` (one time in three twice at once) with the admin key, checked for no
 5xx and documented answers only (an erasure may take a scenario's session between two steps);
 every racing erasure must answer a receipt without remnants, and every receipt is verified again
@@ -31,8 +34,10 @@ through the link at once).
 
 Prints schemathesis' summaries, each failure group (request and response, from the JSON report),
 each erasure-race finding, and `RESULT cases= ... failures= server_5xx= ... remnants= ...`
-(`cases`: test cases generated over the three runs; `failures`: failure groups plus the race's
-erasures that answered anything but a receipt or hung); exits 1 on any failure.
+(`cases`: test cases generated over the three runs; `failures`: failure groups, probes that
+broke their promise, and the race's erasures that answered anything but a receipt or hung);
+exits 1 on any failure. `--db-url postgresql+psycopg://...` (an empty database) runs the server
+on PostgreSQL.
 
     .venv/bin/python bench/schemathesis_stateful.py --max-examples 80
 """
@@ -50,6 +55,8 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -379,6 +386,99 @@ class FuzzServer(soak.Server):
         return env
 
 
+@dataclass
+class Probe:
+    """One hostile request: it must never answer 5xx, and must answer one of `expect` (issue 19:
+    NUL characters, deep JSON, `.` session ids, unbounded lists, ids with a slash)."""
+
+    name: str
+    method: str
+    path: str
+    body: Any = None
+    expect: tuple[int, ...] = (400, 404, 422)
+    admin: bool = False
+    then: tuple[str, str] | None = None  # (method, path) that must not answer 5xx afterwards
+
+
+def _deep(n: int) -> Any:
+    out: Any = "leaf"
+    for _ in range(n):
+        out = {"k": out}
+    return out
+
+
+def probes(odd_user: str | None) -> list[Probe]:
+    nul = "\x00"
+    hi = [{"role": "user", "content": "Hi"}]
+    out = [
+        Probe("nul in a session id (body)", "POST", "/v1/sessions", {"session_id": f"p{nul}x"}),
+        Probe(
+            "nul in a system prompt",
+            "POST",
+            "/v1/sessions",
+            {"session_id": "probe-nul", "system_prompt": f"a{nul}b"},
+            then=("GET", "/v1/sessions"),
+        ),
+        Probe("nul in a session id (path)", "GET", "/v1/sessions/%00"),
+        Probe(
+            "nul in a message", "POST", "/v1/sessions/%00/messages", {"content": f"a{nul}b", "max_tokens": 1}
+        ),
+        Probe("nul user erased", "DELETE", "/v1/users/%00", admin=True),
+        Probe(
+            "metadata 300 deep",
+            "POST",
+            "/v1/sessions",
+            {"session_id": "probe-deep", "metadata": _deep(300)},
+            expect=(400, 413, 422),
+            then=("GET", "/v1/sessions"),
+        ),
+        Probe("session id '.'", "POST", "/v1/sessions", {"session_id": "."}, expect=(400, 422)),
+        Probe("session id '..'", "POST", "/v1/sessions", {"session_id": ".."}, expect=(400, 422)),
+        Probe(
+            "20,000 stop_token_ids",
+            "POST",
+            "/v1/chat/completions",
+            {"messages": hi, "max_tokens": 1, "stop_token_ids": list(range(20000))},
+            expect=(400, 413, 422),
+        ),
+        Probe(
+            "5,000 bad_words",
+            "POST",
+            "/v1/chat/completions",
+            {"messages": hi, "max_tokens": 1, "bad_words": [f"w{i}" for i in range(5000)]},
+            expect=(400, 413, 422),
+        ),
+    ]
+    if odd_user is not None:
+        path = "/v1/users/" + urllib.parse.quote(odd_user, safe="")
+        out.append(Probe(f"erase {odd_user!r}", "DELETE", path, admin=True, expect=(200,)))
+    return out
+
+
+def run_probes(base_url: str, user_key: str, admin_key: str, odd_user: str | None) -> list[dict[str, Any]]:
+    """Each probe once; the findings (request and answer) of those that broke their promise."""
+    findings: list[dict[str, Any]] = []
+    for p in probes(odd_user):
+        key = admin_key if p.admin else user_key
+        headers = {"Authorization": f"Bearer {key}"}
+        request = f"{p.method} {p.path}"
+        try:
+            r = httpx.request(p.method, base_url + p.path, json=p.body, headers=headers, timeout=120)
+        except httpx.HTTPError as exc:
+            findings.append({"probe": p.name, "request": request, "answer": repr(exc)})
+            continue
+        if r.status_code >= 500 or r.status_code not in p.expect:
+            findings.append(
+                {"probe": p.name, "request": request, "status": r.status_code, "answer": r.text[:400]}
+            )
+        if p.then is not None:
+            after = httpx.request(p.then[0], base_url + p.then[1], headers=headers, timeout=60)
+            if after.status_code >= 500:
+                findings.append({"probe": p.name + ", read after", "request": " ".join(p.then),
+                                 "status": after.status_code, "answer": after.text[:400]})  # fmt: skip
+    return findings
+
+
 class EraseRacer(threading.Thread):
     """Erases one user every `period` s (one time in three twice at once) with the admin key while
     schemathesis runs as that user: every answer must be a receipt (200) whose verification holds
@@ -491,6 +591,9 @@ def main(argv: list[str] | None = None) -> int:
     user_key = soak.create_key(data_dir, "st-fuzz", args.db_url)
     race_user = "st-race"
     race_key = soak.create_key(data_dir, race_user, args.db_url)
+    odd_user = "probe@org/user"  # issue 19, item 1: erasable if `dss keys create` accepts it
+    odd = _soak_server.try_create_key(data_dir, odd_user, args.db_url) is not None
+    probe_findings: list[dict[str, Any]] = []
     racer: EraseRacer | None = None
     remnants = 0
     server = FuzzServer(data_dir, args.port or soak.free_port(), out / "server.log", admin_key)
@@ -555,6 +658,10 @@ def main(argv: list[str] | None = None) -> int:
             rc, text = run_schemathesis(
                 schema_path, server.base_url, key, out, report, *extra, timeout=timeout, checks=checks
             )
+            if i == 1:  # after the admin run: the hostile probes, then the race
+                probe_findings = run_probes(server.base_url, user_key, admin_key, odd_user if odd else None)
+                print(f"=== hostile probes: {len(probes(odd_user if odd else None))} sent, "
+                      f"{len(probe_findings)} broke their promise", flush=True)  # fmt: skip
             if racer is not None and racer.is_alive():
                 racer.stop.set()
                 racer.join(150)
@@ -589,7 +696,10 @@ def main(argv: list[str] | None = None) -> int:
         "links_covered": totals.get("links_covered", 0),
         "links_selected": totals.get("links_selected", 0),
         "links_added": n_links,
+        "probes": len(probes(odd_user if odd else None)),
+        "probe_failures": len(probe_findings),
         "failures": len(failures)
+        + len(probe_findings)
         + (sum(racer.counts[k] for k in ("errors_5xx", "hangs", "other")) if racer else 0),
         "server_5xx": int(metrics.get("server_5xx", 0)),
         "race_erasures": racer.counts["erasures"] if racer else 0,
@@ -606,9 +716,11 @@ def main(argv: list[str] | None = None) -> int:
     race_findings = racer.findings if racer is not None else []
     for f in race_findings:
         print(f"erasure race: {json.dumps(f, default=str)}", flush=True)
+    for f in probe_findings:
+        print(f"probe: {json.dumps(f, default=str)}", flush=True)
     (out / "result.json").write_text(
         json.dumps(
-            {"result": result, "failures": failures[:50], "race_findings": race_findings},
+            {"result": result, "failures": failures[:50], "race": race_findings, "probes": probe_findings},
             indent=1,
             default=str,
         )
