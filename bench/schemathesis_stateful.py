@@ -21,12 +21,12 @@ itself), as the user; then the admin-only operations (and the erasure list and r
 admin; then the hostile probes (`probes`: a NUL in ids, prompts and paths, metadata 300 deep,
 session ids `.` and `..`, 20,000 `stop_token_ids`, 5,000 `bad_words`, the erasure of a user
 whose id has a slash): each must answer its documented 4xx (the erasure: 200), never a 5xx, and
-the listing read after it must still answer; then the erasure race: fuzzing and stateful again as a second user whom a thread erases
-every `--race-erase-every-s` (one time in three twice at once) with the admin key, checked for no
-5xx and documented answers only (an erasure may take a scenario's session between two steps);
-every racing erasure must answer a receipt without remnants, and every receipt is verified again
-at the end (`remnants`). Checks of the first two runs: no 5xx, status codes,
-content types and bodies as documented, the stateful `use_after_free` (a deleted session must
+the listing read after it must still answer; then the erasure race: fuzzing and stateful again
+as a second user whom a thread erases every `--race-erase-every-s` (one time in three twice at
+once) with the admin key, checked for no 5xx and documented answers only (an erasure may take a
+scenario's session between two steps); every racing erasure must answer a receipt without
+remnants, and every receipt is verified again at the end (`remnants`). Checks of the first two
+runs: no 5xx, status codes, content types and bodies as documented, the stateful `use_after_free` (a deleted session must
 stay gone) and `ensure_resource_availability` (a created one must be found; as
 `session_availability`, which lets the documented 404 of a branch or version that a generated
 body names pass), and `acknowledged_version_readable` (the version a turn acknowledged can be read
