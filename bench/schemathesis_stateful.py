@@ -26,8 +26,9 @@ as a second user whom a thread erases every `--race-erase-every-s` (one time in 
 once) with the admin key, checked for no 5xx and documented answers only (an erasure may take a
 scenario's session between two steps); every racing erasure must answer a receipt without
 remnants, and every receipt is verified again at the end (`remnants`). Checks of the first two
-runs: no 5xx, status codes, content types and bodies as documented, the stateful `use_after_free` (a deleted session must
-stay gone) and `ensure_resource_availability` (a created one must be found; as
+runs: no 5xx, status codes, content types and bodies as documented, the stateful
+`use_after_free` (a deleted session must stay gone) and `ensure_resource_availability` (a
+created one must be found; as
 `session_availability`, which lets the documented 404 of a branch or version that a generated
 body names pass), and `acknowledged_version_readable` (the version a turn acknowledged can be read
 through the link at once).
