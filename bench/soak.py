@@ -1,48 +1,79 @@
-"""Soak and fault campaign: the real `dss serve` under mixed traffic, SIGKILLed and restarted.
+"""Soak and fault campaign: the real `dss serve` under mixed traffic on every route, with erasures
+racing it, SIGKILLed and restarted.
 
 What it does (docs/operations.md, "Soak and fault campaign", says how to read the result):
 
-- creates API keys (`dss keys create`) for one user per client, one admin and one replay user in
-  a fresh data directory, then starts `dss serve` as a subprocess in its own process group, with
-  small tiers (host arena 64 MiB, disk 256 MiB, vLLM KV cache 1 GiB) so that eviction runs;
+- creates API keys (`dss keys create`) for one user per client (client 1's id is
+  `soak@org/user-1` unless `--no-odd-user-id` or `dss keys create` refuses it: every id the
+  server accepts must be erasable), one admin and one replay user in a fresh data directory,
+  then starts `dss serve` as a subprocess in its own process group, with small tiers (host arena
+  64 MiB, disk 256 MiB, vLLM KV cache 1 GiB) so that eviction runs;
 - runs `--clients` threads for `--duration-s` seconds of traffic (time spent restarting does not
-  count), each as its own user, mixing: chat turns with `session_id` through the official `openai`
-  client (streamed and not, greedy, a few tokens), stateful `/messages` turns (streamed and not),
-  explicit session creation, rollbacks, branches, session deletes, erasure of the client's own
-  user with the admin key (the user then goes on with fresh sessions, reusing the erased ids), and
-  streams the client drops after two chunks; every request has a client deadline
-  (`--deadline-s`): one that passes it is a hang;
+  count), each as its own user, mixing every route a user has, generations kept short (4-16
+  tokens): chat turns with `session_id` through the official `openai` client (streamed and not,
+  greedy), `n` = 2 alternatives (sibling versions), stateful `/messages` turns (streamed and not),
+  the Responses API (`POST /v1/responses`, streamed and not, chains through
+  `previous_response_id`, forks at older responses, `store: false`; `GET` a response and its
+  `input_items`; `DELETE`, with `cascade=true` for one that others continue), explicit session
+  creation, rollbacks, branches (`POST`, `GET`), session reads and lists, `PATCH` retention hints,
+  warm-ups, session deletes, `GET /v1/models` and `/v1/prefixes`, the client erasing its own user
+  with the admin key (it then goes on with fresh sessions, reusing the erased ids), and streams
+  the client drops after two chunks;
+- an operator thread races the clients: every `--race-erase-every-s` (+-50 %) it erases one of
+  the clients' users while that user's traffic runs (`DELETE /v1/users/{id}`; one time in three
+  two or three at once; some with the user's own key, the others with the admin key), and now
+  and then lists receipts (`GET /v1/erasures`), re-reads one (`GET /v1/erasures/{id}`), creates,
+  lists and deletes public prefixes, reads `/healthz`, `/readyz`, `/v1/models` and the console;
 - every `--kill-every-s` seconds of traffic (+-20 %) sends SIGKILL to the whole process group (the
   API process and the engine's children), restarts the server on the same data directory and
   waits for `/readyz`;
 - keeps a client-side ledger of every version the server acknowledged (session, number, parent,
-  branch, the messages as sent plus the answer as returned), minus what the client itself deleted
-  (session delete, user erasure). Rollbacks remove nothing: rolled-back versions stay listed
-  (docs/api.md). After each restart and at the end, with the traffic paused, every ledger entry is
-  checked through `GET /v1/sessions/{sid}/versions` and `GET .../versions/{n}`: a *lost version* is
-  one the server no longer lists, or lists with another parent, branch or messages;
-- counts requests, 5xx answers, hangs, restarts; requests cut by a kill are `interrupted` (their
-  outcome is unknown: the client re-reads the session, retries a delete or an erasure, and never
-  adds an unacknowledged version to the ledger);
-- `corrupt_served`: `dss_corrupt_pages_total` from `/metrics`, summed over server incarnations
-  (scraped every few seconds and just before each kill) - pages whose checksum or authentication
-  failed on their way to the engine; the server refuses them, but any at all means the store
-  corrupted something (no bytes are corrupted on purpose here);
-- `greedy_mismatch`: a sample of non-streamed session turns is replayed by another user (its own
-  cache namespace, so a cold prefill) as a plain request with the same messages, greedy, and the
-  texts compared. On this CPU bf16 build a few percent of turns differ from a cold prefill whatever
-  the cache did (batch composition changes the rounding), so this is reported, not failed;
-- `remnants`: each erasure receipt's verification (at the erasure and again at the end, `GET
-  /v1/erasures/{id}`), sessions still listed after an erasure, a replay of an erased prompt that
-  still reports cached tokens, and a byte scan of the SQLite files (`dss.sqlite3`, `-wal`) for the
-  marker strings of every erased session's messages. The disk tier and the host arena hold KV
-  tensors (on disk compressed and AES-GCM encrypted), not text, so a byte scan for the markers
-  would say nothing there: the receipt verification covers them (page table, page files).
+  branch, the messages as sent plus the answer as returned; for a response, its answer and id),
+  minus what the client itself deleted or erased. After each restart and at the end, with the
+  traffic paused, every ledger entry is checked through `GET /v1/sessions/{sid}/versions`, `GET
+  .../versions/{n}` (and `GET /v1/responses/{id}`).
 
-The last line is `RESULT requests= hangs= errors_5xx= lost_versions= corrupt_served= remnants=
-restarts= ...`; the exit status is 1 when any of hangs, errors_5xx, lost_versions, corrupt_served,
-remnants, unexpected (a connection error no kill explains, an answer that a valid request should
-not get) or restart_failures is not 0. `--out` keeps summary.json, events.jsonl and server.log.
+Every request has a client deadline (`--deadline-s`). The counts of the last line:
+
+- `requests`: HTTP requests sent (traffic, checks and the operator's, `/metrics` scrapes aside).
+- `hangs`: requests that passed their deadline (no answer, or an answer that came late), and
+  pauses whose requests in flight never finished.
+- `errors_5xx`: answers with a 5xx status the soak got (`server_5xx` in the DETAIL line: what the
+  server counted, also for clients gone; `/readyz` while starting aside).
+- `lost_versions`: versions acknowledged (200 with `state_version`) that are not readable later -
+  not listed, listed with another parent or branch, other messages, or (a response) `GET
+  /v1/responses/{id}` not 200 - unless an erasure of their user ran after their request was sent
+  (such an erasure may have taken them: `erased_versions`). A version acknowledged while an
+  erasure of its user ran is never in the ledger (`acked_during_erasure`).
+- `corrupt_served`: answers that differ from a cold recompute beyond rounding, plus pages that
+  failed their checksum or authentication on their way to the engine (`dss_corrupt_pages_total`
+  from `/metrics`, summed over the server's lives; scraped every 5 s and before each kill). The
+  cold recompute: a `--replay-fraction` of non-streamed greedy session turns is replayed by
+  another user (its own cache namespace) as a plain request with the same messages; where the
+  texts differ (`greedy_mismatch`: a few percent on this CPU bf16 build whatever the cache did,
+  batch composition moves the rounding), the first differing token is judged from the
+  log-probabilities: a cold run that preferred its own token by more than `CORRUPT_MARGIN` nats
+  over the one served is not rounding (`corrupt_answers`). Turns whose prompt differs in length
+  from the replay's (stored ids that do not tokenize back) are left out (`greedy_prompt_differs`).
+- `remnants`: the sum of the verification remnants of every erasure's receipt, read again with
+  `GET /v1/erasures/{id}` after the traffic settled (a receipt that cannot be read, or whose
+  chain is broken, counts 1).
+- `restarts`: kills survived.
+
+The DETAIL line before it adds, among others: `unexpected` (a connection error no kill explains,
+an answer a valid request should not get, a crash of the soak itself), `remnants_at_erasure` (the
+verification each DELETE answered with), `pre_erasure_kept` (a turn sent before an erasure of its
+user began, acknowledged while it ran, and still readable after it: issue 19, item 4),
+`leftovers` (after a client's own erasure: sessions still listed, cached tokens for a replay of
+its prompt, its marker strings in `dss.sqlite3*`), `erased_4xx` / `erased_aborted` (requests of a
+user whose erasure raced them answered 404, 409 or 410, or ended by an `error` event: the
+erasure won, as it may; never counted as errors), `interrupted` (requests cut by a kill: their
+outcome is unknown, the client re-reads and never adds an unacknowledged version).
+
+The exit status is 1 when any of hangs, errors_5xx, lost_versions, corrupt_served, remnants,
+unexpected, remnants_at_erasure, pre_erasure_kept, leftovers or restart_failures is not 0.
+`--out` keeps summary.json, events.jsonl (every finding with its request and answer) and
+server.log.
 
     .venv/bin/python bench/soak.py --duration-s 1200 --kill-every-s 180 --clients 4 --out /tmp/soak
 """
@@ -54,15 +85,11 @@ import contextlib
 import json
 import os
 import random
-import re
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,20 +97,33 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _procs import die_with_parent, free_port, model_dir
+import _soak_server
+from _procs import free_port
+from _soak_calls import Ambiguous, Caller, Erasure, Gate, Recorder, Stopped, first_divergence, sse
+from _soak_server import MIB, Server, create_key, try_create_key, user_path
 
-REPO = Path(__file__).resolve().parents[1]
-# The code the server runs: the checkout, or (`--server-root`) another copy of it, e.g. a
-# `git archive` of a commit, imported first through PYTHONPATH (the venv's editable install of the
-# checkout comes after it on the import path).
-SERVER_ROOT = REPO
-MIB = 1 << 20
-START_TIMEOUT_S = 420.0
-STOP_TIMEOUT_S = 90.0
+__all__ = ["MIB", "Server", "create_key", "free_port"]  # what bench/schemathesis_stateful.py uses
+
 MAX_SESSIONS = 3  # per client
 MAX_DEPTH = 13  # messages in a version before a client stops extending it
 MAX_BRANCHES = 6  # per session
-FAIL_KEYS = ("hangs", "errors_5xx", "lost_versions", "corrupt_served", "remnants", "unexpected")
+FAIL_KEYS = (
+    "hangs",
+    "errors_5xx",
+    "lost_versions",
+    "corrupt_served",
+    "remnants",
+    "unexpected",
+    "restart_failures",
+    "remnants_at_erasure",
+    "pre_erasure_kept",
+    "leftovers",
+)
+# Nats by which a cold recompute may prefer its token over the one served at the first point
+# where they differ, before the difference is not rounding any more (bf16 on CPU moves a
+# 135M model's logits by a few tenths at most between batch compositions).
+CORRUPT_MARGIN = 1.5
+ODD_USER = "soak@org/user-1"  # client 1's user id with --odd-user-id
 
 QUESTIONS = [
     "Which shelf holds the oldest item?",
@@ -104,287 +144,6 @@ ITEMS = [
     "a copper kettle", "a paper map", "a tin soldier", "a clay pot", "a leather boot",
     "an iron key", "a linen shirt", "a bone comb", "a stone axe", "a cork float",
 ]  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------- utilities
-
-
-def dss_cli() -> list[str]:
-    script = Path(sys.executable).with_name("dss")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "api.cli"]
-
-
-def code_env() -> dict[str, str]:
-    env = dict(os.environ)
-    if SERVER_ROOT != REPO:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SERVER_ROOT), env.get("PYTHONPATH")]))
-    return env
-
-
-def create_key(data_dir: Path, user: str | None) -> str:
-    """`dss keys create --user NAME` / `--admin`: the key is the last line of its stdout."""
-    cmd = [*dss_cli(), "keys", "create", "--data-dir", str(data_dir)]
-    cmd += ["--admin"] if user is None else ["--user", user]
-    proc = subprocess.run(
-        cmd, cwd=SERVER_ROOT, env=code_env(), capture_output=True, text=True, timeout=120, check=False
-    )
-    lines = [ln.strip() for ln in proc.stdout.splitlines() if ln.strip()]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"`{' '.join(cmd)}` failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    return lines[-1]
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """The few counters the soak reads, from the Prometheus text format."""
-    out: Counter[str] = Counter()
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)", line)
-        if m is None:
-            continue
-        name, labels, value = m.group(1), m.group(2) or "", m.group(3)
-        try:
-            v = float(value)
-        except ValueError:
-            continue
-        if name in (
-            "dss_corrupt_pages_total",
-            "dss_connector_store_errors_total",
-            "dss_disk_write_errors_total",
-            "dss_generations_aborted_total",
-            "dss_versions_committed_total",
-        ):
-            out[name] += v
-        elif name == "dss_http_requests_total" and re.search(r'status="5\d\d"', labels):
-            route = re.search(r'route="([^"]*)"', labels)
-            status = re.search(r'status="(\d+)"', labels)
-            where = f"{route.group(1) if route else '?'} {status.group(1) if status else '?'}"
-            out[f"5xx by route: {where}"] += v
-            # /readyz answers 503 by design while the engine starts (the soak polls it then).
-            if route is None or route.group(1) not in ("/readyz", "/healthz"):
-                out["server_5xx"] += v
-        elif name == "dss_evictions_total":
-            out["evictions"] += v
-    return dict(out)
-
-
-class Stopped(Exception):
-    """The run is over; the client thread leaves."""
-
-
-class Ambiguous(Exception):
-    """A request whose outcome the client does not know (cut by a kill, 5xx, hang, odd answer)."""
-
-
-# ------------------------------------------------------------------------------------ server
-class Server:
-    """`dss serve` in its own process group; SIGKILL takes the group (API and engine) at once."""
-
-    def __init__(self, data_dir: Path, port: int, log_path: Path, admin_key: str) -> None:
-        self.data_dir = data_dir
-        self.port = port
-        self.base_url = f"http://127.0.0.1:{port}"
-        self.log_path = log_path
-        self.admin_key = admin_key
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts = 0
-        self.last_metrics: dict[str, float] = {}
-        self.metrics_total: Counter[str] = Counter()
-        self.start_seconds: list[float] = []
-
-    def env(self) -> dict[str, str]:
-        env = code_env()
-        env.update(
-            {
-                "DSS_STORE__HOST_CAPACITY_BYTES": str(64 * MIB),
-                "DSS_STORE__DISK_CAPACITY_BYTES": str(256 * MIB),
-                "DSS_ENGINE__KV_CACHE_SPACE_GIB": "1",
-                "VLLM_CPU_KVCACHE_SPACE": "1",
-                "DSS_ENGINE__MAX_MODEL_LEN": "2048",
-                "DSS_LIMITS__MAX_OUTPUT_TOKENS": "128",
-                "DSS_LIMITS__DEFAULT_MAX_TOKENS": "16",
-                "PYTHONUNBUFFERED": "1",
-            }
-        )
-        return env
-
-    def start(self) -> None:
-        t0 = time.monotonic()
-        with open(self.log_path, "ab") as log:
-            log.write(
-                f"\n===== soak: start #{self.starts + 1} at {time.strftime('%H:%M:%S')} =====\n".encode()
-            )
-            cmd = [
-                *dss_cli(), "serve",
-                "--model", str(model_dir()),
-                "--data-dir", str(self.data_dir),
-                "--host", "127.0.0.1",
-                "--port", str(self.port),
-                "--log-level", "warning",
-            ]  # fmt: skip
-            self.proc = subprocess.Popen(
-                cmd,
-                cwd=SERVER_ROOT,
-                env=self.env(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: os.killpg reaches the engine too
-                preexec_fn=die_with_parent,
-            )
-        self.starts += 1
-        self.last_metrics = {}
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited during start-up ({self.proc.returncode})")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.base_url + "/readyz", timeout=3).status_code == 200:
-                    self.start_seconds.append(time.monotonic() - t0)
-                    return
-            time.sleep(0.5)
-        raise RuntimeError(f"the server was not ready after {START_TIMEOUT_S:.0f} s")
-
-    def scrape(self) -> dict[str, float] | None:
-        try:
-            r = httpx.get(
-                self.base_url + "/metrics", headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=10
-            )
-        except httpx.HTTPError:
-            return None
-        if r.status_code != 200:
-            return None
-        self.last_metrics = parse_metrics(r.text)
-        return self.last_metrics
-
-    def _bank_metrics(self) -> None:
-        """Counters restart from 0 with each process: keep the last scrape of the one ending."""
-        self.metrics_total.update(self.last_metrics)
-        self.last_metrics = {}
-
-    def _group_alive(self, pgid: int) -> bool:
-        import psutil
-
-        for p in psutil.process_iter(["status"]):
-            with contextlib.suppress(psutil.Error, OSError):
-                if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
-                    return True
-        return False
-
-    def kill(self) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        self._bank_metrics()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-        deadline = time.monotonic() + 60
-        while self._group_alive(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-
-    def stop(self) -> tuple[int | None, float]:
-        """Graceful stop (SIGTERM to the API process); SIGKILL the group if it does not end."""
-        proc = self.proc
-        if proc is None:
-            return None, 0.0
-        self._bank_metrics()
-        t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            rc: int | None = proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            rc = None
-        took = time.monotonic() - t0
-        self.proc = proc
-        self.kill()
-        return rc, took
-
-
-# ---------------------------------------------------------------------------------- the gate
-class Gate:
-    """Clients run steps only while the gate is open; the controller closes it (and waits for the
-    steps in flight) to restart the server or to check the ledger."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.is_open = False
-        self.inflight = 0
-        self.down = False  # the server is being killed / restarted
-        self.gen = 0  # bumped at every kill
-        self.stop = threading.Event()
-
-    @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        with self.cond:
-            while not self.is_open:
-                if self.stop.is_set():
-                    raise Stopped
-                self.cond.wait(0.5)
-            self.inflight += 1
-        try:
-            yield
-        finally:
-            with self.cond:
-                self.inflight -= 1
-                self.cond.notify_all()
-
-    def close(self, timeout: float) -> bool:
-        with self.cond:
-            self.is_open = False
-            end = time.monotonic() + timeout
-            while self.inflight > 0:
-                left = end - time.monotonic()
-                if left <= 0:
-                    return False
-                self.cond.wait(left)
-            return True
-
-    def open(self) -> None:
-        with self.cond:
-            self.is_open = True
-            self.cond.notify_all()
-
-
-# --------------------------------------------------------------------------------- recording
-class Recorder:
-    def __init__(self, path: Path) -> None:
-        self.lock = threading.Lock()
-        self.counts: Counter[str] = Counter()
-        self.path = path
-        self.examples: dict[str, list[dict[str, Any]]] = {}
-        self.latencies: dict[str, list[float]] = {}
-
-    def latency(self, kind: str, seconds: float) -> None:
-        with self.lock:
-            self.latencies.setdefault(kind, []).append(seconds)
-
-    def latency_summary(self) -> dict[str, dict[str, float]]:
-        out = {}
-        with self.lock:
-            for kind, xs in sorted(self.latencies.items()):
-                xs = sorted(xs)
-                out[kind] = {
-                    "n": len(xs),
-                    "p50": round(xs[len(xs) // 2], 3),
-                    "p99": round(xs[min(len(xs) - 1, int(len(xs) * 0.99))], 3),
-                    "max": round(xs[-1], 3),
-                }
-        return out
-
-    def count(self, key: str, n: int = 1) -> None:
-        with self.lock:
-            self.counts[key] += n
-
-    def event(self, kind: str, keep: int = 20, **info: Any) -> None:
-        rec = {"t": time.strftime("%H:%M:%S"), "kind": kind, **info}
-        line = json.dumps(rec, default=str)
-        with self.lock:
-            ex = self.examples.setdefault(kind, [])
-            if len(ex) < keep:
-                ex.append(rec)
-            with open(self.path, "a") as f:
-                f.write(line + "\n")
 
 
 # ----------------------------------------------------------------------------------- clients
@@ -413,50 +172,63 @@ class Sess:
 
 @dataclass
 class Entry:
+    """An acknowledged version. `messages` is what the version must list; a Responses version
+    (`response_id`) is checked by its last message (`text`) and by `GET /v1/responses/{id}`."""
+
     sid: str
     number: int
     parent: int | None
     branch: str
-    messages: Messages
+    messages: Messages | None
     via: str
+    q: float = 0.0  # when its request was sent
+    a: float = 0.0  # when its acknowledgement arrived
+    text: str | None = None
+    response_id: str | None = None
 
 
-class Client(threading.Thread):
-    def __init__(
-        self,
-        idx: int,
-        user: str,
-        key: str,
-        ctl: Controller,
-        seed: int,
-    ) -> None:
-        super().__init__(name=f"soak-client-{idx}", daemon=True)
-        self.idx, self.user, self.key, self.ctl = idx, user, key, ctl
-        self.gate, self.rec = ctl.gate, ctl.rec
+@dataclass
+class Resp:
+    """A stored response of this client (a version of its `resp-…` session)."""
+
+    id: str
+    sid: str
+    version: int
+    q: float
+    children: int = 0
+
+
+class Client(Caller, threading.Thread):
+    def __init__(self, idx: int, user: str, key: str, ctl: Controller, seed: int) -> None:
+        threading.Thread.__init__(self, name=f"soak-client-{idx}", daemon=True)
+        Caller.__init__(self, ctl)
+        self.idx, self.user, self.key = idx, user, key
         self.rng = random.Random(f"{seed}-{idx}")
-        base, deadline = ctl.server.base_url, ctl.deadline_s
-        timeout = httpx.Timeout(deadline, connect=10.0)
-        self.http = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=timeout)
-        self.admin = httpx.Client(
-            base_url=base, headers={"Authorization": f"Bearer {ctl.admin_key}"}, timeout=timeout
-        )
-        self.replay = httpx.Client(
-            base_url=base, headers={"Authorization": f"Bearer {ctl.replay_key}"}, timeout=timeout
-        )
+        self.http = self.http_client(key)
+        self.admin = self.http_client(ctl.admin_key)
+        self.replay = self.http_client(ctl.replay_key)
         import openai
 
-        self.oa = openai.OpenAI(base_url=base + "/v1", api_key=key, timeout=deadline, max_retries=0)
+        self.oa = openai.OpenAI(
+            base_url=ctl.server.base_url + "/v1", api_key=key, timeout=ctl.deadline_s, max_retries=0
+        )
         self.epoch = 0
         self.next_sid = 0
         self.counter = 0
         self.sessions: dict[str, Sess] = {}
         self.ledger: dict[tuple[str, int], Entry] = {}
+        self.responses: dict[str, Resp] = {}
         self.pending_delete: set[str] = set()
         self.pending_erase = False
         self.erased_markers: list[str] = []
         self.deleted_markers: list[str] = []
         self.epoch_markers: list[str] = []
         self.receipts: list[str] = []
+        self.processed = 0  # this user's erasures (Controller.erasures_of) taken into account
+        self.errors_seen = 0
+        # Versions acknowledged while an erasure of this user was running: their fate is the
+        # erasure's (kept out of the ledger); one sent before it began must not survive it.
+        self.uncertain: list[Entry] = []
         self.error: BaseException | None = None
 
     # ----------------------------------------------------------------------------- plumbing
@@ -474,91 +246,79 @@ class Client(threading.Thread):
             self.rec.event("client_crash", user=self.user, error=traceback.format_exc())
             self.rec.count("unexpected")
 
-    def _outcome(self, kind: str, gen0: int, t0: float, exc: BaseException, timeout: bool) -> Ambiguous:
-        """Classify a request that got no answer."""
-        took = time.monotonic() - t0
-        if self.gate.down or self.gate.gen != gen0:
-            self.rec.count("interrupted")
-            return Ambiguous(f"{kind}: cut by a kill")
-        if timeout:
-            self.rec.count("hangs")
-            self.rec.event("hang", user=self.user, op=kind, seconds=round(took, 1), error=repr(exc))
-        else:
-            self.rec.count("unexpected")
-            self.rec.event("connection_error", user=self.user, op=kind, error=repr(exc))
-        return Ambiguous(f"{kind}: {exc!r}")
+    def seen_erasures(self) -> int:
+        return self.processed
 
-    def _check_time(self, kind: str, t0: float) -> None:
-        took = time.monotonic() - t0
-        self.rec.latency(kind, took)
-        if took > self.ctl.deadline_s:
-            self.rec.count("hangs")
-            self.rec.event("hang", user=self.user, op=kind, seconds=round(took, 1), note="answered late")
+    def on_erased_answer(self) -> None:
+        for s in self.sessions.values():
+            s.dirty = True
 
-    def _status(self, kind: str, status: int, body: str, expect: tuple[int, ...]) -> None:
-        if status in expect:
-            return
-        if status >= 500:
-            self.rec.count("errors_5xx")
-            self.rec.event("5xx", user=self.user, op=kind, status=status, body=body[:2000])
-        else:
-            self.rec.count("unexpected")
-            self.rec.event("unexpected_status", user=self.user, op=kind, status=status, body=body[:2000])
-        raise Ambiguous(f"{kind}: {status}")
+    def catch_up(self) -> None:
+        """Take the finished erasures of this user into account, in the order they were sent:
+        what was acknowledged before one ended is gone or uncertain (dropped from the ledger);
+        what was sent after it ended must stay. A turn sent before an erasure began and
+        acknowledged after it (an overlap) must not survive it (issue 19, item 4): read back."""
+        done = self.ctl.erasures_of(self.user)
+        while self.processed < len(done) and done[self.processed].e is not None:
+            er = done[self.processed]
+            self.processed += 1
+            if er.void:
+                continue
+            end = float(er.e)  # type: ignore[arg-type]
+            kept = {k: e for k, e in self.ledger.items() if e.q >= end}
+            self.rec.count("erased_versions", len(self.ledger) - len(kept))
+            self.ledger = kept
+            # Only an erasure that answered its receipt certainly ran (a hung one may not have).
+            overlapped = [e for e in self.uncertain if e.q < er.s < e.a] if er.receipt else []
+            self.uncertain = [e for e in self.uncertain if e.q >= end]
+            live = {e.sid for e in kept.values()}
+            for sid in list(self.sessions):
+                if sid not in live:
+                    del self.sessions[sid]
+                    continue
+                s = self.sessions[sid]
+                mine = {e.number: e for e in kept.values() if e.sid == sid}
+                s.known = {n: e.messages for n, e in mine.items() if e.messages is not None}
+                s.parents = {n: e.parent for n, e in mine.items()}
+                s.dirty = True
+            self.responses = {rid: r for rid, r in self.responses.items() if r.q >= end}
+            self.pending_delete = {sid for sid in self.pending_delete if sid in self.sessions}
+            for e in overlapped:
+                self.check_overlap(e, er)
 
-    def req(
-        self,
-        kind: str,
-        method: str,
-        path: str,
-        body: Any = None,
-        expect: tuple[int, ...] = (200,),
-        client: httpx.Client | None = None,
-    ) -> httpx.Response:
-        gen0, t0 = self.gate.gen, time.monotonic()
-        self.rec.count("requests")
-        try:
-            r = (client or self.http).request(method, path, json=body)
-        except httpx.TimeoutException as exc:
-            raise self._outcome(kind, gen0, t0, exc, timeout=True) from None
-        except httpx.TransportError as exc:
-            raise self._outcome(kind, gen0, t0, exc, timeout=False) from None
-        self._check_time(kind, t0)
-        self._status(kind, r.status_code, r.text, expect)
-        return r
-
-    def openai_call(self, kind: str, fn: Callable[[], Any]) -> Any:
-        import openai
-
-        gen0, t0 = self.gate.gen, time.monotonic()
-        self.rec.count("requests")
-        try:
-            out = fn()
-        except (openai.APITimeoutError, httpx.TimeoutException) as exc:  # httpx's: inside a stream
-            raise self._outcome(kind, gen0, t0, exc, timeout=True) from None
-        except httpx.TransportError as exc:
-            raise self._outcome(kind, gen0, t0, exc, timeout=False) from None
-        except openai.APIConnectionError as exc:
-            raise self._outcome(kind, gen0, t0, exc, timeout=False) from None
-        except openai.APIStatusError as exc:
-            self._status(kind, exc.status_code, exc.response.text, ())
-            raise  # unreachable: _status raised
-        except openai.APIError as exc:  # an error event inside a stream
-            if self.gate.down or self.gate.gen != gen0:
-                self.rec.count("interrupted")
-            else:
-                self.rec.count("unexpected")
-                self.rec.event("stream_error", user=self.user, op=kind, error=repr(exc), body=exc.body)
-            raise Ambiguous(kind) from None
-        self._check_time(kind, t0)
-        return out
+    def check_overlap(self, e: Entry, er: Erasure) -> None:
+        """A version sent before the erasure began and acknowledged while it ran: still there?"""
+        with contextlib.suppress(Ambiguous):
+            r = self.req(
+                "overlap_check", "GET", f"/v1/sessions/{e.sid}/versions/{e.number}", expect=(200, 404)
+            )
+            if r.status_code != 200:
+                return
+            got = r.json().get("messages") or []
+            same = (
+                got == e.messages
+                if e.messages is not None
+                else bool(got) and got[-1].get("content") == e.text
+            )
+            if same and self.ctl.erasures_started(self.user) == self.processed:
+                self.rec.count("pre_erasure_kept")
+                self.rec.event(
+                    "pre_erasure_kept",
+                    user=self.user,
+                    session=e.sid,
+                    number=e.number,
+                    via=e.via,
+                    sent_before_erasure_s=round(er.s - e.q, 3),
+                    erasure_receipt=er.receipt,
+                )
 
     def marker(self) -> str:
         return f"zqk{self.idx}e{self.epoch}x{self.rng.getrandbits(40):010x}"
 
-    def user_text(self, s: Sess) -> str:
+    def user_text(self, s: Sess | None = None) -> str:
         self.counter += 1
-        return f"[{s.marker}] #{self.counter} {self.rng.choice(QUESTIONS)}"
+        tag = f"[{s.marker}] " if s is not None else f"[{self.marker()}] "
+        return f"{tag}#{self.counter} {self.rng.choice(QUESTIONS)}"
 
     def new_session(self, stored: bool) -> Sess:
         sid = f"soak-u{self.idx}-s{self.next_sid}"
@@ -574,29 +334,53 @@ class Client(threading.Thread):
         self.sessions[sid] = s
         return s
 
-    def acked(self, s: Sess, data: dict[str, Any], messages: Messages, via: str, expect_parent: int) -> None:
-        """The server acknowledged a committed version: into the ledger."""
+    def acked(
+        self,
+        s: Sess | None,
+        data: dict[str, Any],
+        messages: Messages | None,
+        via: str,
+        expect_parent: int | None,
+        q: float,
+        text: str | None = None,
+        response_id: str | None = None,
+    ) -> Entry | None:
+        """The server acknowledged a committed version: into the ledger, unless an erasure of
+        this user began since the request was sent (its fate is then the erasure's)."""
         number, parent, branch = data.get("state_version"), data.get("parent_version"), data.get("branch")
-        if not isinstance(number, int) or not isinstance(branch, str):
+        sid = s.sid if s is not None else data.get("session_id")
+        if not isinstance(number, int) or not isinstance(branch, str) or not isinstance(sid, str):
             self.rec.count("unexpected")
             self.rec.event("ack_without_version", user=self.user, op=via, data=str(data)[:1000])
-            s.dirty = True
-            return
-        old = self.ledger.get((s.sid, number))
-        if old is not None:  # the number was given out twice: the first version is gone
-            self.ctl.lost(self, old, "its number was given to another version", {"new": messages})
-        if (parent or 0) != expect_parent:
-            self.rec.count("other_parent")
-        self.ledger[(s.sid, number)] = Entry(s.sid, number, parent, branch, messages, via)
+            if s is not None:
+                s.dirty = True
+            return None
         self.rec.count("acked_versions")
-        s.known[number] = messages
-        s.parents[number] = parent
-        s.branches[branch] = number
-        s.vcount = max(s.vcount, number)
+        e = Entry(sid, number, parent, branch, messages, via, q, time.monotonic(), text, response_id)
+        if self.raced():
+            self.rec.count("acked_during_erasure")
+            self.uncertain.append(e)
+            if s is not None:
+                s.dirty = True
+            return None
+        old = self.ledger.get((sid, number))
+        if old is not None:  # the number was given out twice: the first version is gone
+            self.ctl.lost(self, old, "its number was given to another version", {"new": messages or text})
+        if expect_parent is not None and (parent or 0) != expect_parent:
+            self.rec.count("other_parent")
+        self.ledger[(sid, number)] = e
+        if s is not None:
+            if messages is not None:
+                s.known[number] = messages
+            s.parents[number] = parent
+            s.branches[branch] = number
+            s.vcount = max(s.vcount, number)
+        return e
 
     # ---------------------------------------------------------------------------- the steps
     def step(self) -> None:
         try:
+            self.catch_up()
             if self.pending_erase:
                 self.erase()
                 return
@@ -606,12 +390,15 @@ class Client(threading.Thread):
                 self.resync(s)
             self.random_op()
         except Ambiguous:
-            pass
+            if self.rec.counts["errors_5xx"] > self.errors_seen:  # do not hammer a failing server
+                self.errors_seen = self.rec.counts["errors_5xx"]
+                time.sleep(2.0)
 
     def resolve(self) -> None:
-        """After a restart (called by the controller while this client is paused)."""
+        """After a restart and before a check (called by the controller while this client is paused)."""
         for _ in range(3):
             try:
+                self.catch_up()
                 if self.pending_erase:
                     self.erase()
                 for sid in list(self.pending_delete):
@@ -622,23 +409,31 @@ class Client(threading.Thread):
             except Ambiguous:
                 continue
 
+    OPS: tuple[tuple[str, float], ...] = (
+        ("chat", 20),
+        ("chat_stream", 12),
+        ("message", 16),
+        ("alternatives", 4),
+        ("response", 12),
+        ("response_read", 3),
+        ("response_delete", 2),
+        ("rollback", 7),
+        ("branch", 6),
+        ("disconnect", 5),
+        ("read", 5),
+        ("browse", 3),
+        ("patch", 2),
+        ("warm", 2),
+        ("create", 3),
+        ("delete", 3),
+    )
+
     def random_op(self) -> None:
         r = self.rng
-        ops: list[tuple[str, float]] = [
-            ("chat", 24),
-            ("chat_stream", 14),
-            ("message", 18),
-            ("rollback", 8),
-            ("branch", 7),
-            ("disconnect", 6),
-            ("read", 6),
-            ("create", 3),
-            ("delete", 3),
-            ("erase", self.ctl.erase_weight),
-        ]
+        ops = [*self.OPS, ("erase", self.ctl.erase_weight)]
         op = r.choices([o for o, _ in ops], [w for _, w in ops])[0]
         self.rec.count(f"op_{op}")
-        if op in ("chat", "chat_stream", "message", "disconnect"):
+        if op in ("chat", "chat_stream", "message", "disconnect", "alternatives"):
             self.turn(op)
         elif op == "create":
             if len(self.sessions) < MAX_SESSIONS:
@@ -647,7 +442,9 @@ class Client(threading.Thread):
                 self.turn("chat")
         else:
             {"rollback": self.rollback, "branch": self.branch, "read": self.read,
-             "delete": self.delete_random, "erase": self.erase}[op]()  # fmt: skip
+             "delete": self.delete_random, "erase": self.erase, "response": self.respond,
+             "response_read": self.response_read, "response_delete": self.response_delete,
+             "browse": self.browse, "patch": self.patch, "warm": self.warm}[op]()  # fmt: skip
 
     def pick(self) -> tuple[Sess, str, int] | None:
         options = [
@@ -671,19 +468,30 @@ class Client(threading.Thread):
         s, branch, head = picked
         if op == "message" and head == 0 and not s.stored_system:
             op = "chat"
+        if op == "alternatives" and len(s.branches) >= MAX_BRANCHES - 1:
+            op = "chat"
         if op == "chat":
             self.chat(s, head, stream=False)
         elif op == "chat_stream":
             self.chat(s, head, stream=True)
+        elif op == "alternatives":
+            self.chat(s, head, stream=self.rng.random() < 0.3, n=2)
         elif op == "message":
             self.message(s, branch, head, stream=self.rng.random() < 0.4)
         else:
             self.disconnect(s, branch, head)
 
-    def chat(self, s: Sess, head: int, stream: bool) -> None:
+    def chat(self, s: Sess, head: int, stream: bool, n: int = 1) -> None:
         sent = [*s.base(head), {"role": "user", "content": self.user_text(s)}]
         max_tokens = self.rng.choice([6, 8, 12, 16])
-        kind = "chat_stream" if stream else "chat"
+        kind = ("chat_stream" if stream else "chat") + ("_n" if n > 1 else "")
+        # n > 1 samples (siblings would be identical greedily); a single answer is greedy and,
+        # not streamed, carries log-probs for the cold recompute (`greedy_replay`).
+        if n > 1 and self.ctl.alt_seed:
+            extra_seed: dict[str, Any] = {"seed": self.counter}
+        else:
+            extra_seed = {}
+        sampling: dict[str, Any] = extra_seed | ({"temperature": 0} if n == 1 else {"temperature": 1.0})
         s.dirty = True  # until acknowledged
         if not stream:
             resp = self.openai_call(
@@ -692,62 +500,125 @@ class Client(threading.Thread):
                     model="default",
                     messages=sent,  # type: ignore[arg-type]
                     max_tokens=max_tokens,
-                    temperature=0,
+                    n=n,
+                    logprobs=n == 1,
+                    top_logprobs=5 if n == 1 else None,
                     extra_body={"session_id": s.sid},
+                    **sampling,
                 ),
             )
-            text = resp.choices[0].message.content or ""
+            q = self.last_q
             data = dict(resp.model_extra or {})
+            choices = [(c.message.content or "", dict(c.model_extra or {}), c.logprobs) for c in resp.choices]
+            usage = resp.usage.prompt_tokens if resp.usage is not None else None
         else:
 
-            def consume() -> tuple[str, dict[str, Any]]:
-                parts: list[str] = []
+            def consume() -> tuple[dict[int, str], dict[int, dict[str, Any]], dict[str, Any]]:
+                parts: dict[int, list[str]] = {}
+                per_choice: dict[int, dict[str, Any]] = {}
                 fields: dict[str, Any] = {}
                 for chunk in self.oa.chat.completions.create(
                     model="default",
                     messages=sent,  # type: ignore[arg-type]
                     max_tokens=max_tokens,
-                    temperature=0,
+                    n=n,
                     stream=True,
                     stream_options={"include_usage": True},
                     extra_body={"session_id": s.sid},
+                    **sampling,
                 ):
                     extra = chunk.model_extra or {}
                     if extra.get("state_version") is not None:
                         fields = dict(extra)
-                    if chunk.choices and chunk.choices[0].delta.content:
-                        parts.append(chunk.choices[0].delta.content)
-                return "".join(parts), fields
+                    for ch in chunk.choices:
+                        if ch.delta.content:
+                            parts.setdefault(ch.index, []).append(ch.delta.content)
+                        if (ch.model_extra or {}).get("state_version") is not None:
+                            per_choice[ch.index] = dict(ch.model_extra or {})
+                return {i: "".join(p) for i, p in parts.items()}, per_choice, fields
 
-            text, data = self.openai_call(kind, consume)
-        messages = [*sent, {"role": "assistant", "content": text}]
-        self.acked(s, data, messages, kind, head)
-        s.dirty = False
-        if not stream and self.rng.random() < self.ctl.replay_fraction:
-            self.greedy_replay(sent, max_tokens, text, data)
+            texts, per_choice, data = self.openai_call(kind, consume)
+            q = self.last_q
+            choices = [(texts.get(i, ""), per_choice.get(i, {}), None) for i in range(n)]
+            usage = None
+        for i, (text, extra, _) in enumerate(choices):
+            messages = [*sent, {"role": "assistant", "content": text}]
+            if extra.get("state_version") is not None:
+                self.acked(s, {**data, **extra}, messages, kind, head, q)
+            elif i == 0:
+                self.acked(s, data, messages, kind, head, q)
+            else:  # an alternative without its own version: the docs promise one
+                self.rec.count("unexpected")
+                self.rec.event("alternative_without_version", user=self.user, index=i, data=str(data)[:500])
+        if not self.raced():
+            s.dirty = False
+        if not stream and n == 1 and self.rng.random() < self.ctl.replay_fraction:
+            self.greedy_replay(sent, max_tokens, choices[0][0], data, choices[0][2], usage)
 
-    def greedy_replay(self, sent: Messages, max_tokens: int, text: str, data: dict[str, Any]) -> None:
-        """The same messages as a plain request of another user (a cold prefill): same text?"""
-        body = {"model": "default", "messages": sent, "max_tokens": max_tokens, "temperature": 0}
-        r = self.req("replay", "POST", "/v1/chat/completions", body, client=self.replay)
-        other = r.json()["choices"][0]["message"]["content"]
+    def greedy_replay(
+        self,
+        sent: Messages,
+        max_tokens: int,
+        text: str,
+        data: dict[str, Any],
+        logprobs: Any,
+        prompt_tokens: int | None,
+    ) -> None:
+        """The same messages as a plain request of another user (its own namespace: a cold
+        prefill), greedy: the same text? Where not, the first differing token decides: a cold run
+        that preferred its token by more than `CORRUPT_MARGIN` nats over the one served is not
+        rounding (batch composition moves logits by far less): `corrupt_answers`."""
+        body = {
+            "model": "default",
+            "messages": sent,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 5,
+        }
+        r = self.req("replay", "POST", "/v1/chat/completions", body, client=self.replay).json()
+        choice = r["choices"][0]
+        other = choice["message"]["content"]
         dss = data.get("dss") or {}
         loaded = int(dss.get("loaded_tokens") or 0)  # read from a DSS tier by the connector
         cached = int(dss.get("cached_tokens") or 0)  # not computed: DSS or vLLM's own prefix cache
         self.rec.count("greedy_checked")
         self.rec.count("greedy_checked_cached", 1 if cached else 0)
         self.rec.count("greedy_checked_loaded", 1 if loaded else 0)
-        if other != text:
-            self.rec.count("greedy_mismatch")
-            self.rec.count("greedy_mismatch_cached", 1 if cached else 0)
-            self.rec.count("greedy_mismatch_loaded", 1 if loaded else 0)
-            self.rec.event("greedy_mismatch", keep=10, session=text, cold=other, dss=dss)
-
-    def _sse(self, resp: httpx.Response) -> Iterator[dict[str, Any] | str]:
-        for line in resp.iter_lines():
-            if line.startswith("data: "):
-                payload = line[len("data: ") :]
-                yield payload if payload == "[DONE]" else json.loads(payload)
+        if other == text:
+            return
+        self.rec.count("greedy_mismatch")
+        self.rec.count("greedy_mismatch_cached", 1 if cached else 0)
+        self.rec.count("greedy_mismatch_loaded", 1 if loaded else 0)
+        ours = [t.model_dump() for t in (logprobs.content or [])] if logprobs is not None else []
+        cold = list((choice.get("logprobs") or {}).get("content") or [])
+        cold_prompt = int((r.get("usage") or {}).get("prompt_tokens") or 0)
+        if prompt_tokens is not None and cold_prompt != prompt_tokens:
+            # The session's prompt is its stored ids: where they do not tokenize back from the
+            # text, the two prompts differ and so may the answers.
+            self.rec.count("greedy_prompt_differs")
+            return
+        div = first_divergence(ours, cold)
+        where = {"session": text, "cold": other, "dss": dss}
+        if div is None:
+            self.rec.event("greedy_mismatch", keep=10, **where, note="no token-level divergence")
+            return
+        pos, cold_margin, our_margin = div
+        if cold_margin > CORRUPT_MARGIN:
+            self.rec.count("corrupt_answers")
+            self.rec.event(
+                "corrupt_answer",
+                user=self.user,
+                position=pos,
+                cold_margin=cold_margin,
+                served_margin=our_margin,
+                messages=sent[-2:],
+                **where,
+            )
+        else:
+            self.rec.event(
+                "greedy_mismatch", keep=10, position=pos, cold_margin=round(cold_margin, 3), **where
+            )
 
     def message(self, s: Sess, branch: str, head: int, stream: bool) -> None:
         content = self.user_text(s)
@@ -764,57 +635,148 @@ class Client(threading.Thread):
             data = self.req("message", "POST", path, body).json()
             text = data["choices"][0]["message"]["content"]
         else:
-            text, data = self.stream_request("message_stream", path, body)
+            text, data = self.stream_request(
+                "message_stream", path, body, lambda ev: ev.get("state_version") is not None
+            )
+        q, raced = self.last_q, self.raced()
         parent = data.get("parent_version")
-        if parent is not None and parent not in s.known:
+        if not raced and parent is not None and parent not in s.known:
             self.resync(s)  # the client did not know that version: read it back
         base = s.root() if parent is None else s.known.get(parent)
         if base is None:
-            self.rec.count("unexpected")
-            self.rec.event("unknown_parent", user=self.user, session=s.sid, data=str(data)[:500])
+            if not raced:
+                self.rec.count("unexpected")
+                self.rec.event("unknown_parent", user=self.user, session=s.sid, data=str(data)[:500])
             return
         if data.get("branch") != branch:
             self.rec.count("unexpected")
             self.rec.event("message_wrong_branch", user=self.user, asked=branch, got=data.get("branch"))
         messages = [*base, {"role": "user", "content": content}, {"role": "assistant", "content": text}]
-        self.acked(s, data, messages, "message_stream" if stream else "message", head)
-        s.dirty = False
+        self.acked(s, data, messages, "message_stream" if stream else "message", head, q)
+        s.dirty = raced
 
-    def stream_request(self, kind: str, path: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        gen0, t0 = self.gate.gen, time.monotonic()
-        self.rec.count("requests")
-        parts: list[str] = []
-        fields: dict[str, Any] = {}
-        done = False
-        try:
-            with self.http.stream("POST", path, json=body) as resp:
-                if resp.status_code != 200:
-                    resp.read()
-                    self._status(kind, resp.status_code, resp.text, (200,))
-                for ev in self._sse(resp):
-                    if ev == "[DONE]":
-                        done = True
-                        break
-                    assert isinstance(ev, dict)
-                    if "error" in ev:
-                        if self.gate.down or self.gate.gen != gen0:
-                            self.rec.count("interrupted")
-                        else:
-                            self.rec.count("unexpected")
-                            self.rec.event("stream_error", user=self.user, op=kind, error=ev["error"])
-                        raise Ambiguous(kind)
-                    if ev.get("state_version") is not None:
-                        fields = ev
-                    for ch in ev.get("choices") or []:
-                        parts.append((ch.get("delta") or {}).get("content") or "")
-        except httpx.TimeoutException as exc:
-            raise self._outcome(kind, gen0, t0, exc, timeout=True) from None
-        except httpx.TransportError as exc:
-            raise self._outcome(kind, gen0, t0, exc, timeout=False) from None
-        self._check_time(kind, t0)
-        if not done:
-            raise self._outcome(kind, gen0, t0, RuntimeError("stream ended without [DONE]"), timeout=False)
-        return "".join(parts), fields
+    # ---------------------------------------------------------------------- the Responses API
+    def respond(self) -> None:
+        """POST /v1/responses: a new chain, its continuation, or a fork at an older response;
+        streamed or not; now and then `store: false` (nothing may be kept)."""
+        r = self.rng
+        prev = r.choice(sorted(self.responses.values(), key=lambda x: x.id)) if self.responses else None
+        if prev is not None and (r.random() < 0.25 or prev.version >= MAX_DEPTH // 2):
+            prev = None
+        store = r.random() > 0.1
+        stream = r.random() < 0.35
+        text_in = self.user_text()
+        body: dict[str, Any] = {
+            "model": "default",
+            "input": text_in,
+            "instructions": "Answer in a few words.",
+            "max_output_tokens": r.choice([4, 6, 8]),
+            "temperature": 0,
+            "store": store,
+        }
+        if prev is not None:
+            body["previous_response_id"] = prev.id
+        if stream:
+            body["stream"] = True
+            out_text, ev = self.stream_request(
+                "response_stream", "/v1/responses", body, lambda e: e.get("type") == "response.completed"
+            )
+            data = ev.get("response") or {}
+        else:
+            data = self.req("response", "POST", "/v1/responses", body).json()
+            out_text = data.get("output_text") or "".join(
+                p.get("text", "") for o in data.get("output") or [] for p in o.get("content") or []
+            )
+        q = self.last_q
+        dss = data.get("dss") or {}
+        rid = data.get("id")
+        if not store:
+            self.rec.count("responses_unstored")
+            if isinstance(rid, str):  # nothing kept: not even the record
+                with contextlib.suppress(Ambiguous):
+                    self.req("response_read", "GET", f"/v1/responses/{rid}", expect=(404,))
+            return
+        if not isinstance(rid, str) or not isinstance(dss.get("session_id"), str):
+            self.rec.count("unexpected")
+            self.rec.event("response_without_record", user=self.user, data=str(data)[:1000])
+            return
+        fields = {
+            "state_version": dss.get("version"),
+            "branch": dss.get("branch"),
+            "session_id": dss.get("session_id"),
+            "parent_version": prev.version if prev is not None and prev.sid == dss["session_id"] else None,
+        }
+        via = "response_stream" if stream else "response"
+        entry = self.acked(None, fields, None, via, None, q, text=out_text, response_id=rid)
+        if entry is not None:
+            self.responses[rid] = Resp(rid, entry.sid, entry.number, q)
+            if prev is not None and prev.id in self.responses:
+                self.responses[prev.id].children += 1
+            self.rec.count("responses_stored")
+
+    def response_read(self) -> None:
+        if not self.responses:
+            return
+        resp = self.rng.choice(sorted(self.responses.values(), key=lambda x: x.id))
+        r = self.req("response_read", "GET", f"/v1/responses/{resp.id}")
+        if r.json().get("id") != resp.id:
+            self.rec.count("unexpected")
+            self.rec.event("response_read_other", user=self.user, asked=resp.id, got=r.text[:500])
+        order = self.rng.choice(["asc", "desc"])
+        items = self.req(
+            "response_items", "GET", f"/v1/responses/{resp.id}/input_items?order={order}&limit=5"
+        )
+        if not isinstance(items.json().get("data"), list):
+            self.rec.count("unexpected")
+
+    def response_delete(self) -> None:
+        """DELETE a leaf response (200), or an inner one with `cascade=true`."""
+        if not self.responses:
+            return
+        resp = self.rng.choice(sorted(self.responses.values(), key=lambda x: x.id))
+        cascade = resp.children > 0
+        path = f"/v1/responses/{resp.id}" + ("?cascade=true" if cascade else "")
+        body = self.req("response_delete", "DELETE", path).json()
+        gone = set(body.get("deleted_response_ids") or []) | {resp.id}
+        for rid in gone:
+            old = self.responses.pop(rid, None)
+            if old is not None:
+                self.ledger.pop((old.sid, old.version), None)
+        for sid, n in [k for k, e in self.ledger.items() if e.response_id in gone]:
+            del self.ledger[(sid, n)]
+        self.rec.count("response_deletes")
+
+    # ------------------------------------------------------------------- reads, hints, warm-ups
+    def browse(self) -> None:
+        """The listing routes: sessions, one session, its branches, models, public prefixes."""
+        listed = self.req("browse", "GET", "/v1/sessions?limit=50").json()
+        if not isinstance(listed.get("data"), list):
+            self.rec.count("unexpected")
+        if self.sessions:
+            s = self.rng.choice(sorted(self.sessions.values(), key=lambda x: x.sid))
+            self.req("browse", "GET", f"/v1/sessions/{s.sid}/branches")
+        self.req("browse", "GET", "/v1/models")
+        self.req("browse", "GET", "/v1/prefixes")
+
+    def patch(self) -> None:
+        if not self.sessions:
+            return
+        s = self.rng.choice(sorted(self.sessions.values(), key=lambda x: x.sid))
+        body: dict[str, Any] = {
+            "kv_retention": self.rng.choice(["normal", "evict", "pinned", "normal"]),
+            "kv_idle_ttl_s": self.rng.choice([None, 5, 600]),
+        }
+        # A pinned session beyond the pinned cap is a documented 409.
+        r = self.req("patch", "PATCH", f"/v1/sessions/{s.sid}", body, expect=(200, 409))
+        if r.status_code == 409 and "pinned_cap_exceeded" not in r.text:
+            self._status("patch", r.status_code, r.text, (200,))
+
+    def warm(self) -> None:
+        options = [(s, b) for s in self.sessions.values() for b in s.branches]
+        if not options:
+            return
+        s, b = self.rng.choice(sorted(options, key=lambda x: (x[0].sid, x[1])))
+        self.req("warm", "POST", f"/v1/sessions/{s.sid}/warm", {"branch": b}, expect=(202,))
 
     def disconnect(self, s: Sess, branch: str, head: int) -> None:
         """A stream the client drops after two content chunks: nothing should be committed."""
@@ -827,23 +789,15 @@ class Client(threading.Thread):
             sent = [*s.base(head), {"role": "user", "content": self.user_text(s)}]
             body = {"messages": sent, "session_id": s.sid, "stream": True}
         body.update({"max_tokens": 96, "temperature": 0})
-        gen0, t0 = self.gate.gen, time.monotonic()
-        self.rec.count("requests")
+        gen0, t0 = self._begin()
         s.dirty = True
         chunks = 0
         try:
-            with (
-                httpx.Client(
-                    base_url=self.ctl.server.base_url,
-                    headers={"Authorization": f"Bearer {self.key}"},
-                    timeout=httpx.Timeout(self.ctl.deadline_s, connect=10.0),
-                ) as c,
-                c.stream("POST", path, json=body) as resp,
-            ):
+            with self.http_client(self.key) as c, c.stream("POST", path, json=body) as resp:
                 if resp.status_code != 200:
                     resp.read()
                     self._status("disconnect", resp.status_code, resp.text, (200,))
-                for ev in self._sse(resp):
+                for ev in sse(resp):
                     if isinstance(ev, dict) and any(
                         (ch.get("delta") or {}).get("content") for ch in ev.get("choices") or []
                     ):
@@ -862,7 +816,7 @@ class Client(threading.Thread):
         s = self.new_session(stored=True)
         s.dirty = True
         self.req("create", "POST", "/v1/sessions", {"session_id": s.sid, "system_prompt": s.system}, (201,))
-        s.dirty = False
+        s.dirty = self.raced()
 
     def rollback(self) -> None:
         options = [(s, b, h) for s in self.sessions.values() for b, h in s.branches.items() if h > 0]
@@ -887,7 +841,7 @@ class Client(threading.Thread):
             self.rec.count("unexpected")
             self.rec.event("rollback_wrong_head", user=self.user, asked=to, got=r.json())
         s.branches[branch] = to
-        s.dirty = False
+        s.dirty = self.raced()
         self.rec.count("rollbacks")
 
     def branch(self) -> None:
@@ -902,26 +856,25 @@ class Client(threading.Thread):
             "branch", "POST", f"/v1/sessions/{s.sid}/branches", {"from_version": n, "name": name}, (201,)
         )
         s.branches[name] = n
-        s.dirty = False
+        s.dirty = self.raced()
         self.rec.count("branches")
 
     def read(self) -> None:
         """List a session's versions: every acknowledged one must be there (an online check)."""
-        if not self.sessions:
+        sids = sorted({sid for sid, _ in self.ledger})
+        if not sids:
             return
-        s = self.rng.choice(list(self.sessions.values()))
-        if not any(k[0] == s.sid for k in self.ledger):
-            return
+        sid = self.rng.choice(sids)
         listed: set[int] = set()
         after = 0
         while True:  # the listing comes in pages of limits.max_list_limit
-            page = self.req("read", "GET", f"/v1/sessions/{s.sid}/versions?after={after}").json()
+            page = self.req("read", "GET", f"/v1/sessions/{sid}/versions?after={after}").json()
             listed |= {v["number"] for v in page["data"]}
             if not page["has_more"]:
                 break
             after = int(page["last_id"])
-        for (sid, n), e in list(self.ledger.items()):
-            if sid == s.sid and n not in listed:
+        for (lsid, n), e in list(self.ledger.items()):
+            if lsid == sid and n not in listed:
                 self.ctl.lost(self, e, "not listed (online read)", {"listed": sorted(listed)})
 
     def delete_random(self) -> None:
@@ -940,36 +893,52 @@ class Client(threading.Thread):
         self.rec.count("deletes")
 
     def erase(self) -> None:
-        """DELETE /v1/users/{me} with the admin key; the user then starts again from nothing."""
+        """DELETE /v1/users/{me} with the admin key from this client's own thread (none of its
+        requests in flight); the user then starts again from nothing, reusing its session ids."""
         self.pending_erase = True
-        last = next(reversed(self.ledger.values()), None)
-        r = self.req("erase", "DELETE", f"/v1/users/{self.user}", client=self.admin)
+        last = next((e for e in reversed(self.ledger.values()) if e.messages is not None), None)
+        er = self.ctl.begin_erasure(self.user, "self")
+        self.last_status = None
+        gen0 = self.gate.gen
+        try:
+            r = self.req("erase", "DELETE", user_path(self.user), client=self.admin, race_ok=False)
+        except Ambiguous:
+            answered = self.last_status
+            # A 4xx erased nothing: void. No answer or a 5xx: it may have erased (a hang may even
+            # erase later: unknown). Answered either way, it is a finding already counted, and
+            # not retried (a kill's cut erasure is).
+            self.ctl.end_erasure(
+                er, None, unknown=answered is None, void=answered is not None and answered < 500
+            )
+            if answered is not None and not (self.gate.down or self.gate.gen != gen0):
+                self.pending_erase = False
+            raise
         receipt = r.json()
+        self.ctl.end_erasure(er, receipt)
         self.pending_erase = False
         self.receipts.append(receipt["id"])
-        ver = receipt.get("verification") or {}
-        if ver.get("remnants", 1) != 0 or not ver.get("chain_ok", False):
-            self.rec.count("remnants", max(1, int(ver.get("remnants") or 0)))
-            self.rec.event("erasure_remnants", user=self.user, verification=ver)
         self.erased_markers += self.epoch_markers
         self.epoch_markers = []
+        self.catch_up()
         self.sessions.clear()
         self.ledger.clear()
+        self.responses.clear()
         self.pending_delete.clear()
         self.epoch += 1
         self.next_sid = 0  # the erased session ids are used again
         self.rec.count("erasures")
         left = self.req("erase_check", "GET", "/v1/sessions").json()["data"]
-        if left:
-            self.rec.count("remnants", len(left))
+        if left and not self.raced():
+            self.rec.count("leftovers", len(left))
             self.rec.event("sessions_after_erasure", user=self.user, sessions=[x["id"] for x in left])
-        if last is not None:  # the same prompt again: nothing of the erased user may be cached
+        if last is not None and last.messages is not None:
+            # The same prompt again: nothing of the erased user may be cached.
             prompt = last.messages[:-1]
             body = {"model": "default", "messages": prompt, "max_tokens": 1, "temperature": 0}
             usage = self.req("erase_check", "POST", "/v1/chat/completions", body).json()["usage"]
             cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
             if cached:
-                self.rec.count("remnants")
+                self.rec.count("leftovers")
                 self.rec.event("cached_after_erasure", user=self.user, cached_tokens=cached)
 
     def resync(self, s: Sess, ghost_from: int | None = None) -> None:
@@ -983,7 +952,7 @@ class Client(threading.Thread):
             return
         info = r.json()
         count = int(info["version_count"])
-        if ghost_from is not None and count > ghost_from:
+        if ghost_from is not None and count > ghost_from and not self.raced():
             self.rec.count("ghost_commits", count - ghost_from)
         s.vcount = max(s.vcount, count)
         s.branches = {b["name"]: int(b["head_version"]) for b in info["branches"]}
@@ -995,6 +964,137 @@ class Client(threading.Thread):
         s.dirty = False
 
 
+# -------------------------------------------------------------------------------- operator
+class Operator(Caller, threading.Thread):
+    """The admin side, racing the clients: erasures of the users the traffic uses (now and then
+    two or three of the same user at once, some with the user's own key), each receipt's
+    verification read; the erasure list, public prefixes (create, list, delete), health, the
+    console's files, the models list."""
+
+    def __init__(self, ctl: Controller, seed: int, users: dict[str, str]) -> None:
+        threading.Thread.__init__(self, name="soak-operator", daemon=True)
+        Caller.__init__(self, ctl)
+        self.rng = random.Random(f"{seed}-operator")
+        self.users = users  # user -> key
+        self.http = self.http_client(ctl.admin_key)
+        self.prefixes: list[str] = []
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+
+    def run(self) -> None:
+        try:
+            next_erase = self.rng.uniform(0.5, 1.5) * self.ctl.race_erase_every_s
+            t = 0.0
+            while not self.gate.stop.is_set():
+                time.sleep(1.0)
+                if not self.gate.is_open:
+                    continue
+                t += 1.0
+                with self.gate.step(), contextlib.suppress(Ambiguous):
+                    if t >= next_erase and self.users:
+                        next_erase = t + self.rng.uniform(0.5, 1.5) * self.ctl.race_erase_every_s
+                        self.erase_race()
+                    elif self.rng.random() < 0.2:
+                        self.admin_op()
+        except Stopped:
+            pass
+        except BaseException as exc:
+            import traceback
+
+            self.error = exc
+            self.rec.event("client_crash", user="operator", error=traceback.format_exc())
+            self.rec.count("unexpected")
+
+    def erase_race(self) -> None:
+        user = self.rng.choice(sorted(self.users))
+        k = self.rng.choices([1, 2, 3], [6, 3, 1])[0]
+        threads = [
+            threading.Thread(target=self.erase_one, args=(user, self.rng.random() < 0.3, k), daemon=True)
+            for _ in range(k)
+        ]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(self.ctl.deadline_s * 2 + 10)
+        self.rec.count(f"race_erasures_x{k}")
+
+    def erase_one(self, user: str, own_key: bool, together: int) -> None:
+        """One DELETE /v1/users/{user}; the receipt's verification at once (`remnants_at_erasure`)."""
+        er = self.ctl.begin_erasure(user, "user" if own_key else "admin", together)
+        gen0, t0 = self.gate.gen, time.monotonic()
+        self.rec.count("requests")
+        key = self.users[user] if own_key else self.ctl.admin_key
+        try:
+            with self.http_client(key) as c:
+                r = c.delete(user_path(user))
+        except httpx.TimeoutException as exc:
+            self.ctl.end_erasure(er, None, unknown=True)
+            with self.lock, contextlib.suppress(Exception):
+                self._outcome("race_erase", gen0, t0, exc, timeout=True)
+            return
+        except httpx.TransportError as exc:
+            self.ctl.end_erasure(er, None)
+            with self.lock, contextlib.suppress(Exception):
+                self._outcome("race_erase", gen0, t0, exc, timeout=False)
+            return
+        with self.lock:
+            self._check_time("race_erase", t0)
+            if r.status_code != 200:
+                self.ctl.end_erasure(er, None, void=r.status_code < 500)
+                self.rec.event(
+                    "race_erase_answer", user=user, by=er.by, together=together, status=r.status_code
+                )
+                with contextlib.suppress(Ambiguous):
+                    self._status("race_erase", r.status_code, r.text, (200,))
+                return
+        receipt = r.json()
+        self.ctl.end_erasure(er, receipt)
+        self.rec.count("erasures")
+        self.rec.count("race_erasures")
+
+    def admin_op(self) -> None:
+        op = self.rng.choice(["erasures", "receipt", "prefix", "prefix", "health", "console", "models"])
+        if op == "erasures":
+            body = self.req("erasure_list", "GET", "/v1/erasures?limit=5").json()
+            if body.get("data") and self.rng.random() < 0.5:
+                self.req("erasure_list", "GET", f"/v1/erasures?limit=5&after={body['data'][-1]['id']}")
+        elif op == "receipt":
+            rid = self.ctl.some_receipt(self.rng)
+            if rid is not None:
+                self.req("receipt", "GET", f"/v1/erasures/{rid}")
+        elif op == "prefix":
+            if len(self.prefixes) < 2 or self.rng.random() < 0.5:
+                # A text prefix: no chat prompt starts with its tokens, so a prefix of the
+                # template (`<|im_start|>system`) never shows as cached in an erasure's checks.
+                text = "Soak museum front desk. " + " ".join(
+                    f"Room {i} shows {self.rng.choice(ITEMS)} from {1700 + 7 * i}." for i in range(40)
+                )
+                body = {"text": text, "pin": self.rng.random() < 0.25}
+                pid = self.req("prefix_create", "POST", "/v1/prefixes", body, expect=(201,)).json()["id"]
+                self.prefixes.append(pid)
+            else:
+                pid = self.prefixes.pop(0)
+                self.req("prefix_delete", "DELETE", f"/v1/prefixes/{pid}", expect=(200, 404))
+            self.req("prefix_list", "GET", "/v1/prefixes")
+        elif op == "health":
+            self.req("health", "GET", "/healthz")
+            self.req("health", "GET", "/readyz")
+        elif op == "console":
+            self.req("console", "GET", "/console")
+            self.req("console", "GET", "/console/", expect=(200, 307))
+            self.req("console", "GET", f"/console/{self.rng.choice(['app.js', 'style.css', 'index.html'])}")
+        else:
+            self.req("models", "GET", "/v1/models")
+
+
+def same_content(listed: Messages, e: Entry) -> bool:
+    """A version's messages as read back against the ledger: all of them, or (a response) the
+    answer, its last message."""
+    if e.messages is not None:
+        return listed == e.messages
+    return bool(listed) and listed[-1].get("content") == e.text
+
+
 # -------------------------------------------------------------------------------- controller
 class Controller:
     def __init__(self, args: argparse.Namespace, out: Path, data_dir: Path) -> None:
@@ -1004,25 +1104,98 @@ class Controller:
         self.deadline_s = float(args.deadline_s)
         self.replay_fraction = float(args.replay_fraction)
         self.erase_weight = float(args.erase_weight)
+        self.alt_seed = bool(args.alt_seed)
+        self.race_erase_every_s = float(args.race_erase_every_s)
+        self.erasure_lock = threading.Lock()
+        self.erasures: dict[str, list[Erasure]] = {}
+        self.receipts: list[tuple[str, str]] = []  # (user, receipt id) of every erasure answered
         self.gate = Gate()
         self.rec = Recorder(out / "events.jsonl")
         self.lost_keys: set[tuple[str, int, int, str]] = set()
         self.lost_lock = threading.Lock()
         self.restart_failures = 0
         self.verified = 0
-        users = [f"soak-user-{i}" for i in range(args.clients)]
         t0 = time.monotonic()
         self.admin_key = create_key(data_dir, None)
         self.replay_key = create_key(data_dir, "soak-replay")
-        keys = [create_key(data_dir, u) for u in users]
+        users, keys = [], []
+        for i in range(args.clients):
+            user, key = f"soak-user-{i}", None
+            if i == 1 and args.odd_user_id:
+                # A user id with a slash and an at sign (issue 19, item 1): every id the server
+                # accepts must be erasable; where `dss keys create` refuses it, a plain one.
+                key = try_create_key(data_dir, ODD_USER)
+                user = ODD_USER if key is not None else user
+                print(
+                    f"user id {ODD_USER!r}: {'accepted' if key else 'refused by dss keys create'}", flush=True
+                )
+            users.append(user)
+            keys.append(key or create_key(data_dir, user))
         print(f"created {len(keys) + 2} API keys in {time.monotonic() - t0:.1f} s", flush=True)
         port = args.port or free_port()
         self.server = Server(data_dir, port, out / "server.log", self.admin_key)
         self.clients = [
             Client(i, u, k, self, args.seed) for i, (u, k) in enumerate(zip(users, keys, strict=True))
         ]
+        racing = dict(zip(users, keys, strict=True)) if self.race_erase_every_s > 0 else {}
+        self.operator = Operator(self, args.seed, racing)
+
+    # ----------------------------------------------------------------------------- erasures
+    def begin_erasure(self, user: str, by: str, together: int = 1) -> Erasure:
+        with self.erasure_lock:
+            er = Erasure(user, time.monotonic(), by=by, together=together)
+            self.erasures.setdefault(user, []).append(er)
+            return er
+
+    def end_erasure(
+        self, er: Erasure, receipt: dict[str, Any] | None, unknown: bool = False, void: bool = False
+    ) -> None:
+        """Its answer (a receipt), or none: `unknown` when it may still commit (a hang), `void`
+        when it was refused (4xx: nothing erased)."""
+        if receipt is not None:
+            ver = receipt.get("verification") or {}
+            bad = int(ver.get("remnants") or 0) + (0 if ver.get("chain_ok") else 1)
+            if bad:
+                self.rec.count("remnants_at_erasure", bad)
+                self.rec.event(
+                    "erasure_remnants",
+                    user=er.user,
+                    by=er.by,
+                    together=er.together,
+                    took_s=round(time.monotonic() - er.s, 3),
+                    receipt=receipt.get("id"),
+                    verification=ver,
+                )
+        with self.erasure_lock:
+            er.void = void
+            er.e = float("inf") if unknown else time.monotonic()
+            if receipt is not None and isinstance(receipt.get("id"), str):
+                er.receipt = receipt["id"]
+                self.receipts.append((er.user, receipt["id"]))
+
+    def erasures_of(self, user: str) -> list[Erasure]:
+        with self.erasure_lock:
+            return list(self.erasures.get(user, []))
+
+    def erasures_started(self, user: str) -> int:
+        with self.erasure_lock:
+            return len(self.erasures.get(user, []))
+
+    def some_receipt(self, rng: random.Random) -> str | None:
+        with self.erasure_lock:
+            return rng.choice(self.receipts)[1] if self.receipts else None
+
+    def erased_since(self, user: str, q: float) -> bool:
+        """An erasure of `user` began by now and had not ended when `q` (a request) was sent:
+        what that request wrote may be gone legitimately."""
+        with self.erasure_lock:
+            return any(not er.void and (er.e is None or er.e > q) for er in self.erasures.get(user, []))
 
     def lost(self, client: Client, e: Entry, why: str, detail: dict[str, Any]) -> None:
+        client.ledger.pop((e.sid, e.number), None)
+        if self.erased_since(client.user, e.q):
+            self.rec.count("erased_versions")  # its user was erased after it was sent
+            return
         key = (client.user, client.epoch, e.number, e.sid)
         with self.lost_lock:
             if key in self.lost_keys:
@@ -1039,7 +1212,7 @@ class Controller:
             branch=e.branch,
             via=e.via,
             why=why,
-            expected=e.messages[-2:],
+            expected=e.messages[-2:] if e.messages is not None else e.text,
             **{k: str(v)[:1500] for k, v in detail.items()},
         )
 
@@ -1103,8 +1276,12 @@ class Controller:
                         continue
                     if d.status_code != 200:
                         self.lost(c, e, f"version read {d.status_code} ({phase})", {"body": d.text})
-                    elif d.json()["messages"] != e.messages:
+                    elif not same_content(d.json().get("messages") or [], e):
                         self.lost(c, e, f"other messages ({phase})", {"got": d.json()["messages"][-2:]})
+                    elif e.response_id is not None:
+                        rr = self._get(c.http, f"/v1/responses/{e.response_id}")
+                        if rr is not None and rr.status_code != 200:
+                            self.lost(c, e, f"response read {rr.status_code} ({phase})", {"body": rr.text})
         self.verified += checked
         return checked
 
@@ -1126,20 +1303,23 @@ class Controller:
         return erased, deleted
 
     def reverify_receipts(self) -> int:
+        """Every receipt's fresh verification (`GET /v1/erasures/{id}`), with the traffic settled:
+        the sum of their remnants (a receipt that cannot be read or whose chain is broken: 1)."""
         bad = 0
-        admin = self.clients[0].admin if self.clients else None
-        for c in self.clients:
-            for rid in c.receipts:
-                assert admin is not None
-                r = self._get(admin, f"/v1/erasures/{rid}")
-                if r is None:
-                    continue
-                v = r.json().get("verification", {}) if r.status_code == 200 else {}
-                if r.status_code != 200 or v.get("remnants") != 0 or not v.get("chain_ok"):
-                    bad += max(1, int(v.get("remnants") or 0))
-                    self.rec.event(
-                        "receipt_remnants", user=c.user, receipt=rid, status=r.status_code, body=r.text[:2000]
-                    )
+        admin = self.operator.http
+        with self.erasure_lock:
+            receipts = list(self.receipts)
+        for user, rid in receipts:
+            r = self._get(admin, f"/v1/erasures/{rid}")
+            if r is None:
+                bad += 1
+                continue
+            v = r.json().get("verification", {}) if r.status_code == 200 else {}
+            if r.status_code != 200 or v.get("remnants") != 0 or not v.get("chain_ok"):
+                bad += max(1, int(v.get("remnants") or 0))
+                self.rec.event(
+                    "receipt_remnants", user=user, receipt=rid, status=r.status_code, body=r.text[:2000]
+                )
         return bad
 
     # ------------------------------------------------------------------------------ the run
@@ -1189,6 +1369,7 @@ class Controller:
             f"[{run_s:6.0f} s] requests={c['requests']} acked={c['acked_versions']} "
             f"interrupted={c['interrupted']} 5xx={c['errors_5xx']} hangs={c['hangs']} "
             f"lost={c['lost_versions']} unexpected={c['unexpected']} erasures={c['erasures']} "
+            f"erased_4xx={c['erased_4xx']} "
             f"greedy={c['greedy_mismatch']}/{c['greedy_checked']} restarts={c['restarts']}",
             flush=True,
         )
@@ -1202,6 +1383,7 @@ class Controller:
         print(f"ready in {self.server.start_seconds[-1]:.0f} s; {args.clients} clients", flush=True)
         for c in self.clients:
             c.start()
+        self.operator.start()
         self.gate.open()
         run_s, kills = 0.0, 0
         next_kill = args.kill_every_s * rng.uniform(0.8, 1.2) if args.kill_every_s > 0 else float("inf")
@@ -1225,11 +1407,9 @@ class Controller:
         # --------------------------------------------------------------------- final checks
         self.pause()
         self.gate.stop.set()
-        for c in self.clients:
-            c.join(30)
-        final_checked = 0
-        receipts_bad = 0
-        erased_hits = deleted_hits = 0
+        for th in [*self.clients, self.operator]:
+            th.join(30)
+        final_checked = receipts_bad = erased_hits = deleted_hits = 0
         if self.server.proc is not None:
             self.server.scrape()
             for c in self.clients:
@@ -1247,27 +1427,41 @@ class Controller:
             "hangs": counts["hangs"],
             "errors_5xx": counts["errors_5xx"],
             "lost_versions": counts["lost_versions"],
-            "corrupt_served": int(m["dss_corrupt_pages_total"]),
-            "remnants": counts["remnants"] + receipts_bad + erased_hits,
+            "corrupt_served": int(m["dss_corrupt_pages_total"]) + counts["corrupt_answers"],
+            "remnants": receipts_bad,
             "restarts": counts["restarts"],
+        }
+        detail = {
             "unexpected": counts["unexpected"],  # client crashes (a bug of the soak) included
             "restart_failures": self.restart_failures,
+            "remnants_at_erasure": counts["remnants_at_erasure"],
+            "pre_erasure_kept": counts["pre_erasure_kept"],
+            "leftovers": counts["leftovers"] + erased_hits,
+            "erasures": counts["erasures"],
+            "race_erasures": counts["race_erasures"],
+            "erased_4xx": counts["erased_4xx"],
+            "erased_aborted": counts["erased_aborted"],
+            "erased_versions": counts["erased_versions"],
+            "acked_during_erasure": counts["acked_during_erasure"],
+            "corrupt_pages": int(m["dss_corrupt_pages_total"]),
+            "corrupt_answers": counts["corrupt_answers"],
             "greedy_checked": counts["greedy_checked"],
             "greedy_mismatch": counts["greedy_mismatch"],
-            "greedy_checked_cached": counts["greedy_checked_cached"],
-            "greedy_mismatch_cached": counts["greedy_mismatch_cached"],
+            "greedy_prompt_differs": counts["greedy_prompt_differs"],
             "greedy_checked_loaded": counts["greedy_checked_loaded"],
             "greedy_mismatch_loaded": counts["greedy_mismatch_loaded"],
             "acked_versions": counts["acked_versions"],
             "verified_versions": self.verified,
             "final_verified": final_checked,
             "interrupted": counts["interrupted"],
-            "erasures": counts["erasures"],
+            "responses_stored": counts["responses_stored"],
+            "response_deletes": counts["response_deletes"],
             "deletes": counts["deletes"],
             "rollbacks": counts["rollbacks"],
             "branches": counts["branches"],
             "disconnects": counts["disconnects"],
             "ghost_commits": counts["ghost_commits"],
+            "other_parent": counts["other_parent"],
             "server_5xx": int(m["server_5xx"]),
             "store_errors": int(m["dss_connector_store_errors_total"]),
             "disk_write_errors": int(m["dss_disk_write_errors_total"]),
@@ -1281,11 +1475,12 @@ class Controller:
         }
         summary = {
             "result": result,
+            "detail": detail,
             "counts": dict(counts),
             "metrics_total": dict(m),
             "start_seconds": [round(x, 1) for x in self.server.start_seconds],
             "latency_s": self.rec.latency_summary(),
-            "server_root": str(SERVER_ROOT),
+            "server_root": str(_soak_server.SERVER_ROOT),
             "examples": self.rec.examples,
         }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -1303,8 +1498,12 @@ class Controller:
                 f"latency {kind}: n={lat['n']} p50={lat['p50']} p99={lat['p99']} max={lat['max']} s",
                 flush=True,
             )
+        routes = sorted(k[len("5xx by route: ") :] for k in m if k.startswith("5xx by route: "))
+        if routes:
+            print("server 5xx by route: " + ", ".join(f"{r} x{int(m['5xx by route: ' + r])}" for r in routes))
         print(f"out: {self.out}", flush=True)
-        failed = [k for k in (*FAIL_KEYS, "restart_failures") if result[k]]
+        failed = [k for k in FAIL_KEYS if {**result, **detail}[k]]
+        print("DETAIL " + " ".join(f"{k}={v}" for k, v in detail.items()), flush=True)
         print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()), flush=True)
         return 1 if failed else 0
 
@@ -1321,7 +1520,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="summary.json, events.jsonl, server.log")
     p.add_argument("--deadline-s", type=float, default=60.0, help="client deadline of every request")
     p.add_argument("--replay-fraction", type=float, default=0.25, help="non-streamed turns replayed cold")
-    p.add_argument("--erase-weight", type=float, default=1.2, help="weight of erasures (chat turns: 24)")
+    p.add_argument(
+        "--erase-weight", type=float, default=1.0, help="weight of a client erasing itself (chat turns: 20)"
+    )
+    p.add_argument(
+        "--alt-seed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="`n` = 2 alternatives carry a `seed` (the CPU engine of vLLM 0.32 dies on a seeded "
+        "request whose prefill is chunked: --no-alt-seed to get past that)",
+    )
+    p.add_argument(
+        "--odd-user-id",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=f"client 1 is the user {ODD_USER!r} (if `dss keys create` accepts it)",
+    )
+    p.add_argument(
+        "--race-erase-every-s",
+        type=float,
+        default=20.0,
+        help="mean period of erasures racing the traffic (+-50 %%; 1-3 at once); 0 = none",
+    )
     p.add_argument(
         "--server-root",
         type=Path,
@@ -1329,9 +1549,8 @@ def main(argv: list[str] | None = None) -> int:
         help="run this copy of the code (default: $DSS_SOAK_SERVER_ROOT, else the checkout)",
     )
     args = p.parse_args(argv)
-    global SERVER_ROOT
     if args.server_root is not None:
-        SERVER_ROOT = args.server_root.resolve()
+        _soak_server.use_server_root(args.server_root)
     out = args.out or Path(tempfile.mkdtemp(prefix="dss-soak-"))
     out.mkdir(parents=True, exist_ok=True)
     for name in ("events.jsonl", "server.log", "summary.json"):
