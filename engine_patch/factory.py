@@ -88,12 +88,35 @@ def engine_kwargs(
         "served_model_name": settings.served_model_name,
     }
     kwargs.update({k: v for k, v in optional.items() if v is not None})
+    kwargs.update(_whole_prefills_on_cpu(settings))
     if settings.connector:
         if store_address is None or authkey is None:
             raise ValueError("the DSS connector needs the store's RPC address and authkey")
         kwargs["kv_transfer_config"] = kv_transfer_config(store_address, authkey, settings)
     kwargs.update(settings.extra_engine_args)
     return kwargs
+
+
+def _whole_prefills_on_cpu(settings: EngineSettings) -> dict[str, Any]:
+    """On the CPU platform, prefills are never split across engine steps.
+
+    After a step that ran only part of a prompt, vLLM drops the token it sampled there and rewinds
+    a seeded request's generator (`torch.Generator.set_offset`). CPU generators have no offset:
+    the engine core raised "CPU Generator does not use offset" and died, for every user, as soon
+    as one request with a `seed` had its prefill split (a long prompt, or a few arriving
+    together). vLLM itself schedules whole prefills on CPU for MLA models; the same here for all.
+    `extra_engine_args` may still override both values."""
+    from vllm.config import SchedulerConfig
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    budget = max(
+        settings.max_model_len,
+        settings.max_num_batched_tokens or 0,
+        SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    )
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": budget}
 
 
 def _prepare_environment(settings: EngineSettings) -> None:

@@ -347,3 +347,31 @@ def test_sixteen_concurrent_clients_without_errors_or_cross_talk(api_server: Api
     for i in (0, n - 1):
         listing = api_server.client(f"cc-user-{i}").get("/v1/sessions").json()
         assert [s["id"] for s in listing["data"]] == [f"cc-{i}"]
+
+
+def test_seeded_requests_whose_prefills_would_be_split_keep_the_engine_alive(api_server: ApiServer) -> None:
+    """Three sampled requests with a `seed` and ~1,150-token prompts, sent together: their prefills
+    did not fit one engine step together, vLLM split one, then rewound its seeded CPU generator
+    (`set_offset`, which CPU generators lack), and the engine core died for everyone: 503
+    "the engine died" to these and to every later request (found by bench/soak.py). On CPU the
+    engine now runs whole prefills (`engine_patch.factory`)."""
+
+    def one(k: int) -> int:
+        facts = " ".join(
+            f"Shelf {j} of room {k} holds a brass compass from {1700 + j + k}." for j in range(60)
+        )
+        body = {
+            "messages": [{"role": "system", "content": facts}, user_msg("Name one item.")],
+            "seed": 17 + k,
+            "temperature": 1.0,
+            "max_tokens": 8,
+        }
+        with api_server.client("seeded-prefills") as c:
+            return c.post("/v1/chat/completions", json=body, timeout=180).status_code
+
+    async def together() -> list[int]:
+        return list(await asyncio.gather(*(asyncio.to_thread(one, k) for k in range(3))))
+
+    assert asyncio.run(together()) == [200, 200, 200]
+    with api_server.client("seeded-prefills") as c:
+        assert chat(c, [user_msg("Hi")], max_tokens=2)["choices"][0]["message"]["content"] is not None
