@@ -24,7 +24,7 @@ from fastapi import Depends, FastAPI
 
 from api.auth import ApiKeys, check_user_name
 from api.deps import authenticate_before_body, check_request_text
-from api.errors import install_error_handlers
+from api.errors import UncachedModel, install_error_handlers
 from api.metrics import Metrics
 from api.middleware import AuthBeforeBody, BodyLimit, DevHostGuard, RequestMetrics, ServerIdHeader
 from api.routes import (
@@ -158,7 +158,7 @@ def log_auth_mode(settings: Settings, keys: ApiKeys) -> None:
 def refusal_of(exc: BaseException, settings: Settings) -> str | None:
     """The one line that says why the server cannot start, for failures that are a situation to
     fix rather than a bug (no traceback helps with those); None for anything else."""
-    if isinstance(exc, StartupRefused | DataDirInUse):
+    if isinstance(exc, StartupRefused | DataDirInUse | UncachedModel):
         return str(exc)
     return None
 
@@ -231,6 +231,7 @@ async def _open(app: FastAPI, settings: Settings, startup: Startup) -> None:
         startup.phase = Phase.ENGINE_STARTING
         engine = await asyncio.wait_for(ChatEngine.start(settings, store), settings.engine.startup_timeout_s)
         engine.on_inflight_change = metrics.inflight.set
+        metrics.kv_caching.set(1 if engine.kv_caching else 0)
         state.engine = engine
         aborter.engine = engine
     if startup.phase is Phase.STOPPING:

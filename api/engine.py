@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from api.errors import BadRequest, EngineOverloaded, EngineUnavailable
+from api.errors import BadRequest, EngineOverloaded, EngineUnavailable, UncachedModel
 from api.settings import Settings
 from dss.errors import ErasedDuringGeneration, InvalidInput
 from dss.store import Store
@@ -137,6 +137,12 @@ class ChatEngine:
         # no lock needed).
         self._running: dict[TenantId, set[str]] = {}
         self._aborted: set[str] = set()
+        # Why DSS does not cache this engine's KV (served as plain vLLM); None: caching is on.
+        self.uncached_reason: str | None = None
+
+    @property
+    def kv_caching(self) -> bool:
+        return self.uncached_reason is None
 
     # ----------------------------------------------------------------------------------- start/stop
     @classmethod
@@ -153,13 +159,30 @@ class ChatEngine:
         es = _engine_settings(factory, settings, model_path)
         if eng.tool_call_parser is not None:
             _tool_parser_class(eng.tool_call_parser)  # an unknown name fails before the model loads
-        llm = await asyncio.to_thread(factory.build_async_engine, address, authkey, es)
+        uncached: list[str] = []
+
+        def check_caching(vllm_config: Any) -> None:
+            # Before any engine process starts: refuse, rather than serve uncached unannounced.
+            from engine_patch.fingerprint import uncached_reason
+
+            reason = uncached_reason(vllm_config)
+            if reason is None:
+                return
+            if not eng.allow_uncached:
+                raise UncachedModel(
+                    f"DSS cannot cache model {Path(model_path).name}: {reason} "
+                    "(set DSS_ENGINE__ALLOW_UNCACHED=true to serve it without caching)"
+                )
+            log.warning("serving model %s WITHOUT KV caching: %s", Path(model_path).name, reason)
+            uncached.append(reason)
+
+        llm = await asyncio.to_thread(factory.build_async_engine, address, authkey, es, check_caching)
         try:
             tokenizer = llm.get_tokenizer()
             model_config = llm.model_config
             max_len = int(model_config.max_model_len)
             name = eng.served_model_name or Path(model_path).name
-            fid = _engine_fingerprint(factory, llm, store, known)
+            fid = None if uncached else _engine_fingerprint(factory, llm, store, known)
         except BaseException:
             llm.shutdown()
             raise
@@ -179,6 +202,7 @@ class ChatEngine:
             tool_call_parser=eng.tool_call_parser,
         )
         engine.model_names |= {Path(model_path).name, str(model_path)}
+        engine.uncached_reason = uncached[0] if uncached else None
         return engine
 
     def shutdown(self) -> None:
@@ -626,6 +650,7 @@ def _engine_settings(factory: Any, settings: Settings, model_path: Path) -> Any:
         kwargs["max_num_seqs"] = eng.max_num_seqs
     if eng.dtype is not None:
         kwargs["dtype"] = eng.dtype
+    kwargs["allow_uncached"] = eng.allow_uncached
     if eng.served_model_name is not None:
         kwargs["served_model_name"] = eng.served_model_name
     fields = getattr(factory.EngineSettings, "__dataclass_fields__", None)

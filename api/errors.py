@@ -25,6 +25,11 @@ from dss import errors as e
 log = logging.getLogger("dss.api")
 
 
+class UncachedModel(e.DSSError):
+    """DSS cannot cache the configured model or parallel layout, and uncached serving was not
+    allowed (`DSS_ENGINE__ALLOW_UNCACHED`): the server refuses to start, with this one line."""
+
+
 class ApiError(Exception):
     """An error that only exists at the HTTP boundary (auth, admission, engine state)."""
 

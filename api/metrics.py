@@ -85,6 +85,11 @@ class Metrics:
             "dss_generations_rejected_total", "Generations refused with 503 (overload)", registry=r
         )
         self.inflight = Gauge("dss_generations_inflight", "Generations running now", registry=r)
+        # 0 until an engine whose KV DSS caches is running: also 0 without an engine, and for an
+        # engine served uncached (DSS_ENGINE__ALLOW_UNCACHED), which would otherwise look healthy.
+        self.kv_caching = Gauge(
+            "dss_kv_caching_enabled", "1 when the engine's KV cache is stored by DSS, else 0", registry=r
+        )
         self.erasures = Counter("dss_erasures_total", "Users erased", registry=r)
         self.store_errors = Counter(
             "dss_connector_store_errors_total",

@@ -159,6 +159,9 @@ class EngineGroup(BaseModel):
     # Nice value of the engine's processes (0: unchanged); keeps API latency low under load.
     nice: int = Field(default=10, ge=0, le=19)
     startup_timeout_s: float = Field(default=600.0, gt=0)
+    # A model or parallel layout DSS cannot cache refuses to start (one line, the reason); True
+    # serves it as plain vLLM, with `/readyz` `kv_caching: false` and `dss_kv_caching_enabled 0`.
+    allow_uncached: bool = False
 
 
 class LimitsSettings(BaseModel):

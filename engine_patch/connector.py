@@ -56,7 +56,9 @@ class DSSConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config
         address = extra.get_from_extra_config("store_address", None)
         authkey_hex = extra.get_from_extra_config("authkey", None)
-        fingerprint = self._fingerprint(vllm_config, kv_cache_config)
+        fingerprint = self._fingerprint(
+            vllm_config, kv_cache_config, bool(extra.get_from_extra_config("allow_uncached", False))
+        )
 
         # Every store call has a deadline: a store that does not answer in time is a cache miss
         # (recompute), never a stalled engine step. Lookups take milliseconds when healthy.
@@ -93,16 +95,25 @@ class DSSConnector(KVConnectorBase_V1):
             )
 
     @staticmethod
-    def _fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> ModelFingerprint | None:
+    def _fingerprint(
+        vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, allow_uncached: bool
+    ) -> ModelFingerprint | None:
+        """The engine's fingerprint, or None (the connector stays off) when the operator allowed
+        uncached serving. Otherwise an engine DSS cannot cache fails to start: the API process
+        decides this up front (`uncached_reason`), and this is the check on the real KV cache."""
         parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
-            # Each rank holds other KV heads or layers: one page per rank would need its own hash.
-            logger.error("DSS connector supports one engine rank only; it stays off")
-            return None
         try:
+            if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
+                # Each rank holds other KV heads or layers: one page per rank would need its own hash.
+                raise UnsupportedKVCache("DSS caches single-rank engines only")
             return build_fingerprint(vllm_config, kv_cache_config)
         except UnsupportedKVCache as exc:
-            logger.error("DSS connector stays off: %s", exc)
+            if not allow_uncached:
+                raise UnsupportedKVCache(
+                    f"DSS cannot cache model {vllm_config.model_config.model}: {exc} "
+                    "(DSS_ENGINE__ALLOW_UNCACHED=true serves it without caching)"
+                ) from None
+            logger.warning("DSS connector stays off (uncached serving allowed): %s", exc)
             return None
 
     @property

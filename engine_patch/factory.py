@@ -7,6 +7,7 @@ it through the store's local RPC address and authkey, passed in the connector's 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,7 @@ from engine_patch.connector import CONNECTOR_MODULE, CONNECTOR_NAME
 
 if TYPE_CHECKING:
     from vllm import LLM
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -45,6 +46,8 @@ class EngineSettings:
     rpc_timeout_s: float = 2.0  # deadline of each store call from the engine (then: a miss)
     settle_timeout_s: float = 2.0
     save_after_prefill: bool = True
+    # False: an engine the connector cannot cache fails to start; True: it serves uncached.
+    allow_uncached: bool = False
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -63,6 +66,7 @@ def kv_transfer_config(store_address: str, authkey: bytes, settings: EngineSetti
             "rpc_timeout_s": settings.rpc_timeout_s,
             "settle_timeout_s": settings.settle_timeout_s,
             "save_after_prefill": settings.save_after_prefill,
+            "allow_uncached": settings.allow_uncached,
         },
     )
 
@@ -146,11 +150,30 @@ def async_engine_args(
 
 
 def build_async_engine(
-    store_address: str | None, authkey: bytes | None, settings: EngineSettings
+    store_address: str | None,
+    authkey: bytes | None,
+    settings: EngineSettings,
+    check: Callable[[VllmConfig], None] | None = None,
 ) -> AsyncLLM:
+    """`AsyncLLM.from_engine_args`, with `check` run on the resolved config before any engine
+    process starts (it raises to refuse the engine)."""
+    from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.executor import Executor
 
-    return AsyncLLM.from_engine_args(async_engine_args(store_address, authkey, settings))
+    args = async_engine_args(store_address, authkey, settings)
+    usage = UsageContext.ENGINE_CONTEXT
+    vllm_config = args.create_engine_config(usage)
+    if check is not None:
+        check(vllm_config)
+    return AsyncLLM(
+        vllm_config=vllm_config,
+        executor_class=Executor.get_class(vllm_config),
+        log_requests=args.enable_log_requests,
+        log_stats=not args.disable_log_stats,
+        start_engine_loop=True,
+        usage_context=usage,
+    )
 
 
 def session_params(

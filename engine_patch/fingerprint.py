@@ -29,6 +29,36 @@ class UnsupportedKVCache(ValueError):
     """The engine's KV cache cannot be described by one `ModelFingerprint` (the connector turns off)."""
 
 
+def uncached_reason(vllm_config: VllmConfig) -> str | None:
+    """Why DSS cannot cache this engine (one phrase), or None when it can.
+
+    Decided in the API process from the engine's config before the engine starts, so that a
+    server refuses to start (or says "caching off" in /readyz and /metrics) instead of serving as
+    plain vLLM after the connector turned itself off inside the engine, where no one looks. The
+    connector still checks the real KV cache in the engine (`build_fingerprint`) and fails the
+    engine's start when this prediction was wrong and uncached serving was not allowed.
+    """
+    parallel, model_cfg = vllm_config.parallel_config, vllm_config.model_config
+    tp, pp = int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)
+    if tp * pp != 1:
+        # Each rank holds other KV heads (TP) or layers (PP); pages are one rank's whole KV.
+        return f"tensor-parallel size {tp} x pipeline-parallel size {pp}: DSS caches single-rank engines only"
+    if getattr(model_cfg, "is_attention_free", False):
+        return "an attention-free model has no KV cache to store"
+    if getattr(model_cfg, "is_hybrid", False):
+        # Attention plus state-space layers: more than one KV cache group (see build_fingerprint).
+        return "a hybrid attention/state-space model has more than one KV cache group"
+    if getattr(model_cfg, "is_encoder_decoder", False):
+        return "encoder-decoder models (cross-attention KV) are not supported"
+    if getattr(model_cfg, "use_mla", False):
+        return "MLA (latent) KV caches are not supported"
+    try:
+        frontend_fingerprint(vllm_config)
+    except UnsupportedKVCache as exc:
+        return str(exc)
+    return None
+
+
 def build_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> ModelFingerprint:
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:

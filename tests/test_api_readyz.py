@@ -47,6 +47,7 @@ def test_listens_before_the_engine_is_ready(small_api_server: ApiServer) -> None
     assert any(a.body and a.body["error"]["code"] == "engine_unavailable" for a in chats), shown
     assert ready.body == {
         "status": "ready",
+        "kv_caching": True,  # DSS stores this engine's KV (false: served uncached, by choice)
         "store": True,
         "engine": True,
         "dev_mode": False,

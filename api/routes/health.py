@@ -20,6 +20,10 @@ router = APIRouter(tags=["health"])
 
 class Readiness(Health):
     reason: str | None = None  # why not ready; absent when ready
+    # Whether DSS caches the running engine's KV (false: served as plain vLLM, allowed by
+    # DSS_ENGINE__ALLOW_UNCACHED); absent until the engine runs, and without an engine.
+    kv_caching: bool | None = None
+    uncached_reason: str | None = None  # why not, when kv_caching is false
 
 
 def _tier_health(state: AppState) -> dict[str, str]:
@@ -63,9 +67,12 @@ async def readyz(request: Request) -> JSONResponse:
     # Off the event loop: asking Redis again may wait for its (short) timeout.
     store_open = state is not None and startup.phase in (Phase.ENGINE_STARTING, Phase.READY)
     tiers = await asyncio.to_thread(_tier_health, state) if store_open and state is not None else None
+    engine = state.engine if state is not None else None
     body = Readiness(
         status="ready" if ok else "not ready",
         reason=reason,
+        kv_caching=engine.kv_caching if engine is not None else None,
+        uncached_reason=engine.uncached_reason if engine is not None else None,
         store=state is not None,
         engine=engine_ok,
         dev_mode=dev_mode,
