@@ -120,12 +120,19 @@ def run(served: ServedStore, a: TimedEngine | None = None, smoke: bool = False) 
             t = a.timed(p1, a.session(tenant, f"restart-{k}", 1), z.answer_tokens, reset=True)
             p2 = a.continue_ids(p1, t.result.output_ids, text_of_tokens(rng, z.followup_tokens))
             (seq,) = computed([(p1, t.result.output_ids)])
-            saved_pages += -(-len(seq) // BS)  # whole pages and the tail page
+            pages = -(-len(seq) // BS)  # whole pages and the tail page
+            got = (t.result.params or {}).get("stored_pages")
+            if got != pages:
+                raise RuntimeError(f"session {k}'s turn 1 stored {got} pages, not {pages}")
+            saved_pages += pages
             turn1.append([*p1, *t.result.output_ids])
             turn2.append(p2)
             want.append(served_by([seq], p2))  # all of turn 1 DSS computed
-        if not wait_until(lambda: served.host_pages() >= saved_pages, timeout_s=30):
-            raise RuntimeError("engine A's pages never reached the store")
+        # (The worker commits a finished request's last save after the request returned.)
+        if not wait_until(lambda: served.host_pages() >= saved_pages, timeout_s=120):
+            raise RuntimeError(
+                f"engine A's pages never reached the store: {served.host_pages()} of {saved_pages}"
+            )
     finally:
         a.close()
     print(f"turn-2 contexts {[len(p) for p in turn2]} tokens, loadable {want}", flush=True)
@@ -168,7 +175,8 @@ def run(served: ServedStore, a: TimedEngine | None = None, smoke: bool = False) 
 def main() -> None:
     smoke = smoke_flag()
     header("engine_restart")
-    served = ServedStore(host_gib=1.0)
+    # 2 GiB: 8 sessions' whole pages and tail pages (~184 pages of 5.9 MB) outgrow 1 GiB's 182.
+    served = ServedStore(host_gib=2.0)
     try:
         result = run(served, None, smoke)
     finally:
