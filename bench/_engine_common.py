@@ -11,6 +11,7 @@ processes of their own, as a server runs them, so pages are saved between reques
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import signal
@@ -41,16 +42,21 @@ __all__ = [
     "ServedStore",
     "Timed",
     "TimedEngine",
+    "apc_reuse",
     "capture_output",
+    "computed",
     "header",
     "install_sigterm_exit",
     "make_conversations",
     "median",
     "ms",
     "pin_cpu_reservation",
+    "print_result",
     "ratio",
     "root_cause",
+    "served_by",
     "session_params",
+    "smoke_flag",
     "text_of_tokens",
     "wait_until",
     "words",
@@ -95,6 +101,56 @@ def median(xs: Sequence[float]) -> float:
 
 def ratio(a: float, b: float) -> float:
     return a / b if b > 0 else float("nan")
+
+
+def print_result(**values: float | int) -> None:
+    """The benchmark's one `RESULT key=value ...` line. A value that is not a finite number (no
+    operation of a kind completed: a median of nothing, a ratio to zero) fails loudly instead of
+    printing `nan`."""
+    bad = [k for k, v in values.items() if not math.isfinite(v)]
+    if bad:
+        raise RuntimeError(f"the benchmark degenerated: no finite value for {', '.join(bad)} ({values})")
+    fields = " ".join(f"{k}={v}" if isinstance(v, int) else f"{k}={v:.4f}" for k, v in values.items())
+    print(f"RESULT {fields}", flush=True)
+
+
+def smoke_flag(argv: Sequence[str] | None = None) -> bool:
+    """`--smoke`: tiny sizes, so the test suite can run the benchmark (tests/test_bench_smoke.py)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    unknown = [a for a in args if a != "--smoke"]
+    if unknown:
+        raise SystemExit(f"unknown arguments {unknown}; the only option is --smoke")
+    return "--smoke" in args
+
+
+def computed(turns: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[int]]:
+    """The sequences whose KV DSS stored for these (prompt, output) turns: each one's prompt and
+    output but the last sampled token (never computed), as whole pages and a tail page."""
+    return [[*p, *o][:-1] for p, o in turns]
+
+
+def served_by(stored: Sequence[Sequence[int]], prompt: Sequence[int]) -> int:
+    """What DSS serves of `prompt` when the tenant stored the KV of the sequences `stored`: the
+    longest prefix it shares with any of them (whole pages, then a tail page or the next whole
+    page, either usable for any prefix of its tokens), leaving at least one token to compute."""
+    best = 0
+    for seq in stored:
+        n = min(len(seq), len(prompt))
+        diff = np.flatnonzero(np.asarray(seq[:n]) != np.asarray(prompt[:n]))
+        best = max(best, int(diff[0]) if len(diff) else n)
+    return min(best, len(prompt) - 1)
+
+
+def apc_reuse(cached: Sequence[Sequence[int]], prompt: Sequence[int]) -> int:
+    """What vLLM's own prefix cache reuses of `prompt` after it ran the prompts `cached`: only
+    whole blocks of what it computed (a prompt's tokens), leaving at least one token to compute.
+    A DSS load of the same history is this plus, possibly, a tail page's tokens."""
+    best = 0
+    for seq in cached:
+        n = min(len(seq), len(prompt))
+        diff = np.flatnonzero(np.asarray(seq[:n]) != np.asarray(prompt[:n]))
+        best = max(best, int(diff[0]) if len(diff) else n)
+    return (min(best, len(prompt) - 1) // BS) * BS
 
 
 def ms(xs: Sequence[float]) -> str:

@@ -10,10 +10,20 @@ session's pages loaded from the store).
 
 `divergences` counts turns whose DSS answer differs from the cold one (goal 0). Beside it:
 `apc_divergences`, the same count for vLLM's own prefix cache (warm vs cold: KV reuse on this
-bf16 CPU backend is not bit-identical to a one-shot prefill), and `dss_apc_mismatches`, turns
+CPU backend is not bit-identical to a one-shot prefill), and `dss_apc_mismatches`, turns
 where DSS and vLLM's cache reused the same number of tokens and still answered differently,
 which would mean a wrong page (must be 0); `dss_only_divergences` counts DSS-vs-cold divergences
 on turns where vLLM's own cache agreed with cold.
+
+DSS also stores a turn's partial last block (a tail page), which vLLM's own cache cannot reuse:
+on such turns DSS serves more tokens than warm (`tail_turns`), and warm recomputes that block in
+one prefill where DSS reuses KV computed during decoding: their differences (`tail_divergences`)
+are the same kind as cached-vs-cold ones, counted, not mismatches. Every DSS load must be exactly
+the longest prefix the user's stored sequences share with the prompt (`load_misses`, must be 0).
+Each conversation is its own user, so a turn reuses its own history only (one user's
+conversations share their chat template's first tokens).
+
+`--smoke`: one conversation and one branch case, on one engine.
 """
 
 from __future__ import annotations
@@ -27,7 +37,18 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _engine_common import BS, Engine, Result, ServedStore, header, make_conversations, session, words
+from _engine_common import (
+    Engine,
+    Result,
+    ServedStore,
+    computed,
+    header,
+    make_conversations,
+    print_result,
+    served_by,
+    smoke_flag,
+    words,
+)
 
 N_CONVERSATIONS = 20
 CASES = [("rollback", 11), ("rollback", 13), ("branch", 12), ("branch", 14)]
@@ -42,6 +63,8 @@ class Tally:
     apc_compared: int = 0
     dss_apc_mismatches: int = 0
     dss_only_divergences: int = 0  # DSS differs from cold where vLLM's own cache does not
+    tail_turns: int = 0  # DSS served more than vLLM's cache: a tail page
+    tail_divergences: int = 0  # ... and answered differently from it
     load_misses: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -72,7 +95,15 @@ class Tally:
                     self.notes.append(f"{name}: vLLM prefix cache {w.text!r} != cold {c.text!r}")
                 elif d.output_ids != c.output_ids:
                     self.dss_only_divergences += 1
-                if w.num_cached_tokens == d.num_cached_tokens and w.output_ids != d.output_ids:
+                if d.num_cached_tokens < w.num_cached_tokens:
+                    self.load_misses += 1
+                    self.notes.append(f"{name}: vLLM reused {w.num_cached_tokens}, DSS {d.num_cached_tokens}")
+                elif d.num_cached_tokens > w.num_cached_tokens:
+                    self.tail_turns += 1
+                    if w.output_ids != d.output_ids:
+                        self.tail_divergences += 1
+                        self.notes.append(f"{name} (tail page): DSS {d.text!r} != vLLM cache {w.text!r}")
+                elif w.output_ids != d.output_ids:
                     self.dss_apc_mismatches += 1
                     self.notes.append(f"{name}: DSS {d.text!r} != vLLM prefix cache {w.text!r}")
 
@@ -94,14 +125,14 @@ def three_ways(
 
 
 def expected_loaded(prev_prompt: list[int], prev_output: list[int], prompt: list[int]) -> int:
-    """The previous turn saved its computed tokens' full pages (all but the last sampled token);
-    a load leaves at least one prompt token to compute."""
-    return min((len(prev_prompt) + len(prev_output) - 1) // BS, (len(prompt) - 1) // BS) * BS
+    """What DSS serves of `prompt` after one earlier turn: the tokens the prompt shares with what
+    that turn computed (all but its last sampled token: whole pages and a tail page)."""
+    return served_by(computed([(prev_prompt, prev_output)]), prompt)
 
 
-def conversations(engine: Engine, served: ServedStore, tally: Tally) -> None:
-    tenant = served.store.tenant_for("exactness-user")
-    convs = make_conversations(N_CONVERSATIONS)
+def conversations(engine: Engine, served: ServedStore, tally: Tally, n: int = N_CONVERSATIONS) -> None:
+    convs = make_conversations(n)
+    tenants = [served.store.tenant_for(f"exactness-user-{i}") for i in range(len(convs))]
     prompts = [engine.chat_ids(c.first) for c in convs]
     print(
         f"{len(convs)} conversations, turn-1 prompts of {min(map(len, prompts))}-"
@@ -114,7 +145,7 @@ def conversations(engine: Engine, served: ServedStore, tally: Tally) -> None:
         warm, cold, dss = three_ways(
             engine,
             [prompts[i] for i in active],
-            [session(tenant, convs[i].session_id, turn + 1) for i in active],
+            [engine.session(tenants[i], convs[i].session_id, turn + 1) for i in active],
             [convs[i].max_tokens for i in active],
             warm=turn > 0,
         )
@@ -147,8 +178,8 @@ def case(engine: Engine, served: ServedStore, kind: str, seed: int, tally: Tally
     states: list[tuple[list[int], list[int]]] = []
     for turn in range(1, turns + 1):
         engine.reset_prefix_cache()
-        (r,) = engine.generate([prompt], [session(tenant, sid, turn)], 20)
-        want = expected_loaded(*states[-1], prompt) if states else 0
+        (r,) = engine.generate([prompt], [engine.session(tenant, sid, turn)], 20)
+        want = served_by(computed(states), prompt)
         if r.loaded_tokens != want:
             tally.notes.append(
                 f"{kind}-{seed} history turn {turn}: loaded {r.loaded_tokens}, expected {want}"
@@ -169,11 +200,13 @@ def case(engine: Engine, served: ServedStore, kind: str, seed: int, tally: Tally
         raise RuntimeError(f"{kind}-{seed}: version {back_to} does not hold its turn's tokens")
     prev = states[back_to - 1]
     prompt = engine.continue_ids(*prev, f"Instead, describe {words(rng, 25)}")
+    stored = computed(states)  # everything this user's DSS runs stored
     for step in range(2):
-        sess = session(tenant, sid, turns + step + 1)
+        sess = engine.session(tenant, sid, turns + step + 1)
         warm, cold, dss = three_ways(engine, [prompt], [sess], [24], warm=True)
-        tally.add([f"{kind}-{seed} +{step + 1}"], warm, cold, dss, [expected_loaded(*prev, prompt)])
+        tally.add([f"{kind}-{seed} +{step + 1}"], warm, cold, dss, [served_by(stored, prompt)])
         out = dss[0].output_ids
+        stored += computed([(prompt, out)])
         store.versions.commit(
             user, sid, tokens=[*prompt, *out], messages=[{"role": "user", "content": "."}], branch=branch
         )
@@ -182,30 +215,13 @@ def case(engine: Engine, served: ServedStore, kind: str, seed: int, tally: Tally
     tally.conversations += 1
 
 
-def main() -> None:
-    header("engine_exactness")
-    served = ServedStore(host_gib=2.0)
+def run(served: ServedStore, batch_engine: Engine, engine: Engine, smoke: bool = False) -> dict[str, int]:
+    """The conversations on `batch_engine` (deterministic batches), the cases on `engine`."""
     tally = Tally()
-    try:
-        # Batches of 20: the engine core in this process, so cold and DSS batches are scheduled
-        # alike (vLLM's engine is not batch-invariant). vLLM then runs the worker in this process
-        # too, so both connector halves share it.
-        engine = Engine(served.address, served.authkey, deterministic_batches=True)
-        try:
-            conversations(engine, served, tally)
-        finally:
-            engine.close()
-        # One request at a time, as a server runs it: engine core and worker in processes of their
-        # own, the store in this one.
-        engine = Engine(served.address, served.authkey)
-        try:
-            for kind, seed in CASES:
-                case(engine, served, kind, seed, tally)
-        finally:
-            engine.close()
-        served.store.check()
-    finally:
-        served.close()
+    conversations(batch_engine, served, tally, 1 if smoke else N_CONVERSATIONS)
+    for kind, seed in CASES[2:3] if smoke else CASES:
+        case(engine, served, kind, seed, tally)
+    served.store.check()
     for note in tally.notes:
         print("  ", note)
     print(
@@ -214,14 +230,48 @@ def main() -> None:
         f"vLLM prefix cache vs cold: {tally.apc_divergences} of {tally.apc_compared}; "
         f"DSS-only divergences: {tally.dss_only_divergences}; "
         f"DSS vs vLLM prefix cache on equal reuse: {tally.dss_apc_mismatches} mismatches; "
-        f"short loads: {tally.load_misses}"
+        f"with a tail page: {tally.tail_divergences} of {tally.tail_turns} differ; "
+        f"wrong loads: {tally.load_misses}",
+        flush=True,
     )
-    print(
-        f"RESULT conversations={tally.conversations} divergences={tally.divergences} turns={tally.turns} "
-        f"apc_divergences={tally.apc_divergences} dss_only_divergences={tally.dss_only_divergences} "
-        f"dss_apc_mismatches={tally.dss_apc_mismatches} "
-        f"load_misses={tally.load_misses}"
-    )
+    return {
+        "conversations": tally.conversations,
+        "divergences": tally.divergences,
+        "turns": tally.turns,
+        "apc_divergences": tally.apc_divergences,
+        "dss_only_divergences": tally.dss_only_divergences,
+        "dss_apc_mismatches": tally.dss_apc_mismatches,
+        "tail_turns": tally.tail_turns,
+        "tail_divergences": tally.tail_divergences,
+        "load_misses": tally.load_misses,
+    }
+
+
+def main() -> None:
+    smoke = smoke_flag()
+    header("engine_exactness")
+    served = ServedStore(host_gib=2.0)
+    try:
+        # Batches of 20: the engine core in this process, so cold and DSS batches are scheduled
+        # alike (vLLM's engine is not batch-invariant). vLLM then runs the worker in this process
+        # too, so both connector halves share it. The cases run one request at a time, as a
+        # server runs them: engine core and worker in processes of their own, the store in this one.
+        # (Smoke: one conversation, one request at a time, on that second engine alone.)
+        engine = Engine(served.address, served.authkey)
+        try:
+            if smoke:
+                result = run(served, engine, engine, smoke)
+            else:
+                batch_engine = Engine(served.address, served.authkey, deterministic_batches=True)
+                try:
+                    result = run(served, batch_engine, engine, smoke)
+                finally:
+                    batch_engine.close()
+        finally:
+            engine.close()
+    finally:
+        served.close()
+    print_result(**result)
 
 
 if __name__ == "__main__":

@@ -31,9 +31,11 @@ from _engine_common import (
     header,
     median,
     ms,
+    print_result,
     ratio,
     root_cause,
     session_params,
+    smoke_flag,
     text_of_tokens,
 )
 
@@ -154,6 +156,9 @@ def start_offload() -> TimedEngine | str:
 
 
 def main() -> None:
+    global N_SESSIONS, ROUNDS, FIRST_TOKENS, FOLLOWUP_TOKENS
+    if smoke_flag():  # tiny sizes: the script runs end to end, the numbers mean little
+        N_SESSIONS, ROUNDS, FIRST_TOKENS, FOLLOWUP_TOKENS = 2, 2, 300, 40
     header("engine_multiround")
     script = make_script()
     print(
@@ -204,9 +209,9 @@ def main() -> None:
         print(f"vllm+offload (kv_offloading_size={OFFLOAD_GIB} GiB, native) did not run: {offload}")
     else:
         print(f"offload_vs_apc={ratio(cols[3].mean_later(), apc.mean_later()):.3f}")
-    print(
-        f"RESULT dss_vs_apc={ratio(dss.mean_later(), apc.mean_later()):.4f} "
-        f"dss_vs_nocache={ratio(dss.mean_later(), nocache.mean_later()):.4f}"
+    print_result(
+        dss_vs_apc=ratio(dss.mean_later(), apc.mean_later()),
+        dss_vs_nocache=ratio(dss.mean_later(), nocache.mean_later()),
     )
 
 
