@@ -19,7 +19,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -233,6 +233,23 @@ class ServedStore:
     def close(self) -> None:
         self.store.close()
         self._tmp.cleanup()
+
+
+def main_on_one_engine(name: str, run: Callable[[ServedStore, TimedEngine, bool], dict[str, float]]) -> None:
+    """The `main()` of a benchmark whose `run` needs one store (1 GiB host tier) and one engine
+    with vLLM's prefix cache on: `--smoke` read here, the RESULT line printed from what it returns."""
+    smoke = smoke_flag()
+    header(name)
+    served = ServedStore(host_gib=1.0)
+    try:
+        engine = TimedEngine(served.address, served.authkey, enable_prefix_caching=True)
+        try:
+            result = run(served, engine, smoke)
+        finally:
+            engine.close()
+    finally:
+        served.close()
+    print_result(**result)
 
 
 _ERROR = re.compile(r"\b(\w*(?:Error|Exception)): (.+)$")

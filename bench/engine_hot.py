@@ -21,13 +21,11 @@ from _engine_common import (
     BS,
     ServedStore,
     TimedEngine,
-    header,
+    main_on_one_engine,
     median,
     ms,
-    print_result,
     ratio,
     session_params,
-    smoke_flag,
     text_of_tokens,
     wait_until,
 )
@@ -90,18 +88,7 @@ def run(served: ServedStore, engine: TimedEngine, smoke: bool = False) -> dict[s
 
 
 def main() -> None:
-    smoke = smoke_flag()
-    header("engine_hot")
-    served = ServedStore(host_gib=1.0)
-    try:
-        engine = TimedEngine(served.address, served.authkey, enable_prefix_caching=True)
-        try:
-            result = run(served, engine, smoke)
-        finally:
-            engine.close()
-    finally:
-        served.close()
-    print_result(**result)
+    main_on_one_engine("engine_hot", run)
 
 
 if __name__ == "__main__":

@@ -26,13 +26,11 @@ from _engine_common import (
     TimedEngine,
     apc_reuse,
     computed,
-    header,
+    main_on_one_engine,
     median,
     ms,
-    print_result,
     ratio,
     served_by,
-    smoke_flag,
     text_of_tokens,
 )
 
@@ -162,18 +160,7 @@ def run(served: ServedStore, engine: TimedEngine, smoke: bool = False) -> dict[s
 
 
 def main() -> None:
-    smoke = smoke_flag()
-    header("engine_rollback")
-    served = ServedStore(host_gib=1.0)
-    try:
-        engine = TimedEngine(served.address, served.authkey, enable_prefix_caching=True)
-        try:
-            result = run(served, engine, smoke)
-        finally:
-            engine.close()
-    finally:
-        served.close()
-    print_result(**result)
+    main_on_one_engine("engine_rollback", run)
 
 
 if __name__ == "__main__":
