@@ -159,6 +159,11 @@ class _StoreCollector(Collector):
         )
         yield GaugeMetricFamily("dss_load_leases", "Page loads in progress", value=s["leases"])
         yield GaugeMetricFamily(
+            "dss_pending_saves",
+            "Page saves planned and waiting for the engine's copy",
+            value=s["pending_saves"],
+        )
+        yield GaugeMetricFamily(
             "dss_disk_write_backlog", "Pages waiting for write-through to disk", value=s["disk_backlog"]
         )
         if s.get("remote_available") is not None:  # a remote tier is configured

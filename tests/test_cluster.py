@@ -67,20 +67,18 @@ class Cluster:
 
 
 def wait_written_behind(server: ApiServer, timeout_s: float = 60.0) -> None:
-    """Until the server's writer drained (its pages reached disk and Redis)."""
+    """Until the server's saves landed and its writer drained (its pages reached disk and Redis).
+    A turn's answer can return before the engine copied its last (tail) page: the save is planned
+    when the request finishes and published after the worker's copy, so both gauges must be 0."""
     deadline = time.monotonic() + timeout_s
     with httpx.Client(base_url=server.base_url, headers=server.headers("admin", True), timeout=10) as c:
         while time.monotonic() < deadline:
-            text = c.get("/metrics").text
-            backlog = next(
-                (
-                    float(line.split()[-1])
-                    for line in text.splitlines()
-                    if line.startswith("dss_disk_write_backlog")
-                ),
-                1.0,
-            )
-            if backlog == 0:
+            gauges = {
+                line.split()[0]: float(line.split()[-1])
+                for line in c.get("/metrics").text.splitlines()
+                if line.startswith(("dss_disk_write_backlog", "dss_pending_saves"))
+            }
+            if gauges.get("dss_disk_write_backlog", 1.0) == 0 and gauges.get("dss_pending_saves", 1.0) == 0:
                 return
             time.sleep(0.2)
     raise AssertionError("the writer did not drain")
