@@ -31,18 +31,36 @@ class ModelFingerprint:
     block_size: int
     kv_layout: str = "LBHNC"
     isa: str = "generic"
+    # The engine's parallel layout. `num_layers` counts the whole model; `num_kv_heads` is what
+    # one tensor-parallel rank holds. A page holds every rank's shard: for each layer, one
+    # segment per tensor-parallel rank (`layer_block_nbytes` each, rank order); a pipeline stage
+    # writes the layers it runs. Pages are per layout: an engine never reads another's.
+    tp_size: int = 1
+    pp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPE_BYTES:
             raise ValueError(f"unsupported KV dtype {self.dtype!r}")
-        for name in ("num_layers", "num_kv_heads", "head_size", "block_size"):
+        for name in ("num_layers", "num_kv_heads", "head_size", "block_size", "tp_size", "pp_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.pp_size > self.num_layers:
+            raise ValueError(f"{self.pp_size} pipeline stages for {self.num_layers} layers")
 
     @property
     def id(self) -> FingerprintId:
-        canon = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        fields = asdict(self)
+        if self.tp_size == 1 and self.pp_size == 1:
+            # Single-rank fingerprints keep the ids they had before the layout fields existed,
+            # so a store upgraded in place still reaches its pages.
+            del fields["tp_size"], fields["pp_size"]
+        canon = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return FingerprintId(hashlib.blake2b(canon.encode(), digest_size=16).hexdigest())
+
+    @property
+    def shards(self) -> int:
+        """Engine ranks that each copy their part of every page (and must all commit it)."""
+        return self.tp_size * self.pp_size
 
     @property
     def dtype_bytes(self) -> int:
@@ -50,13 +68,18 @@ class ModelFingerprint:
 
     @property
     def layer_block_nbytes(self) -> int:
-        """Bytes of one engine block in one layer (K and V together)."""
+        """Bytes of one engine block in one layer on one tensor-parallel rank (K and V together)."""
         return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
 
     @property
+    def layer_row_nbytes(self) -> int:
+        """Bytes of one layer in a page: every tensor-parallel rank's block, in rank order."""
+        return self.tp_size * self.layer_block_nbytes
+
+    @property
     def page_nbytes(self) -> int:
-        """Bytes of one page: one engine block across all layers, layer-major."""
-        return self.num_layers * self.layer_block_nbytes
+        """Bytes of one page: one engine block across all layers (and ranks), layer-major."""
+        return self.num_layers * self.layer_row_nbytes
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

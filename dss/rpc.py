@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from dss.derive import hmac_sha256
-from dss.errors import DSSError
+from dss.errors import DSSError, InvalidInput
 from dss.namespace import ModelFingerprint
 from dss.types import FingerprintId, TenantId
 from dss.wire import LoadPlan, PageSlot, SavePlan
@@ -116,20 +116,29 @@ class StoreService(Protocol):
     ) -> LoadPlan | None: ...
 
     def wait_loaded(
-        self, load_id: str, timeout_s: float, *, release: bool = False
+        self, load_id: str, timeout_s: float, *, release: bool = False, shard: int | None = None
     ) -> tuple[PageSlot | None, ...]: ...
 
-    def release(self, load_id: str) -> None: ...
+    def release(self, load_id: str, shard: int | None = None) -> None: ...
 
     def plan_save(
         self, fid: FingerprintId, tenant: TenantId, tokens: np.ndarray, n_pages: int, with_tail: bool = False
     ) -> SavePlan: ...
 
-    def commit_save(self, save_id: str, written: Sequence[int]) -> int: ...
+    def commit_save(self, save_id: str, written: Sequence[int], shard: int = 0) -> int: ...
 
-    def abort_save(self, save_id: str) -> None: ...
+    def abort_save(self, save_id: str, shard: int | None = None) -> None: ...
 
     def stats(self) -> Mapping[str, Any]: ...
+
+
+def _shard(value: object) -> int | None:
+    """An engine rank's index as sent over the wire: None, or a non-negative int."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidInput(f"shard must be a non-negative integer, not {value!r}")
+    return value
 
 
 def _set_io_timeouts(sock: socket.socket, seconds: float) -> None:
@@ -189,10 +198,10 @@ class StoreServer:
             "register_fingerprint": self._register_fingerprint,
             "lookup": self._lookup,
             "wait_loaded": self._wait_loaded,
-            "release": service.release,
+            "release": self._release,
             "plan_save": self._plan_save,
             "commit_save": self._commit_save,
-            "abort_save": service.abort_save,
+            "abort_save": self._abort_save,
             "stats": service.stats,
         }
         self._sock = self._listen(address)
@@ -228,16 +237,24 @@ class StoreServer:
     ) -> LoadPlan | None:
         return self.service.begin_load(FingerprintId(fid), TenantId(tenant), tokens, start_token, max_tokens)
 
-    def _wait_loaded(self, load_id: str, timeout_s: float, release: bool) -> tuple[PageSlot | None, ...]:
-        return tuple(self.service.wait_loaded(load_id, timeout_s, release=release))
+    def _wait_loaded(
+        self, load_id: str, timeout_s: float, release: bool, shard: int | None = None
+    ) -> tuple[PageSlot | None, ...]:
+        return tuple(self.service.wait_loaded(load_id, timeout_s, release=release, shard=_shard(shard)))
 
     def _plan_save(
         self, fid: str, tenant: str, tokens: np.ndarray, n_pages: int, with_tail: bool = False
     ) -> SavePlan:
         return self.service.plan_save(FingerprintId(fid), TenantId(tenant), tokens, n_pages, bool(with_tail))
 
-    def _commit_save(self, save_id: str, written: list[int]) -> int:
-        return int(self.service.commit_save(save_id, written))
+    def _commit_save(self, save_id: str, written: list[int], shard: int = 0) -> int:
+        return int(self.service.commit_save(save_id, written, _shard(shard) or 0))
+
+    def _release(self, load_id: str, shard: int | None = None) -> None:
+        self.service.release(load_id, _shard(shard))
+
+    def _abort_save(self, save_id: str, shard: int | None = None) -> None:
+        self.service.abort_save(save_id, _shard(shard))
 
     # --- connections ----------------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -534,17 +551,18 @@ class StoreClient:
         return plan
 
     def wait_loaded(
-        self, load_id: str, timeout_s: float, release: bool = False
+        self, load_id: str, timeout_s: float, release: bool = False, *, shard: int | None = None
     ) -> tuple[PageSlot | None, ...]:
         """Wait up to `timeout_s` (on the owner) for a plan's pages; `release` also releases the
-        lease in the same round trip. The call's deadline is `timeout_s + wait_grace_s`."""
+        lease (this engine rank's part, `shard`) in the same round trip. The call's deadline is
+        `timeout_s + wait_grace_s`."""
         pages = self._call(
-            "wait_loaded", load_id, timeout_s, release, timeout_s=timeout_s + self.wait_grace_s
+            "wait_loaded", load_id, timeout_s, release, shard, timeout_s=timeout_s + self.wait_grace_s
         )
         return tuple(pages)
 
-    def release(self, load_id: str, *, timeout_s: float | None = None) -> None:
-        self._call("release", load_id, timeout_s=timeout_s)
+    def release(self, load_id: str, *, shard: int | None = None, timeout_s: float | None = None) -> None:
+        self._call("release", load_id, shard, timeout_s=timeout_s)
 
     def plan_save(
         self,
@@ -563,11 +581,15 @@ class StoreClient:
         )
         return plan
 
-    def commit_save(self, save_id: str, written: Sequence[int], *, timeout_s: float | None = None) -> int:
-        return int(self._call("commit_save", save_id, [int(i) for i in written], timeout_s=timeout_s))
+    def commit_save(
+        self, save_id: str, written: Sequence[int], *, shard: int = 0, timeout_s: float | None = None
+    ) -> int:
+        """This engine rank (`shard`) copied pages `written`; the store publishes them once every
+        rank of the engine reported."""
+        return int(self._call("commit_save", save_id, [int(i) for i in written], shard, timeout_s=timeout_s))
 
-    def abort_save(self, save_id: str, *, timeout_s: float | None = None) -> None:
-        self._call("abort_save", save_id, timeout_s=timeout_s)
+    def abort_save(self, save_id: str, *, shard: int | None = None, timeout_s: float | None = None) -> None:
+        self._call("abort_save", save_id, shard, timeout_s=timeout_s)
 
     def stats(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         return dict(self._call("stats", timeout_s=timeout_s))

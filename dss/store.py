@@ -319,12 +319,12 @@ class Store:
         return self.kv.begin_load(fid, tenant, tokens, start_token, max_tokens)
 
     def wait_loaded(
-        self, load_id: str, timeout_s: float = 30.0, *, release: bool = False
+        self, load_id: str, timeout_s: float = 30.0, *, release: bool = False, shard: int | None = None
     ) -> tuple[PageSlot | None, ...]:
-        return self.kv.wait_loaded(load_id, timeout_s, release=release)
+        return self.kv.wait_loaded(load_id, timeout_s, release=release, shard=shard)
 
-    def release(self, load_id: str) -> None:
-        self.kv.release(load_id)
+    def release(self, load_id: str, shard: int | None = None) -> None:
+        self.kv.release(load_id, shard)
 
     def plan_save(
         self,
@@ -337,11 +337,11 @@ class Store:
         self._ensure_open()
         return self.kv.plan_save(fid, tenant, tokens, n_pages, with_tail)
 
-    def commit_save(self, save_id: str, written: Sequence[int]) -> int:
-        return self.kv.commit_save(save_id, written)
+    def commit_save(self, save_id: str, written: Sequence[int], shard: int = 0) -> int:
+        return self.kv.commit_save(save_id, written, shard)
 
-    def abort_save(self, save_id: str) -> None:
-        self.kv.abort_save(save_id)
+    def abort_save(self, save_id: str, shard: int | None = None) -> None:
+        self.kv.abort_save(save_id, shard)
 
     def put_sequence(
         self,

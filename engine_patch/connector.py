@@ -24,7 +24,7 @@ from engine_patch.fingerprint import UnsupportedKVCache, build_fingerprint
 from engine_patch.metadata import DSSConnectorMetadata
 from engine_patch.orphan_guard import guard_against_orphaning
 from engine_patch.scheduler_side import SchedulerSide
-from engine_patch.worker_side import WorkerSide
+from engine_patch.worker_side import EngineRank, WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -101,11 +101,7 @@ class DSSConnector(KVConnectorBase_V1):
         """The engine's fingerprint, or None (the connector stays off) when the operator allowed
         uncached serving. Otherwise an engine DSS cannot cache fails to start: the API process
         decides this up front (`uncached_reason`), and this is the check on the real KV cache."""
-        parallel = vllm_config.parallel_config
         try:
-            if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
-                # Each rank holds other KV heads or layers: one page per rank would need its own hash.
-                raise UnsupportedKVCache("DSS caches single-rank engines only")
             return build_fingerprint(vllm_config, kv_cache_config)
         except UnsupportedKVCache as exc:
             if not allow_uncached:
@@ -123,10 +119,12 @@ class DSSConnector(KVConnectorBase_V1):
 
     # ================================================================== worker role
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
         from vllm.model_executor.models.utils import extract_layer_index
 
         assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches, extract_layer_index)
+        rank = EngineRank(tp_rank=get_tensor_model_parallel_rank(), pp_rank=get_pp_group().rank_in_group)
+        self._worker.register_kv_caches(kv_caches, extract_layer_index, rank)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None

@@ -1,6 +1,8 @@
 """Whole-page copies between vLLM's KV blocks and the store's shared-memory host arena.
 
-A page is one engine block of every KV layer, layer-major: `[num_layers, layer_block_nbytes]`.
+A page is one engine block of every KV layer, layer-major: `[num_layers, layer_row_nbytes]`, where
+a layer's row holds one segment per tensor-parallel rank (each rank copies its own; a pipeline
+stage copies the layers it runs).
 vLLM's per-layer cache has blocks on dim 0 (`[num_blocks, H, N, C]` on CPU, where the block
 interior is ISA-packed and only whole blocks mean anything). A copy moves runs of consecutive
 blocks whose slots are consecutive too, one strided `copy_` per layer and run, straight between
@@ -12,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,16 +48,35 @@ def runs(block_ids: Sequence[int], slots: Sequence[int]) -> list[Run]:
 
 
 class KVBlocks:
-    """The engine's KV layers (ordered by layer index), addressed by block id."""
+    """This rank's KV layers, addressed by block id, and where they go in a page.
 
-    def __init__(self, layers: Sequence[torch.Tensor]) -> None:
-        if not layers:
+    A page is `[num_layers, segments * layer_block_nbytes]`: per model layer, one segment per
+    tensor-parallel rank. A rank copies its own segment (`segment`) of the layers it holds
+    (`layers`, keyed by model layer index: a pipeline stage holds some of them)."""
+
+    def __init__(
+        self,
+        layers: Sequence[torch.Tensor] | Mapping[int, torch.Tensor],
+        *,
+        num_layers: int | None = None,
+        segment: int = 0,
+        segments: int = 1,
+    ) -> None:
+        by_index = dict(layers) if isinstance(layers, Mapping) else dict(enumerate(layers))
+        if not by_index:
             raise InvalidInput("no KV layers")
-        first = layers[0]
-        for kv in layers:
+        self.num_layers = len(by_index) if num_layers is None else num_layers
+        if any(not 0 <= i < self.num_layers for i in by_index):
+            raise InvalidInput(f"KV layers {sorted(by_index)} outside the page's {self.num_layers}")
+        if not 0 <= segment < segments:
+            raise InvalidInput(f"segment {segment} of {segments}")
+        first = next(iter(by_index.values()))
+        for kv in by_index.values():
             if kv.shape != first.shape or kv.dtype != first.dtype:
                 raise InvalidInput("KV layers differ in shape or dtype")
-        self.layers = list(layers)
+        self.layer_indexes = sorted(by_index)
+        self.layers = [by_index[i] for i in self.layer_indexes]
+        self.segment, self.segments = segment, segments
         self.num_blocks = int(first.shape[0])
         self.block_shape = tuple(first.shape[1:])
         self.dtype = first.dtype
@@ -63,18 +84,20 @@ class KVBlocks:
 
     @property
     def page_nbytes(self) -> int:
-        return len(self.layers) * self.layer_block_nbytes
+        return self.num_layers * self.segments * self.layer_block_nbytes
 
     def _slot_layer(self, pages: torch.Tensor, run: Run, layer: int) -> torch.Tensor:
-        """Run `run`'s slots, layer `layer`, viewed like the engine's blocks (no copy)."""
-        raw = pages[run.slot : run.slot + run.n, layer]  # [n, layer_block_nbytes] uint8, strided
+        """Run `run`'s slots, this rank's segment of its `layer`-th layer, viewed like the
+        engine's blocks (no copy)."""
+        lb = self.layer_block_nbytes
+        start = self.segment * lb
+        raw = pages[run.slot : run.slot + run.n, self.layer_indexes[layer], start : start + lb]
         return raw.view(self.dtype).view(run.n, *self.block_shape)
 
     def _check(self, pages: torch.Tensor, run_list: Sequence[Run]) -> None:
-        if pages.dim() != 3 or pages.shape[1:] != (len(self.layers), self.layer_block_nbytes):
-            raise InvalidInput(
-                f"arena pages {tuple(pages.shape)} do not hold {len(self.layers)} x {self.layer_block_nbytes}"
-            )
+        row = self.segments * self.layer_block_nbytes
+        if pages.dim() != 3 or pages.shape[1:] != (self.num_layers, row):
+            raise InvalidInput(f"arena pages {tuple(pages.shape)} do not hold {self.num_layers} x {row}")
         for r in run_list:
             if r.n <= 0 or r.block < 0 or r.block + r.n > self.num_blocks:
                 raise InvalidInput(f"blocks {r.block}..{r.block + r.n} out of [0, {self.num_blocks})")
@@ -123,7 +146,7 @@ class KVBlocks:
 @dataclass(slots=True)
 class Attached:
     """One arena attached in this process: its slots as a `[n_slots, num_layers,
-    layer_block_nbytes]` uint8 tensor over the shared memory, and the arena (for generations)."""
+    layer_row_nbytes]` uint8 tensor over the shared memory, and the arena (for generations)."""
 
     arena: HostArena
     inode: int
@@ -137,7 +160,7 @@ class Attached:
 
 
 class ArenaViews:
-    """Arenas attached in this process, each seen as a `[n_slots, num_layers, layer_block_nbytes]`
+    """Arenas attached in this process, each seen as a `[n_slots, num_layers, layer_row_nbytes]`
     uint8 tensor over the shared memory.
 
     An arena file is re-attached when its inode changes: a restarted store recreates the file at
@@ -145,9 +168,9 @@ class ArenaViews:
     file or directory that is not ours and private (`UnsafeSharedMemory`, see `HostArena.attach`).
     """
 
-    def __init__(self, num_layers: int, layer_block_nbytes: int) -> None:
+    def __init__(self, num_layers: int, layer_row_nbytes: int) -> None:
         self.num_layers = num_layers
-        self.layer_block_nbytes = layer_block_nbytes
+        self.layer_row_nbytes = layer_row_nbytes
         self._lock = threading.Lock()
         self._arenas: dict[str, Attached] = {}
 
@@ -155,10 +178,10 @@ class ArenaViews:
         return self.attached(path, slot_nbytes).pages
 
     def attached(self, path: str, slot_nbytes: int) -> Attached:
-        if slot_nbytes != self.num_layers * self.layer_block_nbytes:
+        if slot_nbytes != self.num_layers * self.layer_row_nbytes:
             raise InvalidInput(
                 f"arena slots of {slot_nbytes} bytes; pages here are "
-                f"{self.num_layers} x {self.layer_block_nbytes}"
+                f"{self.num_layers} x {self.layer_row_nbytes}"
             )
         st = os.lstat(path)  # not following a symlink: one is refused by the attach below
         with self._lock:
@@ -171,7 +194,7 @@ class ArenaViews:
         # Attaching (open, checks, mmap) runs outside the lock; the slot count is in the file.
         # The entry is keyed by the file actually mapped (its inode), not by the lstat above.
         arena = HostArena.attach(path, slot_nbytes)
-        pages = torch.from_numpy(arena.data()).view(arena.n_slots, self.num_layers, self.layer_block_nbytes)
+        pages = torch.from_numpy(arena.data()).view(arena.n_slots, self.num_layers, self.layer_row_nbytes)
         fresh = Attached(arena, arena.inode, arena.file_nbytes, pages)
         with self._lock:
             entry = self._arenas.get(path)

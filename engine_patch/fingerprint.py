@@ -38,11 +38,7 @@ def uncached_reason(vllm_config: VllmConfig) -> str | None:
     connector still checks the real KV cache in the engine (`build_fingerprint`) and fails the
     engine's start when this prediction was wrong and uncached serving was not allowed.
     """
-    parallel, model_cfg = vllm_config.parallel_config, vllm_config.model_config
-    tp, pp = int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)
-    if tp * pp != 1:
-        # Each rank holds other KV heads (TP) or layers (PP); pages are one rank's whole KV.
-        return f"tensor-parallel size {tp} x pipeline-parallel size {pp}: DSS caches single-rank engines only"
+    model_cfg = vllm_config.model_config
     if getattr(model_cfg, "is_attention_free", False):
         return "an attention-free model has no KV cache to store"
     if getattr(model_cfg, "is_hybrid", False):
@@ -74,7 +70,9 @@ def build_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -
         raise UnsupportedKVCache("padded or repacked KV pages are not supported")
     return _make(
         vllm_config,
-        num_layers=len(groups[0].layer_names),
+        # The scheduler's KV cache config is the first pipeline stage's: it names that stage's
+        # layers only, so a pipeline-parallel page counts the model's layers instead.
+        num_layers=_total_layers(vllm_config) or len(groups[0].layer_names),
         num_kv_heads=int(spec.num_kv_heads),
         head_size=int(spec.head_size),
         dtype=spec.dtype,
@@ -97,13 +95,21 @@ def frontend_fingerprint(vllm_config: VllmConfig) -> ModelFingerprint:
         raise UnsupportedKVCache(f"the model dtype {model_cfg.dtype!r} is not resolved yet")
     return _make(
         vllm_config,
-        num_layers=model_cfg.get_num_layers(parallel),
+        num_layers=_total_layers(vllm_config) or model_cfg.get_num_layers(parallel),
         num_kv_heads=model_cfg.get_num_kv_heads(parallel),
         head_size=model_cfg.get_head_size(),
         dtype=model_cfg.dtype,
         block_size=int(block_size),
         layout=_layout_name(vllm_config, None),
     )
+
+
+def _total_layers(vllm_config: VllmConfig) -> int | None:
+    """The model's layer count for a pipeline-parallel engine (each stage sees its own); None for
+    a single stage, whose fingerprint keeps counting the layers its KV cache config names."""
+    if int(vllm_config.parallel_config.pipeline_parallel_size) == 1:
+        return None
+    return int(vllm_config.model_config.get_total_num_hidden_layers())
 
 
 def _make(
@@ -116,7 +122,7 @@ def _make(
     block_size: int,
     layout: str,
 ) -> ModelFingerprint:
-    model_cfg = vllm_config.model_config
+    model_cfg, parallel = vllm_config.model_config, vllm_config.parallel_config
     return ModelFingerprint(
         model_id=Path(str(model_cfg.model)).name or str(model_cfg.model),
         revision=model_revision(str(model_cfg.model), model_cfg.revision),
@@ -127,6 +133,8 @@ def _make(
         block_size=block_size,
         kv_layout=layout,
         isa=attention_isa(vllm_config, dtype, block_size, head_size),
+        tp_size=int(parallel.tensor_parallel_size),
+        pp_size=int(parallel.pipeline_parallel_size),
     )
 
 
@@ -202,12 +210,15 @@ def _hash_samples(h: Any, path: Path) -> None:
             h.update(f.read(_SAMPLE_BYTES))
 
 
-def check_layer_tensors(fp: ModelFingerprint, layers: list[torch.Tensor], num_blocks: int) -> None:
-    """Raise `UnsupportedKVCache` unless every layer holds `num_blocks` blocks of exactly
-    `fp.layer_block_nbytes` bytes each, in the fingerprint's dtype."""
-    if len(layers) != fp.num_layers:
+def check_layer_tensors(fp: ModelFingerprint, layers: dict[int, torch.Tensor], num_blocks: int) -> None:
+    """Raise `UnsupportedKVCache` unless this rank's layers (by model layer index) are the whole
+    model (a single pipeline stage) or a part of it, and each holds `num_blocks` blocks of
+    exactly `fp.layer_block_nbytes` bytes, in the fingerprint's dtype."""
+    if fp.pp_size == 1 and len(layers) != fp.num_layers:
         raise UnsupportedKVCache(f"{len(layers)} KV layers, fingerprint says {fp.num_layers}")
-    for i, kv in enumerate(layers):
+    if not layers or any(not 0 <= i < fp.num_layers for i in layers):
+        raise UnsupportedKVCache(f"KV layers {sorted(layers)} are not within the model's {fp.num_layers}")
+    for i, kv in layers.items():
         if kv.shape[0] != num_blocks:
             raise UnsupportedKVCache(f"layer {i}: dim 0 is {kv.shape[0]}, expected {num_blocks} blocks")
         if dtype_name(kv.dtype) != fp.dtype:

@@ -21,6 +21,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 from vllm.logger import init_logger
@@ -38,12 +39,27 @@ logger = init_logger("vllm.dss_connector")
 _FINISHED_MEMORY = 8192  # finished request ids remembered in case a save completes after them
 
 
-def order_layers(kv_caches: dict[str, torch.Tensor], layer_index: Callable[[str], int]) -> list[torch.Tensor]:
-    """The KV tensors in layer order: pages are layer-major by layer index."""
-    indexed = sorted((layer_index(name), name) for name in kv_caches)
+@dataclass(frozen=True, slots=True)
+class EngineRank:
+    """Where this worker sits in a parallel engine: which KV heads (tensor-parallel rank) and
+    which layers (pipeline stage) of every page it copies."""
+
+    tp_rank: int = 0
+    pp_rank: int = 0
+
+    def shard(self, fp: ModelFingerprint) -> int:
+        """This rank's number among the `fp.shards` that each report every load and save."""
+        return self.pp_rank * fp.tp_size + self.tp_rank
+
+
+def order_layers(
+    kv_caches: dict[str, torch.Tensor], layer_index: Callable[[str], int]
+) -> dict[int, torch.Tensor]:
+    """The KV tensors by model layer index: pages are layer-major by layer index."""
+    indexed = [(layer_index(name), name) for name in kv_caches]
     if len({i for i, _ in indexed}) != len(indexed):
         raise UnsupportedKVCache("two KV layers share a layer index")
-    return [kv_caches[name] for _, name in indexed]
+    return {i: kv_caches[name] for i, name in sorted(indexed)}
 
 
 class WorkerSide:
@@ -67,6 +83,7 @@ class WorkerSide:
         self._lock = threading.Lock()
         self.blocks: KVBlocks | None = None
         self.views: ArenaViews | None = None
+        self.shard = 0  # this rank's shard of every page (set with the KV caches)
         self._async_done: list[tuple[str, list[int], int]] = []  # req id, failed blocks, failed tokens
         self._load_errors: set[int] = set()
         self._failed_tokens: dict[str, int] = {}
@@ -77,27 +94,42 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ setup
     def register_kv_caches(
-        self, kv_caches: dict[str, torch.Tensor], layer_index: Callable[[str], int]
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        layer_index: Callable[[str], int],
+        rank: EngineRank | None = None,
     ) -> None:
-        if self.fingerprint is None:
+        fp = self.fingerprint
+        if fp is None:
             return
+        rank = rank or EngineRank()
+        # Known before anything can fail: a worker that turns itself off still reports its
+        # shard of every load and save, so the other ranks' pages are not held until expiry.
+        self.shard = rank.shard(fp)
         try:
+            if not (0 <= rank.tp_rank < fp.tp_size and 0 <= rank.pp_rank < fp.pp_size):
+                raise UnsupportedKVCache(f"{rank} is outside the engine's {fp.tp_size}x{fp.pp_size} ranks")
             layers = order_layers(kv_caches, layer_index)
-            check_layer_tensors(self.fingerprint, layers, self.num_blocks)
-            self.blocks = KVBlocks(layers)
+            check_layer_tensors(fp, layers, self.num_blocks)
+            self.blocks = KVBlocks(
+                layers, num_layers=fp.num_layers, segment=rank.tp_rank, segments=fp.tp_size
+            )
         except (UnsupportedKVCache, DSSError) as exc:
             logger.error(
                 "DSS connector off in this worker: the KV cache does not match the fingerprint (%s)", exc
             )
             self.disabled = True
             return
-        self.views = ArenaViews(self.fingerprint.num_layers, self.fingerprint.layer_block_nbytes)
+        self.views = ArenaViews(fp.num_layers, fp.layer_row_nbytes)
         logger.info(
-            "DSS connector ready: %d layers x %d blocks of %s, %d bytes per page",
+            "DSS connector ready (%s, shard %d of %d): %d layers x %d blocks of %s, %d bytes per page",
+            rank,
+            self.shard,
+            fp.shards,
             len(layers),
             self.num_blocks,
-            tuple(layers[0].shape[1:]),
-            self.fingerprint.page_nbytes,
+            self.blocks.block_shape,
+            fp.page_nbytes,
         )
 
     @property
@@ -138,7 +170,7 @@ class WorkerSide:
                 raise DSSError("connector not ready for loads")
             n_copied = self._copy_in(spec.span, spec.block_ids)
             # Validate (after the copy) and release in one round trip.
-            got = self._client.wait_loaded(spec.load_id, 0.0, release=True)
+            got = self._client.wait_loaded(spec.load_id, 0.0, release=True, shard=self.shard)
             released = True
             n_ok = min(n_copied, _usable_prefix(got, len(spec.block_ids)))
         except Exception as exc:
@@ -146,7 +178,7 @@ class WorkerSide:
             n_ok = 0
         finally:
             if not released:
-                self._release(self._client, spec.load_id)
+                self._release(self._client, spec.load_id, self.shard)
         self._record_load(spec, n_ok, async_done=False)
 
     def _async_load(self, spec: LoadSpec) -> None:
@@ -172,7 +204,7 @@ class WorkerSide:
                     raise DSSError("promoted pages came back without slots in one arena")
                 n_copied = self._copy_in(span, spec.block_ids[:n_ok])
                 # Validate the copies (and release) in one round trip.
-                valid = self._loader_client.wait_loaded(spec.load_id, 0.0, release=True)
+                valid = self._loader_client.wait_loaded(spec.load_id, 0.0, release=True, shard=self.shard)
                 released = True
                 n_ok = min(n_copied, _usable_prefix(valid, n_ok))
         except Exception as exc:
@@ -180,7 +212,7 @@ class WorkerSide:
             n_ok = 0
         finally:
             if not released:
-                self._release(self._loader_client, spec.load_id)
+                self._release(self._loader_client, spec.load_id, self.shard)
         self._record_load(spec, n_ok, async_done=True)
 
     def _record_load(self, spec: LoadSpec, n_ok: int, async_done: bool) -> None:
@@ -197,11 +229,11 @@ class WorkerSide:
                 )
 
     @staticmethod
-    def _release(client: StoreClient | None, load_id: str) -> None:
+    def _release(client: StoreClient | None, load_id: str, shard: int) -> None:
         if client is None:
             return
         try:
-            client.release(load_id)
+            client.release(load_id, shard=shard)
         except DSSError as exc:
             logger.warning("DSS release of load %s failed: %s", load_id, exc)
 
@@ -220,14 +252,14 @@ class WorkerSide:
             written = spec.page_indexes
             if spec.tail_tokens and not self._scrub_tail(pages, spec):
                 written = written[:-1]  # the store releases the tail's slot unpublished
-            self._client.commit_save(spec.save_id, written)
+            self._client.commit_save(spec.save_id, written, shard=self.shard)
             self.stats["saved_pages"] += len(written)
         except Exception as exc:
             logger.warning("DSS save %s for %s failed; aborted: %s", spec.save_id, spec.req_id, exc)
             self.stats["aborted_saves"] += 1
             if self._client is not None:
                 try:
-                    self._client.abort_save(spec.save_id)
+                    self._client.abort_save(spec.save_id, shard=self.shard)
                 except DSSError as abort_exc:
                     logger.warning("DSS abort_save %s failed: %s", spec.save_id, abort_exc)
         if spec.on_finish:

@@ -104,14 +104,14 @@ def test_arena_views_reattach_when_the_file_is_recreated(tmp_path: Path) -> None
 
 
 def test_check_layer_tensors_accepts_only_the_fingerprinted_shape() -> None:
-    layers = make_layers(3)
+    layers = dict(enumerate(make_layers(3)))
     check_layer_tensors(FP, layers, NB)
     with pytest.raises(UnsupportedKVCache):
-        check_layer_tensors(FP, layers[:-1], NB)
+        check_layer_tensors(FP, {i: t for i, t in layers.items() if i < L - 1}, NB)
     with pytest.raises(UnsupportedKVCache):
-        check_layer_tensors(FP, [t.float() for t in layers], NB)
+        check_layer_tensors(FP, {i: t.float() for i, t in layers.items()}, NB)
     with pytest.raises(UnsupportedKVCache):
-        check_layer_tensors(FP, [t[:, :2] for t in layers], NB)
+        check_layer_tensors(FP, {i: t[:, :2] for i, t in layers.items()}, NB)
     with pytest.raises(UnsupportedKVCache):
         check_layer_tensors(FP, layers, NB + 1)
 
@@ -119,7 +119,7 @@ def test_check_layer_tensors_accepts_only_the_fingerprinted_shape() -> None:
 def test_layers_are_ordered_by_layer_index() -> None:
     names = {f"model.layers.{i}.self_attn.attn": torch.full((1,), float(i)) for i in (10, 2, 0, 1)}
     ordered = order_layers(names, lambda n: int(n.split(".")[2]))
-    assert [int(t.item()) for t in ordered] == [0, 1, 2, 10]
+    assert [(i, int(t.item())) for i, t in ordered.items()] == [(0, 0), (1, 1), (2, 2), (10, 10)]
     with pytest.raises(UnsupportedKVCache):
         order_layers({"a.1": torch.zeros(1), "b.1": torch.zeros(1)}, lambda n: int(n.split(".")[1]))
 

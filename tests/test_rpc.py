@@ -63,15 +63,15 @@ class FakeService:
         return LoadPlan("L1", 4, start_token, (PAGE,), False, {"host": 4})
 
     def wait_loaded(
-        self, load_id: str, timeout_s: float, *, release: bool = False
+        self, load_id: str, timeout_s: float, *, release: bool = False, shard: int | None = None
     ) -> tuple[PageSlot | None, ...]:
-        self.calls.append(("wait_loaded", (load_id, timeout_s, release)))
+        self.calls.append(("wait_loaded", (load_id, timeout_s, release, shard)))
         if load_id == "slow":
             time.sleep(timeout_s)
         return (PAGE, None)
 
-    def release(self, load_id: str) -> None:
-        self.calls.append(("release", (load_id,)))
+    def release(self, load_id: str, shard: int | None = None) -> None:
+        self.calls.append(("release", (load_id, shard)))
 
     def plan_save(
         self, fid: FingerprintId, tenant: TenantId, tokens: np.ndarray, n_pages: int, with_tail: bool = False
@@ -79,12 +79,12 @@ class FakeService:
         self.calls.append(("plan_save", (fid, tenant, tokens, n_pages, with_tail)))
         return SavePlan("S1", (PAGE,))
 
-    def commit_save(self, save_id: str, written: Sequence[int]) -> int:
-        self.calls.append(("commit_save", (save_id, written)))
+    def commit_save(self, save_id: str, written: Sequence[int], shard: int = 0) -> int:
+        self.calls.append(("commit_save", (save_id, written, shard)))
         return len(written)
 
-    def abort_save(self, save_id: str) -> None:
-        self.calls.append(("abort_save", (save_id,)))
+    def abort_save(self, save_id: str, shard: int | None = None) -> None:
+        self.calls.append(("abort_save", (save_id, shard)))
         if save_id == "missing":
             raise SessionNotFound("no such save")
         if save_id == "bug":
@@ -141,21 +141,25 @@ def test_every_method_round_trips(client: StoreClient, service: FakeService) -> 
     assert client.lookup(fid, "t1", [], 0, 8) is None
 
     assert client.wait_loaded("L1", 1.5) == (PAGE, None)
-    assert service.calls[-1] == ("wait_loaded", ("L1", 1.5, False))
-    assert client.wait_loaded("L1", 1.5, release=True) == (PAGE, None)
-    assert service.calls[-1] == ("wait_loaded", ("L1", 1.5, True))
+    assert service.calls[-1] == ("wait_loaded", ("L1", 1.5, False, None))
+    assert client.wait_loaded("L1", 1.5, release=True, shard=1) == (PAGE, None)
+    assert service.calls[-1] == ("wait_loaded", ("L1", 1.5, True, 1))
 
     client.release("L1")
-    assert service.calls[-1] == ("release", ("L1",))
+    assert service.calls[-1] == ("release", ("L1", None))
 
     save = client.plan_save(fid, "t1", np.arange(8, dtype=np.int64), 2)
     assert save == SavePlan("S1", (PAGE,))
     saved_tokens = service.last_call()[1][2]
     assert isinstance(saved_tokens, np.ndarray) and saved_tokens.dtype == np.int32
     assert client.commit_save("S1", (0, 1)) == 2
-    assert service.calls[-1] == ("commit_save", ("S1", [0, 1]))
+    assert service.calls[-1] == ("commit_save", ("S1", [0, 1], 0))
+    assert client.commit_save("S1", (0,), shard=3) == 1
+    assert service.calls[-1] == ("commit_save", ("S1", [0], 3))
     client.abort_save("S1")
-    assert service.calls[-1] == ("abort_save", ("S1",))
+    assert service.calls[-1] == ("abort_save", ("S1", None))
+    with pytest.raises(DSSError, match="shard"):
+        client.abort_save("S1", shard=-1)
     assert client.stats() == {"leases": 0}
     assert (client.failures, client.timeouts) == (0, 0)
 

@@ -68,6 +68,8 @@ class _Lease:
     held: list[Held]  # every page pinned by the lease (from page 0)
     plan_pages: tuple[PageSlot, ...]
     futures: dict[int, Future[SlotRef | None]]
+    shards: int = 1  # engine ranks that each copy their shard and release (`release(..., shard)`)
+    released: set[int] = field(default_factory=set)
     created: float = field(default_factory=time.monotonic)
 
 
@@ -79,6 +81,11 @@ class _PendingSave:
     hashes: list[PageHash]
     namespaces: list[Namespace]
     slots: dict[int, SlotRef]
+    shards: int = 1  # engine ranks that each copy their shard and report (commit or abort)
+    # Each rank's report: the page indexes it copied (an abort copied none). The save is
+    # published, or freed, only when every rank reported: until then a rank may still be
+    # writing into the slots, which must not be reused.
+    reports: dict[int, frozenset[int]] = field(default_factory=dict)
     created: float = field(default_factory=time.monotonic)
     # Set while an erasure zeroes the slots (guarded by KVCache._lock): a commit or abort that
     # arrives meanwhile only marks `reported`, and the eraser frees the slots when it is done.
@@ -220,8 +227,9 @@ class KVCache:
             tier_tokens[tier.value] += sizes[i]
             plan_pages.append(PageSlot(i, held[i].hash, ref, tier.value))
         load_id = uuid.uuid4().hex
+        shards = self.fingerprints.get(fid).shards
         with self._lock:
-            self._leases[load_id] = _Lease(held, tuple(plan_pages), futures)
+            self._leases[load_id] = _Lease(held, tuple(plan_pages), futures, shards)
         n_tokens = sum(sizes[first:])
         return LoadPlan(load_id, n_tokens, start_token, tuple(plan_pages), bool(futures), tier_tokens)
 
@@ -314,12 +322,12 @@ class KVCache:
             self.pages.drop(pushed_out)
 
     def wait_loaded(
-        self, load_id: str, timeout_s: float = 30.0, release: bool = False
+        self, load_id: str, timeout_s: float = 30.0, release: bool = False, shard: int | None = None
     ) -> tuple[PageSlot | None, ...]:
         """Every page of the plan with its host slot, or None where the page cannot be had (not
         promoted in time, or erased since it was pinned). An engine calls it again with
         `release=True` after copying: a copy that raced an erasure comes back None, never
-        trusted."""
+        trusted. `shard`: the engine rank releasing (see `release`)."""
         with self._lock:
             lease = self._leases.get(load_id)
         if lease is None:
@@ -337,14 +345,23 @@ class KVCache:
             ok = ref is not None and self.pages.valid(lease.held[ps.page_index], ref)
             out.append(PageSlot(ps.page_index, ps.hash, ref) if ok else None)
         if release:
-            self.release(load_id)
+            self.release(load_id, shard)
         return tuple(out)
 
-    def release(self, load_id: str) -> None:
+    def release(self, load_id: str, shard: int | None = None) -> None:
+        """End a load's lease. Each rank of a parallel engine releases its own `shard` after its
+        copy; the pages stay pinned until every rank did. None releases it whole (the scheduler
+        dropping a plan no worker received)."""
         with self._lock:
-            lease = self._leases.pop(load_id, None)
-        if lease is not None:
-            self.pages.unlease(lease.held)
+            lease = self._leases.get(load_id)
+            if lease is None:
+                return
+            if shard is not None:
+                lease.released.add(shard)
+                if len(lease.released) < lease.shards:
+                    return
+            del self._leases[load_id]
+        self.pages.unlease(lease.held)
 
     def _expire_stale(self) -> None:
         """Free leases and reserved save slots whose engine never came back (it died mid-load or
@@ -406,7 +423,7 @@ class KVCache:
                 raise
             finally:
                 self.forget(gone)
-            pending = _PendingSave(fid, own_ns, arr, hashes, namespaces, slots)
+            pending = _PendingSave(fid, own_ns, arr, hashes, namespaces, slots, fp.shards)
             if slots:
                 with self._lock:
                     self._saves[save_id] = pending
@@ -416,16 +433,18 @@ class KVCache:
                 self._link(pending)
         return SavePlan(save_id, tuple(PageSlot(i, hashes[i], ref) for i, ref in sorted(slots.items())))
 
-    def commit_save(self, save_id: str, written: Sequence[int]) -> int:
-        """Publish the pages the engine copied into their slots; returns how many were new."""
-        pending = self._take_save(save_id)
+    def commit_save(self, save_id: str, written: Sequence[int], shard: int = 0) -> int:
+        """Record that engine rank `shard` copied its part of pages `written`; when every rank
+        reported, publish the pages all of them copied. Returns how many pages were new (0 until
+        the last rank's report)."""
+        pending, done = self._take_save(save_id, shard, frozenset(int(i) for i in written))
         if pending is None:
             return 0
         with self._tenant_save(pending.namespace.tenant) as allowed:
             if not allowed:  # erased meanwhile (its pending saves were aborted): nothing lands
                 self._free(pending)
                 return 0
-            return self._publish(pending, set(written))
+            return self._publish(pending, done)
 
     def _publish(self, pending: _PendingSave, done: set[int]) -> int:
         fp = self.fingerprints.get(pending.fingerprint)
@@ -463,20 +482,36 @@ class KVCache:
             self._apply_pins(pending.fingerprint)
         return new
 
-    def abort_save(self, save_id: str) -> None:
-        pending = self._take_save(save_id)
+    def abort_save(self, save_id: str, shard: int | None = None) -> None:
+        """Rank `shard` copied nothing (its pages are not published: a page is every rank's
+        shard or nothing). None aborts the whole save (no worker received it, or it expired)."""
+        pending, _ = self._take_save(save_id, shard, frozenset())
         if pending is not None:
             self._free(pending)
 
-    def _take_save(self, save_id: str) -> _PendingSave | None:
-        """The pending save, now the caller's to publish or free; None if unknown, or if an
-        erasure is zeroing its slots (the eraser then frees them)."""
+    def _take_save(
+        self, save_id: str, shard: int | None, written: frozenset[int]
+    ) -> tuple[_PendingSave | None, set[int]]:
+        """Record a rank's report. Once every rank reported (or `shard` is None), the pending
+        save is the caller's to publish or free, with the pages every rank copied; None while
+        ranks are missing, if unknown, or if an erasure is zeroing its slots (the eraser then
+        frees them)."""
         with self._lock:
-            pending = self._saves.pop(save_id, None)
-            if pending is not None and pending.scrubbing:
+            pending = self._saves.get(save_id)
+            if pending is None:
+                return None, set()
+            if shard is not None:
+                if not 0 <= shard < pending.shards:
+                    raise InvalidInput(f"shard {shard} of a save by {pending.shards} engine ranks")
+                pending.reports[shard] = pending.reports.get(shard, written) & written
+                if len(pending.reports) < pending.shards:
+                    return None, set()
+            del self._saves[save_id]
+            if pending.scrubbing:
                 pending.reported = True
-                return None
-        return pending
+                return None, set()
+        reports = list(pending.reports.values()) if shard is not None else [frozenset()]
+        return pending, set(frozenset.intersection(*reports))
 
     def _free(self, pending: _PendingSave) -> None:
         for ref in pending.slots.values():

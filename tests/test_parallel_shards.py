@@ -1,0 +1,184 @@
+"""Pages of tensor- and pipeline-parallel engines: one page, one segment per rank.
+
+Each rank copies its own shard (its KV heads, its layers) of every page into the same slot;
+the store publishes a page only when every rank committed it, frees a save's slots only when
+every rank reported, and keeps a load's pages pinned until every rank released it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from store_helpers import SMALL_FP, open_store
+
+from dss.errors import InvalidInput
+from dss.namespace import ModelFingerprint
+from dss.pages.tiers.host import HostArena
+from dss.store import Store
+from dss.types import TenantId
+from engine_patch.copy import ArenaViews, KVBlocks, runs
+
+L, NB, H, BS, HD = 4, 12, 4, 8, 16
+TP, PP = 2, 2
+FULL = ModelFingerprint("tiny", "r", "bfloat16", num_layers=L, num_kv_heads=H, head_size=HD, block_size=BS)
+SHARDED = ModelFingerprint(
+    "tiny",
+    "r",
+    "bfloat16",
+    num_layers=L,
+    num_kv_heads=H // TP,
+    head_size=HD,
+    block_size=BS,
+    tp_size=TP,
+    pp_size=PP,
+)
+
+
+def test_a_single_rank_fingerprint_keeps_its_id_and_a_parallel_one_differs() -> None:
+    # The id SMALL_FP had before the layout fields existed: stored pages stay reachable.
+    assert SMALL_FP.id == "282e3c12e36b58a406ae5e4e86e11415"
+    assert SHARDED.shards == TP * PP
+    assert SHARDED.page_nbytes == FULL.page_nbytes  # the same bytes, split among the ranks
+    assert SHARDED.layer_row_nbytes == TP * SHARDED.layer_block_nbytes
+    assert SHARDED.id != FULL.id
+    assert ModelFingerprint.from_json(SHARDED.to_json()) == SHARDED
+    with pytest.raises(ValueError):
+        ModelFingerprint(
+            "m", "r", "bfloat16", num_layers=2, num_kv_heads=1, head_size=8, block_size=4, pp_size=3
+        )
+
+
+@pytest.fixture
+def arena(tmp_path: Path) -> Iterator[HostArena]:
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    a = HostArena.create(
+        shm / f"dss-test-shards-{os.getpid()}-{time.monotonic_ns()}.shm", SHARDED.page_nbytes, 8
+    )
+    try:
+        yield a
+    finally:
+        a.close()
+        a.path.unlink(missing_ok=True)
+
+
+def _full_layers(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(NB, H, BS, 2 * HD, generator=g).to(torch.bfloat16) for _ in range(L)]
+
+
+def _rank_layers(full: list[torch.Tensor], tp_rank: int, pp_rank: int) -> dict[int, torch.Tensor]:
+    """What rank (tp_rank, pp_rank) holds on the CPU backend: its heads of its stage's layers."""
+    per_stage, heads = L // PP, H // TP
+    return {
+        i: full[i][:, tp_rank * heads : (tp_rank + 1) * heads].contiguous()
+        for i in range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+    }
+
+
+def test_every_rank_writes_its_shard_and_loads_it_back(arena: HostArena) -> None:
+    full = _full_layers(1)
+    pages = ArenaViews(SHARDED.num_layers, SHARDED.layer_row_nbytes).pages(
+        str(arena.path), SHARDED.page_nbytes
+    )
+    block_ids, slots = [3, 4, 7], [0, 1, 5]
+    ranks = [(t, p) for p in range(PP) for t in range(TP)]
+    for t, p in ranks:
+        KVBlocks(_rank_layers(full, t, p), num_layers=L, segment=t, segments=TP).save(
+            pages, runs(block_ids, slots)
+        )
+
+    # On the CPU layout a layer's row is the rank segments in head order: the whole block.
+    whole = [torch.zeros_like(kv) for kv in full]
+    KVBlocks(whole).load(pages, runs(block_ids, slots))
+    for layer in range(L):
+        assert torch.equal(whole[layer][block_ids], full[layer][block_ids])
+
+    for t, p in ranks:
+        mine = {i: torch.zeros_like(kv) for i, kv in _rank_layers(full, t, p).items()}
+        KVBlocks(mine, num_layers=L, segment=t, segments=TP).load(pages, runs([0, 1, 2], slots))
+        for i, kv in _rank_layers(full, t, p).items():
+            assert torch.equal(mine[i][:3], kv[block_ids]), (t, p, i)
+
+
+def test_a_rank_refuses_layers_or_segments_outside_the_page() -> None:
+    full = _full_layers(2)
+    with pytest.raises(InvalidInput):
+        KVBlocks({L: full[0]}, num_layers=L)
+    with pytest.raises(InvalidInput):
+        KVBlocks(_rank_layers(full, 0, 0), num_layers=L, segment=TP, segments=TP)
+
+
+# ---------------------------------------------------------------------------- the store's side
+ALICE = TenantId("alice-tenant")
+TP_FP = ModelFingerprint(
+    "tiny-test", "r1", "bfloat16", num_layers=2, num_kv_heads=1, head_size=8, block_size=4, tp_size=2
+)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    s = open_store(tmp_path / "data", write_through=False)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _fill(store: Store, plan_slots: list[object], value: int) -> None:
+    for ref in plan_slots:
+        store.pages.host.slot_array(ref)[:] = value  # type: ignore[arg-type]
+
+
+def test_a_page_is_published_only_when_every_rank_committed_it(store: Store) -> None:
+    fid = store.register_fingerprint(TP_FP)
+    tokens = np.arange(1, 13, dtype=np.int32)  # 3 pages
+    plan = store.plan_save(fid, ALICE, tokens, 3)
+    assert len(plan.pages) == 3
+    _fill(store, [p.slot for p in plan.pages], 7)
+    assert store.commit_save(plan.save_id, [0, 1, 2], shard=0) == 0  # rank 1 has not reported
+    assert store.kv.match(fid, ALICE, tokens).n_tokens == 0
+    assert len(store.kv.pending_slots()) == 3
+    # Rank 1 copied only pages 0 and 1: page 2 is not whole, so it is not published.
+    assert store.commit_save(plan.save_id, [0, 1], shard=1) == 2
+    assert store.kv.match(fid, ALICE, tokens).n_tokens == 8
+    assert store.kv.pending_slots() == []
+
+
+def test_one_rank_aborting_publishes_nothing_and_frees_after_the_last_report(store: Store) -> None:
+    fid = store.register_fingerprint(TP_FP)
+    tokens = np.arange(1, 9, dtype=np.int32)
+    before = store.pages.used_bytes()
+    plan = store.plan_save(fid, ALICE, tokens, 2)
+    store.abort_save(plan.save_id, shard=1)
+    # Rank 0 may still be copying into the slots: they stay reserved until it reports.
+    assert len(store.kv.pending_slots()) == 2
+    assert store.commit_save(plan.save_id, [0, 1], shard=0) == 0
+    assert store.kv.pending_slots() == []
+    assert store.pages.used_bytes() == before
+    assert store.kv.match(fid, ALICE, tokens).n_tokens == 0
+    with pytest.raises(InvalidInput):
+        store.commit_save(store.plan_save(fid, ALICE, tokens, 2).save_id, [0], shard=2)
+
+
+def test_a_load_stays_pinned_until_every_rank_released_it(store: Store) -> None:
+    fid = store.register_fingerprint(TP_FP)
+    tokens = np.arange(1, 13, dtype=np.int32)
+    plan = store.plan_save(fid, ALICE, tokens, 3)
+    _fill(store, [p.slot for p in plan.pages], 3)
+    store.commit_save(plan.save_id, [0, 1, 2], shard=0)
+    store.commit_save(plan.save_id, [0, 1, 2], shard=1)
+    load = store.begin_load(fid, ALICE, tokens, 0, len(tokens) - 1)
+    assert load is not None and load.n_tokens >= 8
+    got = store.wait_loaded(load.load_id, 0.0, release=True, shard=0)
+    assert all(p is not None for p in got)
+    assert store.kv.stats()["leases"] == 1
+    store.release(load.load_id, shard=0)  # a repeated release by the same rank counts once
+    assert store.kv.stats()["leases"] == 1
+    store.release(load.load_id, shard=1)
+    assert store.kv.stats()["leases"] == 0
