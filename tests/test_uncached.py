@@ -1,8 +1,8 @@
 """Never silently off: an engine DSS cannot cache refuses to start (or, when the operator allows
 it, says so in /readyz and /metrics) instead of serving as plain vLLM with one log line.
 
-Before: tensor x pipeline parallel size != 1 or more than one KV cache group turned the connector
-off inside the engine and the server started as if all was well.
+Before: more than one KV cache group (and, until parallel engines were cached, TP x PP != 1) turned
+the connector off inside the engine and the server started as if all was well.
 """
 
 from __future__ import annotations
@@ -69,20 +69,30 @@ def default_config() -> Any:
     return engine_config(_default_model())
 
 
-def test_the_default_model_is_cached_and_parallel_layouts_are_refused(default_config: Any) -> None:
-    from engine_patch.fingerprint import uncached_reason
+def test_the_default_model_is_cached_in_every_parallel_layout(default_config: Any) -> None:
+    from engine_patch.fingerprint import frontend_fingerprint, uncached_reason
 
     assert uncached_reason(default_config) is None
-    for tp, pp in ((2, 1), (1, 2), (3, 1)):
-        reason = uncached_reason(_with_layout(default_config, tp, pp))
-        assert reason is not None and f"tensor-parallel size {tp} x pipeline-parallel size {pp}" in reason
+    single = frontend_fingerprint(default_config)
+    ids = {single.id}
+    for tp, pp in ((3, 1), (1, 2), (3, 2)):
+        config = _with_layout(default_config, tp, pp)
+        assert uncached_reason(config) is None
+        fp = frontend_fingerprint(config)
+        # Pages are per layout: each rank holds 3 / tp KV heads, the page all of the layers.
+        assert (fp.tp_size, fp.pp_size, fp.num_kv_heads) == (tp, pp, 3 // tp)
+        assert fp.num_layers == single.num_layers and fp.page_nbytes == single.page_nbytes
+        ids.add(fp.id)
+    assert len(ids) == 4
 
 
 def _with_layout(config: Any, tp: int, pp: int) -> Any:
     """The parts of `config` the decision reads, with another parallel layout (building a real
-    TP=2 config would check this machine's NUMA nodes and cores)."""
-    parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp)
-    return SimpleNamespace(model_config=config.model_config, parallel_config=parallel)
+    TP=3 config would check this machine's NUMA nodes and cores)."""
+    parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp, rank=0)
+    return SimpleNamespace(
+        model_config=config.model_config, parallel_config=parallel, cache_config=config.cache_config
+    )
 
 
 @pytest.mark.parametrize("kind", sorted(TINY))
