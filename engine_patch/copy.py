@@ -2,26 +2,33 @@
 
 A page is one engine block of every KV layer, layer-major: `[num_layers, layer_row_nbytes]`, where
 a layer's row holds one segment per tensor-parallel rank (each rank copies its own; a pipeline
-stage copies the layers it runs).
-vLLM's per-layer cache has blocks on dim 0 (`[num_blocks, H, N, C]` on CPU, where the block
-interior is ISA-packed and only whole blocks mean anything). A copy moves runs of consecutive
-blocks whose slots are consecutive too, one strided `copy_` per layer and run, straight between
-the two memories: no stacked temporaries, no per-token work.
+stage copies the layers it runs). Each segment is the rank's block in the page's canonical form
+`[H, N, C]`, or, for the CPU backend's ISA-packed blocks, its bytes as they are
+(`engine_patch.layouts`). A copy moves runs of consecutive blocks whose slots are consecutive too:
+on CPU one strided `copy_` per layer and run, straight between the two memories (no stacked
+temporaries, no per-token work); on CUDA one DMA per run and device-side copies per layer
+(`engine_patch.cuda_copy`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from dss.errors import InvalidInput
 from dss.pages.tiers.host import HostArena
+from engine_patch.layouts import KVLayout, slot_view
+
+if TYPE_CHECKING:
+    from engine_patch.cuda_copy import CudaCopier
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,11 +59,17 @@ class KVBlocks:
 
     A page is `[num_layers, segments * layer_block_nbytes]`: per model layer, one segment per
     tensor-parallel rank. A rank copies its own segment (`segment`) of the layers it holds
-    (`layers`, keyed by model layer index: a pipeline stage holds some of them)."""
+    (`layers`, keyed by model layer index: a pipeline stage holds some of them). `layout` says how
+    each layer tensor holds its blocks (`engine_patch.layouts`): copies go between the layers'
+    block-major views and the slots' bytes viewed the same way, in the page's canonical form (or
+    as they are, for the CPU backend's packed blocks). On a CUDA device the copies of a
+    single-segment page run through `engine_patch.cuda_copy` (one DMA per run, on a side stream).
+    """
 
     def __init__(
         self,
         layers: Sequence[torch.Tensor] | Mapping[int, torch.Tensor],
+        layout: KVLayout,
         *,
         num_layers: int | None = None,
         segment: int = 0,
@@ -72,27 +85,40 @@ class KVBlocks:
             raise InvalidInput(f"segment {segment} of {segments}")
         first = next(iter(by_index.values()))
         for kv in by_index.values():
-            if kv.shape != first.shape or kv.dtype != first.dtype:
-                raise InvalidInput("KV layers differ in shape or dtype")
+            if kv.shape != first.shape or kv.dtype != first.dtype or kv.device != first.device:
+                raise InvalidInput("KV layers differ in shape, dtype or device")
         self.layer_indexes = sorted(by_index)
         self.layers = [by_index[i] for i in self.layer_indexes]
         self.segment, self.segments = segment, segments
-        self.num_blocks = int(first.shape[0])
-        self.block_shape = tuple(first.shape[1:])
+        self.layout = layout
+        self.views = [layout.block_major(kv) for kv in self.layers]  # [num_blocks, *fine_shape]
+        self.num_blocks = layout.num_blocks
+        self.fine_shape = tuple(int(d) for d in self.views[0].shape[1:])
+        self.block_shape = layout.canonical_block_shape(first)  # (H, N, C) of a block in a page
         self.dtype = first.dtype
-        self.layer_block_nbytes = first[0].numel() * first.element_size()
+        self.layer_block_nbytes = math.prod(self.fine_shape) * first.element_size()
+        self.on_cuda = first.device.type == "cuda"
+        self._cuda: CudaCopier | None = None
+        if self.on_cuda and segments == 1 and len(self.layers) == self.num_layers:
+            # One DMA per run moves whole slot rows: only for a rank that owns the whole page.
+            # A tensor-parallel rank or a pipeline stage owns part of each row; it copies its
+            # segments per layer and run (synchronous `copy_` between device and pinned host),
+            # so it never overwrites another rank's bytes.
+            from engine_patch.cuda_copy import CudaCopier
+
+            self._cuda = CudaCopier(first.device)
 
     @property
     def page_nbytes(self) -> int:
         return self.num_layers * self.segments * self.layer_block_nbytes
 
     def _slot_layer(self, pages: torch.Tensor, run: Run, layer: int) -> torch.Tensor:
-        """Run `run`'s slots, this rank's segment of its `layer`-th layer, viewed like the
-        engine's blocks (no copy)."""
+        """Run `run`'s slots, this rank's segment of its `layer`-th layer, viewed like the engine's
+        block-major view (no copy)."""
         lb = self.layer_block_nbytes
         start = self.segment * lb
         raw = pages[run.slot : run.slot + run.n, self.layer_indexes[layer], start : start + lb]
-        return raw.view(self.dtype).view(run.n, *self.block_shape)
+        return slot_view(raw, self.dtype, self.fine_shape)
 
     def _check(self, pages: torch.Tensor, run_list: Sequence[Run]) -> None:
         row = self.segments * self.layer_block_nbytes
@@ -107,32 +133,63 @@ class KVBlocks:
     def load(self, pages: torch.Tensor, run_list: Sequence[Run]) -> None:
         """Arena slots -> engine blocks."""
         self._check(pages, run_list)
+        if self._cuda is not None:
+            self._cuda.load(_run_rows(pages, run_list), self._staged_to_blocks(run_list))
+            return
         for r in run_list:
-            for layer, kv in enumerate(self.layers):
+            for layer, kv in enumerate(self.views):
                 kv[r.block : r.block + r.n].copy_(self._slot_layer(pages, r, layer))
 
     def save(self, pages: torch.Tensor, run_list: Sequence[Run]) -> None:
         """Engine blocks -> arena slots."""
         self._check(pages, run_list)
+        if self._cuda is not None:
+            self._cuda.save(_run_rows(pages, run_list), self._blocks_to_staged(run_list))
+            return
         for r in run_list:
-            for layer, kv in enumerate(self.layers):
+            for layer, kv in enumerate(self.views):
                 self._slot_layer(pages, r, layer).copy_(kv[r.block : r.block + r.n])
+
+    # A run's staging buffer on the device holds its slots' bytes, `[n, num_layers,
+    # layer_row_nbytes]`: it is addressed like the arena from slot 0.
+    def _staged_to_blocks(self, run_list: Sequence[Run]) -> Callable[[int, torch.Tensor], None]:
+        def scatter(i: int, staged: torch.Tensor) -> None:
+            r = run_list[i]
+            for layer, kv in enumerate(self.views):
+                kv[r.block : r.block + r.n].copy_(self._slot_layer(staged, Run(r.block, 0, r.n), layer))
+
+        return scatter
+
+    def _blocks_to_staged(self, run_list: Sequence[Run]) -> Callable[[int, torch.Tensor], None]:
+        def gather(i: int, staging: torch.Tensor) -> None:
+            r = run_list[i]
+            for layer, kv in enumerate(self.views):
+                self._slot_layer(staging, Run(r.block, 0, r.n), layer).copy_(kv[r.block : r.block + r.n])
+
+        return gather
 
     def scrub_after(self, pages: torch.Tensor, slot: int, valid_tokens: int, isa: str) -> None:
         """Zero the token positions from `valid_tokens` on in a copied block (a tail page).
 
         An engine block is reused without being cleared, so the positions a partial block has
         not reached yet still hold KV of whatever request used the block before, another
-        tenant's even; a tail page must not carry them into the store. The block interior is
-        ISA-packed, so the positions are overwritten through the CPU backend's own cache-write
-        kernel (with zero K and V), which touches exactly those positions, as decoding does.
+        tenant's even; a tail page must not carry them into the store. A canonical page is
+        zeroed there directly. A packed (CPU) block interior is overwritten through the CPU
+        backend's own cache-write kernel for `isa` (with zero K and V), which touches exactly
+        those positions, as decoding does.
         """
-        from vllm import _custom_ops as ops
-
         self._check(pages, [Run(0, slot, 1)])
-        n_heads, block_size, width = (int(d) for d in self.block_shape)
+        n_heads, block_size, width = self.block_shape
         if not 0 < valid_tokens < block_size:
             raise InvalidInput(f"a tail page holds 1..{block_size - 1} tokens, not {valid_tokens}")
+        if not self.layout.packed:
+            lb, start = self.layer_block_nbytes, self.segment * self.layer_block_nbytes
+            for index in self.layer_indexes:
+                raw = pages[slot : slot + 1, index, start : start + lb]
+                slot_view(raw, self.dtype, self.block_shape)[:, :, valid_tokens:] = 0
+            return
+        from vllm import _custom_ops as ops
+
         head_size = width // 2
         n = block_size - valid_tokens
         zeros = torch.zeros((n, n_heads, head_size), dtype=self.dtype)
@@ -141,6 +198,11 @@ class KVBlocks:
             block = self._slot_layer(pages, Run(0, slot, 1), layer)  # [1, H, N, 2D] over the slot
             key_cache, value_cache = block.view(1, n_heads, 2 * block_size, head_size).chunk(2, dim=2)
             ops.cpu_attn_reshape_and_cache(zeros, zeros, key_cache, value_cache, positions, isa)
+
+
+def _run_rows(pages: torch.Tensor, run_list: Sequence[Run]) -> list[torch.Tensor]:
+    """Each run's slots, whole: one contiguous span of the arena per run (one DMA on CUDA)."""
+    return [pages[r.slot : r.slot + r.n] for r in run_list]
 
 
 @dataclass(slots=True)
@@ -166,11 +228,14 @@ class ArenaViews:
     An arena file is re-attached when its inode changes: a restarted store recreates the file at
     the same path, and the old mapping must never be read again. Attaching refuses a symlink or a
     file or directory that is not ours and private (`UnsafeSharedMemory`, see `HostArena.attach`).
+    With `pin` (a worker whose KV is on a CUDA device) each arena is registered with CUDA as
+    page-locked memory when it is attached, for asynchronous DMA, and unregistered when it is closed.
     """
 
-    def __init__(self, num_layers: int, layer_row_nbytes: int) -> None:
+    def __init__(self, num_layers: int, layer_row_nbytes: int, *, pin: bool = False) -> None:
         self.num_layers = num_layers
         self.layer_row_nbytes = layer_row_nbytes
+        self.pin = pin
         self._lock = threading.Lock()
         self._arenas: dict[str, Attached] = {}
 
@@ -194,6 +259,12 @@ class ArenaViews:
         # Attaching (open, checks, mmap) runs outside the lock; the slot count is in the file.
         # The entry is keyed by the file actually mapped (its inode), not by the lstat above.
         arena = HostArena.attach(path, slot_nbytes)
+        if self.pin:
+            try:
+                arena.pin()  # cudaHostRegister over the whole mapping; `close` unregisters it
+            except BaseException:
+                arena.close()
+                raise
         pages = torch.from_numpy(arena.data()).view(arena.n_slots, self.num_layers, self.layer_row_nbytes)
         fresh = Attached(arena, arena.inode, arena.file_nbytes, pages)
         with self._lock:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dss.namespace import ModelFingerprint
+from engine_patch.layouts import CANONICAL_FORMAT
 from engine_patch.model import READY_MARKER
 
 if TYPE_CHECKING:
@@ -142,34 +143,46 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _packed_cpu_blocks(vllm_config: VllmConfig) -> bool:
+    """Whether the engine's KV blocks are packed by the CPU attention backend (CPU_ATTN, every
+    non-MLA model on CPU): their interior is laid out for the kernel's ISA, not as plain values.
+    Every other cache holds plain values in vLLM's `[B, H, N, C]` view (CUDA backends in any
+    `KVCacheLayout`, and MLA's latent cache on CPU too)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu()) and not getattr(vllm_config.model_config, "use_mla", False)
+
+
 def _layout_name(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str:
+    """The layout of the bytes in a page. Packed CPU blocks are stored as they are: the engine's
+    resolved `KVCacheLayout` (LBHNC, the only one the CPU backend takes). Anything else is stored
+    in the canonical form (`engine_patch.layouts`), whatever the engine's physical layout is, so
+    engines that differ only in layout (FlashAttention's NHD, FlashInfer's HND, ...) share pages."""
+    if not _packed_cpu_blocks(vllm_config):
+        return CANONICAL_FORMAT
     layout = getattr(kv_cache_config, "kv_cache_layout", None)
     if not layout:
         try:
             layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
         except ValueError:
-            # Not resolved yet (the API process): the CPU backend supports LBHNC only, and on
-            # CUDA the engine's registered fingerprint is authoritative.
-            layout = "LBHNC"
+            layout = "LBHNC"  # not resolved yet (the API process): the CPU backend's only layout
     return str(getattr(layout, "name", layout))
 
 
 def attention_isa(vllm_config: VllmConfig, dtype: torch.dtype, block_size: int, head_size: int) -> str:
-    """What decides the packing inside a block: the CPU kernel's ISA, or the CUDA device family.
-
-    On CPU the block interior is ISA-packed (amx and vec pack K differently), so pages move only
-    between engines with the same ISA.
-    """
+    """What decides the packing inside a block: the CPU kernel's ISA (amx and vec pack K
+    differently, so packed pages move only between engines with the same ISA), or "none" for
+    pages in the canonical form, which hold plain values that any engine of the model can read
+    (CUDA engines whatever their backend or device generation, MLA on CPU). On other platforms
+    the device type, which keeps their pages apart until their layouts are known."""
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():
+    if _packed_cpu_blocks(vllm_config):
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         return f"cpu-{_get_attn_isa(dtype, block_size, head_size, vllm_config.cache_config.cache_dtype)}"
-    if current_platform.is_cuda_alike():
-        major, minor = torch.cuda.get_device_capability()
-        backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-        return f"cuda-sm{major}{minor}-{getattr(backend, 'name', backend) or 'auto'}"
+    if current_platform.is_cpu() or current_platform.is_cuda_alike():
+        return "none"
     return str(current_platform.device_type)
 
 

@@ -32,6 +32,7 @@ from dss.rpc import StoreClient
 from dss.wire import PageSlot, span_of
 from engine_patch.copy import ArenaViews, KVBlocks, runs
 from engine_patch.fingerprint import UnsupportedKVCache, check_layer_tensors
+from engine_patch.layouts import layout_for, physical_order
 from engine_patch.metadata import DSSConnectorMetadata, DSSWorkerMetadata, LoadSpec, SaveSpec, SlotSpan
 
 logger = init_logger("vllm.dss_connector")
@@ -110,25 +111,34 @@ class WorkerSide:
             if not (0 <= rank.tp_rank < fp.tp_size and 0 <= rank.pp_rank < fp.pp_size):
                 raise UnsupportedKVCache(f"{rank} is outside the engine's {fp.tp_size}x{fp.pp_size} ranks")
             layers = order_layers(kv_caches, layer_index)
-            check_layer_tensors(fp, layers, self.num_blocks)
-            self.blocks = KVBlocks(
-                layers, num_layers=fp.num_layers, segment=rank.tp_rank, segments=fp.tp_size
+            blocks = KVBlocks(
+                layers,
+                layout_for(fp, self.num_blocks),
+                num_layers=fp.num_layers,
+                segment=rank.tp_rank,
+                segments=fp.tp_size,
             )
+            views = dict(zip(blocks.layer_indexes, blocks.views, strict=True))
+            check_layer_tensors(fp, views, self.num_blocks)
+            self.blocks = blocks
         except (UnsupportedKVCache, DSSError) as exc:
             logger.error(
                 "DSS connector off in this worker: the KV cache does not match the fingerprint (%s)", exc
             )
             self.disabled = True
             return
-        self.views = ArenaViews(fp.num_layers, fp.layer_row_nbytes)
+        self.views = ArenaViews(fp.num_layers, fp.layer_row_nbytes, pin=blocks.on_cuda)
         logger.info(
-            "DSS connector ready (%s, shard %d of %d): %d layers x %d blocks of %s, %d bytes per page",
+            "DSS connector ready (%s, shard %d of %d): %d layers x %d blocks of %s (in memory %s), "
+            "pages of %s blocks, %d bytes",
             rank,
             self.shard,
             fp.shards,
             len(layers),
             self.num_blocks,
-            self.blocks.block_shape,
+            tuple(blocks.layers[0].shape[1:]),
+            physical_order(blocks.layers[0], blocks.layout),
+            "packed" if blocks.layout.packed else f"{blocks.block_shape} (H, N, C)",
             fp.page_nbytes,
         )
 
@@ -270,11 +280,9 @@ class WorkerSide:
         hold KV of the block's previous user). False when that cannot be done here: the tail
         page is then not saved."""
         assert self.blocks is not None and self.fingerprint is not None
-        isa = self.fingerprint.isa
-        if not isa.startswith("cpu-"):
-            return False  # only the CPU backend's packing is known
+        isa = self.fingerprint.isa.removeprefix("cpu-")  # the CPU kernel's, for packed blocks
         try:
-            self.blocks.scrub_after(pages, spec.span.slots[-1], spec.tail_tokens, isa.removeprefix("cpu-"))
+            self.blocks.scrub_after(pages, spec.span.slots[-1], spec.tail_tokens, isa)
         except Exception as exc:
             logger.warning("DSS save %s: cannot clear its tail page, not saving it: %s", spec.save_id, exc)
             return False

@@ -16,10 +16,12 @@ from dss.namespace import ModelFingerprint
 from dss.pages.tiers.host import HostArena
 from engine_patch.copy import ArenaViews, KVBlocks, Run, runs
 from engine_patch.fingerprint import UnsupportedKVCache, check_layer_tensors, model_revision
+from engine_patch.layouts import VLLM_AXES, KVLayout
 from engine_patch.worker_side import order_layers
 
 L, NB, H, BS, HD = 4, 16, 3, 32, 16
 FP = ModelFingerprint("tiny", "r", "bfloat16", num_layers=L, num_kv_heads=H, head_size=HD, block_size=BS)
+CPU = KVLayout(VLLM_AXES, NB, packed=True)  # the CPU backend's blocks: bytes as they are
 
 
 def make_layers(seed: int) -> list[torch.Tensor]:
@@ -50,7 +52,7 @@ def test_save_writes_layer_major_pages_and_load_restores_them(arena: HostArena) 
     pages = views.pages(str(arena.path), arena.slot_nbytes)
     assert pages.shape == (12, L, FP.layer_block_nbytes)
     blocks, slots = [3, 4, 5, 11, 0], [7, 8, 9, 1, 2]
-    KVBlocks(src).save(pages, runs(blocks, slots))
+    KVBlocks(src, CPU).save(pages, runs(blocks, slots))
     # Page bytes = block b of layer 0, then layer 1, ...: exactly the engine's block bytes.
     for b, s in zip(blocks, slots, strict=True):
         page = arena.numpy(s)
@@ -61,7 +63,7 @@ def test_save_writes_layer_major_pages_and_load_restores_them(arena: HostArena) 
     # Loading into other blocks of a fresh cache restores exactly those blocks, nothing else.
     dst = [torch.zeros_like(t) for t in src]
     targets = [8, 9, 10, 2, 15]
-    KVBlocks(dst).load(pages, runs(targets, slots))
+    KVBlocks(dst, CPU).load(pages, runs(targets, slots))
     for layer in range(L):
         for b, t in zip(blocks, targets, strict=True):
             assert torch.equal(dst[layer][t], src[layer][b])
@@ -73,7 +75,7 @@ def test_save_writes_layer_major_pages_and_load_restores_them(arena: HostArena) 
 def test_copies_reject_out_of_range_blocks_and_slots(arena: HostArena) -> None:
     views = ArenaViews(L, FP.layer_block_nbytes)
     pages = views.pages(str(arena.path), arena.slot_nbytes)
-    kv = KVBlocks(make_layers(2))
+    kv = KVBlocks(make_layers(2), CPU)
     with pytest.raises(InvalidInput):
         kv.load(pages, [Run(NB - 1, 0, 2)])
     with pytest.raises(InvalidInput):
@@ -172,7 +174,7 @@ def test_a_tail_page_keeps_only_its_valid_positions(tmp_path: Path, dtype: torch
     try:
         views = ArenaViews(2, page_nbytes // 2)
         pages = views.pages(str(arena.path), arena.slot_nbytes)
-        blocks = KVBlocks(layers)
+        blocks = KVBlocks(layers, KVLayout(VLLM_AXES, 2, packed=True))
         blocks.save(pages, [Run(0, 1, 1)])
         want = np.concatenate([w[0].contiguous().view(torch.uint8).numpy().reshape(-1) for w in expected])
         assert not np.array_equal(arena.numpy(1), want), "precondition: the copy holds stale positions"

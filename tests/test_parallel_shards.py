@@ -23,8 +23,10 @@ from dss.pages.tiers.host import HostArena
 from dss.store import Store
 from dss.types import TenantId
 from engine_patch.copy import ArenaViews, KVBlocks, runs
+from engine_patch.layouts import VLLM_AXES, KVLayout
 
 L, NB, H, BS, HD = 4, 12, 4, 8, 16
+CPU = KVLayout(VLLM_AXES, NB, packed=True)  # the CPU backend's blocks: bytes as they are
 TP, PP = 2, 2
 FULL = ModelFingerprint("tiny", "r", "bfloat16", num_layers=L, num_kv_heads=H, head_size=HD, block_size=BS)
 SHARDED = ModelFingerprint(
@@ -67,41 +69,56 @@ def arena(tmp_path: Path) -> Iterator[HostArena]:
         a.path.unlink(missing_ok=True)
 
 
-def _full_layers(seed: int) -> list[torch.Tensor]:
+NHD = KVLayout(VLLM_AXES, NB)  # a CUDA engine's LBNHC view: pages in the canonical [H, N, C]
+
+
+def _full_layers(seed: int, physical: str = "BHNC") -> list[torch.Tensor]:
+    """`[B, H, N, C]` views whose memory is in `physical` order (HND: the CPU backend; NHD:
+    FlashAttention's)."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(NB, H, BS, 2 * HD, generator=g).to(torch.bfloat16) for _ in range(L)]
+    shape = {"B": NB, "H": H, "N": BS, "C": 2 * HD}
+    out = []
+    for _ in range(L):
+        t = torch.randn(*(shape[a] for a in physical), generator=g).to(torch.bfloat16)
+        out.append(t.permute(*(physical.index(a) for a in "BHNC")))
+    return out
 
 
 def _rank_layers(full: list[torch.Tensor], tp_rank: int, pp_rank: int) -> dict[int, torch.Tensor]:
-    """What rank (tp_rank, pp_rank) holds on the CPU backend: its heads of its stage's layers."""
+    """What rank (tp_rank, pp_rank) holds: its heads of its stage's layers, in the same memory
+    order as the whole model's tensors."""
     per_stage, heads = L // PP, H // TP
     return {
-        i: full[i][:, tp_rank * heads : (tp_rank + 1) * heads].contiguous()
+        i: full[i][:, tp_rank * heads : (tp_rank + 1) * heads].clone()
         for i in range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
     }
 
 
-def test_every_rank_writes_its_shard_and_loads_it_back(arena: HostArena) -> None:
-    full = _full_layers(1)
+@pytest.mark.parametrize(("layout", "physical"), [(CPU, "BHNC"), (NHD, "BNHC")], ids=["cpu-packed", "nhd"])
+def test_every_rank_writes_its_shard_and_loads_it_back(
+    arena: HostArena, layout: KVLayout, physical: str
+) -> None:
+    full = _full_layers(1, physical)
     pages = ArenaViews(SHARDED.num_layers, SHARDED.layer_row_nbytes).pages(
         str(arena.path), SHARDED.page_nbytes
     )
     block_ids, slots = [3, 4, 7], [0, 1, 5]
     ranks = [(t, p) for p in range(PP) for t in range(TP)]
     for t, p in ranks:
-        KVBlocks(_rank_layers(full, t, p), num_layers=L, segment=t, segments=TP).save(
+        KVBlocks(_rank_layers(full, t, p), layout, num_layers=L, segment=t, segments=TP).save(
             pages, runs(block_ids, slots)
         )
 
-    # On the CPU layout a layer's row is the rank segments in head order: the whole block.
+    # A layer's row is the rank segments in head order: the whole block, as a single-rank engine
+    # of the same layout holds it (both forms are head-major).
     whole = [torch.zeros_like(kv) for kv in full]
-    KVBlocks(whole).load(pages, runs(block_ids, slots))
+    KVBlocks(whole, layout).load(pages, runs(block_ids, slots))
     for layer in range(L):
         assert torch.equal(whole[layer][block_ids], full[layer][block_ids])
 
     for t, p in ranks:
         mine = {i: torch.zeros_like(kv) for i, kv in _rank_layers(full, t, p).items()}
-        KVBlocks(mine, num_layers=L, segment=t, segments=TP).load(pages, runs([0, 1, 2], slots))
+        KVBlocks(mine, layout, num_layers=L, segment=t, segments=TP).load(pages, runs([0, 1, 2], slots))
         for i, kv in _rank_layers(full, t, p).items():
             assert torch.equal(mine[i][:3], kv[block_ids]), (t, p, i)
 
@@ -109,9 +126,9 @@ def test_every_rank_writes_its_shard_and_loads_it_back(arena: HostArena) -> None
 def test_a_rank_refuses_layers_or_segments_outside_the_page() -> None:
     full = _full_layers(2)
     with pytest.raises(InvalidInput):
-        KVBlocks({L: full[0]}, num_layers=L)
+        KVBlocks({L: full[0]}, CPU, num_layers=L)
     with pytest.raises(InvalidInput):
-        KVBlocks(_rank_layers(full, 0, 0), num_layers=L, segment=TP, segments=TP)
+        KVBlocks(_rank_layers(full, 0, 0), CPU, num_layers=L, segment=TP, segments=TP)
 
 
 # ---------------------------------------------------------------------------- the store's side

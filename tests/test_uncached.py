@@ -109,10 +109,10 @@ def test_the_connector_fails_the_engine_unless_uncached_serving_is_allowed(defau
     from engine_patch.connector import DSSConnector
     from engine_patch.fingerprint import UnsupportedKVCache
 
-    tp2 = _with_layout(default_config, 2, 1)
+    two_groups = SimpleNamespace(kv_cache_groups=[object(), object()])  # what a hybrid model has
     with pytest.raises(UnsupportedKVCache, match="DSS_ENGINE__ALLOW_UNCACHED"):
-        DSSConnector._fingerprint(tp2, None, False)  # type: ignore[arg-type]
-    assert DSSConnector._fingerprint(tp2, None, True) is None  # type: ignore[arg-type]
+        DSSConnector._fingerprint(default_config, two_groups, False)  # type: ignore[arg-type]
+    assert DSSConnector._fingerprint(default_config, two_groups, True) is None  # type: ignore[arg-type]
 
 
 @pytest.mark.timeout(180)
