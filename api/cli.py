@@ -201,14 +201,17 @@ def _with_engine_args(settings: Settings, flags: list[str]) -> Settings:
     over the variable for the same name), checked against vLLM's engine arguments, and the
     parallel layout checked against this machine: a name vLLM does not know, one DSS sets itself,
     more ranks than CPUs refuse the start with one line (exit 2) before anything listens."""
-    from engine_patch.engine_args import EngineArgumentError, check_engine_args, parse_engine_arg
+    from engine_patch.engine_args import (
+        EngineArgumentError,
+        check_engine_args,
+        check_parallel_layout,
+        parse_engine_arg,
+    )
 
     eng = settings.engine
     try:
         extra = check_engine_args({**eng.extra_args, **dict(parse_engine_arg(f) for f in flags)})
         if eng.enabled and eng.tensor_parallel_size * eng.pipeline_parallel_size > 1:
-            from engine_patch.factory import check_parallel_layout
-
             check_parallel_layout(eng.tensor_parallel_size, eng.pipeline_parallel_size, eng.enforce_eager)
     except EngineArgumentError as exc:
         _refuse(str(exc))

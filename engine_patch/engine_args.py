@@ -8,17 +8,23 @@ parallel engines.
   (the model, the connector, the settings with a flag of their own), raises `EngineArgumentError`
   with one line, never ignored.
 - `cpu_threads_bind(cpus, ranks)`: vLLM's `VLLM_CPU_OMP_THREADS_BIND` value giving each rank of a
-  parallel engine its own contiguous share of `cpus` ("0|1", "0-3|4-7").
+  parallel engine its own contiguous share of `cpus` ("0|1", "0-3|4-7"); `check_parallel_layout`
+  decides whether a parallel engine on CPU can start and which binding it gets.
 
-Importing this module imports neither vLLM nor torch (the CLI and the API refuse bad input with
-it before anything loads); only `check_engine_args` imports vLLM's argument class.
+Importing this module imports neither vLLM nor torch, nor does checking names: the CLI refuses
+bad input with it at once, before anything loads. `check_parallel_layout` imports vLLM's
+platform (quietly) to know whether the engine runs on CPU.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import ast
+import functools
+import importlib.util
 import json
+import os
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from dss.errors import DSSError
@@ -67,11 +73,30 @@ def parse_engine_arg(text: str) -> tuple[str, Any]:
     return normalize_name(name), value
 
 
+@functools.cache
 def vllm_engine_arg_names() -> frozenset[str]:
-    """The fields of vLLM's `AsyncEngineArgs` (what `vllm serve` accepts as engine arguments)."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
+    """The fields of vLLM's `AsyncEngineArgs` (what `vllm serve` accepts as engine arguments).
 
-    return frozenset(f.name for f in dataclasses.fields(AsyncEngineArgs) if not f.name.startswith("_"))
+    Read from the source of `vllm.engine.arg_utils` (the annotated fields of `EngineArgs` and
+    `AsyncEngineArgs`), not by importing it: the import takes seconds to tens of seconds and logs
+    vLLM's start-up warnings on stderr, in front of a refusal that must be one line.
+    tests/test_serve_flags.py checks that this equals `dataclasses.fields(AsyncEngineArgs)`."""
+    spec = importlib.util.find_spec("vllm")  # a top-level package: found, not imported
+    if spec is None or not spec.submodule_search_locations:
+        raise EngineArgumentError("vLLM is not installed: engine arguments cannot be checked")
+    source = Path(next(iter(spec.submodule_search_locations))) / "engine" / "arg_utils.py"
+    names: set[str] = set()
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.ClassDef) and node.name in ("EngineArgs", "AsyncEngineArgs"):
+            for stmt in node.body:
+                if (
+                    isinstance(stmt, ast.AnnAssign)
+                    and isinstance(stmt.target, ast.Name)
+                    and not stmt.target.id.startswith("_")
+                    and "ClassVar" not in ast.unparse(stmt.annotation)
+                ):
+                    names.add(stmt.target.id)
+    return frozenset(names)
 
 
 def check_engine_args(args: Mapping[str, Any], known: Iterable[str] | None = None) -> dict[str, Any]:
@@ -116,6 +141,36 @@ def cpu_threads_bind(cpus: Iterable[int], ranks: int) -> str:
         parts.append(_ranges(ids[start:end]))
         start = end
     return "|".join(parts)
+
+
+def check_parallel_layout(
+    tensor: int, pipeline: int, enforce_eager: bool, set_by_dss: str | None = None
+) -> str | None:
+    """What a parallel engine on the CPU platform needs, checked before any engine process starts.
+
+    Returns the `VLLM_CPU_OMP_THREADS_BIND` to set when the operator set none: this process's CPUs
+    (`os.sched_getaffinity`) split into one contiguous range per rank. vLLM's own `auto` binds one
+    rank per NUMA node and refuses more ranks than nodes ("Not enough allowed NUMA nodes"), which
+    is every parallel engine on a one-node machine. None: nothing to set (one rank, a GPU
+    platform, or the operator's own value: a value other than `set_by_dss`, what this process
+    set for an earlier engine). Raises `EngineArgumentError` (one line) for fewer CPUs
+    than ranks, and for pipeline parallelism in eager mode, where vLLM's CPU build dies on the
+    first request (docs/models.md, "Why PP=2 fails in eager mode")."""
+    from vllm.platforms import current_platform  # quiet, unlike vllm.engine.arg_utils
+
+    ranks = tensor * pipeline
+    if ranks == 1 or not current_platform.is_cpu():
+        return None
+    if pipeline > 1 and enforce_eager:
+        raise EngineArgumentError(
+            f"pipeline parallel size {pipeline} on vLLM's CPU build needs DSS_ENGINE__ENFORCE_EAGER=false: "
+            "in eager mode its last stage has no buffer for the previous stage's output and the engine "
+            "dies on the first request (docs/models.md)"
+        )
+    current = os.environ.get(THREADS_BIND_ENV)
+    if current is not None and current != set_by_dss:
+        return None
+    return cpu_threads_bind(os.sched_getaffinity(0), ranks)
 
 
 def _ranges(ids: list[int]) -> str:

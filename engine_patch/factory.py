@@ -16,12 +16,7 @@ from typing import TYPE_CHECKING, Any
 from dss.types import TenantId
 from dss.wire import SessionTag, tag_key
 from engine_patch.connector import CONNECTOR_MODULE, CONNECTOR_NAME
-from engine_patch.engine_args import (
-    THREADS_BIND_ENV,
-    EngineArgumentError,
-    check_engine_args,
-    cpu_threads_bind,
-)
+from engine_patch.engine_args import THREADS_BIND_ENV, check_engine_args, check_parallel_layout
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -162,39 +157,12 @@ def _parallel_on_cpu(settings: EngineSettings) -> dict[str, Any]:
 _bind_set_by_dss: str | None = None
 
 
-def check_parallel_layout(tensor: int, pipeline: int, enforce_eager: bool) -> str | None:
-    """What a parallel engine on the CPU platform needs, checked before any engine process starts.
-
-    Returns the `VLLM_CPU_OMP_THREADS_BIND` to set when the operator set none: this process's CPUs
-    (`os.sched_getaffinity`) split into one contiguous range per rank. vLLM's own `auto` binds one
-    rank per NUMA node and refuses more ranks than nodes ("Not enough allowed NUMA nodes"), which
-    is every parallel engine on a one-node machine. None: nothing to set (one rank, a GPU
-    platform, or the operator's own value). Raises `EngineArgumentError` (one line) for fewer CPUs
-    than ranks, and for pipeline parallelism in eager mode, where vLLM's CPU build dies on the
-    first request (docs/models.md, "Why PP=2 fails in eager mode")."""
-    from vllm.platforms import current_platform
-
-    ranks = tensor * pipeline
-    if ranks == 1 or not current_platform.is_cpu():
-        return None
-    if pipeline > 1 and enforce_eager:
-        raise EngineArgumentError(
-            f"pipeline parallel size {pipeline} on vLLM's CPU build needs DSS_ENGINE__ENFORCE_EAGER=false: "
-            "in eager mode its last stage has no buffer for the previous stage's output and the engine "
-            "dies on the first request (docs/models.md)"
-        )
-    current = os.environ.get(THREADS_BIND_ENV)
-    if current is not None and current != _bind_set_by_dss:
-        return None
-    return cpu_threads_bind(os.sched_getaffinity(0), ranks)
-
-
 def _prepare_environment(settings: EngineSettings) -> None:
     global _bind_set_by_dss
     # Read by the engine processes vLLM spawns, which inherit the environment.
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(settings.kv_cache_space_gib))
     tp, pp = settings.tensor_parallel_size, settings.pipeline_parallel_size
-    bind = check_parallel_layout(tp, pp, settings.enforce_eager)
+    bind = check_parallel_layout(tp, pp, settings.enforce_eager, set_by_dss=_bind_set_by_dss)
     if bind is not None:
         os.environ[THREADS_BIND_ENV] = _bind_set_by_dss = bind
         log.info("parallel engine on CPU: tensor %d x pipeline %d ranks, executor mp, %s=%r", tp, pp,

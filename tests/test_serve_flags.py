@@ -14,6 +14,7 @@ process); one real `dss serve --max-model-len 2048 --block-size 32` shows the en
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -30,9 +31,12 @@ from engine_patch.engine_args import (
     THREADS_BIND_ENV,
     EngineArgumentError,
     check_engine_args,
+    check_parallel_layout,
     cpu_threads_bind,
     parse_engine_arg,
+    vllm_engine_arg_names,
 )
+from tests import api_server
 from tests.api_server import REPO, ApiServer, die_with_parent, model_dir
 
 MODEL = model_dir()
@@ -72,6 +76,10 @@ def test_engine_arg_values_are_json_when_they_parse() -> None:
 
 
 def test_engine_arg_names_are_vllms_own() -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    fields = {f.name for f in dataclasses.fields(AsyncEngineArgs) if not f.name.startswith("_")}
+    assert vllm_engine_arg_names() == fields  # read from vLLM's source, without importing it
     assert check_engine_args({"max-num-batched-tokens": 8192, "disable_log_stats": False}) == {
         "max_num_batched_tokens": 8192,
         "disable_log_stats": False,
@@ -108,11 +116,12 @@ def test_cpu_threads_bind_gives_each_rank_a_contiguous_range() -> None:
 @needs_model
 def test_flags_and_variables_reach_vllms_configuration(engine_env: pytest.MonkeyPatch) -> None:
     engine_env.setenv("DSS_ENGINE__EXTRA_ARGS", '{"max_num_batched_tokens": 8192, "max-logprobs": 7}')
-    engine_env.setenv("DSS_ENGINE__TENSOR_PARALLEL_SIZE", "2")
+    # The default model has 9 attention heads and 3 KV heads: three ranks of three and one.
+    engine_env.setenv("DSS_ENGINE__TENSOR_PARALLEL_SIZE", "3")
     settings = load_settings(engine={"block_size": 32, "max_model_len": 2048, "kv_cache_dtype": "auto"})
-    engine_env.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    engine_env.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
     config = vllm_config(settings)
-    assert config.parallel_config.tensor_parallel_size == 2
+    assert config.parallel_config.tensor_parallel_size == 3
     assert config.parallel_config.pipeline_parallel_size == 1
     assert config.parallel_config.distributed_executor_backend == "mp"
     assert config.cache_config.block_size == 32 and config.cache_config.cache_dtype == "auto"
@@ -120,7 +129,7 @@ def test_flags_and_variables_reach_vllms_configuration(engine_env: pytest.Monkey
     assert config.scheduler_config.max_num_batched_tokens == 8192  # the pass-through wins
     assert config.model_config.max_logprobs == 7
     assert str(config.model_config.dtype) == "torch.bfloat16"  # the served default
-    assert os.environ[THREADS_BIND_ENV] == "0|1"  # set by the factory for the two ranks
+    assert os.environ[THREADS_BIND_ENV] == "0|1|2"  # set by the factory, one CPU per rank
 
 
 @needs_model
@@ -135,15 +144,15 @@ def test_one_rank_in_the_operators_dtype(engine_env: pytest.MonkeyPatch) -> None
 
 def test_parallel_layout_on_cpu(engine_env: pytest.MonkeyPatch) -> None:
     engine_env.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    assert factory.check_parallel_layout(1, 1, True) is None
-    assert factory.check_parallel_layout(2, 1, True) == "0-1|2-3"
-    assert factory.check_parallel_layout(1, 2, False) == "0-1|2-3"
+    assert check_parallel_layout(1, 1, True) is None
+    assert check_parallel_layout(2, 1, True) == "0-1|2-3"
+    assert check_parallel_layout(1, 2, False) == "0-1|2-3"
     with pytest.raises(EngineArgumentError, match="DSS_ENGINE__ENFORCE_EAGER=false"):
-        factory.check_parallel_layout(1, 2, True)  # vLLM's CPU build dies on the first request
+        check_parallel_layout(1, 2, True)  # vLLM's CPU build dies on the first request
     with pytest.raises(EngineArgumentError, match="needs at least 8 CPUs"):
-        factory.check_parallel_layout(8, 1, True)
+        check_parallel_layout(8, 1, True)
     engine_env.setenv(THREADS_BIND_ENV, "0|2")  # the operator's binding is left alone
-    assert factory.check_parallel_layout(2, 1, True) is None
+    assert check_parallel_layout(2, 1, True) is None
 
 
 # ----------------------------------------------------------------------------------- dss serve
@@ -234,7 +243,7 @@ def test_more_ranks_than_cpus_refuse_in_one_line(tmp_path: Path) -> None:
 @pytest.mark.engine
 @pytest.mark.slow
 @needs_model
-def test_serve_runs_the_engine_with_vllm_flags(tmp_path: Path) -> None:
+def test_serve_runs_the_engine_with_vllm_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A real start with `--max-model-len 2048 --block-size 32` and a pass-through argument: the
     engine answers, its context is 2048 tokens, and the pages it stored are 32-token bf16 pages."""
 
@@ -251,6 +260,7 @@ def test_serve_runs_the_engine_with_vllm_flags(tmp_path: Path) -> None:
             return [*super().command(), *flags]
 
     server = FlaggedServer(MODEL, tmp_path, env={"DSS_ENGINE__MAX_MODEL_LEN": "4096"})  # the flag wins
+    monkeypatch.setattr(api_server, "START_TIMEOUT_S", 900.0)  # a shared 2-core machine: slow starts
     server.start()
     try:
         ready = httpx.get(server.base_url + "/readyz", timeout=10).json()
