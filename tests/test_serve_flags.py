@@ -56,12 +56,11 @@ def engine_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
 
 
 def vllm_config(settings: Settings) -> Any:
-    """vLLM's resolved configuration of what `dss serve` would start, without starting it."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
+    """vLLM's resolved configuration of what `dss serve` would start, without starting it (the
+    factory's path up to the engine: environment, arguments, `create_engine_config`)."""
     assert MODEL is not None
     es = settings.engine.engine_settings(MODEL)
-    return AsyncEngineArgs(**factory.engine_kwargs("127.0.0.1:1", b"k" * 32, es)).create_engine_config()
+    return factory.async_engine_args("127.0.0.1:1", b"k" * 32, es).create_engine_config()
 
 
 # ---------------------------------------------------------------------------- pure functions
