@@ -45,6 +45,7 @@ from api.state import AppState, Phase, Startup, TenantAborter
 from dss.errors import DataDirInUse, DSSError, InvalidInput
 from dss.keys.crypto import env_master_key_set
 from dss.store import Store
+from engine_patch.engine_args import EngineArgumentError
 
 log = logging.getLogger("dss.api")
 
@@ -158,7 +159,7 @@ def log_auth_mode(settings: Settings, keys: ApiKeys) -> None:
 def refusal_of(exc: BaseException, settings: Settings) -> str | None:
     """The one line that says why the server cannot start, for failures that are a situation to
     fix rather than a bug (no traceback helps with those); None for anything else."""
-    if isinstance(exc, StartupRefused | DataDirInUse | UncachedModel):
+    if isinstance(exc, StartupRefused | DataDirInUse | UncachedModel | EngineArgumentError):
         return str(exc)
     return None
 

@@ -84,12 +84,55 @@ def serve(
             "an admin (loopback only; DSS_AUTH__DEV_MODE)",
         ),
     ] = False,
+    tensor_parallel_size: Annotated[
+        int | None,
+        typer.Option(
+            "--tensor-parallel-size",
+            "-tp",
+            help="vLLM's tensor parallel size (DSS_ENGINE__TENSOR_PARALLEL_SIZE)",
+        ),
+    ] = None,
+    pipeline_parallel_size: Annotated[
+        int | None,
+        typer.Option(
+            "--pipeline-parallel-size",
+            "-pp",
+            help="vLLM's pipeline parallel size (DSS_ENGINE__PIPELINE_PARALLEL_SIZE)",
+        ),
+    ] = None,
+    kv_cache_dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-cache-dtype", help="vLLM's KV cache dtype, default auto (DSS_ENGINE__KV_CACHE_DTYPE)"
+        ),
+    ] = None,
+    block_size: Annotated[
+        int | None,
+        typer.Option("--block-size", help="vLLM's KV cache block size in tokens (DSS_ENGINE__BLOCK_SIZE)"),
+    ] = None,
+    max_model_len: Annotated[
+        int | None,
+        typer.Option(
+            "--max-model-len", help="Context length in tokens, default 4096 (DSS_ENGINE__MAX_MODEL_LEN)"
+        ),
+    ] = None,
+    engine_arg: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--engine-arg",
+            metavar="NAME=VALUE",
+            help="Any other vLLM engine argument, by its AsyncEngineArgs name (e.g. "
+            "max_num_batched_tokens=8192); VALUE is JSON when it parses, else a string; repeatable; "
+            "adds to DSS_ENGINE__EXTRA_ARGS",
+        ),
+    ] = None,
 ) -> None:
     """Start the OpenAI-compatible, session-aware chat server.
 
     It listens at once: `/healthz` answers 200, `/readyz` 503 with the reason until the store is
     open and the engine loaded. A refused start (development mode off loopback, a data directory
-    another server owns) prints one line and exits 2; a start that fails later exits 1.
+    another server owns, an unknown engine argument) prints one line and exits 2; a start that
+    fails later exits 1.
     """
     import uvicorn
 
@@ -111,6 +154,11 @@ def serve(
             "model": model,
             "enabled": False if no_engine else None,
             "tool_call_parser": tool_call_parser,
+            "tensor_parallel_size": tensor_parallel_size,
+            "pipeline_parallel_size": pipeline_parallel_size,
+            "kv_cache_dtype": kv_cache_dtype,
+            "block_size": block_size,
+            "max_model_len": max_model_len,
         },
         auth={"dev_mode": True if dev else None},
     )
@@ -118,6 +166,7 @@ def serve(
         check_startup(settings)
     except StartupRefused as exc:
         _refuse(str(exc))
+    settings = _with_engine_args(settings, engine_arg or [])
     try:
         Store.ensure_data_dir_free(settings.store.to_config())
     except DataDirInUse as exc:
@@ -145,6 +194,30 @@ def serve(
     server.run()
     if failed:
         raise typer.Exit(failed[0].exit_code or EXIT_FAILED)
+
+
+def _with_engine_args(settings: Settings, flags: list[str]) -> Settings:
+    """The settings with the `--engine-arg` flags added to `DSS_ENGINE__EXTRA_ARGS` (a flag wins
+    over the variable for the same name), checked against vLLM's engine arguments, and the
+    parallel layout checked against this machine: a name vLLM does not know, one DSS sets itself,
+    more ranks than CPUs refuse the start with one line (exit 2) before anything listens."""
+    from engine_patch.engine_args import (
+        EngineArgumentError,
+        check_engine_args,
+        check_parallel_layout,
+        parse_engine_arg,
+    )
+
+    eng = settings.engine
+    try:
+        extra = check_engine_args({**eng.extra_args, **dict(parse_engine_arg(f) for f in flags)})
+        if eng.enabled and eng.tensor_parallel_size * eng.pipeline_parallel_size > 1:
+            check_parallel_layout(eng.tensor_parallel_size, eng.pipeline_parallel_size, eng.enforce_eager)
+    except EngineArgumentError as exc:
+        _refuse(str(exc))
+    if extra == eng.extra_args:
+        return settings
+    return settings.model_copy(update={"engine": eng.model_copy(update={"extra_args": extra})})
 
 
 def _settings(command: str, **overrides: Any) -> Settings:

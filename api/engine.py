@@ -156,7 +156,7 @@ class ChatEngine:
         model_path = await asyncio.to_thread(resolve_model, eng.model, data_dir)
         address, authkey = store.serve_rpc()
         known = set(store.fingerprints)
-        es = _engine_settings(factory, settings, model_path)
+        es = eng.engine_settings(model_path)
         if eng.tool_call_parser is not None:
             _tool_parser_class(eng.tool_call_parser)  # an unknown name fails before the model loads
         uncached: list[str] = []
@@ -634,30 +634,6 @@ def _lower_engine_priority(nice: int) -> None:
                 with contextlib.suppress(OSError):
                     if os.getpriority(os.PRIO_PROCESS, thread.id) < nice:
                         os.setpriority(os.PRIO_PROCESS, thread.id, nice)
-
-
-def _engine_settings(factory: Any, settings: Settings, model_path: Path) -> Any:
-    eng = settings.engine
-    kwargs: dict[str, Any] = {
-        "model": Path(model_path),
-        "kv_cache_space_gib": eng.kv_cache_space_gib,
-        "enforce_eager": eng.enforce_eager,
-        "seed": eng.seed,
-    }
-    if eng.max_model_len is not None:
-        kwargs["max_model_len"] = eng.max_model_len
-    if eng.max_num_seqs is not None:
-        kwargs["max_num_seqs"] = eng.max_num_seqs
-    if eng.dtype is not None:
-        kwargs["dtype"] = eng.dtype
-    kwargs["allow_uncached"] = eng.allow_uncached
-    if eng.served_model_name is not None:
-        kwargs["served_model_name"] = eng.served_model_name
-    fields = getattr(factory.EngineSettings, "__dataclass_fields__", None)
-    if fields is not None:
-        kwargs = {k: v for k, v in kwargs.items() if k in fields}
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(eng.kv_cache_space_gib))
-    return factory.EngineSettings(**kwargs)
 
 
 def _engine_fingerprint(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -19,6 +19,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from dss.config import FleetConfig, GiB, RemoteConfig, RetentionConfig, StoreConfig
 from dss.dialogue.quotas import Quotas
 from dss.jsonlimits import MAX_SERVABLE_DEPTH, JsonLimits
+
+if TYPE_CHECKING:
+    from engine_patch.factory import EngineSettings
 
 MiB = 1 << 20
 DEFAULT_DATA_DIR = Path("~/.local/share/dss")
@@ -146,13 +149,21 @@ class EngineGroup(BaseModel):
     # vLLM's tool-call parser for `tool_choice: "auto"` (e.g. `hermes`); None: tools are refused
     # as vLLM's own server refuses them without `--tool-call-parser`.
     tool_call_parser: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    max_model_len: int | None = Field(default=None, ge=16)
+    max_model_len: int | None = Field(default=None, ge=16)  # None: the factory's (4096)
     kv_cache_space_gib: int = Field(default=1, ge=1)  # VLLM_CPU_KVCACHE_SPACE on CPU
-    # None: the factory's default (float32, chosen by measurement: docs/operations.md "Served dtype").
+    # None: the factory's default (bfloat16; docs/operations.md "Served dtype").
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     enforce_eager: bool = True
     max_num_seqs: int | None = Field(default=None, ge=1)
     seed: int = 0
+    # The parallel layout and KV cache under vLLM's names (`dss serve --tensor-parallel-size`, ...).
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    pipeline_parallel_size: int = Field(default=1, ge=1)
+    kv_cache_dtype: str = Field(default="auto", pattern=r"^[A-Za-z0-9_]{1,32}$")  # vLLM checks the name
+    block_size: int | None = Field(default=None, ge=1)  # None: the platform's (128 on CPU)
+    # Any other vLLM engine argument, by its `AsyncEngineArgs` name: DSS_ENGINE__EXTRA_ARGS is a
+    # JSON object, `dss serve --engine-arg NAME=VALUE` adds to it. Unknown names refuse to start.
+    extra_args: dict[str, Any] = Field(default_factory=dict)
     # Generations admitted at once; more answer 503 with Retry-After instead of queueing forever.
     max_inflight: int = Field(default=64, ge=1)
     retry_after_s: int = Field(default=1, ge=1)
@@ -162,6 +173,31 @@ class EngineGroup(BaseModel):
     # A model or parallel layout DSS cannot cache refuses to start (one line, the reason); True
     # serves it as plain vLLM, with `/readyz` `kv_caching: false` and `dss_kv_caching_enabled 0`.
     allow_uncached: bool = False
+
+    def engine_settings(self, model_path: Path) -> EngineSettings:
+        """The engine factory's settings for `model_path`: these values where given, the
+        factory's defaults elsewhere. Builds nothing (imports the factory, hence vLLM)."""
+        from engine_patch.factory import EngineSettings
+
+        given: dict[str, Any] = {
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "dtype": self.dtype,
+            "served_model_name": self.served_model_name,
+            "block_size": self.block_size,
+        }
+        return EngineSettings(
+            model=Path(model_path),
+            kv_cache_space_gib=self.kv_cache_space_gib,
+            enforce_eager=self.enforce_eager,
+            seed=self.seed,
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            kv_cache_dtype=self.kv_cache_dtype,
+            allow_uncached=self.allow_uncached,
+            extra_engine_args=dict(self.extra_args),
+            **{k: v for k, v in given.items() if v is not None},
+        )
 
 
 class LimitsSettings(BaseModel):

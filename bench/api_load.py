@@ -55,6 +55,17 @@ class Stats:
     cached_warm: list[int] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     requests: int = 0
+    completed: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # 2xx answers by kind
+
+    def degenerate_kinds(self) -> list[str]:
+        """The operations of which not one completed (no success: a p99 of nothing is `nan`)."""
+        done = {**self.completed, "ttft_cold": len(self.ttft_cold), "ttft_warm": len(self.ttft_warm)}
+        return [kind for kind in OPERATIONS if not done.get(kind)]
+
+
+# What every run must complete at least once for its figures to mean anything: the operation
+# kinds of `Client.run`, and both kinds of turn whose time to first token is reported.
+OPERATIONS = ("chat", "rollback", "branch", "get_session", "ttft_cold", "ttft_warm")
 
 
 def model_dir() -> Path:
@@ -151,6 +162,7 @@ class Client:
         if r.status_code >= 400:
             self.stats.errors[f"{kind}:{r.status_code}"] += 1
             return None
+        self.stats.completed[kind] += 1
         return r
 
     async def setup(self) -> None:
@@ -197,6 +209,7 @@ class Client:
             return
         self.parents[version] = self.head or None
         self.head = version
+        self.stats.completed["chat"] += 1
         if ttft is not None:
             (self.stats.ttft_cold if cold else self.stats.ttft_warm).append(ttft)
         if not cold:
@@ -326,6 +339,16 @@ def main() -> None:
         if route in served:
             n, share = served[route]
             print(f"server side {route}: {n} requests, {share:.1%} answered within 20 ms")
+    # A run where some operation never completed (an overloaded engine: no rollback got a turn
+    # to roll back to) has no figure for it: fail and say which, instead of printing `nan`.
+    missing = stats.degenerate_kinds()
+    if missing:
+        done = {kind: stats.completed.get(kind, 0) for kind in OPERATIONS[:4]}
+        raise SystemExit(
+            f"the benchmark degenerated: no {', '.join(missing)} completed in {elapsed:.0f} s "
+            f"(completed: {done}, cold/warm turns timed: {len(stats.ttft_cold)}/{len(stats.ttft_warm)}, "
+            f"errors: {dict(stats.errors)}); lower DSS_BENCH_CLIENTS or raise DSS_BENCH_SECONDS"
+        )
     cold50, warm50 = pct(stats.ttft_cold, 50), pct(stats.ttft_warm, 50)
     print(f"ttft first turn (cold) p50={cold50:.1f} ms | later turns (cached) p50={warm50:.1f} ms | "
           f"cached/cold={warm50 / cold50:.2f}")  # fmt: skip

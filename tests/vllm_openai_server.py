@@ -3,9 +3,10 @@ compare `dss serve` with.
 
 `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script is broken on the CPU
 wheel) in its own process group on a free loopback port, configured as DSS configures its engine:
-float32, eager mode, seed 0, the test servers' `max_model_len` and KV cache size, the same served
-model name, and `--enable-prompt-tokens-details` so that `usage` has the shape DSS gives it. vLLM
-spawns its engine processes into that group; `stop()` terminates the whole group and kills what is
+the served dtype (`EngineSettings.dtype`, bfloat16), eager mode, seed 0, the test servers'
+`max_model_len` and KV cache size, the same served model name, and
+`--enable-prompt-tokens-details` so that `usage` has the shape DSS gives it. vLLM spawns its
+engine processes into that group; `stop()` terminates the whole group and kills what is
 left, and the server also dies with the test process (PR_SET_PDEATHSIG), so nothing outlives a
 test run however it ends.
 
@@ -27,8 +28,11 @@ from typing import Any
 
 import httpx
 
+from engine_patch.factory import EngineSettings
 from tests.api_server import die_with_parent, free_port
 
+# DSS's served dtype, so that both servers compute the same way.
+SERVED_DTYPE = str(EngineSettings.__dataclass_fields__["dtype"].default)
 START_TIMEOUT_S = 420.0  # ~115 s measured on 2 loaded cores in eager mode; compiled mode takes ~200 s
 STOP_TIMEOUT_S = 30.0
 
@@ -52,7 +56,7 @@ class VllmOpenAIServer:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model),
             "--served-model-name", self.served_name,
-            "--dtype", "float32",
+            "--dtype", SERVED_DTYPE,
             "--enforce-eager",
             "--seed", "0",
             "--max-model-len", str(self.max_model_len),
