@@ -104,9 +104,12 @@ class KVBlocks:
         ISA-packed, so the positions are overwritten through the CPU backend's own cache-write
         kernel (with zero K and V), which touches exactly those positions, as decoding does.
         """
+        self._check(pages, [Run(0, slot, 1)])
+        if len(self.block_shape) == 2:
+            self._scrub_latent_rows(pages, slot, valid_tokens)
+            return
         from vllm import _custom_ops as ops
 
-        self._check(pages, [Run(0, slot, 1)])
         n_heads, block_size, width = (int(d) for d in self.block_shape)
         if not 0 < valid_tokens < block_size:
             raise InvalidInput(f"a tail page holds 1..{block_size - 1} tokens, not {valid_tokens}")
@@ -118,6 +121,16 @@ class KVBlocks:
             block = self._slot_layer(pages, Run(0, slot, 1), layer)  # [1, H, N, 2D] over the slot
             key_cache, value_cache = block.view(1, n_heads, 2 * block_size, head_size).chunk(2, dim=2)
             ops.cpu_attn_reshape_and_cache(zeros, zeros, key_cache, value_cache, positions, isa)
+
+    def _scrub_latent_rows(self, pages: torch.Tensor, slot: int, valid_tokens: int) -> None:
+        """`scrub_after` for an MLA cache, `[num_blocks, block_size, latent]`: vLLM's CPU MLA
+        backend writes one plain row per token (`CPUMLAImpl.do_kv_cache_update`), so the rows
+        from `valid_tokens` on are zeroed directly."""
+        block_size = int(self.block_shape[0])
+        if not 0 < valid_tokens < block_size:
+            raise InvalidInput(f"a tail page holds 1..{block_size - 1} tokens, not {valid_tokens}")
+        for layer in range(len(self.layers)):
+            self._slot_layer(pages, Run(0, slot, 1), layer)[0, valid_tokens:].zero_()
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dss.namespace import ModelFingerprint
+from dss.namespace import LATENT_KV_LAYOUT, ModelFingerprint
 from engine_patch.model import READY_MARKER
 
 if TYPE_CHECKING:
@@ -50,8 +50,8 @@ def uncached_reason(vllm_config: VllmConfig) -> str | None:
         return "a hybrid attention/state-space model has more than one KV cache group"
     if getattr(model_cfg, "is_encoder_decoder", False):
         return "encoder-decoder models (cross-attention KV) are not supported"
-    if getattr(model_cfg, "use_mla", False):
-        return "MLA (latent) KV caches are not supported"
+    if getattr(model_cfg, "use_mla", False) and (why := _mla_reason(vllm_config)):
+        return why
     try:
         frontend_fingerprint(vllm_config)
     except UnsupportedKVCache as exc:
@@ -63,12 +63,15 @@ def build_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise UnsupportedKVCache(f"{len(groups)} KV cache groups (hybrid models are not supported)")
-    from vllm.v1.kv_cache_interface import AttentionSpec
+    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
 
     spec = groups[0].kv_cache_spec
     if not isinstance(spec, AttentionSpec):
         raise UnsupportedKVCache(f"KV cache spec {type(spec).__name__} is not an attention spec")
-    if spec.head_size_v != spec.head_size:
+    latent = isinstance(spec, MLAAttentionSpec)
+    if latent and (why := _mla_reason(vllm_config)):
+        raise UnsupportedKVCache(why)
+    if not latent and spec.head_size_v != spec.head_size:
         raise UnsupportedKVCache(f"K head size {spec.head_size} != V head size {spec.head_size_v}")
     if spec.page_size_padded or spec.num_head_slots is not None or spec.state_content_bytes is not None:
         raise UnsupportedKVCache("padded or repacked KV pages are not supported")
@@ -79,7 +82,7 @@ def build_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -
         head_size=int(spec.head_size),
         dtype=spec.dtype,
         block_size=int(spec.block_size),
-        layout=_layout_name(vllm_config, kv_cache_config),
+        layout=LATENT_KV_LAYOUT if latent else _layout_name(vllm_config, kv_cache_config),
     )
 
 
@@ -98,12 +101,35 @@ def frontend_fingerprint(vllm_config: VllmConfig) -> ModelFingerprint:
     return _make(
         vllm_config,
         num_layers=model_cfg.get_num_layers(parallel),
-        num_kv_heads=model_cfg.get_num_kv_heads(parallel),
-        head_size=model_cfg.get_head_size(),
+        num_kv_heads=model_cfg.get_num_kv_heads(parallel),  # 1 for MLA: one latent vector per token
+        head_size=model_cfg.get_head_size(),  # for MLA: kv_lora_rank + qk_rope_head_dim
         dtype=model_cfg.dtype,
         block_size=int(block_size),
-        layout=_layout_name(vllm_config, None),
+        layout=LATENT_KV_LAYOUT if model_cfg.use_mla else _layout_name(vllm_config, None),
     )
+
+
+def _mla_reason(vllm_config: VllmConfig) -> str | None:
+    """Why DSS cannot cache this MLA engine, or None. Verified: vLLM's reference CPU MLA backend
+    (`CPU_MLA`), whose cache is `[num_blocks, block_size, kv_lora_rank + rope dim]` of plain
+    rows. Its AMX backend (CPUs with AMX tiles) and the CUDA MLA backends lay blocks out in their
+    own ways (tiles, padding, fp8 scales) that DSS has not been tested with."""
+    from vllm.platforms import current_platform
+
+    if vllm_config.cache_config.cache_dtype != "auto":
+        return f"MLA with KV cache dtype {vllm_config.cache_config.cache_dtype!r} is not supported"
+    if not current_platform.is_cpu():
+        return "MLA (latent) KV caches are supported on vLLM's CPU backend only (GPU MLA layouts are untested)"
+    if _cpu_mla_backend(vllm_config) != "CPU_MLA":
+        return "MLA on CPUs with AMX (vLLM's AMX_MLA backend packs blocks in tiles) is not supported"
+    return None
+
+
+def _cpu_mla_backend(vllm_config: VllmConfig) -> str:
+    """The MLA backend vLLM's CPU platform picks (`CpuPlatform.get_attn_backend_cls`)."""
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    amx = torch.cpu._is_amx_tile_supported()
+    return "AMX_MLA" if amx and getattr(backend, "name", None) != "CPU_MLA" else "CPU_MLA"
 
 
 def _make(
@@ -155,6 +181,8 @@ def attention_isa(vllm_config: VllmConfig, dtype: torch.dtype, block_size: int, 
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
+        if vllm_config.model_config.use_mla:
+            return f"cpu-{_cpu_mla_backend(vllm_config).lower()}"  # plain rows in CPU_MLA
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         return f"cpu-{_get_attn_isa(dtype, block_size, head_size, vllm_config.cache_config.cache_dtype)}"
