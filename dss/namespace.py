@@ -20,6 +20,8 @@ _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "
 # `kv_layout` of an MLA (latent) cache: one latent vector per token (the compressed KV plus the
 # rotary key part), no separate K and V, one "KV head". Other layouts hold K and V per KV head.
 LATENT_KV_LAYOUT = "MLA"
+# `isa` (the packing inside a block) of vLLM's reference CPU MLA cache: one plain row per token.
+LATENT_ROWS_ISA = "cpu-mla"
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from dss.errors import InvalidInput
+from dss.namespace import LATENT_ROWS_ISA
 from dss.pages.tiers.host import HostArena
 
 
@@ -105,7 +106,7 @@ class KVBlocks:
         kernel (with zero K and V), which touches exactly those positions, as decoding does.
         """
         self._check(pages, [Run(0, slot, 1)])
-        if len(self.block_shape) == 2:
+        if f"cpu-{isa}" == LATENT_ROWS_ISA:
             self._scrub_latent_rows(pages, slot, valid_tokens)
             return
         from vllm import _custom_ops as ops
@@ -123,7 +124,7 @@ class KVBlocks:
             ops.cpu_attn_reshape_and_cache(zeros, zeros, key_cache, value_cache, positions, isa)
 
     def _scrub_latent_rows(self, pages: torch.Tensor, slot: int, valid_tokens: int) -> None:
-        """`scrub_after` for an MLA cache, `[num_blocks, block_size, latent]`: vLLM's CPU MLA
+        """`scrub_after` for an MLA cache, `[num_blocks, block_size, 1, latent]`: vLLM's CPU MLA
         backend writes one plain row per token (`CPUMLAImpl.do_kv_cache_update`), so the rows
         from `valid_tokens` on are zeroed directly."""
         block_size = int(self.block_shape[0])

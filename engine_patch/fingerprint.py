@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dss.namespace import LATENT_KV_LAYOUT, ModelFingerprint
+from dss.namespace import LATENT_KV_LAYOUT, LATENT_ROWS_ISA, ModelFingerprint
 from engine_patch.model import READY_MARKER
 
 if TYPE_CHECKING:
@@ -119,7 +119,9 @@ def _mla_reason(vllm_config: VllmConfig) -> str | None:
     if vllm_config.cache_config.cache_dtype != "auto":
         return f"MLA with KV cache dtype {vllm_config.cache_config.cache_dtype!r} is not supported"
     if not current_platform.is_cpu():
-        return "MLA (latent) KV caches are supported on vLLM's CPU backend only (GPU MLA layouts are untested)"
+        return (
+            "MLA (latent) KV caches are supported on vLLM's CPU backend only (GPU MLA layouts are untested)"
+        )
     if _cpu_mla_backend(vllm_config) != "CPU_MLA":
         return "MLA on CPUs with AMX (vLLM's AMX_MLA backend packs blocks in tiles) is not supported"
     return None
@@ -182,7 +184,7 @@ def attention_isa(vllm_config: VllmConfig, dtype: torch.dtype, block_size: int, 
 
     if current_platform.is_cpu():
         if vllm_config.model_config.use_mla:
-            return f"cpu-{_cpu_mla_backend(vllm_config).lower()}"  # plain rows in CPU_MLA
+            return LATENT_ROWS_ISA  # CPU_MLA (the only MLA backend accepted, `_mla_reason`)
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         return f"cpu-{_get_attn_isa(dtype, block_size, head_size, vllm_config.cache_config.cache_dtype)}"
