@@ -124,14 +124,14 @@ class KVBlocks:
             ops.cpu_attn_reshape_and_cache(zeros, zeros, key_cache, value_cache, positions, isa)
 
     def _scrub_latent_rows(self, pages: torch.Tensor, slot: int, valid_tokens: int) -> None:
-        """`scrub_after` for an MLA cache, `[num_blocks, block_size, 1, latent]`: vLLM's CPU MLA
-        backend writes one plain row per token (`CPUMLAImpl.do_kv_cache_update`), so the rows
-        from `valid_tokens` on are zeroed directly."""
-        block_size = int(self.block_shape[0])
+        """`scrub_after` for an MLA cache, `[num_blocks, 1, block_size, latent]` (one "KV head"):
+        vLLM's CPU MLA backend writes one plain row per token (`CPUMLAImpl.do_kv_cache_update`),
+        so the rows from `valid_tokens` on are zeroed directly."""
+        block_size = int(self.block_shape[-2])
         if not 0 < valid_tokens < block_size:
             raise InvalidInput(f"a tail page holds 1..{block_size - 1} tokens, not {valid_tokens}")
         for layer in range(len(self.layers)):
-            self._slot_layer(pages, Run(0, slot, 1), layer)[0, valid_tokens:].zero_()
+            self._slot_layer(pages, Run(0, slot, 1), layer)[0, :, valid_tokens:].zero_()
 
 
 @dataclass(slots=True)

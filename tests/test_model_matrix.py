@@ -18,8 +18,10 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import torch
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+from dss.namespace import LATENT_KV_LAYOUT, LATENT_ROWS_ISA, ModelFingerprint
+from engine_patch.copy import KVBlocks, Run
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -30,6 +32,8 @@ def matrix() -> ModuleType:
     return importlib.import_module("model_matrix")
 
 
+@pytest.mark.engine
+@pytest.mark.slow
 @pytest.mark.parametrize("row", matrix().SMOKE_ROWS, ids=lambda r: r.name)
 def test_model_matrix_row(row: Any) -> None:
     m = matrix()
@@ -41,4 +45,25 @@ def test_model_matrix_row(row: Any) -> None:
     assert res.reuse >= 0.98, f"reuse {res.reuse:.3f}"
     if res.reference == "APC":
         assert res.exact_turns > 0, "no turn compared DSS with APC on the same KV"
-        assert res.hot_vs_apc < 20, f"a hot load took {res.hot_vs_apc:.1f}x an APC hit"
+        assert res.hot_vs_ref < 20, f"a hot load took {res.hot_vs_ref:.1f}x an APC hit"
+
+
+def test_mla_page_is_one_latent_row_per_token_and_its_tail_is_zeroed() -> None:
+    """An MLA page holds `block_size` latent rows per layer, no K/V pair; a tail page's rows past
+    its tokens are zeroed in the arena copy, the engine's block left as it was."""
+    fp = ModelFingerprint(
+        "m", "r", "bfloat16", num_layers=2, num_kv_heads=1, head_size=576, block_size=16,
+        kv_layout=LATENT_KV_LAYOUT, isa=LATENT_ROWS_ISA,
+    )  # fmt: skip
+    assert fp.layer_block_nbytes == 16 * 576 * 2
+    layers = [(torch.randn(4, 1, 16, 576).abs() + 1).to(torch.bfloat16) for _ in range(2)]  # CPU_MLA's shape
+    blocks = KVBlocks(layers)
+    assert blocks.layer_block_nbytes == fp.layer_block_nbytes
+    pages = torch.zeros(3, 2, fp.layer_block_nbytes, dtype=torch.uint8)
+    blocks.save(pages, [Run(block=2, slot=1, n=1)])
+    blocks.scrub_after(pages, 1, 5, LATENT_ROWS_ISA.removeprefix("cpu-"))
+    for layer, kv in enumerate(layers):
+        saved = pages[1, layer].view(torch.bfloat16).view(1, 16, 576)
+        assert torch.equal(saved[:, :5], kv[2, :, :5])
+        assert not saved[:, 5:].any()
+        assert kv[2, :, 5:].all()
