@@ -351,7 +351,7 @@ def fmt(x: float, spec: str = ".3f") -> str:
 
 def table(results: Sequence[RowResult]) -> None:
     print(
-        f"{'model':34} {'layout':10} {'attention':13} {'ref':5} {'turns':>5} {'reuse':>6} "
+        f"\n{'model':34} {'layout':10} {'attention':13} {'ref':5} {'turns':>5} {'reuse':>6} "
         f"{'mismatch':>8} {'ties':>4} {'max|dlp|':>8} {'hot ms':>7} {'ref ms':>7} {'hot/ref':>7}"
     )
     for r in results:
@@ -375,18 +375,16 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown arguments {unknown}; options: --smoke, --rows=NAME,NAME (see FULL_ROWS)")
     rows = SMOKE_ROWS if smoke else FULL_ROWS
-    if picked:
-        rows = [
-            r
-            for r in FULL_ROWS
-            if f"{r.name}@{r.tp}x{r.pp}" in picked.split(",") or r.name in picked.split(",")
-        ]
+    if picked:  # NAME (every layout of it) or NAME@TPxPP, in the order given
+        names = picked.split(",")
+        rows = [r for n in names for r in FULL_ROWS if n in (r.name, f"{r.name}@{r.tp}x{r.pp}")]
     header("model_matrix")
     results = []
     for row in rows:
         t0 = time.perf_counter()
         r = run_row(row, quick=smoke)
         print(f"{row.name} {row.layout}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+        table([r])
         results.append(r)
     table(results)
     ran = [r for r in results if not r.unsupported]
