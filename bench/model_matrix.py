@@ -132,7 +132,7 @@ class RowResult:
     unsupported: str = ""
     turns: int = 0
     mismatches: list[str] = field(default_factory=list)
-    near_ties: int = 0
+    near_ties: list[str] = field(default_factory=list)
     exact_turns: int = 0
     loaded: int = 0
     reusable: int = 0
@@ -192,15 +192,11 @@ def compare(name: str, ref: Answer, dss: Answer, same_kv: bool, res: RowResult) 
             continue
         dist = ref.logprobs[i]
         gap = dist[a] - dist[b] if b in dist else float("inf")
-        if gap > LOGPROB_TOL:
-            res.mismatches.append(
-                f"{name}: token {i}: DSS chose {b}, {gap:.3f} nats below the reference's {a}"
-            )
-        else:
-            res.near_ties += 1
+        what = f"{name}: token {i}: DSS chose {b}, {gap:.4f} nats below the reference's {a}"
+        (res.mismatches if gap > LOGPROB_TOL else res.near_ties).append(what)
         return
     if len(ref.ids) != len(dss.ids):
-        res.near_ties += 1  # one stopped at an end token the other ranked a near-tie: its next answer
+        res.mismatches.append(f"{name}: {len(dss.ids)} tokens, the reference {len(ref.ids)}, all equal")
 
 
 class Matrix:
@@ -360,11 +356,13 @@ def table(results: Sequence[RowResult]) -> None:
             continue
         print(
             f"{r.row.name:34} {r.row.layout:10} {r.row.attention:13} {r.reference:5} {r.turns:5d} "
-            f"{fmt(r.reuse):>6} {len(r.mismatches):8d} {r.near_ties:4d} {r.max_equal_lp_delta:8.4f} "
+            f"{fmt(r.reuse):>6} {len(r.mismatches):8d} {len(r.near_ties):4d} {r.max_equal_lp_delta:8.4f} "
             f"{fmt(1000 * r.hot_s, '.1f'):>7} {fmt(1000 * r.ref_s, '.1f'):>7} {fmt(r.hot_vs_ref, '.2f'):>7}"
         )
         for line in r.mismatches:
             print("    mismatch:", line)
+        for line in r.near_ties:
+            print("    near-tie:", line)
 
 
 def main() -> None:
