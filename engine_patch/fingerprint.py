@@ -131,6 +131,15 @@ def _mla_reason(vllm_config: VllmConfig) -> str | None:
         )
     if _cpu_mla_backend(vllm_config) != "CPU_MLA":
         return "MLA on CPUs with AMX (vLLM's AMX_MLA backend packs blocks in tiles) is not supported"
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+
+    latent, sizes = vllm_config.model_config.get_head_size(), CPUMLABackend.get_supported_head_sizes()
+    if latent not in sizes:
+        # vLLM would fail in the engine; said here in one line, before any engine process starts.
+        return (
+            f"MLA latent size {latent} (kv_lora_rank + qk_rope_head_dim): "
+            f"vLLM's CPU MLA backend runs {sizes} only"
+        )
     return None
 
 
