@@ -327,6 +327,9 @@ def run_row(row: Row, quick: bool) -> RowResult:
                 engine = engine_for(row, served)
         except Exception as exc:
             return RowResult(row, unsupported=root_cause(lines, exc))
+        for line in lines:  # the connector's own start-up lines (one that turns it off, say)
+            if "DSS" in line:
+                print(line, flush=True)
         try:
             m = Matrix(row, served, engine)
             m.conversations(2 if quick else 4)
