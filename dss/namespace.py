@@ -17,6 +17,12 @@ from dss.types import PUBLIC_TENANT, FingerprintId, Namespace, NamespaceId, Tena
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1, "uint8": 1}
 
+# `kv_layout` of an MLA (latent) cache: one latent vector per token (the compressed KV plus the
+# rotary key part), no separate K and V, one "KV head". Other layouts hold K and V per KV head.
+LATENT_KV_LAYOUT = "MLA"
+# `isa` (the packing inside a block) of vLLM's reference CPU MLA cache: one plain row per token.
+LATENT_ROWS_ISA = "cpu-mla"
+
 
 @dataclass(frozen=True, slots=True)
 class ModelFingerprint:
@@ -68,8 +74,10 @@ class ModelFingerprint:
 
     @property
     def layer_block_nbytes(self) -> int:
-        """Bytes of one engine block in one layer on one tensor-parallel rank (K and V together)."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
+        """Bytes of one engine block in one layer on one tensor-parallel rank (K and V together,
+        or the latent vectors)."""
+        per_token = 1 if self.kv_layout == LATENT_KV_LAYOUT else 2
+        return per_token * self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
 
     @property
     def layer_row_nbytes(self) -> int:

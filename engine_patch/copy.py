@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from dss.errors import InvalidInput
+from dss.namespace import LATENT_ROWS_ISA
 from dss.pages.tiers.host import HostArena
 from engine_patch.layouts import KVLayout, slot_view
 
@@ -179,6 +180,9 @@ class KVBlocks:
         those positions, as decoding does.
         """
         self._check(pages, [Run(0, slot, 1)])
+        if f"cpu-{isa}" == LATENT_ROWS_ISA:
+            self._scrub_latent_rows(pages, slot, valid_tokens)
+            return
         n_heads, block_size, width = self.block_shape
         if not 0 < valid_tokens < block_size:
             raise InvalidInput(f"a tail page holds 1..{block_size - 1} tokens, not {valid_tokens}")
@@ -198,6 +202,16 @@ class KVBlocks:
             block = self._slot_layer(pages, Run(0, slot, 1), layer)  # [1, H, N, 2D] over the slot
             key_cache, value_cache = block.view(1, n_heads, 2 * block_size, head_size).chunk(2, dim=2)
             ops.cpu_attn_reshape_and_cache(zeros, zeros, key_cache, value_cache, positions, isa)
+
+    def _scrub_latent_rows(self, pages: torch.Tensor, slot: int, valid_tokens: int) -> None:
+        """`scrub_after` for an MLA cache, `[num_blocks, 1, block_size, latent]` (one "KV head"):
+        vLLM's CPU MLA backend writes one plain row per token (`CPUMLAImpl.do_kv_cache_update`),
+        so the rows from `valid_tokens` on are zeroed directly."""
+        block_size = int(self.block_shape[-2])
+        if not 0 < valid_tokens < block_size:
+            raise InvalidInput(f"a tail page holds 1..{block_size - 1} tokens, not {valid_tokens}")
+        for layer in range(len(self.layers)):
+            self._slot_layer(pages, Run(0, slot, 1), layer)[0, :, valid_tokens:].zero_()
 
 
 def _run_rows(pages: torch.Tensor, run_list: Sequence[Run]) -> list[torch.Tensor]:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dss.namespace import ModelFingerprint
+from dss.namespace import LATENT_KV_LAYOUT, LATENT_ROWS_ISA, ModelFingerprint
 from engine_patch.layouts import CANONICAL_FORMAT
 from engine_patch.model import READY_MARKER
 
@@ -47,8 +47,8 @@ def uncached_reason(vllm_config: VllmConfig) -> str | None:
         return "a hybrid attention/state-space model has more than one KV cache group"
     if getattr(model_cfg, "is_encoder_decoder", False):
         return "encoder-decoder models (cross-attention KV) are not supported"
-    if getattr(model_cfg, "use_mla", False):
-        return "MLA (latent) KV caches are not supported"
+    if getattr(model_cfg, "use_mla", False) and (why := _mla_reason(vllm_config)):
+        return why
     try:
         frontend_fingerprint(vllm_config)
     except UnsupportedKVCache as exc:
@@ -58,14 +58,18 @@ def uncached_reason(vllm_config: VllmConfig) -> str | None:
 
 def build_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> ModelFingerprint:
     groups = kv_cache_config.kv_cache_groups
+    _check_cache_dtype(vllm_config)
     if len(groups) != 1:
         raise UnsupportedKVCache(f"{len(groups)} KV cache groups (hybrid models are not supported)")
-    from vllm.v1.kv_cache_interface import AttentionSpec
+    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
 
     spec = groups[0].kv_cache_spec
     if not isinstance(spec, AttentionSpec):
         raise UnsupportedKVCache(f"KV cache spec {type(spec).__name__} is not an attention spec")
-    if spec.head_size_v != spec.head_size:
+    latent = isinstance(spec, MLAAttentionSpec)
+    if latent and (why := _mla_reason(vllm_config)):
+        raise UnsupportedKVCache(why)
+    if not latent and spec.head_size_v != spec.head_size:
         raise UnsupportedKVCache(f"K head size {spec.head_size} != V head size {spec.head_size_v}")
     if spec.page_size_padded or spec.num_head_slots is not None or spec.state_content_bytes is not None:
         raise UnsupportedKVCache("padded or repacked KV pages are not supported")
@@ -78,7 +82,7 @@ def build_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -
         head_size=int(spec.head_size),
         dtype=spec.dtype,
         block_size=int(spec.block_size),
-        layout=_layout_name(vllm_config, kv_cache_config),
+        layout=LATENT_KV_LAYOUT if latent else _layout_name(vllm_config, kv_cache_config),
     )
 
 
@@ -86,9 +90,7 @@ def frontend_fingerprint(vllm_config: VllmConfig) -> ModelFingerprint:
     """The same fingerprint, computed in the API process from the config alone (before the engine
     core has sized its KV cache); `build_fingerprint` in the engine must agree, and a test checks it."""
     model_cfg, parallel = vllm_config.model_config, vllm_config.parallel_config
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    if cache_dtype != "auto":
-        raise UnsupportedKVCache(f"KV cache dtype {cache_dtype!r} is not supported")
+    _check_cache_dtype(vllm_config)
     block_size = vllm_config.cache_config.block_size
     if block_size is None:
         raise UnsupportedKVCache("the block size is not resolved yet")
@@ -97,11 +99,11 @@ def frontend_fingerprint(vllm_config: VllmConfig) -> ModelFingerprint:
     return _make(
         vllm_config,
         num_layers=_total_layers(vllm_config) or model_cfg.get_num_layers(parallel),
-        num_kv_heads=model_cfg.get_num_kv_heads(parallel),
-        head_size=model_cfg.get_head_size(),
+        num_kv_heads=model_cfg.get_num_kv_heads(parallel),  # 1 for MLA: one latent vector per token
+        head_size=model_cfg.get_head_size(),  # for MLA: kv_lora_rank + qk_rope_head_dim
         dtype=model_cfg.dtype,
         block_size=int(block_size),
-        layout=_layout_name(vllm_config, None),
+        layout=LATENT_KV_LAYOUT if model_cfg.use_mla else _layout_name(vllm_config, None),
     )
 
 
@@ -111,6 +113,48 @@ def _total_layers(vllm_config: VllmConfig) -> int | None:
     if int(vllm_config.parallel_config.pipeline_parallel_size) == 1:
         return None
     return int(vllm_config.model_config.get_total_num_hidden_layers())
+
+
+def _check_cache_dtype(vllm_config: VllmConfig) -> None:
+    """Quantized KV caches (fp8) are refused: vLLM's CPU build runs them only on CPUs with AVX-512
+    or AMX (docs/models.md), so no such page has been checked (the model matrix's fp8 row)."""
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype != "auto":
+        raise UnsupportedKVCache(f"KV cache dtype {cache_dtype!r} is not supported")
+
+
+def _mla_reason(vllm_config: VllmConfig) -> str | None:
+    """Why DSS cannot cache this MLA engine, or None. Verified: vLLM's reference CPU MLA backend
+    (`CPU_MLA`), whose cache is `[num_blocks, block_size, kv_lora_rank + rope dim]` of plain
+    rows. Its AMX backend (CPUs with AMX tiles) and the CUDA MLA backends lay blocks out in their
+    own ways (tiles, padding, fp8 scales) that DSS has not been tested with."""
+    from vllm.platforms import current_platform
+
+    if vllm_config.cache_config.cache_dtype != "auto":
+        return f"MLA with KV cache dtype {vllm_config.cache_config.cache_dtype!r} is not supported"
+    if not current_platform.is_cpu():
+        return (
+            "MLA (latent) KV caches are supported on vLLM's CPU backend only (GPU MLA layouts are untested)"
+        )
+    if _cpu_mla_backend(vllm_config) != "CPU_MLA":
+        return "MLA on CPUs with AMX (vLLM's AMX_MLA backend packs blocks in tiles) is not supported"
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+
+    latent, sizes = vllm_config.model_config.get_head_size(), CPUMLABackend.get_supported_head_sizes()
+    if latent not in sizes:
+        # vLLM would fail in the engine; said here in one line, before any engine process starts.
+        return (
+            f"MLA latent size {latent} (kv_lora_rank + qk_rope_head_dim): "
+            f"vLLM's CPU MLA backend runs {sizes} only"
+        )
+    return None
+
+
+def _cpu_mla_backend(vllm_config: VllmConfig) -> str:
+    """The MLA backend vLLM's CPU platform picks (`CpuPlatform.get_attn_backend_cls`)."""
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    amx = torch.cpu._is_amx_tile_supported()
+    return "AMX_MLA" if amx and getattr(backend, "name", None) != "CPU_MLA" else "CPU_MLA"
 
 
 def _make(
@@ -177,6 +221,8 @@ def attention_isa(vllm_config: VllmConfig, dtype: torch.dtype, block_size: int, 
     the device type, which keeps their pages apart until their layouts are known."""
     from vllm.platforms import current_platform
 
+    if current_platform.is_cpu() and vllm_config.model_config.use_mla:
+        return LATENT_ROWS_ISA  # CPU_MLA (the only MLA backend accepted, `_mla_reason`)
     if _packed_cpu_blocks(vllm_config):
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 

@@ -216,7 +216,9 @@ def test_kernel_blocks_inside_a_manager_block_are_one_page() -> None:
     blocks = KVBlocks(split, layout)
     assert blocks.block_shape == (H, 32, 2 * D)
     fp = ModelFingerprint("m", "r", "bfloat16", num_layers=L, num_kv_heads=H, head_size=D, block_size=32)
-    check_layer_tensors(fp, dict(enumerate(blocks.views)), NB)  # what the worker checks against the fingerprint
+    check_layer_tensors(
+        fp, dict(enumerate(blocks.views)), NB
+    )  # what the worker checks against the fingerprint
     back = vllm_layers(KVCacheLayout.LBNHC, attention_spec(32), kernel_block_size=16, seed=None)
     round_trip(whole, layout, back, layout)
     assert_same_kv(whole, vllm_block_kv(), back, vllm_block_kv(kernel_blocks=2))

@@ -1,0 +1,405 @@
+"""The model matrix: DSS on tiny random-weight models of every architecture and KV shape vLLM's CPU
+build serves, and on parallel layouts, one engine at a time.
+
+For each row (a model, a block size, a parallel layout, a KV cache dtype), one store and one engine:
+multi-turn conversations (one user each, whole pages and tail pages), a rollback and a branch,
+every turn run twice on token ids: "DSS" (vLLM's own prefix cache emptied, the prompt in its
+session: every reused token comes from the store) and a reference. The reference is the same
+engine with its own prefix cache holding what the previous DSS turn computed ("APC"), or, where
+vLLM turns its prefix cache off (MLA on CPU), a full recompute ("cold").
+
+A turn is a mismatch when
+- DSS loaded other than what the tenant stored of that prompt (`served_by`), or
+- DSS and APC reused the same tokens (so the same KV bytes) and the answers differ in any token
+  id or any logprob: the same bytes give bit-identical logits, so this also checks that the KV
+  bytes loaded are the bytes saved, or
+- the answers first differ at a position where DSS's token is not a near-tie in the reference's
+  own distribution: `lp_ref(ref token) - lp_ref(DSS token) > LOGPROB_TOL`, or not in its top 5.
+  Where DSS serves more than the reference (a tail page; or MLA against cold), the KV of those
+  tokens was computed differently (during decode, or in another prefill) and differs in the last
+  bits (bf16 keeps 8 mantissa bits: about 0.4% per value), which moves logprobs by hundredths;
+  a wrong page moves them by whole nats. The table prints the largest logprob difference seen on
+  equal tokens, which is what `LOGPROB_TOL` is judged against.
+
+Reuse is loaded tokens over what the tenant stored of each prompt (`served_by`), summed over
+turns. Hot load vs APC: time to the first token of a long prompt served from the store's host
+tier, over the same prompt with vLLM's prefix cache hot (both `max_tokens=1`, medians of 3).
+
+`--smoke` runs the rows `make test` runs (tests/test_model_matrix.py); `--rows a,b` picks rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _engine_common import (
+    ServedStore,
+    capture_output,
+    computed,
+    header,
+    median,
+    pin_cpu_reservation,
+    print_result,
+    root_cause,
+    served_by,
+)
+
+from tests.engine_helpers import Engine, make_conversations, model_path, words
+from tests.tiny_models import SPECS, make_tiny_model
+
+LOGPROB_TOL = 0.1  # nats; see the module docstring
+TOP = 5
+
+
+@dataclass(frozen=True)
+class Row:
+    """One configuration of the matrix."""
+
+    model: str  # a tests/tiny_models.py spec name, or "default" (the real default model)
+    block_size: int | None = None  # None: the platform's default (128 on CPU, 16 for MLA)
+    tp: int = 1
+    pp: int = 1
+    kv_cache_dtype: str = "auto"
+
+    @property
+    def name(self) -> str:
+        parts = [self.model]
+        if self.block_size:
+            parts.append(f"bs{self.block_size}")
+        if self.kv_cache_dtype != "auto":
+            parts.append(self.kv_cache_dtype)
+        return "-".join(parts)
+
+    @property
+    def layout(self) -> str:
+        return f"TP={self.tp} PP={self.pp}"
+
+    @property
+    def attention(self) -> str:
+        return SPECS[self.model].attention if self.model in SPECS else "full"
+
+
+SMOKE_ROWS = [
+    Row("gemma2-swa", block_size=32),  # head 64, GQA 2, sliding + full layers, a 32-token block
+    Row("deepseek-v2-mla"),
+]
+FULL_ROWS = [
+    Row("llama-h128-gqa4"),
+    Row("llama-h64-gqa1", block_size=64),
+    Row("llama-h256-gqa2", block_size=256),
+    Row("llama-h64-gqa8", block_size=32),
+    *SMOKE_ROWS,
+    Row("llama-h64-gqa8", block_size=16),
+    Row("qwen2-h64-gqa2"),
+    Row("mistral-swa"),
+    Row("gemma3-swa"),
+    Row("llama-h128-gqa4", kv_cache_dtype="fp8_e4m3"),
+    Row("llama-h128-gqa4", tp=2),
+    Row("llama-h128-gqa4", pp=2),
+    Row("default", tp=3),
+]
+
+
+@dataclass
+class Answer:
+    ids: list[int]
+    logprobs: list[dict[int, float]]
+    params: dict[str, Any] | None
+    num_cached_tokens: int
+    wall_s: float
+
+    @property
+    def loaded_tokens(self) -> int:
+        return int((self.params or {}).get("loaded_tokens", 0))
+
+
+@dataclass
+class RowResult:
+    row: Row
+    unsupported: str = ""
+    turns: int = 0
+    mismatches: list[str] = field(default_factory=list)
+    near_ties: list[str] = field(default_factory=list)
+    exact_turns: int = 0
+    loaded: int = 0
+    reusable: int = 0
+    max_equal_lp_delta: float = 0.0
+    hot_s: float = float("nan")
+    ref_s: float = float("nan")  # the same prompt's first token from vLLM's hot prefix cache, or cold
+    reference: str = "APC"
+
+    @property
+    def reuse(self) -> float:
+        return self.loaded / self.reusable if self.reusable else float("nan")
+
+    @property
+    def hot_vs_ref(self) -> float:
+        return self.hot_s / self.ref_s if self.ref_s > 0 else float("nan")
+
+
+def generate(
+    engine: Engine, prompts: Sequence[Sequence[int]], sessions: Sequence[Any], max_tokens: int
+) -> list[Answer]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = [
+        SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=TOP, extra_args=s or None)
+        for s in sessions
+    ]
+    t0 = time.perf_counter()
+    outs = engine.llm.generate(
+        [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
+    )
+    wall = time.perf_counter() - t0
+    return [
+        Answer(
+            list(o.outputs[0].token_ids),
+            [{int(t): float(lp.logprob) for t, lp in pos.items()} for pos in (o.outputs[0].logprobs or [])],
+            o.kv_transfer_params,
+            int(o.num_cached_tokens or 0),
+            wall,
+        )
+        for o in outs
+    ]
+
+
+def compare(name: str, ref: Answer, dss: Answer, same_kv: bool, res: RowResult) -> None:
+    """Count one turn's mismatch (see the module docstring) into `res`."""
+    if same_kv:
+        res.exact_turns += 1
+        if ref.ids != dss.ids or ref.logprobs != dss.logprobs:
+            res.mismatches.append(f"{name}: DSS and APC reused the same KV and answered differently")
+        return
+    for i, (a, b) in enumerate(zip(ref.ids, dss.ids, strict=False)):
+        if a == b:
+            lp_r, lp_d = ref.logprobs[i].get(a), dss.logprobs[i].get(a)
+            if lp_r is not None and lp_d is not None:
+                res.max_equal_lp_delta = max(res.max_equal_lp_delta, abs(lp_r - lp_d))
+            continue
+        dist = ref.logprobs[i]
+        gap = dist[a] - dist[b] if b in dist else float("inf")
+        what = f"{name}: token {i}: DSS chose {b}, {gap:.4f} nats below the reference's {a}"
+        (res.mismatches if gap > LOGPROB_TOL else res.near_ties).append(what)
+        return
+    if len(ref.ids) != len(dss.ids):
+        res.mismatches.append(f"{name}: {len(dss.ids)} tokens, the reference {len(ref.ids)}, all equal")
+
+
+class Matrix:
+    """One row's store and engine, and the conversations run on them."""
+
+    def __init__(self, row: Row, served: ServedStore, engine: Engine) -> None:
+        self.row, self.served, self.engine = row, served, engine
+        self.apc = bool(engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
+        self.res = RowResult(row, reference="APC" if self.apc else "cold")
+        self.stored: dict[str, list[tuple[list[int], list[int]]]] = {}
+
+    def turn(
+        self, name: str, tenant: str, sess: dict[str, Any], prompt: list[int], max_tokens: int
+    ) -> Answer:
+        e = self.engine
+        # The reference first: right after the previous DSS turn, vLLM's prefix cache holds exactly
+        # the blocks whose bytes the store saved. Without a prefix cache it is a full recompute.
+        (ref,) = generate(e, [prompt], [None], max_tokens)
+        e.reset_prefix_cache()
+        (dss,) = generate(e, [prompt], [sess], max_tokens)
+        want = served_by(computed(self.stored.get(tenant, [])), prompt)
+        self.res.turns += 1
+        self.res.loaded += dss.loaded_tokens
+        self.res.reusable += want
+        if dss.params is None or dss.loaded_tokens != want:
+            self.res.mismatches.append(f"{name}: loaded {dss.loaded_tokens}, the store holds {want} of it")
+        same_kv = self.apc and dss.num_cached_tokens == ref.num_cached_tokens
+        if self.apc and dss.num_cached_tokens < ref.num_cached_tokens:
+            self.res.mismatches.append(
+                f"{name}: APC reused {ref.num_cached_tokens}, DSS {dss.num_cached_tokens}"
+            )
+        compare(name, ref, dss, same_kv, self.res)
+        self.stored.setdefault(tenant, []).append((prompt, dss.ids))
+        return dss
+
+    def conversations(self, n: int) -> None:
+        e = self.engine
+        for c in make_conversations(n, seed=17):
+            tenant = self.served.store.tenant_for(f"{self.row.name}-{c.name}")
+            prompt = e.chat_ids(c.first)
+            for t in range(len(c.followups) + 1):
+                out = self.turn(
+                    f"{c.name} turn {t + 1}",
+                    tenant,
+                    e.session(tenant, c.session_id, t + 1),
+                    prompt,
+                    c.max_tokens,
+                )
+                if t < len(c.followups):
+                    prompt = e.continue_ids(prompt, out.ids, c.followups[t])
+
+    def rollback_and_branch(self, turns: int = 3) -> None:
+        """`turns` turns, then back to after turn 1 in the same session (a rollback), and a new
+        session forked after turn 2 (a branch); each goes one turn further."""
+        e, rng = self.engine, np.random.default_rng(23)
+        tenant = self.served.store.tenant_for(f"{self.row.name}-history")
+        sid = "s-" + uuid.uuid4().hex[:8]
+        prompt = e.chat_ids([{"role": "user", "content": f"Remember these words: {words(rng, 260)}"}])
+        states = []
+        for t in range(turns):
+            out = self.turn(f"history turn {t + 1}", tenant, e.session(tenant, sid, t + 1), prompt, 20)
+            states.append((prompt, out.ids))
+            prompt = e.continue_ids(prompt, out.ids, f"Tell me more about {words(rng, 30)}")
+        for case, base, sess in [
+            ("rollback", states[0], e.session(tenant, sid, turns + 1)),
+            ("branch", states[1], e.session(tenant, sid + "-fork", 1)),
+        ]:
+            p = e.continue_ids(*base, f"Instead, describe {words(rng, 25)}")
+            out = self.turn(case, tenant, sess, p, 24)
+            self.turn(
+                f"{case} + 1", tenant, sess, e.continue_ids(p, out.ids, f"And finally {words(rng, 20)}"), 24
+            )
+
+    def hot_load(self, repeats: int = 3) -> None:
+        """A long prompt's first token from the store's host tier vs from vLLM's hot prefix cache
+        (or, where vLLM keeps none, vs recomputing the prompt)."""
+        e, rng = self.engine, np.random.default_rng(31)
+        tenant = self.served.store.tenant_for(f"{self.row.name}-hot")
+        prompt = e.chat_ids([{"role": "user", "content": f"Hot: {words(rng, 900)}"}])
+        e.reset_prefix_cache()
+        generate(e, [prompt], [e.session(tenant, "hot-0")], 1)
+        hot, ref = [], []
+        for i in range(repeats):
+            e.reset_prefix_cache()
+            e.settle()
+            (d,) = generate(e, [prompt], [e.session(tenant, f"hot-{i + 1}")], 1)
+            if d.loaded_tokens != len(prompt) - 1:
+                self.res.mismatches.append(f"hot load {i}: loaded {d.loaded_tokens} of {len(prompt) - 1}")
+            hot.append(d.wall_s)
+            (a,) = generate(e, [prompt], [None], 1)  # APC hot hit; without APC a recompute
+            ref.append(a.wall_s)
+        self.res.hot_s, self.res.ref_s = median(hot), median(ref)
+
+
+def engine_for(row: Row, served: ServedStore) -> Engine:
+    model = model_path() if row.model == "default" else make_tiny_model(row.model)
+    extra: dict[str, Any] = {"tensor_parallel_size": row.tp, "pipeline_parallel_size": row.pp}
+    if row.kv_cache_dtype != "auto":
+        extra["kv_cache_dtype"] = row.kv_cache_dtype
+    ranks = row.tp * row.pp
+    if ranks > 1:
+        # One core list per rank (vLLM's CPU workers refuse to share one NUMA node otherwise).
+        cores = os.cpu_count() or 1
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(ranks))
+    else:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    return Engine(
+        served.address,
+        served.authkey,
+        deterministic_batches=ranks == 1,
+        model=model,
+        dtype="bfloat16",
+        block_size=row.block_size,
+        max_model_len=2048,
+        enforce_eager=row.pp == 1,  # PP > 1 needs vLLM's warm-up compile on CPU (docs/models.md)
+        extra_engine_args=extra,
+    )
+
+
+def run_row(row: Row, quick: bool) -> RowResult:
+    """One row end to end; a row whose engine does not start (vLLM refuses the configuration, or
+    DSS refuses to cache it) is `unsupported` with the first error it raised."""
+    pin_cpu_reservation()
+    served = ServedStore(host_gib=1.0)
+    try:
+        try:
+            with capture_output() as lines:
+                engine = engine_for(row, served)
+        except Exception as exc:
+            return RowResult(row, unsupported=root_cause(lines, exc))
+        for line in lines:  # the connector's own start-up lines (one that turns it off, say)
+            if "DSS" in line:
+                print(line, flush=True)
+        try:
+            m = Matrix(row, served, engine)
+            m.conversations(2 if quick else 4)
+            m.rollback_and_branch()
+            m.hot_load()
+            served.store.check()
+            return m.res
+        finally:
+            with contextlib.suppress(Exception):
+                engine.close()
+    finally:
+        served.close()
+
+
+def fmt(x: float, spec: str = ".3f") -> str:
+    return "n/a" if x != x else format(x, spec)
+
+
+def table(results: Sequence[RowResult]) -> None:
+    print(
+        f"\n{'model':34} {'layout':10} {'attention':13} {'ref':5} {'turns':>5} {'reuse':>6} "
+        f"{'mismatch':>8} {'ties':>4} {'max|dlp|':>8} {'hot ms':>7} {'ref ms':>7} {'hot/ref':>7}"
+    )
+    for r in results:
+        if r.unsupported:
+            print(f"{r.row.name:34} {r.row.layout:10} {r.row.attention:13} UNSUPPORTED: {r.unsupported}")
+            continue
+        print(
+            f"{r.row.name:34} {r.row.layout:10} {r.row.attention:13} {r.reference:5} {r.turns:5d} "
+            f"{fmt(r.reuse):>6} {len(r.mismatches):8d} {len(r.near_ties):4d} {r.max_equal_lp_delta:8.4f} "
+            f"{fmt(1000 * r.hot_s, '.1f'):>7} {fmt(1000 * r.ref_s, '.1f'):>7} {fmt(r.hot_vs_ref, '.2f'):>7}"
+        )
+        for line in r.mismatches:
+            print("    mismatch:", line)
+        for line in r.near_ties:
+            print("    near-tie:", line)
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    smoke = "--smoke" in args
+    picked = next((a.split("=", 1)[1] for a in args if a.startswith("--rows=")), None)
+    unknown = [a for a in args if a != "--smoke" and not a.startswith("--rows=")]
+    if unknown:
+        raise SystemExit(f"unknown arguments {unknown}; options: --smoke, --rows=NAME,NAME (see FULL_ROWS)")
+    rows = SMOKE_ROWS if smoke else FULL_ROWS
+    if picked:  # NAME (every layout of it) or NAME@TPxPP, in the order given
+        names = picked.split(",")
+        rows = [r for n in names for r in FULL_ROWS if n in (r.name, f"{r.name}@{r.tp}x{r.pp}")]
+    header("model_matrix")
+    results = []
+    for row in rows:
+        t0 = time.perf_counter()
+        r = run_row(row, quick=smoke)
+        print(f"{row.name} {row.layout}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+        table([r])
+        results.append(r)
+    table(results)
+    ran = [r for r in results if not r.unsupported]
+    values: dict[str, float | int] = {
+        "models": len(results),
+        "unsupported": len(results) - len(ran),
+        "mismatches": sum(len(r.mismatches) for r in ran),
+        "min_reuse": min((r.reuse for r in ran), default=float("nan")),
+    }
+    apc = [r.hot_vs_ref for r in ran if r.reference == "APC"]
+    if apc:  # absent when only rows without a prefix cache ran (MLA on CPU)
+        values["max_hot_vs_apc"] = max(apc)
+    print_result(**values)
+
+
+if __name__ == "__main__":
+    main()
