@@ -32,7 +32,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from dss.errors import InvalidInput
-from dss.namespace import ModelFingerprint
+from dss.namespace import LATENT_ROWS_ISA, ModelFingerprint
 from dss.pages.tiers.host import HostArena
 from engine_patch.copy import ArenaViews, KVBlocks, Run, runs
 from engine_patch.fingerprint import _layout_name, attention_isa, check_layer_tensors
@@ -312,12 +312,13 @@ def _config(use_mla: bool) -> Any:
 
 def test_fingerprint_names_packed_cpu_blocks_and_canonical_pages_apart() -> None:
     """On this CPU build: CPU_ATTN's packed blocks keep their layout and ISA (the ids of pages
-    stored before stay valid); MLA's plain latent cache is stored in the canonical form."""
+    stored before stay valid); MLA's plain latent cache on CPU is named by its own isa (the CPU
+    MLA backend's rows, `dss.namespace.LATENT_ROWS_ISA`; its layout is `LATENT_KV_LAYOUT`)."""
     assert _layout_name(_config(use_mla=False), None) == "LBHNC"
     assert _layout_name(_config(use_mla=False), SimpleNamespace(kv_cache_layout="LBHNC")) == "LBHNC"
     assert attention_isa(_config(use_mla=False), DTYPE, 128, 64).startswith("cpu-")
     assert _layout_name(_config(use_mla=True), None) == CANONICAL_FORMAT
-    assert attention_isa(_config(use_mla=True), DTYPE, 16, 576) == "none"
+    assert attention_isa(_config(use_mla=True), DTYPE, 16, 576) == LATENT_ROWS_ISA
 
 
 def test_a_canonical_tail_page_keeps_only_its_valid_positions() -> None:

@@ -22,6 +22,7 @@ import torch
 
 from dss.namespace import LATENT_KV_LAYOUT, LATENT_ROWS_ISA, ModelFingerprint
 from engine_patch.copy import KVBlocks, Run
+from engine_patch.layouts import layout_for
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -57,7 +58,7 @@ def test_mla_page_is_one_latent_row_per_token_and_its_tail_is_zeroed() -> None:
     )  # fmt: skip
     assert fp.layer_block_nbytes == 16 * 576 * 2
     layers = [(torch.randn(4, 1, 16, 576).abs() + 1).to(torch.bfloat16) for _ in range(2)]  # CPU_MLA's shape
-    blocks = KVBlocks(layers)
+    blocks = KVBlocks(layers, layout_for(fp, 4))
     assert blocks.layer_block_nbytes == fp.layer_block_nbytes
     pages = torch.zeros(3, 2, fp.layer_block_nbytes, dtype=torch.uint8)
     blocks.save(pages, [Run(block=2, slot=1, n=1)])
