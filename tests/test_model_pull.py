@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_patch.factory import EngineSettings
+from engine_patch.factory import EngineSettings, served_dtype
 from engine_patch.model import (
     DEFAULT_MODEL_NAME,
     READY_MARKER,
@@ -139,9 +139,10 @@ def test_cli_refuses_a_missing_model_in_one_line(tmp_path: Path) -> None:
 @engine
 def test_served_dtype_passes_the_sanity_set_and_a_failure_is_one_line(model: Path) -> None:
     """One engine run of `verify` with a threshold no model can meet: the default configuration
-    answers the set in the served dtype, bfloat16 (the README's example included), the score is
+    answers the set in the served dtype (bfloat16 where native, `served_dtype`; the README's example
+    included), the score is
     reported as a typed one-line error, and the command exits 1 without a traceback."""
-    assert EngineSettings.__dataclass_fields__["dtype"].default == "bfloat16"
+    assert EngineSettings(model=model).dtype == served_dtype()
     total = len(SANITY_SET)
     proc = _cli("verify", str(model), "--min-correct", str(total + 1))
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -151,7 +152,7 @@ def test_served_dtype_passes_the_sanity_set_and_a_failure_is_one_line(model: Pat
     (line,) = errors
     assert line.startswith("python -m engine_patch.model verify: ModelVerificationFailed: model at ")
     assert "verified:" not in proc.stdout
-    found = re.search(rf"sanity (\d+)/{total} \(bfloat16\), needs {total + 1}/{total}", line)
+    found = re.search(rf"sanity (\d+)/{total} \({served_dtype()}\), needs {total + 1}/{total}", line)
     assert found, line
     assert int(found.group(1)) >= DEFAULT_MIN_CORRECT, line
     # The first three wrong answers are named, and DEFAULT_MIN_CORRECT allows three: the README's

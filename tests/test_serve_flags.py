@@ -6,7 +6,8 @@
   and an unknown name (or one DSS sets itself) refuses the start with one line and exit 2.
 - A parallel engine on CPU gets one contiguous range of this process's CPUs per rank
   (`VLLM_CPU_OMP_THREADS_BIND`) and vLLM's `mp` executor, unless the operator bound it.
-- The served dtype is bfloat16 unless `DSS_ENGINE__DTYPE` says otherwise.
+- The served dtype is `factory.served_dtype()` (bfloat16 where native) unless
+  `DSS_ENGINE__DTYPE` says otherwise.
 
 Most of it is checked on vLLM's resolved configuration (`create_engine_config`, no engine
 process); one real `dss serve --max-model-len 2048 --block-size 32` shows the engine runs with them.
@@ -127,7 +128,7 @@ def test_flags_and_variables_reach_vllms_configuration(engine_env: pytest.Monkey
     assert config.model_config.max_model_len == 2048
     assert config.scheduler_config.max_num_batched_tokens == 8192  # the pass-through wins
     assert config.model_config.max_logprobs == 7
-    assert str(config.model_config.dtype) == "torch.bfloat16"  # the served default
+    assert str(config.model_config.dtype) == f"torch.{factory.served_dtype()}"  # the served default
     assert os.environ[THREADS_BIND_ENV] == "0|1|2"  # set by the factory, one CPU per rank
 
 
@@ -285,6 +286,6 @@ def test_serve_runs_the_engine_with_vllm_flags(tmp_path: Path, monkeypatch: pyte
     store = Store.open(StoreConfig(data_dir=server.data_dir, fsync=False, codec_process=False))
     try:
         (fp,) = (store.fingerprint(f) for f in store.fingerprints)
-        assert (fp.block_size, fp.dtype) == (32, "bfloat16")
+        assert (fp.block_size, fp.dtype) == (32, factory.served_dtype())
     finally:
         store.close()

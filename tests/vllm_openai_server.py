@@ -3,7 +3,8 @@ compare `dss serve` with.
 
 `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script is broken on the CPU
 wheel) in its own process group on a free loopback port, configured as DSS configures its engine:
-the served dtype (`EngineSettings.dtype`, bfloat16), eager mode, seed 0, the test servers'
+the served dtype (`engine_patch.factory.served_dtype`: bfloat16 where native), eager mode, seed
+0, the test servers'
 `max_model_len` and KV cache size, the same served model name, and
 `--enable-prompt-tokens-details` so that `usage` has the shape DSS gives it. vLLM spawns its
 engine processes into that group; `stop()` terminates the whole group and kills what is
@@ -28,11 +29,11 @@ from typing import Any
 
 import httpx
 
-from engine_patch.factory import EngineSettings
+from engine_patch.factory import served_dtype
 from tests.api_server import die_with_parent, free_port
 
 # DSS's served dtype, so that both servers compute the same way.
-SERVED_DTYPE = str(EngineSettings.__dataclass_fields__["dtype"].default)
+SERVED_DTYPE = served_dtype()
 START_TIMEOUT_S = 420.0  # ~115 s measured on 2 loaded cores in eager mode; compiled mode takes ~200 s
 STOP_TIMEOUT_S = 30.0
 
