@@ -293,9 +293,6 @@ class Matrix:
 
 def engine_for(row: Row, served: ServedStore) -> Engine:
     model = model_path() if row.model == "default" else make_tiny_model(row.model)
-    extra: dict[str, Any] = {"tensor_parallel_size": row.tp, "pipeline_parallel_size": row.pp}
-    if row.kv_cache_dtype != "auto":
-        extra["kv_cache_dtype"] = row.kv_cache_dtype
     ranks = row.tp * row.pp
     if ranks > 1:
         # One core list per rank (vLLM's CPU workers refuse to share one NUMA node otherwise).
@@ -312,7 +309,9 @@ def engine_for(row: Row, served: ServedStore) -> Engine:
         block_size=row.block_size,
         max_model_len=2048,
         enforce_eager=row.pp == 1,  # PP > 1 needs vLLM's warm-up compile on CPU (docs/models.md)
-        extra_engine_args=extra,
+        tensor_parallel_size=row.tp,
+        pipeline_parallel_size=row.pp,
+        kv_cache_dtype=row.kv_cache_dtype,
     )
 
 

@@ -42,7 +42,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Store, Engin
             deterministic_batches=True,
             model=model,
             max_model_len=2048,
-            extra_engine_args={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+            tensor_parallel_size=2,  # the factory picks vLLM's mp executor for it
         )
     finally:
         if old is None:
