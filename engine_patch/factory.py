@@ -6,6 +6,7 @@ it through the store's local RPC address and authkey, passed in the connector's 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -27,6 +28,27 @@ if TYPE_CHECKING:
 log = logging.getLogger("dss.engine")
 
 
+@functools.cache
+def native_bf16() -> bool:
+    """Whether this machine computes bfloat16 natively: a CUDA device, or a CPU with AVX512-BF16
+    or AMX. A CPU with AVX2 only (some AMD EPYC machines) emulates it."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def served_dtype() -> str:
+    """The dtype served when the operator names none (`DSS_ENGINE__DTYPE`). bfloat16 where it is
+    native: every model's usual dtype, and on CPUs with AMX float32 served later turns 2.9x slower
+    and collapsed bench/api_load.py from 16.5 to 0.8 requests/s. float32 on a CPU that only
+    emulates bfloat16 (AVX2): there bfloat16 is the slow one (the test suite ran about 3x longer).
+    The tiny default model answers a few near-tie questions differently in bf16; `dss model pull`
+    verifies in the served dtype. Numbers: docs/operations.md, "Served dtype"."""
+    return "bfloat16" if native_bf16() else "float32"
+
+
 @dataclass(frozen=True, slots=True)
 class EngineSettings:
     model: Path
@@ -37,7 +59,7 @@ class EngineSettings:
     block_size: int | None = None  # platform default (128 on CPU)
     num_gpu_blocks_override: int | None = None
     # `served_dtype()`: bfloat16 where the hardware computes it natively, else float32.
-    dtype: str = field(default_factory=lambda: served_dtype())
+    dtype: str = field(default_factory=served_dtype)
     # The parallel layout and KV cache dtype, under vLLM's own names (`dss serve` flags).
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -61,26 +83,6 @@ class EngineSettings:
     def world_size(self) -> int:
         """Engine ranks: tensor x pipeline parallel size."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
-
-
-def native_bf16() -> bool:
-    """Whether this machine computes bfloat16 natively: a CUDA device, or a CPU with AVX512-BF16
-    or AMX. A CPU with AVX2 only (some AMD EPYC machines) emulates it."""
-    import torch
-
-    if torch.cuda.is_available():
-        return True
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-
-
-def served_dtype() -> str:
-    """The dtype served when the operator names none (`DSS_ENGINE__DTYPE`). bfloat16 where it is
-    native: every model's usual dtype, and on CPUs with AMX float32 served later turns 2.9x slower
-    and collapsed bench/api_load.py from 16.5 to 0.8 requests/s. float32 on a CPU that only
-    emulates bfloat16 (AVX2): there bfloat16 is the slow one (the test suite ran about 3x longer).
-    The tiny default model answers a few near-tie questions differently in bf16; `dss model pull`
-    verifies in the served dtype. Numbers: docs/operations.md, "Served dtype"."""
-    return "bfloat16" if native_bf16() else "float32"
 
 
 def kv_transfer_config(store_address: str, authkey: bytes, settings: EngineSettings) -> KVTransferConfig:

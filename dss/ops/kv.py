@@ -357,6 +357,8 @@ class KVCache:
             if lease is None:
                 return
             if shard is not None:
+                if not 0 <= shard < lease.shards:
+                    raise InvalidInput(f"shard {shard} of a load by {lease.shards} engine ranks")
                 lease.released.add(shard)
                 if len(lease.released) < lease.shards:
                     return
