@@ -17,6 +17,9 @@ from dss.types import PUBLIC_TENANT, FingerprintId, Namespace, NamespaceId, Tena
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1, "uint8": 1}
 
+# Fields added to `ModelFingerprint` later, with the default that leaves the id unchanged.
+_ADDED_FIELDS: dict[str, object] = {"kv_groups": ""}
+
 
 @dataclass(frozen=True, slots=True)
 class ModelFingerprint:
@@ -31,6 +34,10 @@ class ModelFingerprint:
     block_size: int
     kv_layout: str = "LBHNC"
     isa: str = "generic"
+    # The engine's KV cache groups when it has more than one (hybrid models: full attention
+    # beside sliding-window layers), as `engine_patch.groups` writes them; "" for one group.
+    # Part of the id, so pages move only between engines with the same grouping.
+    kv_groups: str = ""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPE_BYTES:
@@ -41,8 +48,18 @@ class ModelFingerprint:
 
     @property
     def id(self) -> FingerprintId:
-        canon = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        canon = json.dumps(self._canonical(), sort_keys=True, separators=(",", ":"))
         return FingerprintId(hashlib.blake2b(canon.encode(), digest_size=16).hexdigest())
+
+    def _canonical(self) -> dict[str, object]:
+        """The fields the id covers. Fields added after the first release are left out while they
+        hold their default, so an engine that does not use them keeps the id (and the pages) it
+        had before they existed."""
+        fields = asdict(self)
+        for name in _ADDED_FIELDS:
+            if fields[name] == _ADDED_FIELDS[name]:
+                del fields[name]
+        return fields
 
     @property
     def dtype_bytes(self) -> int:

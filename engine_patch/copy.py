@@ -81,19 +81,22 @@ class KVBlocks:
             if r.slot < 0 or r.slot + r.n > pages.shape[0]:
                 raise InvalidInput(f"slots {r.slot}..{r.slot + r.n} out of [0, {pages.shape[0]})")
 
-    def load(self, pages: torch.Tensor, run_list: Sequence[Run]) -> None:
-        """Arena slots -> engine blocks."""
+    def load(self, pages: torch.Tensor, run_list: Sequence[Run], layers: Sequence[int] | None = None) -> None:
+        """Arena slots -> engine blocks, of `layers` (positions in a page; default all: a hybrid
+        model's KV cache groups each copy their own layers with their own block ids)."""
         self._check(pages, run_list)
+        chosen = range(len(self.layers)) if layers is None else layers
         for r in run_list:
-            for layer, kv in enumerate(self.layers):
-                kv[r.block : r.block + r.n].copy_(self._slot_layer(pages, r, layer))
+            for layer in chosen:
+                self.layers[layer][r.block : r.block + r.n].copy_(self._slot_layer(pages, r, layer))
 
-    def save(self, pages: torch.Tensor, run_list: Sequence[Run]) -> None:
-        """Engine blocks -> arena slots."""
+    def save(self, pages: torch.Tensor, run_list: Sequence[Run], layers: Sequence[int] | None = None) -> None:
+        """Engine blocks -> arena slots, of `layers` (as in `load`)."""
         self._check(pages, run_list)
+        chosen = range(len(self.layers)) if layers is None else layers
         for r in run_list:
-            for layer, kv in enumerate(self.layers):
-                self._slot_layer(pages, r, layer).copy_(kv[r.block : r.block + r.n])
+            for layer in chosen:
+                self._slot_layer(pages, r, layer).copy_(self.layers[layer][r.block : r.block + r.n])
 
     def scrub_after(self, pages: torch.Tensor, slot: int, valid_tokens: int, isa: str) -> None:
         """Zero the token positions from `valid_tokens` on in a copied block (a tail page).

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dss.namespace import ModelFingerprint
+from engine_patch.groups import KVGroups, UnsupportedGroups
 from engine_patch.model import READY_MARKER
 
 if TYPE_CHECKING:
@@ -27,6 +28,12 @@ _SAMPLES_PER_FILE = 16
 
 class UnsupportedKVCache(ValueError):
     """The engine's KV cache cannot be described by one `ModelFingerprint` (the connector turns off)."""
+
+
+class GroupsKnownInEngine(UnsupportedKVCache):
+    """The fingerprint depends on the KV cache groups vLLM's hybrid manager forms from the
+    model's layers (a sliding-window model), which only the engine knows: the API process takes
+    the fingerprint the engine's connector registered instead."""
 
 
 def uncached_reason(vllm_config: VllmConfig) -> str | None:
@@ -46,40 +53,66 @@ def uncached_reason(vllm_config: VllmConfig) -> str | None:
     if getattr(model_cfg, "is_attention_free", False):
         return "an attention-free model has no KV cache to store"
     if getattr(model_cfg, "is_hybrid", False):
-        # Attention plus state-space layers: more than one KV cache group (see build_fingerprint).
-        return "a hybrid attention/state-space model has more than one KV cache group"
+        # Attention plus state-space layers: the mamba groups hold a recurrent state per request,
+        # not KV per position (see engine_patch.groups).
+        return "a hybrid attention/state-space model: DSS does not store state-space (mamba) layer state"
     if getattr(model_cfg, "is_encoder_decoder", False):
         return "encoder-decoder models (cross-attention KV) are not supported"
     if getattr(model_cfg, "use_mla", False):
         return "MLA (latent) KV caches are not supported"
     try:
         frontend_fingerprint(vllm_config)
+    except GroupsKnownInEngine:
+        return None  # a sliding-window model: cached, its fingerprint comes from the engine
     except UnsupportedKVCache as exc:
         return str(exc)
     return None
 
 
-def build_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> ModelFingerprint:
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise UnsupportedKVCache(f"{len(groups)} KV cache groups (hybrid models are not supported)")
+def build_fingerprint(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, groups: KVGroups | None = None
+) -> ModelFingerprint:
+    """The fingerprint of the engine's real KV cache. Every group must be attention with one
+    page geometry (a page is one block of every layer); `groups` (default: read from
+    `kv_cache_config`) says which layers each group holds and its window."""
+    specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+    if not specs:
+        raise UnsupportedKVCache("no KV cache groups")
+    if groups is None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        try:
+            groups = KVGroups.of(kv_cache_config, extract_layer_index)
+        except UnsupportedGroups as exc:
+            raise UnsupportedKVCache(str(exc)) from None
     from vllm.v1.kv_cache_interface import AttentionSpec
 
-    spec = groups[0].kv_cache_spec
-    if not isinstance(spec, AttentionSpec):
-        raise UnsupportedKVCache(f"KV cache spec {type(spec).__name__} is not an attention spec")
-    if spec.head_size_v != spec.head_size:
-        raise UnsupportedKVCache(f"K head size {spec.head_size} != V head size {spec.head_size_v}")
-    if spec.page_size_padded or spec.num_head_slots is not None or spec.state_content_bytes is not None:
-        raise UnsupportedKVCache("padded or repacked KV pages are not supported")
+    attention = [s for s in specs if isinstance(s, AttentionSpec)]
+    if len(attention) != len(specs):
+        kinds = sorted({type(s).__name__ for s in specs if not isinstance(s, AttentionSpec)})
+        raise UnsupportedKVCache(f"KV cache spec {', '.join(kinds)} is not an attention spec")
+    spec = attention[0]
+    for s in attention:
+        if s.head_size_v != s.head_size:
+            raise UnsupportedKVCache(f"K head size {s.head_size} != V head size {s.head_size_v}")
+        if s.page_size_padded or s.num_head_slots is not None or s.state_content_bytes is not None:
+            raise UnsupportedKVCache("padded or repacked KV pages are not supported")
+        if (s.num_kv_heads, s.head_size, s.dtype, s.block_size) != (
+            spec.num_kv_heads,
+            spec.head_size,
+            spec.dtype,
+            spec.block_size,
+        ):
+            raise UnsupportedKVCache("KV cache groups differ in heads, head size, dtype or block size")
     return _make(
         vllm_config,
-        num_layers=len(groups[0].layer_names),
+        num_layers=sum(len(g.layers) for g in groups.groups),
         num_kv_heads=int(spec.num_kv_heads),
         head_size=int(spec.head_size),
         dtype=spec.dtype,
         block_size=int(spec.block_size),
         layout=_layout_name(vllm_config, kv_cache_config),
+        kv_groups=groups.describe(),
     )
 
 
@@ -87,6 +120,9 @@ def frontend_fingerprint(vllm_config: VllmConfig) -> ModelFingerprint:
     """The same fingerprint, computed in the API process from the config alone (before the engine
     core has sized its KV cache); `build_fingerprint` in the engine must agree, and a test checks it."""
     model_cfg, parallel = vllm_config.model_config, vllm_config.parallel_config
+    hybrid_manager = not getattr(vllm_config.scheduler_config, "disable_hybrid_kv_cache_manager", True)
+    if hybrid_manager and model_cfg.get_sliding_window() is not None:
+        raise GroupsKnownInEngine("the KV cache groups of a sliding-window model are formed in the engine")
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype != "auto":
         raise UnsupportedKVCache(f"KV cache dtype {cache_dtype!r} is not supported")
@@ -115,6 +151,7 @@ def _make(
     dtype: torch.dtype,
     block_size: int,
     layout: str,
+    kv_groups: str = "",
 ) -> ModelFingerprint:
     model_cfg = vllm_config.model_config
     return ModelFingerprint(
@@ -127,6 +164,7 @@ def _make(
         block_size=block_size,
         kv_layout=layout,
         isa=attention_isa(vllm_config, dtype, block_size, head_size),
+        kv_groups=kv_groups,
     )
 
 
