@@ -16,7 +16,7 @@ def tiny_gemma2(root: Path, tokenizer_from: Path, window: int = SWA_WINDOW) -> P
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    out = root / f"tiny-gemma2-w{window}"
+    out = root / f"tiny-gemma2-w{window}-v2"
     if (out / "config.json").is_file():
         return out
     cfg = AutoConfig.for_model(
@@ -38,6 +38,13 @@ def tiny_gemma2(root: Path, tokenizer_from: Path, window: int = SWA_WINDOW) -> P
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
+    # Gemma's RMSNorms scale by (1 + weight), initialised to 1: with them, random weights answer
+    # one token over and over whatever the context. Random scales make greedy answers wander
+    # over the vocabulary (~147 distinct tokens in 150), so a wrong page shows in the answer.
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name.endswith("norm.weight"):
+                weight.copy_(torch.randn(weight.shape) * 8)
     model.save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
         if (tokenizer_from / name).is_file():
