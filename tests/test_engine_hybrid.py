@@ -29,11 +29,11 @@ import pytest
 
 from dss.store import Store
 from tests.engine_helpers import Engine, model_path, open_store, words
-from tests.tiny_models import SWA_WINDOW, tiny_gemma2
+from tests.tiny_models import SWA_BLOCK_SIZE, SWA_WINDOW, tiny_gemma2
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-BS = 32  # the CPU backend's preferred block size (vLLM rounds the hybrid page to it)
+BS = SWA_BLOCK_SIZE
 NEAR_TIE = 1e-3  # nats; see the module docstring
 
 
