@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -140,6 +141,23 @@ def frontend_fingerprint(vllm_config: VllmConfig) -> ModelFingerprint:
         block_size=int(block_size),
         layout=_layout_name(vllm_config, None),
     )
+
+
+def registered_for_model(
+    vllm_config: VllmConfig, registered: Sequence[ModelFingerprint]
+) -> list[ModelFingerprint]:
+    """Of the fingerprints a store knows, those an engine of this config registered with KV cache
+    groups (same model, revision and dtype): how the API process finds a sliding-window model's
+    fingerprint (`GroupsKnownInEngine`)."""
+    model_cfg = vllm_config.model_config
+    model_id = Path(str(model_cfg.model)).name or str(model_cfg.model)
+    revision = model_revision(str(model_cfg.model), model_cfg.revision)
+    dtype = dtype_name(model_cfg.dtype) if isinstance(model_cfg.dtype, torch.dtype) else None
+    return [
+        fp
+        for fp in registered
+        if fp.kv_groups and (fp.model_id, fp.revision, fp.dtype) == (model_id, revision, dtype)
+    ]
 
 
 def _make(

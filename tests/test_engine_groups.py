@@ -110,3 +110,15 @@ def test_each_group_copies_its_own_layers_and_skips_null_blocks() -> None:
             layers[2][5].copy_(slot(1, 2))
         blocks.save(out, run_list, layer_ids)
     assert torch.equal(out[1:], pages[1:])
+
+
+def test_the_api_finds_a_sliding_window_models_fingerprint_among_the_registered() -> None:
+    # The API process cannot form vLLM's groups; it takes what the engine's connector registered.
+    from engine_patch.fingerprint import registered_for_model
+
+    config = SimpleNamespace(model_config=SimpleNamespace(model="org/m", revision=None, dtype=torch.float32))
+    base = {**asdict(FP), "revision": "hub:main"}
+    hybrid = ModelFingerprint(**{**base, "kv_groups": "sliding64:0,2;full:1,3"})
+    other = ModelFingerprint(**{**base, "model_id": "n", "kv_groups": "sliding64:0,2;full:1,3"})
+    single = ModelFingerprint(**base)
+    assert registered_for_model(config, [single, other, hybrid]) == [hybrid]  # type: ignore[arg-type]
