@@ -61,8 +61,16 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     model = tiny_gemma2(root, model_path())
     store = open_store(root / "store", host_gib=1.0)
     address, authkey = store.serve_rpc()
+    # A store call past its deadline is a miss, and the checks below count every token: a long
+    # deadline, so a machine busy with other engines does not turn into a failed comparison.
     engine = Engine(
-        address, authkey, deterministic_batches=True, model=model, block_size=BS, max_model_len=2048
+        address,
+        authkey,
+        deterministic_batches=True,
+        model=model,
+        block_size=BS,
+        max_model_len=2048,
+        rpc_timeout_s=30.0,
     )
     try:
         yield Rig(store, engine)
