@@ -645,9 +645,15 @@ def _engine_fingerprint(
     session request's result (`TurnReport.fingerprint`), which `generate` checks.
     """
     try:
-        from engine_patch.fingerprint import frontend_fingerprint
+        from engine_patch.fingerprint import GroupsKnownInEngine, frontend_fingerprint, registered_for_model
 
-        return store.register_fingerprint(frontend_fingerprint(llm.vllm_config))
+        try:
+            return store.register_fingerprint(frontend_fingerprint(llm.vllm_config))
+        except GroupsKnownInEngine:
+            # A sliding-window model: the engine's connector registered its fingerprint.
+            found = registered_for_model(llm.vllm_config, [store.fingerprint(f) for f in store.fingerprints])
+            if len(found) == 1:
+                return found[0].id
     except Exception as exc:  # a config the connector cannot describe: it is off as well
         log.warning("cannot compute the engine's model fingerprint here (%s); guessing from the store", exc)
     fresh = [f for f in store.fingerprints if f not in known_before]

@@ -22,6 +22,8 @@ _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "
 LATENT_KV_LAYOUT = "MLA"
 # `isa` (the packing inside a block) of vLLM's reference CPU MLA cache: one plain row per token.
 LATENT_ROWS_ISA = "cpu-mla"
+# Fields added to `ModelFingerprint` later, with the default that leaves the id unchanged.
+_ADDED_FIELDS: dict[str, object] = {"tp_size": 1, "pp_size": 1, "kv_groups": ""}
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +45,10 @@ class ModelFingerprint:
     # writes the layers it runs. Pages are per layout: an engine never reads another's.
     tp_size: int = 1
     pp_size: int = 1
+    # The engine's KV cache groups when it has more than one (hybrid models: full attention
+    # beside sliding-window layers), as `engine_patch.groups` writes them; "" for one group.
+    # Part of the id, so pages move only between engines with the same grouping.
+    kv_groups: str = ""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPE_BYTES:
@@ -55,13 +61,18 @@ class ModelFingerprint:
 
     @property
     def id(self) -> FingerprintId:
-        fields = asdict(self)
-        if self.tp_size == 1 and self.pp_size == 1:
-            # Single-rank fingerprints keep the ids they had before the layout fields existed,
-            # so a store upgraded in place still reaches its pages.
-            del fields["tp_size"], fields["pp_size"]
-        canon = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+        canon = json.dumps(self._canonical(), sort_keys=True, separators=(",", ":"))
         return FingerprintId(hashlib.blake2b(canon.encode(), digest_size=16).hexdigest())
+
+    def _canonical(self) -> dict[str, object]:
+        """The fields the id covers. Fields added after the first release are left out while they
+        hold their default, so an engine that does not use them keeps the id (and the pages) it
+        had before they existed."""
+        fields = asdict(self)
+        for name in _ADDED_FIELDS:
+            if fields[name] == _ADDED_FIELDS[name]:
+                del fields[name]
+        return fields
 
     @property
     def shards(self) -> int:

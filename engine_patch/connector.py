@@ -13,7 +13,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -46,7 +51,10 @@ CONNECTOR_NAME = "DSSConnector"
 CONNECTOR_MODULE = "engine_patch.connector"
 
 
-class DSSConnector(KVConnectorBase_V1):
+class DSSConnector(KVConnectorBase_V1, SupportsHMA):
+    """`SupportsHMA`: vLLM keeps its hybrid KV cache manager on (sliding-window layers hold only
+    their window's blocks); block ids travel per KV cache group (`engine_patch.groups`)."""
+
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(
@@ -146,6 +154,16 @@ class DSSConnector(KVConnectorBase_V1):
         assert self._worker is not None
         return self._worker.get_finished(finished_req_ids)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        sending, recving = self._worker.get_finished(finished_req_ids)
+        failed = self._worker.take_failed_recving()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()) | failed,
+            failed_recving=failed,
+        )
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
         return self._worker.get_block_ids_with_load_errors()
@@ -160,11 +178,11 @@ class DSSConnector(KVConnectorBase_V1):
         return meta
 
     # ================================================================== scheduler role
-    def _block_ids_of(self, req_id: str) -> list[int]:
-        """A running request's KV block ids (single KV cache group)."""
+    def _block_ids_of(self, req_id: str) -> tuple[list[int], ...]:
+        """A running request's KV block ids, one list per KV cache group."""
         if self._kv_cache_manager is None:
             raise RuntimeError("vLLM did not bind its KV cache manager to the connector")
-        return list(self._kv_cache_manager.get_block_ids(req_id)[0])
+        return tuple(list(ids) for ids in self._kv_cache_manager.get_block_ids(req_id))
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -193,6 +211,12 @@ class DSSConnector(KVConnectorBase_V1):
         self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 

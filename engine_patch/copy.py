@@ -131,25 +131,37 @@ class KVBlocks:
             if r.slot < 0 or r.slot + r.n > pages.shape[0]:
                 raise InvalidInput(f"slots {r.slot}..{r.slot + r.n} out of [0, {pages.shape[0]})")
 
-    def load(self, pages: torch.Tensor, run_list: Sequence[Run]) -> None:
-        """Arena slots -> engine blocks."""
+    def load(self, pages: torch.Tensor, run_list: Sequence[Run], layers: Sequence[int] | None = None) -> None:
+        """Arena slots -> engine blocks, of `layers` (model layer indexes, those this rank holds;
+        default all: a hybrid model's KV cache groups each copy their own layers with their own
+        block ids)."""
         self._check(pages, run_list)
-        if self._cuda is not None:
+        if self._cuda is not None and layers is None:
             self._cuda.load(_run_rows(pages, run_list), self._staged_to_blocks(run_list))
             return
+        chosen = self._held(layers)
         for r in run_list:
-            for layer, kv in enumerate(self.views):
-                kv[r.block : r.block + r.n].copy_(self._slot_layer(pages, r, layer))
+            for layer in chosen:
+                self.views[layer][r.block : r.block + r.n].copy_(self._slot_layer(pages, r, layer))
 
-    def save(self, pages: torch.Tensor, run_list: Sequence[Run]) -> None:
-        """Engine blocks -> arena slots."""
+    def save(self, pages: torch.Tensor, run_list: Sequence[Run], layers: Sequence[int] | None = None) -> None:
+        """Engine blocks -> arena slots, of `layers` (as in `load`)."""
         self._check(pages, run_list)
-        if self._cuda is not None:
+        if self._cuda is not None and layers is None:
             self._cuda.save(_run_rows(pages, run_list), self._blocks_to_staged(run_list))
             return
+        chosen = self._held(layers)
         for r in run_list:
-            for layer, kv in enumerate(self.views):
-                self._slot_layer(pages, r, layer).copy_(kv[r.block : r.block + r.n])
+            for layer in chosen:
+                self._slot_layer(pages, r, layer).copy_(self.views[layer][r.block : r.block + r.n])
+
+    def _held(self, layers: Sequence[int] | None) -> Sequence[int]:
+        """Positions in `self.views` of model layers `layers` that this rank holds (a pipeline
+        stage holds some of a group's layers); all of them for None."""
+        if layers is None:
+            return range(len(self.views))
+        position = {index: i for i, index in enumerate(self.layer_indexes)}
+        return [position[index] for index in layers if index in position]
 
     # A run's staging buffer on the device holds its slots' bytes, `[n, num_layers,
     # layer_row_nbytes]`: it is addressed like the arena from slot 0.

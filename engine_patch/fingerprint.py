@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dss.namespace import LATENT_KV_LAYOUT, LATENT_ROWS_ISA, ModelFingerprint
+from engine_patch.groups import KVGroups, UnsupportedGroups
 from engine_patch.layouts import CANONICAL_FORMAT
 from engine_patch.model import READY_MARKER
 
@@ -30,6 +32,12 @@ class UnsupportedKVCache(ValueError):
     """The engine's KV cache cannot be described by one `ModelFingerprint` (the connector turns off)."""
 
 
+class GroupsKnownInEngine(UnsupportedKVCache):
+    """The fingerprint depends on the KV cache groups vLLM's hybrid manager forms from the
+    model's layers (a sliding-window model), which only the engine knows: the API process takes
+    the fingerprint the engine's connector registered instead."""
+
+
 def uncached_reason(vllm_config: VllmConfig) -> str | None:
     """Why DSS cannot cache this engine (one phrase), or None when it can.
 
@@ -43,46 +51,79 @@ def uncached_reason(vllm_config: VllmConfig) -> str | None:
     if getattr(model_cfg, "is_attention_free", False):
         return "an attention-free model has no KV cache to store"
     if getattr(model_cfg, "is_hybrid", False):
-        # Attention plus state-space layers: more than one KV cache group (see build_fingerprint).
-        return "a hybrid attention/state-space model has more than one KV cache group"
+        # Attention plus state-space layers: the mamba groups hold a recurrent state per request,
+        # not KV per position (see engine_patch.groups).
+        return "a hybrid attention/state-space model: DSS does not store state-space (mamba) layer state"
     if getattr(model_cfg, "is_encoder_decoder", False):
         return "encoder-decoder models (cross-attention KV) are not supported"
     if getattr(model_cfg, "use_mla", False) and (why := _mla_reason(vllm_config)):
         return why
     try:
         frontend_fingerprint(vllm_config)
+    except GroupsKnownInEngine:
+        return None  # a sliding-window model: cached, its fingerprint comes from the engine
     except UnsupportedKVCache as exc:
         return str(exc)
     return None
 
 
-def build_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> ModelFingerprint:
-    groups = kv_cache_config.kv_cache_groups
+def build_fingerprint(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, groups: KVGroups | None = None
+) -> ModelFingerprint:
+    """The fingerprint of the engine's real KV cache. Every group must be attention with one
+    page geometry (a page is one block of every layer); `groups` (default: read from
+    `kv_cache_config`) says which layers each group holds and its window."""
     _check_cache_dtype(vllm_config)
-    if len(groups) != 1:
-        raise UnsupportedKVCache(f"{len(groups)} KV cache groups (hybrid models are not supported)")
+    specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+    if not specs:
+        raise UnsupportedKVCache("no KV cache groups")
+    if groups is None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        try:
+            groups = KVGroups.of(kv_cache_config, extract_layer_index)
+        except UnsupportedGroups as exc:
+            raise UnsupportedKVCache(str(exc)) from None
     from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
 
-    spec = groups[0].kv_cache_spec
-    if not isinstance(spec, AttentionSpec):
-        raise UnsupportedKVCache(f"KV cache spec {type(spec).__name__} is not an attention spec")
+    attention = [s for s in specs if isinstance(s, AttentionSpec)]
+    if len(attention) != len(specs):
+        kinds = sorted({type(s).__name__ for s in specs if not isinstance(s, AttentionSpec)})
+        raise UnsupportedKVCache(f"KV cache spec {', '.join(kinds)} is not an attention spec")
+    spec = attention[0]
     latent = isinstance(spec, MLAAttentionSpec)
     if latent and (why := _mla_reason(vllm_config)):
         raise UnsupportedKVCache(why)
-    if not latent and spec.head_size_v != spec.head_size:
-        raise UnsupportedKVCache(f"K head size {spec.head_size} != V head size {spec.head_size_v}")
-    if spec.page_size_padded or spec.num_head_slots is not None or spec.state_content_bytes is not None:
-        raise UnsupportedKVCache("padded or repacked KV pages are not supported")
+    if groups.hybrid and (latent or int(vllm_config.parallel_config.pipeline_parallel_size) > 1):
+        # The scheduler's KV cache config names the first pipeline stage's layers only, so the
+        # groups of the other stages' layers are not known where pages are planned.
+        raise UnsupportedKVCache(
+            "several KV cache groups (a sliding-window model) with pipeline parallelism or MLA "
+            "are not supported"
+        )
+    for s in attention:
+        if not latent and s.head_size_v != s.head_size:
+            raise UnsupportedKVCache(f"K head size {s.head_size} != V head size {s.head_size_v}")
+        if s.page_size_padded or s.num_head_slots is not None or s.state_content_bytes is not None:
+            raise UnsupportedKVCache("padded or repacked KV pages are not supported")
+        if (s.num_kv_heads, s.head_size, s.dtype, s.block_size) != (
+            spec.num_kv_heads,
+            spec.head_size,
+            spec.dtype,
+            spec.block_size,
+        ):
+            raise UnsupportedKVCache("KV cache groups differ in heads, head size, dtype or block size")
     return _make(
         vllm_config,
         # The scheduler's KV cache config is the first pipeline stage's: it names that stage's
         # layers only, so a pipeline-parallel page counts the model's layers instead.
-        num_layers=_total_layers(vllm_config) or len(groups[0].layer_names),
+        num_layers=_total_layers(vllm_config) or sum(len(g.layers) for g in groups.groups),
         num_kv_heads=int(spec.num_kv_heads),
         head_size=int(spec.head_size),
         dtype=spec.dtype,
         block_size=int(spec.block_size),
         layout=LATENT_KV_LAYOUT if latent else _layout_name(vllm_config, kv_cache_config),
+        kv_groups=groups.describe(),
     )
 
 
@@ -91,6 +132,13 @@ def frontend_fingerprint(vllm_config: VllmConfig) -> ModelFingerprint:
     core has sized its KV cache); `build_fingerprint` in the engine must agree, and a test checks it."""
     model_cfg, parallel = vllm_config.model_config, vllm_config.parallel_config
     _check_cache_dtype(vllm_config)
+    hybrid_manager = not getattr(vllm_config.scheduler_config, "disable_hybrid_kv_cache_manager", True)
+    if hybrid_manager and model_cfg.get_sliding_window() is not None:
+        if int(parallel.pipeline_parallel_size) > 1:
+            raise UnsupportedKVCache(
+                "a sliding-window model's KV cache groups with pipeline parallelism are not supported"
+            )
+        raise GroupsKnownInEngine("the KV cache groups of a sliding-window model are formed in the engine")
     block_size = vllm_config.cache_config.block_size
     if block_size is None:
         raise UnsupportedKVCache("the block size is not resolved yet")
@@ -157,6 +205,23 @@ def _cpu_mla_backend(vllm_config: VllmConfig) -> str:
     return "AMX_MLA" if amx and getattr(backend, "name", None) != "CPU_MLA" else "CPU_MLA"
 
 
+def registered_for_model(
+    vllm_config: VllmConfig, registered: Sequence[ModelFingerprint]
+) -> list[ModelFingerprint]:
+    """Of the fingerprints a store knows, those an engine of this config registered with KV cache
+    groups (same model, revision and dtype): how the API process finds a sliding-window model's
+    fingerprint (`GroupsKnownInEngine`)."""
+    model_cfg = vllm_config.model_config
+    model_id = Path(str(model_cfg.model)).name or str(model_cfg.model)
+    revision = model_revision(str(model_cfg.model), model_cfg.revision)
+    dtype = dtype_name(model_cfg.dtype) if isinstance(model_cfg.dtype, torch.dtype) else None
+    return [
+        fp
+        for fp in registered
+        if fp.kv_groups and (fp.model_id, fp.revision, fp.dtype) == (model_id, revision, dtype)
+    ]
+
+
 def _make(
     vllm_config: VllmConfig,
     *,
@@ -166,6 +231,7 @@ def _make(
     dtype: torch.dtype,
     block_size: int,
     layout: str,
+    kv_groups: str = "",
 ) -> ModelFingerprint:
     model_cfg, parallel = vllm_config.model_config, vllm_config.parallel_config
     return ModelFingerprint(
@@ -180,6 +246,7 @@ def _make(
         isa=attention_isa(vllm_config, dtype, block_size, head_size),
         tp_size=int(parallel.tensor_parallel_size),
         pp_size=int(parallel.pipeline_parallel_size),
+        kv_groups=kv_groups,
     )
 
 

@@ -25,9 +25,15 @@ class LoadSpec:
 
     req_id: str
     load_id: str
-    block_ids: tuple[int, ...]  # one engine block per page, in page order
+    # Per KV cache group, one engine block per page in page order (vLLM's null block, 0, where
+    # the group holds no KV for that page's positions: nothing is copied there).
+    block_ids: tuple[tuple[int, ...], ...]
     span: SlotSpan | None
     is_async: bool
+
+    @property
+    def n_pages(self) -> int:
+        return len(self.block_ids[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +48,7 @@ class SaveSpec:
     req_id: str
     save_id: str
     page_indexes: tuple[int, ...]
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]  # per KV cache group, one engine block per page
     span: SlotSpan
     on_finish: bool = True
     tail_tokens: int = 0  # the last page is a tail page valid for this many tokens (0: it is whole)

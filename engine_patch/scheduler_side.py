@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
@@ -34,6 +34,7 @@ from dss.namespace import ModelFingerprint
 from dss.rpc import StoreClient
 from dss.types import FingerprintId, Tier
 from dss.wire import LoadPlan, SessionTag, TurnReport, span_of
+from engine_patch.groups import KVGroups, complete_prefix
 from engine_patch.metadata import DSSConnectorMetadata, DSSWorkerMetadata, LoadSpec, SaveSpec
 
 if TYPE_CHECKING:
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger("vllm.dss_connector")
+
+
+BlockIds = tuple[list[int], ...]  # a request's engine block ids, one list per KV cache group
 
 
 def _key(tag: SessionTag) -> tuple[str, str]:
@@ -79,19 +83,23 @@ class SchedulerSide:
         *,
         settle_timeout_s: float = 2.0,
         save_after_prefill: bool = True,
-        block_ids_of: Callable[[str], list[int]] | None = None,
+        block_ids_of: Callable[[str], BlockIds] | None = None,
         tag_key: bytes | None = None,
     ) -> None:
         self.fingerprint = fingerprint
         self.client = client
         self._tag_key = tag_key
         self.block_size = fingerprint.block_size if fingerprint is not None else 0
+        self.groups = KVGroups.parse(fingerprint.kv_groups, fingerprint.num_layers) if fingerprint else None
         self.disabled = fingerprint is None or client is None or tag_key is None
         self._forged_seen: set[str] = set()  # requests whose unsigned tag was already logged
         self.settle_timeout_s = settle_timeout_s
         self.save_after_prefill = save_after_prefill and block_ids_of is not None
         self._block_ids_of = block_ids_of
         self._prefilling: dict[str, Request] = {}  # session requests whose prompt is not saved yet
+        # Running session requests of a model with sliding-window groups: their pages are saved
+        # before vLLM frees their window blocks (see `_save_pages_leaving_windows`).
+        self._windowed: dict[str, Request] = {}
         self._progress: dict[str, _Progress] = {}
         self._fid: FingerprintId | None = None
         self._claims: dict[str, _Claim] = {}
@@ -168,11 +176,13 @@ class SchedulerSide:
         req_id = request.request_id
         if self.save_after_prefill and request.num_output_tokens == 0:
             self._prefilling[req_id] = request
+        if self.groups is not None and self.groups.windowed and self._block_ids_of is not None:
+            self._windowed[req_id] = request
         self._of(req_id).engine_cached = num_computed_tokens
         claim = self._claims.get(req_id)
         if claim is not None:
             if claim.start_token == num_computed_tokens:
-                return claim.plan.n_tokens, claim.plan.is_async
+                return claim.plan.n_tokens, self._is_async(claim.plan)
             # vLLM's own cache moved under us: the old plan no longer starts where we load.
             self._drop_claim(req_id)
         if self._save_in_flight(_key(session)):
@@ -207,7 +217,14 @@ class SchedulerSide:
             return 0, False
         self._claims[req_id] = _Claim(plan, num_computed_tokens)
         self._of(req_id).found_in = {k: v for k, v in plan.tier_tokens.items() if v}
-        return plan.n_tokens, plan.is_async
+        return plan.n_tokens, self._is_async(plan)
+
+    def _is_async(self, plan: LoadPlan) -> bool:
+        """Whether the worker copies the plan's pages on its loader thread, before the request is
+        scheduled: a plan with pages to promote, and every load of a hybrid model, because vLLM
+        takes a load failure there only for a whole asynchronous request (`failed_recving`),
+        never for single blocks of a synchronous one."""
+        return plan.is_async or (self.groups is not None and self.groups.hybrid)
 
     def _save_in_flight(self, key: tuple[str, str]) -> bool:
         """Whether a recent save of this session is still being copied. A save not reported done
@@ -252,17 +269,20 @@ class SchedulerSide:
             self._release(req_id, claim.plan.load_id)
             return
         first = claim.start_token // bs
-        block_ids = tuple(blocks.get_block_ids()[0][first : first + n_pages])
+        # Per group; a sliding-window group's blocks below the window of the load's end are the
+        # null block (vLLM holds nothing there) and are not copied.
+        block_ids = tuple(tuple(ids[first : first + n_pages]) for ids in blocks.get_block_ids())
         pages = claim.plan.pages[:n_pages]
-        span = None if claim.plan.is_async else span_of(pages)
-        self._loads.append(LoadSpec(req_id, claim.plan.load_id, block_ids, span, claim.plan.is_async))
+        is_async = self._is_async(claim.plan)
+        span = None if is_async else span_of(pages)
+        self._loads.append(LoadSpec(req_id, claim.plan.load_id, block_ids, span, is_async))
         # A page whose slot the plan names is read from the host arena; the others are promoted
         # on the way, from the tier the plan names (disk, or the fleet's remote tier).
         tiers = [Tier.HOST.value if p.slot is not None else (p.tier or Tier.DISK.value) for p in pages]
         progress = self._of(req_id)
         progress.page_tiers = tiers
         progress.loaded_tokens = min(num_external_tokens, claim.plan.n_tokens)
-        if claim.plan.is_async:
+        if is_async:
             self._async_inflight.add(req_id)
         per_tier = _tokens_by_tier(tiers, progress.loaded_tokens, bs)
         host, disk = per_tier.get(Tier.HOST.value, 0), per_tier.get(Tier.DISK.value, 0)
@@ -288,6 +308,8 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> DSSConnectorMetadata:
         if self._prefilling:
             self._save_finished_prefills(scheduler_output.num_scheduled_tokens)
+        if self._windowed:
+            self._save_pages_leaving_windows(scheduler_output.num_scheduled_tokens)
         meta = DSSConnectorMetadata(loads=self._loads, saves=self._saves)
         self._loads, self._saves = [], []
         return meta
@@ -315,14 +337,39 @@ class SchedulerSide:
                 self._saves.append(spec)
                 self._of(req_id).stored_pages += len(spec.page_indexes)
 
+    def _save_pages_leaving_windows(self, scheduled: dict[str, int]) -> None:
+        """Save the whole pages of running requests whose oldest unsaved page loses its
+        sliding-window blocks at the next step (vLLM frees the blocks below the window of the
+        tokens computed by then): a page is stored only with every group's KV, so this is its last
+        chance. One save covers all whole pages computed by the end of this step, so a long
+        answer costs one store round trip per window of tokens."""
+        assert self.groups is not None and self._block_ids_of is not None
+        bs = self.block_size
+        for req_id in [r for r in self._windowed if r in scheduled]:
+            request = self._windowed[req_id]
+            n_after = min(request.num_computed_tokens + scheduled[req_id], len(request.all_token_ids))
+            first_unsaved = self._of(req_id).planned_tokens // bs
+            if max(g.skipped_tokens(n_after) // bs for g in self.groups.windowed) <= first_unsaved:
+                continue
+            session = self.session_of(request)
+            if session is None:
+                continue
+            spec = self._plan_save(
+                request, session, n_after // bs * bs, self._block_ids_of(req_id), on_finish=False
+            )
+            if spec is not None:
+                self._saves.append(spec)
+                self._of(req_id).stored_pages += len(spec.page_indexes)
+
     def _plan_save(
-        self, request: Request, session: SessionTag, n_tokens: int, block_ids: list[int], on_finish: bool
+        self, request: Request, session: SessionTag, n_tokens: int, block_ids: BlockIds, on_finish: bool
     ) -> SaveSpec | None:
         """Ask the store which pages of the first `n_tokens` tokens it lacks (whole pages, then
-        the tail page when `n_tokens` ends inside a block); None when there is nothing to copy."""
+        the tail page when `n_tokens` ends inside a block); None when there is nothing to copy.
+        Only pages with every KV cache group's block are saved (see `engine_patch.groups`)."""
         fid = self._fingerprint_id()
         bs = self.block_size
-        n_tokens = min(n_tokens, len(block_ids) * bs)
+        n_tokens = min(n_tokens, len(block_ids[0]) * bs)
         progress = self._of(request.request_id)
         if n_tokens <= progress.planned_tokens or fid is None or self.disabled:
             return None  # nothing beyond what an earlier plan of this request covered
@@ -343,12 +390,21 @@ class SchedulerSide:
             self._abort(request.request_id, plan.save_id)
             return None
         indexes = tuple(p.page_index for p in plan.pages)
+        # A page a sliding-window group no longer holds a block of is not saved, nor anything
+        # after it (the store releases the slots of pages a commit leaves out).
+        n_complete = complete_prefix(block_ids, indexes)
+        if n_complete == 0:
+            self._abort(request.request_id, plan.save_id)
+            return None
+        if n_complete < len(indexes):
+            indexes = indexes[:n_complete]
+            span = replace(span, slots=span.slots[:n_complete], generations=span.generations[:n_complete])
         tail = n_tokens % bs if indexes[-1] == n_tokens // bs else 0  # the tail page is planned too
         return SaveSpec(
             request.request_id,
             plan.save_id,
             indexes,
-            tuple(block_ids[i] for i in indexes),
+            tuple(tuple(ids[i] for i in indexes) for ids in block_ids),
             span,
             on_finish,
             tail_tokens=tail,
@@ -371,12 +427,13 @@ class SchedulerSide:
                 logger.error("a DSS worker turned the connector off; no more loads or saves")
                 self.disabled = True
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: BlockIds) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         claim = self._claims.pop(req_id, None)
         if claim is not None:
             self._release(req_id, claim.plan.load_id)
         self._prefilling.pop(req_id, None)
+        self._windowed.pop(req_id, None)
         self._deferred_since.pop(req_id, None)
         self._hit_sources.pop(req_id, None)
         session = self.session_of(request)

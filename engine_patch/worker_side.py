@@ -30,8 +30,9 @@ from dss.errors import DSSError
 from dss.namespace import ModelFingerprint
 from dss.rpc import StoreClient
 from dss.wire import PageSlot, span_of
-from engine_patch.copy import ArenaViews, KVBlocks, runs
+from engine_patch.copy import ArenaViews, KVBlocks
 from engine_patch.fingerprint import UnsupportedKVCache, check_layer_tensors
+from engine_patch.groups import KVGroups, group_runs
 from engine_patch.layouts import layout_for, physical_order
 from engine_patch.metadata import DSSConnectorMetadata, DSSWorkerMetadata, LoadSpec, SaveSpec, SlotSpan
 
@@ -76,6 +77,8 @@ class WorkerSide:
         self.num_blocks = num_blocks
         self.load_timeout_s = load_timeout_s
         self.disabled = fingerprint is None or client_factory is None
+        # Which layers of a page each KV cache group holds (one group: all of them).
+        self.groups = KVGroups.parse(fingerprint.kv_groups, fingerprint.num_layers) if fingerprint else None
         self._client = client_factory() if client_factory is not None else None
         # The loader thread blocks in `wait_loaded`; it gets its own connection so the main
         # thread's commits and releases never queue behind it.
@@ -87,6 +90,9 @@ class WorkerSide:
         self.shard = 0  # this rank's shard of every page (set with the KV caches)
         self._async_done: list[tuple[str, list[int], int]] = []  # req id, failed blocks, failed tokens
         self._load_errors: set[int] = set()
+        # Loads that failed in a hybrid model: vLLM takes no block-level failures with several
+        # KV cache groups, only whole requests (`failed_recving`), which it recomputes.
+        self._failed_recving: set[str] = set()
         self._failed_tokens: dict[str, int] = {}
         self._saved: set[str] = set()
         self._finished: OrderedDict[str, None] = OrderedDict()
@@ -154,14 +160,16 @@ class WorkerSide:
             else:
                 self._sync_load(spec)
 
-    def _copy_in(self, span: SlotSpan, block_ids: tuple[int, ...]) -> int:
+    def _copy_in(self, span: SlotSpan, block_ids: tuple[tuple[int, ...], ...]) -> int:
         """Copy slots into blocks; returns how many pages, from the first, are still the pages
         the store named once the copy is done (their slots' generations did not move). A slot
         released and reused meanwhile may hold another page, another tenant's even: the pages
         from there on are misses whatever the store's validation says."""
-        assert self.blocks is not None and self.views is not None
+        assert self.blocks is not None and self.views is not None and self.groups is not None
         arena = self.views.attached(span.arena_path, span.slot_nbytes)
-        self.blocks.load(arena.pages, runs(block_ids, span.slots))
+        for layers, run_list in group_runs(self.groups, block_ids, span.slots):
+            # One group is every layer: None keeps the whole-page copy (one DMA per run on CUDA).
+            self.blocks.load(arena.pages, run_list, layers if self.groups.hybrid else None)
         unchanged = arena.unchanged(span.slots, span.generations)  # after the copy, never before
         if unchanged < len(span.slots):
             logger.warning(
@@ -182,7 +190,7 @@ class WorkerSide:
             # Validate (after the copy) and release in one round trip.
             got = self._client.wait_loaded(spec.load_id, 0.0, release=True, shard=self.shard)
             released = True
-            n_ok = min(n_copied, _usable_prefix(got, len(spec.block_ids)))
+            n_ok = min(n_copied, _usable_prefix(got, spec.n_pages))
         except Exception as exc:
             logger.warning("DSS sync load %s for %s failed, recomputing: %s", spec.load_id, spec.req_id, exc)
             n_ok = 0
@@ -198,21 +206,21 @@ class WorkerSide:
             if not self.ready or self._loader_client is None:
                 raise DSSError("connector not ready for loads")
             got = self._loader_client.wait_loaded(spec.load_id, self.load_timeout_s)
-            n_ok = _usable_prefix(got, len(spec.block_ids))
-            if n_ok < len(spec.block_ids):
+            n_ok = _usable_prefix(got, spec.n_pages)
+            if n_ok < spec.n_pages:
                 logger.warning(
                     "DSS async load %s for %s: %d of %d pages could not be had, recomputing from page %d",
                     spec.load_id,
                     spec.req_id,
-                    len(spec.block_ids) - n_ok,
-                    len(spec.block_ids),
+                    spec.n_pages - n_ok,
+                    spec.n_pages,
                     n_ok,
                 )
             if n_ok:
                 span = span_of(got[:n_ok])
                 if span is None:
                     raise DSSError("promoted pages came back without slots in one arena")
-                n_copied = self._copy_in(span, spec.block_ids[:n_ok])
+                n_copied = self._copy_in(span, tuple(ids[:n_ok] for ids in spec.block_ids))
                 # Validate the copies (and release) in one round trip.
                 valid = self._loader_client.wait_loaded(spec.load_id, 0.0, release=True, shard=self.shard)
                 released = True
@@ -226,12 +234,15 @@ class WorkerSide:
         self._record_load(spec, n_ok, async_done=True)
 
     def _record_load(self, spec: LoadSpec, n_ok: int, async_done: bool) -> None:
-        failed_blocks = list(spec.block_ids[n_ok:])
+        if n_ok < spec.n_pages and self.groups is not None and self.groups.hybrid:
+            n_ok = 0  # reported as a failed request, which vLLM recomputes whole
+        n_failed = spec.n_pages - n_ok
+        failed_blocks = list(spec.block_ids[0][n_ok:])
         with self._lock:
             self.stats["loaded_pages"] += n_ok
-            self.stats["failed_pages"] += len(failed_blocks)
+            self.stats["failed_pages"] += n_failed
             if async_done:
-                self._async_done.append((spec.req_id, failed_blocks, len(failed_blocks)))
+                self._async_done.append((spec.req_id, failed_blocks, n_failed))
             elif failed_blocks:
                 self._load_errors.update(failed_blocks)
                 self._failed_tokens[spec.req_id] = self._failed_tokens.get(spec.req_id, 0) + len(
@@ -257,8 +268,10 @@ class WorkerSide:
             if not self.ready or self._client is None:
                 raise DSSError("connector not ready for saves")
             assert self.blocks is not None and self.views is not None
+            assert self.groups is not None
             pages = self.views.pages(spec.span.arena_path, spec.span.slot_nbytes)
-            self.blocks.save(pages, runs(spec.block_ids, spec.span.slots))
+            for layers, run_list in group_runs(self.groups, spec.block_ids, spec.span.slots):
+                self.blocks.save(pages, run_list, layers if self.groups.hybrid else None)
             written = spec.page_indexes
             if spec.tail_tokens and not self._scrub_tail(pages, spec):
                 written = written[:-1]  # the store releases the tail's slot unpublished
@@ -301,11 +314,21 @@ class WorkerSide:
         with self._lock:
             done, self._async_done = self._async_done, []
             for req_id, failed_blocks, n_failed in done:
-                if failed_blocks:
+                if not n_failed:
+                    continue
+                self._failed_tokens[req_id] = self._failed_tokens.get(req_id, 0) + n_failed
+                if self.groups is not None and self.groups.hybrid:
+                    self._failed_recving.add(req_id)
+                else:
                     self._load_errors.update(failed_blocks)
-                    self._failed_tokens[req_id] = self._failed_tokens.get(req_id, 0) + n_failed
         recving = {req_id for req_id, _, _ in done}
         return (sending or None), (recving or None)
+
+    def take_failed_recving(self) -> set[str]:
+        """Requests whose (async) load failed in a hybrid model: vLLM recomputes them whole."""
+        with self._lock:
+            failed, self._failed_recving = self._failed_recving, set()
+        return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:

@@ -5,7 +5,8 @@ Each benchmark's `run(...)` is what its `main()` runs; here they share one store
 restart benchmark takes it over as its engine A, shuts it down and starts its own two. Every
 benchmark checks its own loads exactly (tail pages included) and raises on a wrong one; here its
 RESULT values must also be finite numbers, and exactness's hard counts zero.
-`bench/engine_multiround.py` needs three differently configured engines and is left to `bench/`.
+`bench/engine_multiround.py` needs three differently configured engines and is left to `bench/`;
+`bench/swa_capacity.py` starts its own two (a tiny sliding-window model), last.
 """
 
 from __future__ import annotations
@@ -91,3 +92,16 @@ def test_restart_smoke(rig: Rig) -> None:
     t0 = time.monotonic()
     finite(bench("engine_restart").run(rig.served, rig.take_engine(), smoke=True))
     print(f"engine_restart smoke: {time.monotonic() - t0:.0f} s")
+
+
+def test_swa_capacity_smoke(tmp_path: Path) -> None:
+    """Its own engines (a tiny sliding-window model, with and without DSS); after the shared one
+    is shut down by the restart smoke."""
+    from tests.engine_helpers import model_path
+    from tests.tiny_models import tiny_gemma2
+
+    t0 = time.monotonic()
+    result = bench("swa_capacity").run(tiny_gemma2(tmp_path, model_path()), smoke=True)
+    finite(result)
+    print(f"swa_capacity smoke: {time.monotonic() - t0:.0f} s")
+    assert result["swa_capacity_vs_vllm"] >= 0.95, result

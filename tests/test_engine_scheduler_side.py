@@ -43,7 +43,7 @@ def store(tmp_path: Path) -> Iterator[Store]:
 @pytest.fixture
 def side(store: Store) -> Iterator[SchedulerSide]:
     address, authkey = store.serve_rpc()
-    blocks: dict[str, list[int]] = {}
+    blocks: dict[str, tuple[list[int], ...]] = {}
     sched = SchedulerSide(
         SMALL_FP,
         StoreClient(address, authkey),
@@ -85,7 +85,7 @@ def stored(store: Store, tenant: str, n_tokens: int, seed: int = 0) -> list[int]
 def test_request_without_session_is_left_alone(store: Store, side: SchedulerSide) -> None:
     tokens = stored(store, store.tenant_for("u"), 5 * BS)
     assert side.get_num_new_matched_tokens(request("r", tokens, None), 0) == (0, False)
-    assert side.request_finished(request("r", tokens, None), [0, 1, 2, 3, 4]) == (False, None)
+    assert side.request_finished(request("r", tokens, None), ([0, 1, 2, 3, 4],)) == (False, None)
     assert store.stats()["leases"] == 0
 
 
@@ -104,14 +104,14 @@ def test_claims_are_capped_cached_and_released(store: Store, side: SchedulerSide
     side.update_state_after_alloc(r, blocks_of([9, 8, 7, 6, 5]), 4 * BS - 1)
     meta = step(side)
     (load,) = meta.loads
-    assert load.block_ids == (8, 7, 6, 5) and not load.is_async
+    assert load.block_ids == ((8, 7, 6, 5),) and not load.is_async
     assert load.span is not None and len(load.span.slots) == 4
     assert step(side).loads == []
     # A claim that vLLM never allocated is released when the request goes away.
     r2 = request("r2", [*tokens, 1, 2], tenant)
     assert side.get_num_new_matched_tokens(r2, 0) == (5 * BS, False)
     assert store.stats()["leases"] == 2
-    side.request_finished(r2, [])
+    side.request_finished(r2, ([],))
     assert store.stats()["leases"] == 1  # r1's lease stays until its worker releases it
 
 
@@ -131,7 +131,7 @@ def test_unsigned_or_forged_session_tags_are_ignored(store: Store, side: Schedul
     forged = request("r2", [*tokens, 1], tenant, key=tag_key(b"a guess"))
     for r in (unsigned, forged):
         assert side.get_num_new_matched_tokens(r, 0) == (0, False)
-        assert side.request_finished(r, list(range(5))) == (False, None)
+        assert side.request_finished(r, (list(range(5)),)) == (False, None)
     assert store.stats()["leases"] == 0
     assert side.get_num_new_matched_tokens(request("r3", [*tokens, 1], tenant), 0) == (4 * BS, False)
 
@@ -147,14 +147,14 @@ def test_finish_saves_only_new_pages_and_settles_the_next_turn(store: Store, sid
     tokens = stored(store, tenant, 2 * BS)
     r = request("r1", [*tokens, *range(500, 500 + 2 * BS + 1)], tenant)
     r.num_computed_tokens = 4 * BS + 1
-    done, params = side.request_finished(r, [10, 11, 12, 13, 14])
+    done, params = side.request_finished(r, ([10, 11, 12, 13, 14],))
     assert done and params is not None
     assert (
         params["stored_pages"] == 3 and params["session_id"] == "s1" and params["fingerprint"] == SMALL_FP.id
     )
     (save,) = step(side).saves
     # Pages 2 and 3 are whole; page 4 holds one computed token: it is saved as the tail page.
-    assert save.page_indexes == (2, 3, 4) and save.block_ids == (12, 13, 14) and save.on_finish
+    assert save.page_indexes == (2, 3, 4) and save.block_ids == ((12, 13, 14),) and save.on_finish
     assert save.tail_tokens == 1  # the worker clears the rest of that block before it commits
     # The session's next turn waits until the worker reports the save done...
     nxt = request("r2", [*r.all_token_ids, 7, 7], tenant)
@@ -167,7 +167,7 @@ def test_finish_saves_only_new_pages_and_settles_the_next_turn(store: Store, sid
     side.update_state_after_alloc(nxt, blocks_of([1, 2, 3, 4, 5]), 2 * BS)
     side.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=DSSWorkerMetadata({"r2": BS})))
     nxt.num_computed_tokens = 0
-    _, params = side.request_finished(nxt, [])
+    _, params = side.request_finished(nxt, ([],))
     assert params is not None and params["loaded_tokens"] == BS
 
 
@@ -175,12 +175,12 @@ def test_prompt_pages_are_saved_when_prefill_completes(store: Store, side: Sched
     tenant = store.tenant_for("u")
     r = request("r1", list(range(100, 100 + 3 * BS + 2)), tenant)
     assert side.get_num_new_matched_tokens(r, 0) == (0, False)
-    side.test_blocks["r1"] = [4, 5, 6, 7]  # type: ignore[attr-defined]
+    side.test_blocks["r1"] = ([4, 5, 6, 7],)  # type: ignore[attr-defined]
     # A first prefill chunk does not finish the prompt: nothing to save yet.
     assert step(side, {"r1": 2 * BS}).saves == []
     r.num_computed_tokens = 2 * BS
     (save,) = step(side, {"r1": BS + 2}).saves
-    assert save.page_indexes == (0, 1, 2) and save.block_ids == (4, 5, 6) and not save.on_finish
+    assert save.page_indexes == (0, 1, 2) and save.block_ids == ((4, 5, 6),) and not save.on_finish
     assert save.tail_tokens == 0  # after prefill: whole pages only
     assert step(side, {"r1": 1}).saves == []
     store.abort_save(save.save_id)
@@ -208,7 +208,7 @@ def test_a_hung_owner_is_a_miss_within_the_deadline(store: Store, monkeypatch: p
         assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
         assert time.monotonic() - t0 < 1.5
         answer.set()
-        _, params = sched.request_finished(r, [])
+        _, params = sched.request_finished(r, ([],))
         report = TurnReport.from_params(params)
         assert report is not None and report.store_errors == 1 and report.loaded_tokens == 0
     finally:
@@ -225,9 +225,9 @@ def test_a_turn_loads_the_previous_turns_tail_page_and_computes_only_new_tokens(
     prev = list(range(300, 300 + 2 * BS + 2))
     r1 = request("r1", [*prev, 9], tenant)  # the last sampled token (9) has no KV yet
     r1.num_computed_tokens = len(prev)
-    assert side.request_finished(r1, [20, 21, 22])[0]
+    assert side.request_finished(r1, ([20, 21, 22],))[0]
     (save,) = step(side).saves
-    assert save.page_indexes == (0, 1, 2) and save.block_ids == (20, 21, 22) and save.tail_tokens == 2
+    assert save.page_indexes == (0, 1, 2) and save.block_ids == ((20, 21, 22),) and save.tail_tokens == 2
     # The worker's copy, as the store sees it: the reserved slots are written, then committed.
     written = [*pages_for(SMALL_FP, np.asarray(prev, dtype=np.int32)), bytes(SMALL_FP.page_nbytes)]
     for idx, slot in zip(save.page_indexes, save.span.slots, strict=True):
@@ -240,9 +240,9 @@ def test_a_turn_loads_the_previous_turns_tail_page_and_computes_only_new_tokens(
     assert side.get_num_new_matched_tokens(nxt, 0) == (2 * BS + 2, False)
     side.update_state_after_alloc(nxt, blocks_of([1, 2, 3, 4]), 2 * BS + 2)
     (load,) = step(side).loads
-    assert load.block_ids == (1, 2, 3) and load.span is not None and len(load.span.slots) == 3
+    assert load.block_ids == ((1, 2, 3),) and load.span is not None and len(load.span.slots) == 3
     nxt.num_computed_tokens = len(nxt.all_token_ids) - 1
-    _, params = side.request_finished(nxt, [1, 2, 3, 4])
+    _, params = side.request_finished(nxt, ([1, 2, 3, 4],))
     report = TurnReport.from_params(params)
     assert (
         report is not None

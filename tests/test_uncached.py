@@ -91,7 +91,10 @@ def _with_layout(config: Any, tp: int, pp: int) -> Any:
     TP=3 config would check this machine's NUMA nodes and cores)."""
     parallel = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp, rank=0)
     return SimpleNamespace(
-        model_config=config.model_config, parallel_config=parallel, cache_config=config.cache_config
+        model_config=config.model_config,
+        parallel_config=parallel,
+        cache_config=config.cache_config,
+        scheduler_config=config.scheduler_config,
     )
 
 
@@ -109,7 +112,12 @@ def test_the_connector_fails_the_engine_unless_uncached_serving_is_allowed(defau
     from engine_patch.connector import DSSConnector
     from engine_patch.fingerprint import UnsupportedKVCache
 
-    two_groups = SimpleNamespace(kv_cache_groups=[object(), object()])  # what a hybrid model has
+    # Two groups of a kind DSS does not store (what a hybrid attention/state-space model has).
+    two_groups = SimpleNamespace(
+        kv_cache_groups=[
+            SimpleNamespace(kv_cache_spec=object(), layer_names=[f"model.layers.{i}.attn"]) for i in (0, 1)
+        ]
+    )
     with pytest.raises(UnsupportedKVCache, match="DSS_ENGINE__ALLOW_UNCACHED"):
         DSSConnector._fingerprint(default_config, two_groups, False)  # type: ignore[arg-type]
     assert DSSConnector._fingerprint(default_config, two_groups, True) is None  # type: ignore[arg-type]
