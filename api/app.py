@@ -45,7 +45,7 @@ from api.state import AppState, Phase, Startup, TenantAborter
 from dss.errors import DataDirInUse, DSSError, InvalidInput
 from dss.keys.crypto import env_master_key_set
 from dss.store import Store
-from engine_patch.engine_args import EngineArgumentError
+from engine_patch.setup.engine_args import EngineArgumentError
 
 log = logging.getLogger("dss.api")
 

@@ -201,7 +201,7 @@ def _with_engine_args(settings: Settings, flags: list[str]) -> Settings:
     over the variable for the same name), checked against vLLM's engine arguments, and the
     parallel layout checked against this machine: a name vLLM does not know, one DSS sets itself,
     more ranks than CPUs refuse the start with one line (exit 2) before anything listens."""
-    from engine_patch.engine_args import (
+    from engine_patch.setup.engine_args import (
         EngineArgumentError,
         check_engine_args,
         check_parallel_layout,
@@ -450,7 +450,7 @@ def model_pull(
 ) -> None:
     """Prepare the default model (SmolLM2-135M-Instruct) under DATA_DIR/models/."""
     from dss.errors import DSSError
-    from engine_patch.model import (
+    from engine_patch.setup.model import (
         default_data_dir,
         default_model_dir,
         is_ready,

@@ -148,8 +148,8 @@ class ChatEngine:
     @classmethod
     async def start(cls, settings: Settings, store: Store) -> ChatEngine:
         """Start the engine against the store's RPC (blocking parts run in a worker thread)."""
-        from engine_patch import factory
-        from engine_patch.model import resolve_model
+        from engine_patch.setup import factory
+        from engine_patch.setup.model import resolve_model
 
         eng = settings.engine
         data_dir = settings.store.resolved_data_dir
@@ -163,7 +163,7 @@ class ChatEngine:
 
         def check_caching(vllm_config: Any) -> None:
             # Before any engine process starts: refuse, rather than serve uncached unannounced.
-            from engine_patch.fingerprint import uncached_reason
+            from engine_patch.connector.fingerprint import uncached_reason
 
             reason = uncached_reason(vllm_config)
             if reason is None:
@@ -645,7 +645,11 @@ def _engine_fingerprint(
     session request's result (`TurnReport.fingerprint`), which `generate` checks.
     """
     try:
-        from engine_patch.fingerprint import GroupsKnownInEngine, frontend_fingerprint, registered_for_model
+        from engine_patch.connector.fingerprint import (
+            GroupsKnownInEngine,
+            frontend_fingerprint,
+            registered_for_model,
+        )
 
         try:
             return store.register_fingerprint(frontend_fingerprint(llm.vllm_config))

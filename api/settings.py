@@ -21,7 +21,7 @@ from dss.dialogue.quotas import Quotas
 from dss.jsonlimits import MAX_SERVABLE_DEPTH, JsonLimits
 
 if TYPE_CHECKING:
-    from engine_patch.factory import EngineSettings
+    from engine_patch.setup.factory import EngineSettings
 
 MiB = 1 << 20
 DEFAULT_DATA_DIR = Path("~/.local/share/dss")
@@ -177,7 +177,7 @@ class EngineGroup(BaseModel):
     def engine_settings(self, model_path: Path) -> EngineSettings:
         """The engine factory's settings for `model_path`: these values where given, the
         factory's defaults elsewhere. Builds nothing (imports the factory, hence vLLM)."""
-        from engine_patch.factory import EngineSettings
+        from engine_patch.setup.factory import EngineSettings
 
         given: dict[str, Any] = {
             "max_model_len": self.max_model_len,

@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dss.store import Store
-from engine_patch.factory import session_params
+from engine_patch.setup.factory import session_params
 from tests.engine_helpers import Engine, Result, make_conversations, open_store, wait_until, words
 
 BS = 128  # the CPU backend's default block size

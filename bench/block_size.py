@@ -7,7 +7,7 @@ decides how much history is reused; what it still decides is the speed of the at
 a smaller block means more pages, index entries and copies per token).
 
 Each block size runs in a fresh subprocess (one engine at a time: two would share two cores),
-plain vLLM as the project builds it (`engine_patch.factory.build_llm` without the DSS connector),
+plain vLLM as the project builds it (`engine_patch.setup.factory.build_llm` without the DSS connector),
 prefix caching off, `VLLM_CPU_KVCACHE_SPACE=1`, the project's default dtype
 (`EngineSettings.dtype`) unless `--dtype` says otherwise:
 
@@ -109,8 +109,8 @@ def _decode_tps(llm: Any, prompts: list[list[int]], tokens: int) -> tuple[float,
 
 
 def child(block_size: int, dtype: str, out_path: Path, decode_tokens: int, prefill_prompts: int) -> None:
-    from engine_patch.factory import build_llm
-    from engine_patch.fingerprint import frontend_fingerprint
+    from engine_patch.connector.fingerprint import frontend_fingerprint
+    from engine_patch.setup.factory import build_llm
     from tests.engine_helpers import settings
 
     s = settings(

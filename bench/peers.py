@@ -8,7 +8,7 @@ client, against four servers started one after another:
 - `nocache`: vLLM's OpenAI server with `--no-enable-prefix-caching`.
 
 All get the same model folder, dtype, context length, block size and engine KV space
-(`VLLM_CPU_KVCACHE_SPACE=1`, read with the other engine settings from `engine_patch.factory`), and the
+(`VLLM_CPU_KVCACHE_SPACE=1`, read with the other engine settings from `engine_patch.setup.factory`), and the
 same CPU reservation (`VLLM_CPU_NUM_OF_RESERVED_CPU=1`). The working set of sessions is larger than
 the engine's KV space (36 sessions growing to ~2k tokens, ~23 KiB per token for the default model:
 more than 1 GiB from round 2 on), so a session's blocks are evicted from vLLM's own cache before the
@@ -90,7 +90,7 @@ WORDS = (
 _SHAPE_PY = """
 import dataclasses, json, sys
 from pathlib import Path
-from engine_patch.factory import EngineSettings, engine_kwargs
+from engine_patch.setup.factory import EngineSettings, engine_kwargs
 settings = dataclasses.replace(EngineSettings(model=Path(sys.argv[1])), connector=False)
 kw = engine_kwargs(None, None, settings)
 kw["kv_cache_space_gib"] = settings.kv_cache_space_gib

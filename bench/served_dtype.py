@@ -3,7 +3,7 @@
 For each dtype, one engine with the DSS connector and vLLM's prefix caching, as `dss serve` runs
 it, on one store shared by all of them (so each engine meets the pages of the ones before):
 
-- sanity: the `engine_patch.sanity` set through the chat template, greedy, one batch;
+- sanity: the `engine_patch.setup.sanity` set through the chat template, greedy, one batch;
 - TTFT cold: a fresh ~1000-token prompt (vLLM's cache emptied, no session), median of REPS;
 - TTFT hot: the same prompt with its pages loaded from DSS's host tier (vLLM's cache emptied),
   and with vLLM's own prefix cache (APC) right after, medians of REPS;
@@ -52,7 +52,7 @@ from _engine_common import (
 from dss.namespace import ModelFingerprint
 from dss.pages.codec import BytePlaneZstdCodec
 from dss.types import FingerprintId
-from engine_patch.sanity import DEFAULT_MIN_CORRECT, SANITY_SET, SanityReport, ask, score
+from engine_patch.setup.sanity import DEFAULT_MIN_CORRECT, SANITY_SET, SanityReport, ask, score
 
 CONTEXT_TOKENS = 1000
 DECODE_TOKENS = 128

@@ -46,7 +46,7 @@ class ModelFingerprint:
     tp_size: int = 1
     pp_size: int = 1
     # The engine's KV cache groups when it has more than one (hybrid models: full attention
-    # beside sliding-window layers), as `engine_patch.groups` writes them; "" for one group.
+    # beside sliding-window layers), as `engine_patch.connector.groups` writes them; "" for one group.
     # Part of the id, so pages move only between engines with the same grouping.
     kv_groups: str = ""
 

@@ -20,8 +20,8 @@ import numpy as np
 
 from dss.config import StoreConfig
 from dss.store import Store
-from engine_patch.factory import EngineSettings, build_llm, session_params
-from engine_patch.model import default_data_dir, pull_default_model, resolve_model
+from engine_patch.setup.factory import EngineSettings, build_llm, session_params
+from engine_patch.setup.model import default_data_dir, pull_default_model, resolve_model
 
 IM_END = "<|im_end|>"
 

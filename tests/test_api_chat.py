@@ -354,7 +354,7 @@ def test_seeded_requests_whose_prefills_would_be_split_keep_the_engine_alive(api
     did not fit one engine step together, vLLM split one, then rewound its seeded CPU generator
     (`set_offset`, which CPU generators lack), and the engine core died for everyone: 503
     "the engine died" to these and to every later request (found by bench/soak.py). On CPU the
-    engine now runs whole prefills (`engine_patch.factory`)."""
+    engine now runs whole prefills (`engine_patch.setup.factory`)."""
 
     def one(k: int) -> int:
         facts = " ".join(

@@ -38,7 +38,7 @@ from dss.pages.tiers.host import HostArena, HostTier
 from dss.store import Store
 from dss.types import PageHash
 from dss.wire import SlotRef
-from engine_patch.copy import ArenaViews
+from engine_patch.connector.copy import ArenaViews
 from tests.store_helpers import SMALL_FP, open_store, pages_for
 from tests.test_tier_disk import bf16_page, make_meta
 
@@ -418,8 +418,8 @@ def test_the_engine_worker_discards_a_copy_whose_slot_moved_on(store: Store) -> 
     pytest.importorskip("vllm")
     from dss.rpc import StoreClient
     from dss.wire import span_of
-    from engine_patch.metadata import LoadSpec
-    from engine_patch.worker_side import WorkerSide
+    from engine_patch.connector.metadata import LoadSpec
+    from engine_patch.connector.worker_side import WorkerSide
 
     address, authkey = store.serve_rpc()
     n_blocks = 8

@@ -237,7 +237,7 @@ def test_kill_9_of_a_mid_conversation_continues_on_b(cluster: Cluster) -> None:
             os.kill(cluster.a.proc.pid, signal.SIGKILL)
     cluster.a.proc.wait(30)
     cluster.a.proc = None
-    # Its engine processes end with it (engine_patch.orphan_guard), not holding memory and cores.
+    # Its engine processes end with it (engine_patch.connector.orphan_guard), not holding memory and cores.
     _, left = psutil.wait_procs(engine, timeout=15)
     assert not left, f"A's engine processes outlived it: {left}"
     # (The module's last test: A stays down. Its catch-up after a restart: tests/test_fleet.py.)

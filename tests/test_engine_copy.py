@@ -14,10 +14,10 @@ import torch
 from dss.errors import InvalidInput
 from dss.namespace import ModelFingerprint
 from dss.pages.tiers.host import HostArena
-from engine_patch.copy import ArenaViews, KVBlocks, Run, runs
-from engine_patch.fingerprint import UnsupportedKVCache, check_layer_tensors, model_revision
-from engine_patch.layouts import VLLM_AXES, KVLayout
-from engine_patch.worker_side import order_layers
+from engine_patch.connector.copy import ArenaViews, KVBlocks, Run, runs
+from engine_patch.connector.fingerprint import UnsupportedKVCache, check_layer_tensors, model_revision
+from engine_patch.connector.layouts import VLLM_AXES, KVLayout
+from engine_patch.connector.worker_side import order_layers
 
 L, NB, H, BS, HD = 4, 16, 3, 32, 16
 FP = ModelFingerprint("tiny", "r", "bfloat16", num_layers=L, num_kv_heads=H, head_size=HD, block_size=BS)

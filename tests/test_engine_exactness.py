@@ -31,7 +31,7 @@ import pytest
 
 from dss.store import Store
 from dss.types import PUBLIC_TENANT
-from engine_patch.fingerprint import frontend_fingerprint
+from engine_patch.connector.fingerprint import frontend_fingerprint
 from tests.engine_helpers import Engine, Result, make_conversations, open_store, words
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]

@@ -12,9 +12,16 @@ import pytest
 import torch
 
 from dss.namespace import ModelFingerprint
-from engine_patch.copy import KVBlocks
-from engine_patch.groups import NULL_BLOCK, KVGroup, KVGroups, UnsupportedGroups, complete_prefix, group_runs
-from engine_patch.layouts import VLLM_AXES, KVLayout
+from engine_patch.connector.copy import KVBlocks
+from engine_patch.connector.groups import (
+    NULL_BLOCK,
+    KVGroup,
+    KVGroups,
+    UnsupportedGroups,
+    complete_prefix,
+    group_runs,
+)
+from engine_patch.connector.layouts import VLLM_AXES, KVLayout
 
 FP = ModelFingerprint(
     model_id="m", revision="r", dtype="float32", num_layers=4, num_kv_heads=2, head_size=8, block_size=4
@@ -115,7 +122,7 @@ def test_each_group_copies_its_own_layers_and_skips_null_blocks() -> None:
 
 def test_the_api_finds_a_sliding_window_models_fingerprint_among_the_registered() -> None:
     # The API process cannot form vLLM's groups; it takes what the engine's connector registered.
-    from engine_patch.fingerprint import registered_for_model
+    from engine_patch.connector.fingerprint import registered_for_model
 
     config = SimpleNamespace(model_config=SimpleNamespace(model="org/m", revision=None, dtype=torch.float32))
     base = {**asdict(FP), "revision": "hub:main"}

@@ -21,8 +21,8 @@ from dss.rpc import StoreClient
 from dss.store import Store
 from dss.types import TenantId
 from dss.wire import SessionTag, SlotRef, TurnReport, tag_key
-from engine_patch.metadata import DSSConnectorMetadata, DSSWorkerMetadata
-from engine_patch.scheduler_side import SchedulerSide
+from engine_patch.connector.metadata import DSSConnectorMetadata, DSSWorkerMetadata
+from engine_patch.connector.scheduler_side import SchedulerSide
 from tests.store_helpers import SMALL_FP, open_store, pages_for
 
 BS = SMALL_FP.block_size

@@ -1,5 +1,5 @@
 """KV layouts: a page saved from one attention layout loads into another layout of the same model
-with the same K and V for every token and head (`engine_patch.layouts`, `KVBlocks`).
+with the same K and V for every token and head (`engine_patch.connector.layouts`, `KVBlocks`).
 
 vLLM 0.32's layer tensors are made by vLLM's own allocator (`allocate_kv_cache`, the function its
 GPU model runner calls) for each `KVCacheLayout`, from real `FullAttentionSpec`/`MLAAttentionSpec`
@@ -34,9 +34,9 @@ from vllm.v1.worker.utils import allocate_kv_cache
 from dss.errors import InvalidInput
 from dss.namespace import LATENT_ROWS_ISA, ModelFingerprint
 from dss.pages.tiers.host import HostArena
-from engine_patch.copy import ArenaViews, KVBlocks, Run, runs
-from engine_patch.fingerprint import _layout_name, attention_isa, check_layer_tensors
-from engine_patch.layouts import CANONICAL_FORMAT, VLLM_AXES, KVLayout, layout_for, physical_order
+from engine_patch.connector.copy import ArenaViews, KVBlocks, Run, runs
+from engine_patch.connector.fingerprint import _layout_name, attention_isa, check_layer_tensors
+from engine_patch.connector.layouts import CANONICAL_FORMAT, VLLM_AXES, KVLayout, layout_for, physical_order
 
 L, NB, H, BS, D = 3, 12, 4, 16, 8  # layers, blocks, KV heads, block size, head size
 DTYPE = torch.bfloat16

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from dss.namespace import LATENT_KV_LAYOUT, LATENT_ROWS_ISA, ModelFingerprint
-from engine_patch.copy import KVBlocks, Run
-from engine_patch.layouts import layout_for
+from engine_patch.connector.copy import KVBlocks, Run
+from engine_patch.connector.layouts import layout_for
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 

@@ -5,7 +5,7 @@ directory `make model` prepared (the one `$DSS_MODEL_DIR` is in), else to `$DSS_
 (default `<repo>/.dss`), which is kept between runs, so later runs only check the ready marker.
 `$DSS_MODEL_DIR` points the engine tests at any other HF folder.
 
-Verification asks the sanity set (`engine_patch.sanity`) through a real vLLM engine in the served
+Verification asks the sanity set (`engine_patch.setup.sanity`) through a real vLLM engine in the served
 dtype; that test is marked `engine` (one engine start, about 30-60 s on 2 cores).
 """
 
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_patch.factory import EngineSettings, served_dtype
-from engine_patch.model import (
+from engine_patch.setup.factory import EngineSettings, served_dtype
+from engine_patch.setup.model import (
     DEFAULT_MODEL_NAME,
     READY_MARKER,
     ModelNotFound,
@@ -34,7 +34,7 @@ from engine_patch.model import (
     read_marker,
     resolve_model,
 )
-from engine_patch.sanity import DEFAULT_MIN_CORRECT, SANITY_SET, Question, score
+from engine_patch.setup.sanity import DEFAULT_MIN_CORRECT, SANITY_SET, Question, score
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -123,7 +123,7 @@ def test_sanity_answers_are_matched_as_whole_words() -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "engine_patch.model", *args]
+    cmd = [sys.executable, "-m", "engine_patch.setup.model", *args]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
 
 
@@ -131,7 +131,7 @@ def test_cli_refuses_a_missing_model_in_one_line(tmp_path: Path) -> None:
     proc = _cli("verify", str(tmp_path / "nothing-here"))
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
-        f"python -m engine_patch.model verify: ModelNotFound: {tmp_path / 'nothing-here'} is not an HF "
+        f"python -m engine_patch.setup.model verify: ModelNotFound: {tmp_path / 'nothing-here'} is not an HF "
         "model folder (no config.json)"
     ]
 
@@ -150,7 +150,7 @@ def test_served_dtype_passes_the_sanity_set_and_a_failure_is_one_line(model: Pat
     errors = [line for line in proc.stderr.splitlines() if "ModelVerificationFailed" in line]
     assert len(errors) == 1, proc.stderr
     (line,) = errors
-    assert line.startswith("python -m engine_patch.model verify: ModelVerificationFailed: model at ")
+    assert line.startswith("python -m engine_patch.setup.model verify: ModelVerificationFailed: model at ")
     assert "verified:" not in proc.stdout
     found = re.search(rf"sanity (\d+)/{total} \({served_dtype()}\), needs {total + 1}/{total}", line)
     assert found, line

@@ -1,4 +1,4 @@
-"""An engine core whose server was SIGKILLed ends itself (`engine_patch.orphan_guard`).
+"""An engine core whose server was SIGKILLed ends itself (`engine_patch.connector.orphan_guard`).
 
 A stand-in for the engine core: a `multiprocessing` (spawn) child that starts the guard, spawned
 by a parent process that the test kills with SIGKILL. The real engine is checked in
@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine_patch.orphan_guard import guard_against_orphaning
+from engine_patch.connector.orphan_guard import guard_against_orphaning
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ import multiprocessing, sys, time
 
 def child(guarded):
     if guarded:
-        from engine_patch.orphan_guard import guard_against_orphaning
+        from engine_patch.connector.orphan_guard import guard_against_orphaning
         assert guard_against_orphaning(poll_s=0.05)
     time.sleep(60)
 

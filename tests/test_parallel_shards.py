@@ -22,8 +22,8 @@ from dss.namespace import ModelFingerprint
 from dss.pages.tiers.host import HostArena
 from dss.store import Store
 from dss.types import TenantId
-from engine_patch.copy import ArenaViews, KVBlocks, runs
-from engine_patch.layouts import VLLM_AXES, KVLayout
+from engine_patch.connector.copy import ArenaViews, KVBlocks, runs
+from engine_patch.connector.layouts import VLLM_AXES, KVLayout
 
 L, NB, H, BS, HD = 4, 12, 4, 8, 16
 CPU = KVLayout(VLLM_AXES, NB, packed=True)  # the CPU backend's blocks: bytes as they are

@@ -27,8 +27,8 @@ import httpx
 import pytest
 
 from api.settings import Settings, load_settings
-from engine_patch import factory
-from engine_patch.engine_args import (
+from engine_patch.setup import factory
+from engine_patch.setup.engine_args import (
     THREADS_BIND_ENV,
     EngineArgumentError,
     check_engine_args,

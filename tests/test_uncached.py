@@ -70,7 +70,7 @@ def default_config() -> Any:
 
 
 def test_the_default_model_is_cached_in_every_parallel_layout(default_config: Any) -> None:
-    from engine_patch.fingerprint import frontend_fingerprint, uncached_reason
+    from engine_patch.connector.fingerprint import frontend_fingerprint, uncached_reason
 
     assert uncached_reason(default_config) is None
     single = frontend_fingerprint(default_config)
@@ -100,7 +100,7 @@ def _with_layout(config: Any, tp: int, pp: int) -> Any:
 
 @pytest.mark.parametrize("kind", sorted(TINY))
 def test_model_kinds_dss_cannot_cache_are_named(tmp_path: Path, kind: str) -> None:
-    from engine_patch.fingerprint import uncached_reason
+    from engine_patch.connector.fingerprint import uncached_reason
 
     reason = uncached_reason(engine_config(tiny_config_model(tmp_path, kind)))
     assert reason is not None and TINY[kind][0] in reason
@@ -109,8 +109,8 @@ def test_model_kinds_dss_cannot_cache_are_named(tmp_path: Path, kind: str) -> No
 def test_the_connector_fails_the_engine_unless_uncached_serving_is_allowed(default_config: Any) -> None:
     # The backstop inside the engine, for what the API process did not predict: before, it logged
     # one line and stayed off.
-    from engine_patch.connector import DSSConnector
-    from engine_patch.fingerprint import UnsupportedKVCache
+    from engine_patch.connector.dss_connector import DSSConnector
+    from engine_patch.connector.fingerprint import UnsupportedKVCache
 
     # Two groups of a kind DSS does not store (what a hybrid attention/state-space model has).
     two_groups = SimpleNamespace(

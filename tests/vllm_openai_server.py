@@ -3,7 +3,7 @@ compare `dss serve` with.
 
 `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script is broken on the CPU
 wheel) in its own process group on a free loopback port, configured as DSS configures its engine:
-the served dtype (`engine_patch.factory.served_dtype`: bfloat16 where native), eager mode, seed
+the served dtype (`engine_patch.setup.factory.served_dtype`: bfloat16 where native), eager mode, seed
 0, the test servers'
 `max_model_len` and KV cache size, the same served model name, and
 `--enable-prompt-tokens-details` so that `usage` has the shape DSS gives it. vLLM spawns its
@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from engine_patch.factory import served_dtype
+from engine_patch.setup.factory import served_dtype
 from tests.api_server import die_with_parent, free_port
 
 # DSS's served dtype, so that both servers compute the same way.

@@ -6,7 +6,7 @@ that runs while the host goes on. Each run of consecutive blocks and slots moves
 run's slots are one contiguous span of the arena (`[n, num_layers, layer_block_nbytes]`), copied
 to or from a device staging buffer of the same bytes; the per-layer conversion between the
 engine's layout and the page's canonical form happens on the device, as strided device copies
-(see `engine_patch.layouts`). A strided copy straight between device and host memory would make
+(see `engine_patch.connector.layouts`). A strided copy straight between device and host memory would make
 torch go through an unpinned host temporary, synchronously, once per layer.
 
 Ordering, on a side stream of the engine's device:

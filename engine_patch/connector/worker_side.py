@@ -30,11 +30,17 @@ from dss.errors import DSSError
 from dss.namespace import ModelFingerprint
 from dss.rpc import StoreClient
 from dss.wire import PageSlot, span_of
-from engine_patch.copy import ArenaViews, KVBlocks
-from engine_patch.fingerprint import UnsupportedKVCache, check_layer_tensors
-from engine_patch.groups import KVGroups, group_runs
-from engine_patch.layouts import layout_for, physical_order
-from engine_patch.metadata import DSSConnectorMetadata, DSSWorkerMetadata, LoadSpec, SaveSpec, SlotSpan
+from engine_patch.connector.copy import ArenaViews, KVBlocks
+from engine_patch.connector.fingerprint import UnsupportedKVCache, check_layer_tensors
+from engine_patch.connector.groups import KVGroups, group_runs
+from engine_patch.connector.layouts import layout_for, physical_order
+from engine_patch.connector.metadata import (
+    DSSConnectorMetadata,
+    DSSWorkerMetadata,
+    LoadSpec,
+    SaveSpec,
+    SlotSpan,
+)
 
 logger = init_logger("vllm.dss_connector")
 

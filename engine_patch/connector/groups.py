@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dss.errors import InvalidInput
-from engine_patch.copy import Run, runs
+from engine_patch.connector.copy import Run, runs
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig

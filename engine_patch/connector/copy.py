@@ -4,10 +4,10 @@ A page is one engine block of every KV layer, layer-major: `[num_layers, layer_r
 a layer's row holds one segment per tensor-parallel rank (each rank copies its own; a pipeline
 stage copies the layers it runs). Each segment is the rank's block in the page's canonical form
 `[H, N, C]`, or, for the CPU backend's ISA-packed blocks, its bytes as they are
-(`engine_patch.layouts`). A copy moves runs of consecutive blocks whose slots are consecutive too:
+(`engine_patch.connector.layouts`). A copy moves runs of consecutive blocks whose slots are consecutive too:
 on CPU one strided `copy_` per layer and run, straight between the two memories (no stacked
 temporaries, no per-token work); on CUDA one DMA per run and device-side copies per layer
-(`engine_patch.cuda_copy`).
+(`engine_patch.connector.cuda_copy`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import torch
 from dss.errors import InvalidInput
 from dss.namespace import LATENT_ROWS_ISA
 from dss.pages.tiers.host import HostArena
-from engine_patch.layouts import KVLayout, slot_view
+from engine_patch.connector.layouts import KVLayout, slot_view
 
 if TYPE_CHECKING:
-    from engine_patch.cuda_copy import CudaCopier
+    from engine_patch.connector.cuda_copy import CudaCopier
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,10 +61,10 @@ class KVBlocks:
     A page is `[num_layers, segments * layer_block_nbytes]`: per model layer, one segment per
     tensor-parallel rank. A rank copies its own segment (`segment`) of the layers it holds
     (`layers`, keyed by model layer index: a pipeline stage holds some of them). `layout` says how
-    each layer tensor holds its blocks (`engine_patch.layouts`): copies go between the layers'
+    each layer tensor holds its blocks (`engine_patch.connector.layouts`): copies go between the layers'
     block-major views and the slots' bytes viewed the same way, in the page's canonical form (or
     as they are, for the CPU backend's packed blocks). On a CUDA device the copies of a
-    single-segment page run through `engine_patch.cuda_copy` (one DMA per run, on a side stream).
+    single-segment page run through `engine_patch.connector.cuda_copy` (one DMA per run, on a side stream).
     """
 
     def __init__(
@@ -105,7 +105,7 @@ class KVBlocks:
             # A tensor-parallel rank or a pipeline stage owns part of each row; it copies its
             # segments per layer and run (synchronous `copy_` between device and pinned host),
             # so it never overwrites another rank's bytes.
-            from engine_patch.cuda_copy import CudaCopier
+            from engine_patch.connector.cuda_copy import CudaCopier
 
             self._cuda = CudaCopier(first.device)
 

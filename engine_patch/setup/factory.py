@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from dss.types import TenantId
 from dss.wire import SessionTag, tag_key
-from engine_patch.connector import CONNECTOR_MODULE, CONNECTOR_NAME
-from engine_patch.engine_args import THREADS_BIND_ENV, check_engine_args, check_parallel_layout
+from engine_patch.connector.dss_connector import CONNECTOR_MODULE, CONNECTOR_NAME
+from engine_patch.setup.engine_args import THREADS_BIND_ENV, check_engine_args, check_parallel_layout
 
 if TYPE_CHECKING:
     from vllm import LLM

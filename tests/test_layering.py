@@ -1,0 +1,115 @@
+"""The import graph of `dss`, `engine_patch` and `api`, lazy imports (inside functions) included:
+no module imports one that imports it back, and the rooms import one way only
+(`api` → `engine_patch.setup` → `engine_patch.connector` → `dss`)."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("dss", "engine_patch", "api")
+# (importer prefix, forbidden import prefix)
+FORBIDDEN = [
+    ("dss", "engine_patch"),
+    ("dss", "api"),
+    ("engine_patch", "api"),
+    ("engine_patch.connector", "engine_patch.setup"),
+]
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> Iterator[str]:
+    """The project modules `name` imports, anywhere in its body (TYPE_CHECKING blocks aside: they
+    are never executed)."""
+    tree = ast.parse(path.read_text())
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+        for t in targets:
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                yield t
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: set(imports(name, path, known)) for name, path in known.items()}
+
+
+def test_rooms_import_one_way() -> None:
+    bad = [
+        f"{m} imports {t}"
+        for m, targets in graph().items()
+        for t in targets
+        for importer, forbidden in FORBIDDEN
+        if (m == importer or m.startswith(importer + "."))
+        and (t == forbidden or t.startswith(forbidden + "."))
+    ]
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_no_import_cycles() -> None:
+    g = graph()
+    # A package's __init__ re-exporting its modules is not a cycle of concepts: edges from a
+    # package to its own submodules are left out.
+    g = {m: {t for t in ts if not t.startswith(m + ".")} for m, ts in g.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = [0]
+
+    def strong(v: str) -> None:  # Tarjan
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(g.get(v, ())):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            strong(v)
+    assert not cycles, "\n".join(" <-> ".join(c) for c in cycles)
