@@ -233,6 +233,7 @@ async def _open(app: FastAPI, settings: Settings, startup: Startup) -> None:
         engine = await asyncio.wait_for(ChatEngine.start(settings, store), settings.engine.startup_timeout_s)
         engine.on_inflight_change = metrics.inflight.set
         metrics.kv_caching.set(1 if engine.kv_caching else 0)
+        engine.on_caching_change = lambda on: metrics.kv_caching.set(1 if on else 0)
         state.engine = engine
         aborter.engine = engine
     if startup.phase is Phase.STOPPING:

@@ -139,10 +139,22 @@ class ChatEngine:
         self._aborted: set[str] = set()
         # Why DSS does not cache this engine's KV (served as plain vLLM); None: caching is on.
         self.uncached_reason: str | None = None
+        self.on_caching_change: Any = None  # set by the app: called with kv_caching when it changes
 
     @property
     def kv_caching(self) -> bool:
         return self.uncached_reason is None
+
+    def note_report(self, report: TurnReport | None) -> None:
+        """A turn's report says the connector turned itself off inside the engine (a worker's
+        KV cache did not match, the store renamed the fingerprint): from then on the server says
+        caching is off, in /readyz and `dss_kv_caching_enabled`, not only in the engine's log."""
+        if report is None or not report.caching_off or self.uncached_reason is not None:
+            return
+        log.error("DSS KV caching is OFF in the engine: %s", report.caching_off)
+        self.uncached_reason = report.caching_off
+        if self.on_caching_change is not None:
+            self.on_caching_change(False)
 
     # ----------------------------------------------------------------------------------- start/stop
     @classmethod
@@ -495,6 +507,7 @@ class ChatEngine:
                             st.cached = int(out.num_cached_tokens)
                         if out.kv_transfer_params:
                             st.report = TurnReport.from_params(out.kv_transfer_params)
+                            self.note_report(st.report)
                         if st.ttft is None and comp.token_ids:
                             st.ttft = time.perf_counter() - arrived
                         ids = tuple(comp.token_ids)

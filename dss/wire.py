@@ -189,6 +189,9 @@ class TurnReport:
     stored_pages: int = 0
     computed_tokens: int = 0
     store_errors: int = 0
+    # Why the connector stopped storing and loading in this engine ("" while it works): the API
+    # process shows it in /readyz and `dss_kv_caching_enabled` instead of a log line in the engine.
+    caching_off: str = ""
 
     @property
     def loaded_tokens(self) -> int:
@@ -207,6 +210,7 @@ class TurnReport:
             "stored_pages": self.stored_pages,
             "computed_tokens": self.computed_tokens,
             "store_errors": self.store_errors,
+            "caching_off": self.caching_off,
         }
 
     @classmethod
@@ -226,6 +230,7 @@ class TurnReport:
             stored_pages=_count(params.get("stored_pages")),
             computed_tokens=_count(params.get("computed_tokens")),
             store_errors=_count(params.get("store_errors")),
+            caching_off=str(params.get("caching_off") or "")[:500],
         )
 
 

@@ -515,3 +515,21 @@ def test_sqlite_file_never_holds_a_plain_key(tmp_path: Path) -> None:
     finally:
         conn.close()
     assert rows == [(hash_key(key), "alice")]
+
+
+def test_a_report_that_caching_went_off_in_the_engine_turns_readyz_and_the_gauge() -> None:
+    from api.engine import ChatEngine
+    from dss.wire import TurnReport
+
+    engine = ChatEngine(
+        None, None, model_name="m", max_model_len=64, fingerprint=None, max_inflight=1, retry_after_s=3,
+        tag_key=b"k" * 32,
+    )  # fmt: skip
+    seen: list[bool] = []
+    engine.on_caching_change = seen.append
+    engine.note_report(TurnReport("s", 1, "f"))
+    assert engine.kv_caching and seen == []
+    off = TurnReport.from_params({**TurnReport("s", 1, "f").to_params(), "caching_off": "a worker ..."})
+    engine.note_report(off)
+    engine.note_report(off)
+    assert not engine.kv_caching and engine.uncached_reason == "a worker ..." and seen == [False]

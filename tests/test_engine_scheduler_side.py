@@ -250,3 +250,24 @@ def test_a_turn_loads_the_previous_turns_tail_page_and_computes_only_new_tokens(
         and report.loaded_from == {"host": 2 * BS + 2}
     )
     step(side)
+
+
+def test_a_worker_turning_the_connector_off_is_said_in_every_later_report(
+    store: Store, side: SchedulerSide
+) -> None:
+    # Before: the scheduler logged one line ("a DSS worker turned the connector off") and the
+    # server went on serving uncached while /readyz and dss_kv_caching_enabled said caching was on.
+    tenant = store.tenant_for("u")
+    tokens = stored(store, tenant, 2 * BS)
+    r1 = request("r1", [*tokens, 1], tenant)
+    r1.num_computed_tokens = 0
+    _, params = side.request_finished(r1, ([],))
+    assert params is not None and params["caching_off"] == ""
+    side.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=DSSWorkerMetadata({}, True)))
+    r2 = request("r2", [*tokens, 2], tenant, session_id="s2")
+    assert side.get_num_new_matched_tokens(r2, 0) == (0, False)  # no more loads
+    r2.num_computed_tokens = 2 * BS + 1
+    done, params = side.request_finished(r2, ([1, 2, 3],))
+    assert not done and params is not None  # no more saves
+    report = TurnReport.from_params(params)
+    assert report is not None and "does not match the fingerprint" in report.caching_off

@@ -143,3 +143,24 @@ def test_readyz_and_metrics_say_caching_is_on(api_server: ApiServer) -> None:
     assert "uncached_reason" not in ready.json()
     text = api_server.client("admin", admin=True).get("/metrics").text
     assert re.search(r"^dss_kv_caching_enabled 1\.0$", text, re.M), text
+
+
+def test_a_worker_whose_kv_cache_does_not_match_fails_the_engine_unless_uncached_is_allowed() -> None:
+    # Before: the worker logged "DSS connector off in this worker" and the engine served uncached.
+    import torch
+
+    from engine_patch.connector.fingerprint import UnsupportedKVCache
+    from engine_patch.connector.worker_side import WorkerSide
+    from tests.store_helpers import SMALL_FP
+
+    wrong = {f"model.layers.{i}.self_attn.attn": torch.zeros(8, 1, 2, 2) for i in range(SMALL_FP.num_layers)}
+
+    def index(name: str) -> int:
+        return int(name.split(".")[2])
+
+    strict = WorkerSide(SMALL_FP, None, 8)
+    with pytest.raises(UnsupportedKVCache, match="DSS_ENGINE__ALLOW_UNCACHED"):
+        strict.register_kv_caches(wrong, index)
+    lenient = WorkerSide(SMALL_FP, None, 8, allow_uncached=True)
+    lenient.register_kv_caches(wrong, index)
+    assert lenient.disabled and not lenient.ready

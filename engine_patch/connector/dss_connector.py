@@ -64,9 +64,8 @@ class DSSConnector(KVConnectorBase_V1, SupportsHMA):
         extra = self._kv_transfer_config
         address = extra.get_from_extra_config("store_address", None)
         authkey_hex = extra.get_from_extra_config("authkey", None)
-        fingerprint = self._fingerprint(
-            vllm_config, kv_cache_config, bool(extra.get_from_extra_config("allow_uncached", False))
-        )
+        allow_uncached = bool(extra.get_from_extra_config("allow_uncached", False))
+        fingerprint = self._fingerprint(vllm_config, kv_cache_config, allow_uncached)
 
         # Every store call has a deadline: a store that does not answer in time is a cache miss
         # (recompute), never a stalled engine step. Lookups take milliseconds when healthy.
@@ -96,6 +95,7 @@ class DSSConnector(KVConnectorBase_V1, SupportsHMA):
                 factory,
                 int(kv_cache_config.num_blocks),
                 load_timeout_s=float(extra.get_from_extra_config("load_timeout_s", 30.0)),
+                allow_uncached=allow_uncached,
             )
         if fingerprint is not None:
             logger.info(

@@ -91,7 +91,15 @@ class SchedulerSide:
         self._tag_key = tag_key
         self.block_size = fingerprint.block_size if fingerprint is not None else 0
         self.groups = KVGroups.parse(fingerprint.kv_groups, fingerprint.num_layers) if fingerprint else None
-        self.disabled = fingerprint is None or client is None or tag_key is None
+        # Why the connector does not load or save ("" while it does): sent back in every turn's
+        # report (`TurnReport.caching_off`), so the API process says so in /readyz and /metrics.
+        self.off_reason = (
+            "the engine's KV cache cannot be described by a fingerprint (see the engine log)"
+            if fingerprint is None
+            else "the connector has no store address"
+            if client is None or tag_key is None
+            else ""
+        )
         self._forged_seen: set[str] = set()  # requests whose unsigned tag was already logged
         self.settle_timeout_s = settle_timeout_s
         self.save_after_prefill = save_after_prefill and block_ids_of is not None
@@ -141,10 +149,7 @@ class SchedulerSide:
                 logger.warning("DSS store unavailable, serving without it for now: %s", exc)
                 return None
             if self._fid != self.fingerprint.id:
-                logger.error(
-                    "DSS store registered fingerprint %s as %s; connector off", self.fingerprint.id, self._fid
-                )
-                self.disabled = True
+                self._turn_off(f"the store registered fingerprint {self.fingerprint.id} as {self._fid}")
                 return None
         return self._fid
 
@@ -424,8 +429,7 @@ class SchedulerSide:
                 if req_id in self._progress:
                     self._progress[req_id].failed_tokens += n
             if meta.disabled and not self.disabled:
-                logger.error("a DSS worker turned the connector off; no more loads or saves")
-                self.disabled = True
+                self._turn_off("a worker's KV cache does not match the fingerprint (see the engine log)")
 
     def request_finished(self, request: Request, block_ids: BlockIds) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
@@ -473,7 +477,16 @@ class SchedulerSide:
             stored_pages=p.stored_pages,
             computed_tokens=int(request.num_computed_tokens),
             store_errors=p.store_errors,
+            caching_off=self.off_reason,
         )
+
+    @property
+    def disabled(self) -> bool:
+        return bool(self.off_reason)
+
+    def _turn_off(self, reason: str) -> None:
+        logger.error("DSS connector off: %s; no more loads or saves", reason)
+        self.off_reason = reason
 
     def _abort(self, req_id: str, save_id: str) -> None:
         try:

@@ -78,8 +78,10 @@ class WorkerSide:
         num_blocks: int,
         *,
         load_timeout_s: float = 30.0,
+        allow_uncached: bool = False,
     ) -> None:
         self.fingerprint = fingerprint
+        self.allow_uncached = allow_uncached
         self.num_blocks = num_blocks
         self.load_timeout_s = load_timeout_s
         self.disabled = fingerprint is None or client_factory is None
@@ -134,6 +136,12 @@ class WorkerSide:
             check_layer_tensors(fp, views, self.num_blocks)
             self.blocks = blocks
         except (UnsupportedKVCache, DSSError) as exc:
+            if not self.allow_uncached:
+                # The engine fails to start rather than serve uncached with one log line here.
+                raise UnsupportedKVCache(
+                    f"DSS cannot cache this engine: its KV cache does not match the fingerprint ({exc}) "
+                    "(DSS_ENGINE__ALLOW_UNCACHED=true serves it without caching)"
+                ) from None
             logger.error(
                 "DSS connector off in this worker: the KV cache does not match the fingerprint (%s)", exc
             )
