@@ -62,9 +62,20 @@ class _Claim:
 
 
 @dataclass(slots=True)
-class _Progress:
-    """What the connector did for one session request so far (becomes its `TurnReport`)."""
+class _RequestState:
+    """Everything the scheduler side holds for one session request, from its first lookup to its
+    finish, where it becomes the request's `TurnReport`. Requests without a (verified) session
+    have none: they are plain vLLM."""
 
+    request: Request
+    session: SessionTag
+    saves_prompt: bool = False  # its whole prompt pages are saved when its prefill completes
+    windowed: bool = False  # its pages are saved before they leave a sliding window
+    claim: _Claim | None = None  # a lookup's pinned pages, until vLLM allocates the blocks
+    deferred_since: float | None = None  # first "ask again" while the session's last save settles
+    loading_async: bool = False  # pages still arriving on the worker's loader thread
+    hit_sources: dict[CacheHitSource, int] = field(default_factory=dict)  # for vLLM's hit metrics
+    # What the connector did so far (the report):
     engine_cached: int = 0  # vLLM's own prefix-cache hit when the store was asked
     page_tiers: list[str] = field(default_factory=list)  # tier of each page handed to the worker
     loaded_tokens: int = 0  # tokens those pages hold (the last one may be a tail page)
@@ -73,6 +84,10 @@ class _Progress:
     stored_pages: int = 0
     planned_tokens: int = 0  # tokens covered by a save plan already (prompt pages after prefill)
     store_errors: int = 0
+
+    @property
+    def req_id(self) -> str:
+        return str(self.request.request_id)
 
 
 class SchedulerSide:
@@ -100,22 +115,15 @@ class SchedulerSide:
             if client is None or tag_key is None
             else ""
         )
-        self._forged_seen: set[str] = set()  # requests whose unsigned tag was already logged
+        self._forged_seen: set[str] = set()  # plain requests whose unsigned tag was already logged
         self.settle_timeout_s = settle_timeout_s
         self.save_after_prefill = save_after_prefill and block_ids_of is not None
         self._block_ids_of = block_ids_of
-        self._prefilling: dict[str, Request] = {}  # session requests whose prompt is not saved yet
-        # Running session requests of a model with sliding-window groups: their pages are saved
-        # before vLLM frees their window blocks (see `_save_pages_leaving_windows`).
-        self._windowed: dict[str, Request] = {}
-        self._progress: dict[str, _Progress] = {}
         self._fid: FingerprintId | None = None
-        self._claims: dict[str, _Claim] = {}
-        self._hit_sources: dict[str, dict[CacheHitSource, int]] = {}
-        self._async_inflight: set[str] = set()
-        # session -> {request id: when its finish-time save was handed to the worker}
+        self._requests: dict[str, _RequestState] = {}  # running session requests, by request id
+        # session -> {request id: when its finish-time save was handed to the worker}; kept past
+        # the request's finish, until the worker reports the copy done.
         self._saving: dict[tuple[str, str], dict[str, float]] = {}
-        self._deferred_since: dict[str, float] = {}
         self._loads: list[LoadSpec] = []
         self._saves: list[SaveSpec] = []
         # Registered at start so the store (and the API beside it) knows this engine's pages; a
@@ -153,51 +161,50 @@ class SchedulerSide:
                 return None
         return self._fid
 
-    def _release(self, req_id: str, load_id: str) -> None:
+    def _release(self, st: _RequestState, load_id: str) -> None:
         if self.client is None:
             return
         try:
             self.client.release(load_id)
         except DSSError as exc:
-            self._store_error(req_id)
+            st.store_errors += 1
             logger.warning("DSS release of load %s failed: %s", load_id, exc)
-
-    def _of(self, req_id: str) -> _Progress:
-        p = self._progress.get(req_id)
-        if p is None:
-            p = self._progress[req_id] = _Progress()
-        return p
-
-    def _store_error(self, req_id: str) -> None:
-        self._of(req_id).store_errors += 1
 
     # ------------------------------------------------------------------ vLLM hooks
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        session = self.session_of(request)
-        if session is None or self.disabled:
+        if self.disabled:
             return 0, False
         req_id = request.request_id
-        if self.save_after_prefill and request.num_output_tokens == 0:
-            self._prefilling[req_id] = request
-        if self.groups is not None and self.groups.windowed and self._block_ids_of is not None:
-            self._windowed[req_id] = request
-        self._of(req_id).engine_cached = num_computed_tokens
-        claim = self._claims.get(req_id)
-        if claim is not None:
-            if claim.start_token == num_computed_tokens:
-                return claim.plan.n_tokens, self._is_async(claim.plan)
+        st = self._requests.get(req_id)
+        if st is None:
+            session = self.session_of(request)
+            if session is None:
+                return 0, False
+            st = self._requests[req_id] = _RequestState(
+                request,
+                session,
+                saves_prompt=self.save_after_prefill and request.num_output_tokens == 0,
+                windowed=self.groups is not None
+                and bool(self.groups.windowed)
+                and self._block_ids_of is not None,
+            )
+        st.engine_cached = num_computed_tokens
+        if st.claim is not None:
+            if st.claim.start_token == num_computed_tokens:
+                return st.claim.plan.n_tokens, self._is_async(st.claim.plan)
             # vLLM's own cache moved under us: the old plan no longer starts where we load.
-            self._drop_claim(req_id)
-        if self._save_in_flight(_key(session)):
+            self._drop_claim(st)
+        if self._save_in_flight(_key(st.session)):
             # A previous turn of this session is still being saved (its pages are copied in the
             # next engine step); ask again then, so the new turn sees them. Bounded, in case the
             # save never completes.
-            since = self._deferred_since.setdefault(req_id, time.monotonic())
-            if time.monotonic() - since < self.settle_timeout_s:
+            if st.deferred_since is None:
+                st.deferred_since = time.monotonic()
+            if time.monotonic() - st.deferred_since < self.settle_timeout_s:
                 return None, False
-        self._deferred_since.pop(req_id, None)
+        st.deferred_since = None
         # A sync hit must leave at least one token to compute (the scheduler asserts it); async
         # hits may not, but one rule for both keeps the plan valid whichever the store answers.
         # The limit need not be a whole page: a tail page may end anywhere before it.
@@ -209,19 +216,19 @@ class SchedulerSide:
             return 0, False
         try:
             plan = self.client.lookup(  # type: ignore[union-attr]
-                fid, session.tenant, request.all_token_ids[:max_tokens], num_computed_tokens, max_tokens
+                fid, st.session.tenant, request.all_token_ids[:max_tokens], num_computed_tokens, max_tokens
             )
         except DSSError as exc:
-            self._store_error(req_id)
+            st.store_errors += 1
             logger.warning("DSS lookup for %s failed, recomputing: %s", req_id, exc)
             return 0, False
         if plan is None:
             return 0, False
         if not self._plan_is_sane(plan, num_computed_tokens, max_tokens):
-            self._release(req_id, plan.load_id)
+            self._release(st, plan.load_id)
             return 0, False
-        self._claims[req_id] = _Claim(plan, num_computed_tokens)
-        self._of(req_id).found_in = {k: v for k, v in plan.tier_tokens.items() if v}
+        st.claim = _Claim(plan, num_computed_tokens)
+        st.found_in = {k: v for k, v in plan.tier_tokens.items() if v}
         return plan.n_tokens, self._is_async(plan)
 
     def _is_async(self, plan: LoadPlan) -> bool:
@@ -262,16 +269,16 @@ class SchedulerSide:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        req_id = request.request_id
-        claim = self._claims.pop(req_id, None)
-        if claim is None:
+        st = self._requests.get(request.request_id)
+        if st is None or st.claim is None:
             return  # not ours, or the second call after an async load
+        claim, st.claim = st.claim, None
         bs = self.block_size
         # The last page may be partial (a tail page, or vLLM taking fewer tokens than offered):
         # its whole block is copied, and vLLM computes the block's remaining positions.
         n_pages = min(-(-num_external_tokens // bs), len(claim.plan.pages))
         if n_pages == 0:
-            self._release(req_id, claim.plan.load_id)
+            self._release(st, claim.plan.load_id)
             return
         first = claim.start_token // bs
         # Per group; a sliding-window group's blocks below the window of the load's end are the
@@ -280,94 +287,88 @@ class SchedulerSide:
         pages = claim.plan.pages[:n_pages]
         is_async = self._is_async(claim.plan)
         span = None if is_async else span_of(pages)
-        self._loads.append(LoadSpec(req_id, claim.plan.load_id, block_ids, span, is_async))
+        self._loads.append(LoadSpec(st.req_id, claim.plan.load_id, block_ids, span, is_async))
         # A page whose slot the plan names is read from the host arena; the others are promoted
         # on the way, from the tier the plan names (disk, or the fleet's remote tier).
-        tiers = [Tier.HOST.value if p.slot is not None else (p.tier or Tier.DISK.value) for p in pages]
-        progress = self._of(req_id)
-        progress.page_tiers = tiers
-        progress.loaded_tokens = min(num_external_tokens, claim.plan.n_tokens)
-        if is_async:
-            self._async_inflight.add(req_id)
-        per_tier = _tokens_by_tier(tiers, progress.loaded_tokens, bs)
-        host, disk = per_tier.get(Tier.HOST.value, 0), per_tier.get(Tier.DISK.value, 0)
-        remote = per_tier.get(Tier.REMOTE.value, 0)
-        self._hit_sources[req_id] = {
-            k: v
-            for k, v in (
-                (CacheHitSource.HOST, host),
-                (CacheHitSource.DISK, disk),
-                (CacheHitSource.EXTERNAL_UNSPECIFIED, remote),  # vLLM has no name for a shared tier
+        st.page_tiers = [
+            Tier.HOST.value if p.slot is not None else (p.tier or Tier.DISK.value) for p in pages
+        ]
+        st.loaded_tokens = min(num_external_tokens, claim.plan.n_tokens)
+        st.loading_async = is_async
+        per_tier = _tokens_by_tier(st.page_tiers, st.loaded_tokens, bs)
+        st.hit_sources = {
+            source: n
+            for source, n in (
+                (CacheHitSource.HOST, per_tier.get(Tier.HOST.value, 0)),
+                (CacheHitSource.DISK, per_tier.get(Tier.DISK.value, 0)),
+                # vLLM has no name for a shared tier
+                (CacheHitSource.EXTERNAL_UNSPECIFIED, per_tier.get(Tier.REMOTE.value, 0)),
             )
-            if v
+            if n
         }
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
     ) -> dict[CacheHitSource, int]:
-        sources = self._hit_sources.pop(request.request_id, None)
+        st = self._requests.get(request.request_id)
+        sources = st.hit_sources if st is not None else {}
+        if st is not None:
+            st.hit_sources = {}
         if not num_external_tokens:
             return {}
         return sources or {CacheHitSource.HOST: num_external_tokens}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> DSSConnectorMetadata:
-        if self._prefilling:
-            self._save_finished_prefills(scheduler_output.num_scheduled_tokens)
-        if self._windowed:
-            self._save_pages_leaving_windows(scheduler_output.num_scheduled_tokens)
+        scheduled = scheduler_output.num_scheduled_tokens
+        for st in [s for r, s in self._requests.items() if r in scheduled and (s.saves_prompt or s.windowed)]:
+            if st.saves_prompt:
+                self._save_finished_prefill(st, scheduled[st.req_id])
+            if st.windowed:
+                self._save_pages_leaving_windows(st, scheduled[st.req_id])
         meta = DSSConnectorMetadata(loads=self._loads, saves=self._saves)
         self._loads, self._saves = [], []
         return meta
 
-    def _save_finished_prefills(self, scheduled: dict[str, int]) -> None:
-        """Save the prompt pages of requests whose prefill completes in this step.
+    def _save_finished_prefill(self, st: _RequestState, n_scheduled: int) -> None:
+        """Save the prompt pages of a request whose prefill completes in this step.
 
         The worker copies them after this step's forward, so the next turn, a branch or a
         concurrent request of the session can use them before the answer is complete (and they
         survive an abort). At finish only the decode pages are left to save.
         """
-        for req_id in [r for r in self._prefilling if r in scheduled]:
-            request = self._prefilling[req_id]
-            if request.num_computed_tokens + scheduled[req_id] < request.num_prompt_tokens:
-                continue  # chunked prefill: not the last chunk yet
-            del self._prefilling[req_id]
-            session = self.session_of(request)
-            assert session is not None and self._block_ids_of is not None
-            # Whole pages only: the prompt's last block fills up while the answer is decoded and
-            # is saved at finish (with the answer's own tail).
-            n_whole = request.num_prompt_tokens // self.block_size * self.block_size
-            block_ids = self._block_ids_of(req_id)
-            spec = self._plan_save(request, session, n_whole, block_ids, on_finish=False)
-            if spec is not None:
-                self._saves.append(spec)
-                self._of(req_id).stored_pages += len(spec.page_indexes)
+        request = st.request
+        if request.num_computed_tokens + n_scheduled < request.num_prompt_tokens:
+            return  # chunked prefill: not the last chunk yet
+        st.saves_prompt = False
+        assert self._block_ids_of is not None
+        # Whole pages only: the prompt's last block fills up while the answer is decoded and
+        # is saved at finish (with the answer's own tail).
+        n_whole = request.num_prompt_tokens // self.block_size * self.block_size
+        self._queue_save(st, self._plan_save(st, n_whole, self._block_ids_of(st.req_id), on_finish=False))
 
-    def _save_pages_leaving_windows(self, scheduled: dict[str, int]) -> None:
-        """Save the whole pages of running requests whose oldest unsaved page loses its
+    def _save_pages_leaving_windows(self, st: _RequestState, n_scheduled: int) -> None:
+        """Save the whole pages of a running request whose oldest unsaved page loses its
         sliding-window blocks at the next step (vLLM frees the blocks below the window of the
         tokens computed by then): a page is stored only with every group's KV, so this is its last
         chance. One save covers all whole pages computed by the end of this step, so a long
         answer costs one store round trip per window of tokens."""
         assert self.groups is not None and self._block_ids_of is not None
         bs = self.block_size
-        for req_id in [r for r in self._windowed if r in scheduled]:
-            request = self._windowed[req_id]
-            n_after = min(request.num_computed_tokens + scheduled[req_id], len(request.all_token_ids))
-            first_unsaved = self._of(req_id).planned_tokens // bs
-            if max(g.skipped_tokens(n_after) // bs for g in self.groups.windowed) <= first_unsaved:
-                continue
-            session = self.session_of(request)
-            if session is None:
-                continue
-            spec = self._plan_save(
-                request, session, n_after // bs * bs, self._block_ids_of(req_id), on_finish=False
-            )
-            if spec is not None:
-                self._saves.append(spec)
-                self._of(req_id).stored_pages += len(spec.page_indexes)
+        n_after = min(st.request.num_computed_tokens + n_scheduled, len(st.request.all_token_ids))
+        first_unsaved = st.planned_tokens // bs
+        if max(g.skipped_tokens(n_after) // bs for g in self.groups.windowed) <= first_unsaved:
+            return
+        self._queue_save(
+            st, self._plan_save(st, n_after // bs * bs, self._block_ids_of(st.req_id), on_finish=False)
+        )
+
+    def _queue_save(self, st: _RequestState, spec: SaveSpec | None) -> None:
+        if spec is not None:
+            self._saves.append(spec)
+            st.stored_pages += len(spec.page_indexes)
 
     def _plan_save(
-        self, request: Request, session: SessionTag, n_tokens: int, block_ids: BlockIds, on_finish: bool
+        self, st: _RequestState, n_tokens: int, block_ids: BlockIds, on_finish: bool
     ) -> SaveSpec | None:
         """Ask the store which pages of the first `n_tokens` tokens it lacks (whole pages, then
         the tail page when `n_tokens` ends inside a block); None when there is nothing to copy.
@@ -375,38 +376,37 @@ class SchedulerSide:
         fid = self._fingerprint_id()
         bs = self.block_size
         n_tokens = min(n_tokens, len(block_ids[0]) * bs)
-        progress = self._of(request.request_id)
-        if n_tokens <= progress.planned_tokens or fid is None or self.disabled:
+        if n_tokens <= st.planned_tokens or fid is None or self.disabled:
             return None  # nothing beyond what an earlier plan of this request covered
         try:
             plan = self.client.plan_save(  # type: ignore[union-attr]
-                fid, session.tenant, request.all_token_ids[:n_tokens], n_tokens // bs, with_tail=True
+                fid, st.session.tenant, st.request.all_token_ids[:n_tokens], n_tokens // bs, with_tail=True
             )
         except DSSError as exc:
-            progress.store_errors += 1
-            logger.warning("DSS plan_save for %s failed; not saved: %s", request.request_id, exc)
+            st.store_errors += 1
+            logger.warning("DSS plan_save for %s failed; not saved: %s", st.req_id, exc)
             return None
-        progress.planned_tokens = n_tokens
+        st.planned_tokens = n_tokens
         if not plan.pages:
             return None  # the store has every page already
         span = span_of(plan.pages)
         if span is None:
             logger.error("DSS save plan %s came without usable slots; aborting it", plan.save_id)
-            self._abort(request.request_id, plan.save_id)
+            self._abort(st, plan.save_id)
             return None
         indexes = tuple(p.page_index for p in plan.pages)
         # A page a sliding-window group no longer holds a block of is not saved, nor anything
         # after it (the store releases the slots of pages a commit leaves out).
         n_complete = complete_prefix(block_ids, indexes)
         if n_complete == 0:
-            self._abort(request.request_id, plan.save_id)
+            self._abort(st, plan.save_id)
             return None
         if n_complete < len(indexes):
             indexes = indexes[:n_complete]
             span = replace(span, slots=span.slots[:n_complete], generations=span.generations[:n_complete])
         tail = n_tokens % bs if indexes[-1] == n_tokens // bs else 0  # the tail page is planned too
         return SaveSpec(
-            request.request_id,
+            st.req_id,
             plan.save_id,
             indexes,
             tuple(tuple(ids[i] for i in indexes) for ids in block_ids),
@@ -417,7 +417,8 @@ class SchedulerSide:
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id in output.finished_recving or ():
-            self._async_inflight.discard(req_id)
+            if (st := self._requests.get(req_id)) is not None:
+                st.loading_async = False
         for req_id in output.finished_sending or ():
             for key in [k for k, ids in self._saving.items() if req_id in ids]:
                 del self._saving[key][req_id]
@@ -426,57 +427,48 @@ class SchedulerSide:
         meta = output.kv_connector_worker_meta
         if isinstance(meta, DSSWorkerMetadata):
             for req_id, n in meta.failed_tokens.items():
-                if req_id in self._progress:
-                    self._progress[req_id].failed_tokens += n
+                if (st := self._requests.get(req_id)) is not None:
+                    st.failed_tokens += n
             if meta.disabled and not self.disabled:
                 self._turn_off("a worker's KV cache does not match the fingerprint (see the engine log)")
 
     def request_finished(self, request: Request, block_ids: BlockIds) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
-        claim = self._claims.pop(req_id, None)
-        if claim is not None:
-            self._release(req_id, claim.plan.load_id)
-        self._prefilling.pop(req_id, None)
-        self._windowed.pop(req_id, None)
-        self._deferred_since.pop(req_id, None)
-        self._hit_sources.pop(req_id, None)
-        session = self.session_of(request)
         self._forged_seen.discard(req_id)
-        if session is None:
-            self._progress.pop(req_id, None)
-            return False, None
-        aborted_mid_load = req_id in self._async_inflight
+        st = self._requests.pop(req_id, None)
+        if st is None:
+            session = self.session_of(request)
+            if session is None:
+                return False, None
+            st = _RequestState(request, session)  # finished before the connector was asked
+        self._drop_claim(st)
         delay_free = False
-        progress = self._of(req_id)
-        if not aborted_mid_load and not self.disabled:
-            # Aborted while its pages were still arriving: its blocks hold nothing to save yet.
-            # Otherwise every computed token is saved: whole pages and the tail page.
-            n_computed = int(request.num_computed_tokens)
-            spec = self._plan_save(request, session, n_computed, block_ids, on_finish=True)
+        # Aborted while its pages were still arriving: its blocks hold nothing to save yet.
+        # Otherwise every computed token is saved: whole pages and the tail page.
+        if not st.loading_async and not self.disabled:
+            spec = self._plan_save(st, int(request.num_computed_tokens), block_ids, on_finish=True)
             if spec is not None:
-                self._saves.append(spec)
-                self._saving.setdefault(_key(session), {})[req_id] = time.monotonic()
-                progress.stored_pages += len(spec.page_indexes)
+                self._queue_save(st, spec)
+                self._saving.setdefault(_key(st.session), {})[req_id] = time.monotonic()
                 delay_free = True
-        self._progress.pop(req_id, None)
-        return delay_free, self._report(request, session, progress).to_params()
+        return delay_free, self._report(st).to_params()
 
-    def _report(self, request: Request, session: SessionTag, p: _Progress) -> TurnReport:
+    def _report(self, st: _RequestState) -> TurnReport:
         bs = self.block_size
-        n_ok = max(0, len(p.page_tiers) - (p.failed_tokens + bs - 1) // bs) if bs else 0
+        n_ok = max(0, len(st.page_tiers) - (st.failed_tokens + bs - 1) // bs) if bs else 0
         # Failed pages are the last ones: vLLM recomputes from there.
-        loaded = _tokens_by_tier(p.page_tiers[:n_ok], min(p.loaded_tokens, n_ok * bs), bs)
+        loaded = _tokens_by_tier(st.page_tiers[:n_ok], min(st.loaded_tokens, n_ok * bs), bs)
         return TurnReport(
-            session_id=session.session_id,
-            state_version=session.state_version,
+            session_id=st.session.session_id,
+            state_version=st.session.state_version,
             fingerprint=self.fingerprint.id if self.fingerprint is not None else None,
-            engine_cached_tokens=p.engine_cached,
+            engine_cached_tokens=st.engine_cached,
             loaded_from=loaded,
-            found_in=p.found_in,
-            failed_tokens=p.failed_tokens,
-            stored_pages=p.stored_pages,
-            computed_tokens=int(request.num_computed_tokens),
-            store_errors=p.store_errors,
+            found_in=st.found_in,
+            failed_tokens=st.failed_tokens,
+            stored_pages=st.stored_pages,
+            computed_tokens=int(st.request.num_computed_tokens),
+            store_errors=st.store_errors,
             caching_off=self.off_reason,
         )
 
@@ -488,23 +480,23 @@ class SchedulerSide:
         logger.error("DSS connector off: %s; no more loads or saves", reason)
         self.off_reason = reason
 
-    def _abort(self, req_id: str, save_id: str) -> None:
+    def _abort(self, st: _RequestState, save_id: str) -> None:
         try:
             self.client.abort_save(save_id)  # type: ignore[union-attr]
         except DSSError as exc:
-            self._store_error(req_id)
+            st.store_errors += 1
             logger.warning("DSS abort_save %s failed: %s", save_id, exc)
 
     def shutdown(self) -> None:
-        for req_id in list(self._claims):
-            self._drop_claim(req_id)
+        for st in self._requests.values():
+            self._drop_claim(st)
         if self.client is not None:
             self.client.close()
 
-    def _drop_claim(self, req_id: str) -> None:
-        claim = self._claims.pop(req_id, None)
+    def _drop_claim(self, st: _RequestState) -> None:
+        claim, st.claim = st.claim, None
         if claim is not None:
-            self._release(req_id, claim.plan.load_id)
+            self._release(st, claim.plan.load_id)
 
 
 def _tokens_by_tier(tiers: list[str], n_tokens: int, block_size: int) -> dict[str, int]:
