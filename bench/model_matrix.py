@@ -3,6 +3,8 @@ build serves, and on parallel layouts, one engine at a time.
 
 For each row (a model, a block size, a parallel layout, a KV cache dtype), one store and one engine:
 multi-turn conversations (one user each, whole pages and tail pages), a rollback and a branch,
+and, after a whole restart (a new engine, the store reopened: its host tier empty), one more turn
+served from the disk tier;
 every turn run twice on token ids: "DSS" (vLLM's own prefix cache emptied, the prompt in its
 session: every reused token comes from the store) and a reference. The reference is the same
 engine with its own prefix cache holding what the previous DSS turn computed ("APC"), or, where
@@ -148,6 +150,7 @@ class RowResult:
     hot_s: float = float("nan")
     ref_s: float = float("nan")  # the same prompt's first token from vLLM's hot prefix cache, or cold
     reference: str = "APC"
+    restart_loaded: int = 0  # tokens the turn after a whole restart loaded (from the disk tier)
 
     @property
     def reuse(self) -> float:
@@ -278,6 +281,19 @@ class Matrix:
                 f"{case} + 1", tenant, sess, e.continue_ids(p, out.ids, f"And finally {words(rng, 20)}"), 24
             )
 
+    def after_restart(self) -> None:
+        """The history conversation one turn further on a new engine and a reopened store (its
+        host tier empty): everything it reuses comes from the disk tier, and the answer matches."""
+        e = self.engine
+        tenant = self.served.store.tenant_for(f"{self.row.name}-history")
+        prompt, ids = self.stored[tenant][-1]
+        p = e.continue_ids(prompt, ids, "After the restart, say it once more.")
+        out = self.turn("after restart", tenant, e.session(tenant, "s-restart", 1), p, 16)
+        loaded_from = (out.params or {}).get("loaded_from") or {}
+        if out.loaded_tokens and set(loaded_from) != {"disk"}:
+            self.res.mismatches.append(f"after restart: loaded from {loaded_from}, not the disk tier alone")
+        self.res.restart_loaded = out.loaded_tokens
+
     def hot_load(self, repeats: int = 3) -> None:
         """A long prompt's first token from the store's host tier vs from vLLM's hot prefix cache
         (or, where vLLM keeps none, vs recomputing the prompt)."""
@@ -342,6 +358,12 @@ def run_row(row: Row, quick: bool) -> RowResult:
             m.conversations(2 if quick else 4)
             m.rollback_and_branch()
             m.hot_load()
+            served.store.check()
+            # A whole restart: a new engine, and the store reopened from its data directory.
+            engine.close()
+            served.reopen()
+            engine = m.engine = engine_for(row, served)
+            m.after_restart()
             served.store.check()
             return m.res
         finally:

@@ -44,6 +44,7 @@ def test_model_matrix_row(row: Any) -> None:
     assert not res.mismatches, "\n".join(res.mismatches)
     assert res.turns >= 10
     assert res.reuse >= 0.98, f"reuse {res.reuse:.3f}"
+    assert res.restart_loaded > 0, "the turn after a restart loaded nothing from the disk tier"
     if res.reference == "APC":
         assert res.exact_turns > 0, "no turn compared DSS with APC on the same KV"
         assert res.hot_vs_ref < 20, f"a hot load took {res.hot_vs_ref:.1f}x an APC hit"
