@@ -5,7 +5,7 @@ on its data directory; every acknowledged version must survive unless its user w
 it was sent, nothing may hang or answer 5xx, no answer may differ from a cold recompute beyond
 rounding, no page may fail its checksum, erased users must leave nothing behind.
 
-About two and a half minutes on two cores (two server starts of ~25-45 s and 60 s of traffic).
+About two minutes on two cores (two server starts of ~25-45 s and 40 s of traffic).
 The long campaign is the same script with `--duration-s 1200 --kill-every-s 180`
 (docs/operations.md, "Soak and fault campaign").
 """
@@ -41,8 +41,8 @@ def test_short_soak_with_one_kill(tmp_path: Path) -> None:
         pytest.skip("the default model is not prepared (run `make model` or set DSS_MODEL_DIR)")
     cmd = [
         sys.executable, str(REPO / "bench" / "soak.py"),
-        "--duration-s", "60",
-        "--kill-every-s", "30",
+        "--duration-s", "40",
+        "--kill-every-s", "20",
         "--max-kills", "1",
         "--clients", "3",
         "--erase-weight", "1",
