@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dss.store import Store
 from engine_patch.setup.factory import session_params
-from tests.engine_helpers import Engine, Result, make_conversations, open_store, wait_until, words
+from tests.engine_helpers import Engine, Result, make_conversations, open_store, served_by, wait_until, words
 
 BS = 128  # the CPU backend's default block size
 TOKENS_PER_WORD = 1.15  # measured for `words()` with the SmolLM2 tokenizer
@@ -127,18 +127,6 @@ def computed(turns: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[list[
     """The sequences whose KV DSS stored for these (prompt, output) turns: each one's prompt and
     output but the last sampled token (never computed), as whole pages and a tail page."""
     return [[*p, *o][:-1] for p, o in turns]
-
-
-def served_by(stored: Sequence[Sequence[int]], prompt: Sequence[int]) -> int:
-    """What DSS serves of `prompt` when the tenant stored the KV of the sequences `stored`: the
-    longest prefix it shares with any of them (whole pages, then a tail page or the next whole
-    page, either usable for any prefix of its tokens), leaving at least one token to compute."""
-    best = 0
-    for seq in stored:
-        n = min(len(seq), len(prompt))
-        diff = np.flatnonzero(np.asarray(seq[:n]) != np.asarray(prompt[:n]))
-        best = max(best, int(diff[0]) if len(diff) else n)
-    return min(best, len(prompt) - 1)
 
 
 def apc_reuse(cached: Sequence[Sequence[int]], prompt: Sequence[int]) -> int:

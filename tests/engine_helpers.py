@@ -264,6 +264,18 @@ def make_conversations(n: int, seed: int = 7) -> list[Conversation]:
     return convs
 
 
+def served_by(stored: Sequence[Sequence[int]], prompt: Sequence[int]) -> int:
+    """What DSS serves of `prompt` when the tenant stored the KV of the sequences `stored`: the
+    longest prefix it shares with any of them (whole pages, then a tail page or the next whole
+    page, either usable for any prefix of its tokens), leaving at least one token to compute."""
+    best = 0
+    for seq in stored:
+        n = min(len(seq), len(prompt))
+        diff = np.flatnonzero(np.asarray(seq[:n]) != np.asarray(prompt[:n]))
+        best = max(best, int(diff[0]) if len(diff) else n)
+    return min(best, len(prompt) - 1)
+
+
 def wait_until(predicate: Any, timeout_s: float = 10.0, interval_s: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

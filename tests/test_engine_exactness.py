@@ -32,7 +32,7 @@ import pytest
 from dss.store import Store
 from dss.types import PUBLIC_TENANT
 from engine_patch.connector.fingerprint import frontend_fingerprint
-from tests.engine_helpers import Engine, Result, make_conversations, open_store, words
+from tests.engine_helpers import Engine, Result, make_conversations, open_store, served_by, words
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -104,17 +104,6 @@ def expected_loaded(prev_prompt: list[int], prev_output: list[int], prompt: list
     that turn computed (all but its last sampled token; whole pages and a tail page, each usable
     for any prefix of its tokens), capped so at least one prompt token is left to compute."""
     return served_by([[*prev_prompt, *prev_output][:-1]], prompt)
-
-
-def served_by(stored: list[list[int]], prompt: list[int]) -> int:
-    """What DSS serves of `prompt` when the tenant stored the KV of the sequences `stored`: the
-    longest prefix it shares with any of them, leaving at least one token to compute."""
-    best = 0
-    for seq in stored:
-        n = min(len(seq), len(prompt))
-        diff = np.flatnonzero(np.asarray(seq[:n]) != np.asarray(prompt[:n]))
-        best = max(best, int(diff[0]) if len(diff) else n)
-    return min(best, len(prompt) - 1)
 
 
 def check_turn(

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from dss.store import Store
-from tests.engine_helpers import Engine, model_path, open_store, words
+from tests.engine_helpers import Engine, model_path, open_store, served_by, words
 from tests.tiny_models import SWA_BLOCK_SIZE, SWA_WINDOW, tiny_gemma2
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -115,17 +115,6 @@ def difference(a: Out, b: Out) -> str | None:
         if other not in top or top[own] - top[other] > NEAR_TIE:
             return f"position {k}: {ta} vs {tb}, logprobs {a.top[k]} vs {b.top[k]}"
     return "near-tie"
-
-
-def served_by(stored: Sequence[Sequence[int]], prompt: Sequence[int]) -> int:
-    """What DSS serves of `prompt` when the tenant stored the KV of `stored`: the longest prefix
-    shared with any of them, leaving one token to compute."""
-    best = 0
-    for seq in stored:
-        n = min(len(seq), len(prompt))
-        diff = np.flatnonzero(np.asarray(seq[:n]) != np.asarray(prompt[:n]))
-        best = max(best, int(diff[0]) if len(diff) else n)
-    return min(best, len(prompt) - 1)
 
 
 def user_turn(engine: Engine, prompt: list[int], output: list[int], text: str) -> list[int]:
