@@ -199,3 +199,40 @@ def test_a_load_stays_pinned_until_every_rank_released_it(store: Store) -> None:
     assert store.kv.stats()["leases"] == 1
     store.release(load.load_id, shard=1)
     assert store.kv.stats()["leases"] == 0
+
+
+def test_a_parallel_engines_pages_load_from_disk_after_a_restart(tmp_path: Path) -> None:
+    # Found by the model matrix: after a whole restart a TP=2 engine's async loads from the disk
+    # tier failed ("5 of 5 pages could not be had") on both ranks.
+    s = open_store(tmp_path / "data")
+    fid = s.register_fingerprint(TP_FP)
+    tokens = np.arange(1, 13, dtype=np.int32)
+    plan = s.plan_save(fid, ALICE, tokens, 3)
+    _fill(s, [p.slot for p in plan.pages], 5)
+    s.commit_save(plan.save_id, [0, 1, 2], shard=0)
+    s.commit_save(plan.save_id, [0, 1, 2], shard=1)
+    s.close()
+    s = open_store(tmp_path / "data")
+    try:
+        load = s.begin_load(fid, ALICE, tokens, 0, len(tokens) - 1)
+        assert load is not None and load.is_async and load.n_tokens >= 8
+        # Both ranks wait at once (each engine rank's loader thread), through the RPC.
+        from concurrent.futures import ThreadPoolExecutor
+
+        from dss.rpc import StoreClient
+
+        address, authkey = s.serve_rpc()
+        clients = [StoreClient(address, authkey, timeout_s=10.0) for _ in (0, 1)]
+        with ThreadPoolExecutor(2) as pool:
+            waits = list(pool.map(lambda c: c.wait_loaded(load.load_id, 10.0), clients))
+        for got in waits:
+            assert all(p is not None for p in got), got
+        for c in clients:
+            c.close()
+        for shard in (0, 1):
+            got = s.wait_loaded(load.load_id, 0.0, release=True, shard=shard)
+            assert all(p is not None for p in got), got
+            assert (s.pages.host.slot_array(got[0].slot) == 5).all()  # type: ignore[union-attr,arg-type]
+        assert s.kv.stats()["leases"] == 0
+    finally:
+        s.close()

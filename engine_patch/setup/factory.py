@@ -200,7 +200,17 @@ def build_llm(store_address: str | None, authkey: bytes | None, settings: Engine
     _prepare_environment(settings)
     from vllm import LLM
 
-    return LLM(**engine_kwargs(store_address, authkey, settings))
+    try:
+        return LLM(**engine_kwargs(store_address, authkey, settings))
+    except BaseException:
+        # With in-process workers (VLLM_ENABLE_V1_MULTIPROCESSING=0) vLLM keeps the worker's
+        # connector in a process global that only a clean shutdown clears: after an engine that
+        # failed to start, the next engine in this process would reuse that connector, with the
+        # failed engine's fingerprint and block count.
+        from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+        ensure_kv_transfer_shutdown()
+        raise
 
 
 def async_engine_args(
