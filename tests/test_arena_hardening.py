@@ -446,15 +446,15 @@ def test_the_engine_worker_discards_a_copy_whose_slot_moved_on(store: Store) -> 
         # Between the scheduler's plan and the worker's copy, alice's page is dropped and bob's saved.
         store.kv.forget(store.pages.drop([plan.pages[0].hash]))
         store.put_sequence(fid, store.tenant_for("bob"), bob_tokens, [bob_page])
-        worker._sync_load(LoadSpec("req-a", plan.load_id, (5,), span, False))
+        worker._sync_load(LoadSpec("req-a", plan.load_id, ((5,),), span, False))
         assert block_bytes(5) != bob_page, "another tenant's KV reached the engine's blocks"
         assert worker.get_block_ids_with_load_errors() == {5}  # recomputed, not served
-        assert worker._copy_in(span, (6,)) == 0  # the worker's own check, without the store's
+        assert worker._copy_in(span, ((6,),)) == 0  # the worker's own check, without the store's
         # A slot that did not move on is copied and kept.
         bob_plan = store.kv.begin_load(fid, store.tenant_for("bob"), bob_tokens)
         assert bob_plan is not None
         bob_span = span_of(bob_plan.pages)
-        assert bob_span is not None and worker._copy_in(bob_span, (3,)) == 1
+        assert bob_span is not None and worker._copy_in(bob_span, ((3,),)) == 1
         assert block_bytes(3) == bob_page
         store.kv.release(bob_plan.load_id)
         store.check()
