@@ -7,6 +7,7 @@ of A its sessions continue on B. (Routing through HAProxy: tests/test_router.py.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -123,7 +124,7 @@ def test_a_session_started_on_a_continues_on_b_with_kv_from_redis(cluster: Clust
         assert r2["state_version"] == 2 and r2["parent_version"] == 1 and r2["branch"] == "main"
         dss = r2["dss"]
         # B never saw the session: all but the last few tokens come from the remote tier.
-        assert dss["loaded_from"]["remote"] >= r1["usage"]["prompt_tokens"] - 128, dss
+        assert dss["loaded_from"]["remote"] >= r1["usage"]["prompt_tokens"] - 128, json.dumps(dss)
         assert dss["cached_tokens"] >= r1["usage"]["prompt_tokens"], dss
         # And back on A, which continues from B's version.
         r3 = turn(on_a, "trip", history, "And one in Italy?")
@@ -211,7 +212,7 @@ def test_erasing_on_a_leaves_nothing_on_b_in_redis_or_the_database(
     assert v["verification"]["remnants"] == 0, v
     with cluster.client(cluster.b, "cl-cy") as on_b:
         again = chat(on_b, [SYSTEM, user_msg("Name a colour.")], session_id="gone")
-    assert again["state_version"] == 1 and again["dss"]["loaded_tokens"] == 0, again["dss"]
+    assert again["state_version"] == 1 and again["dss"]["loaded_tokens"] == 0, json.dumps(again["dss"])
 
 
 def test_kill_9_of_a_mid_conversation_continues_on_b(cluster: Cluster) -> None:
@@ -244,4 +245,4 @@ def test_kill_9_of_a_mid_conversation_continues_on_b(cluster: Cluster) -> None:
     with cluster.client(cluster.b, "cl-di") as on_b:
         r = turn(on_b, "long", history, "Name a nut.")
         assert r["state_version"] == 4 and r["parent_version"] == 3  # nothing acknowledged was lost
-        assert r["dss"]["loaded_from"]["remote"] > 0, r["dss"]
+        assert r["dss"]["loaded_from"]["remote"] > 0, json.dumps(r["dss"])
