@@ -235,7 +235,6 @@ class Usage(BaseModel):
 
 
 class TierTokens(BaseModel):
-    device: int = 0
     host: int = 0
     disk: int = 0
     remote: int = 0  # the fleet's shared tier (Redis), when configured

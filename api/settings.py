@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from dss.config import FleetConfig, GiB, RemoteConfig, RetentionConfig, StoreConfig
@@ -85,13 +85,19 @@ class FleetSettings(BaseModel):
         return FleetConfig(**self.model_dump())
 
 
+# Settings that were removed, and why: refused when set (see `StoreSettings`).
+REMOVED_STORE_FIELDS = {
+    "device_capacity_bytes": "the device (GPU) page tier was removed; nothing on the serving path filled it",
+    "device": "the device (GPU) page tier was removed; nothing on the serving path filled it",
+}
+
+
 class StoreSettings(BaseModel):
     data_dir: Path = DEFAULT_DATA_DIR
     db_url: SecretStr | None = None  # default: SQLite in data_dir; may hold a password
     master_key_file: Path | None = None
     host_capacity_bytes: int = Field(default=2 * GiB, ge=MiB)
     disk_capacity_bytes: int = Field(default=20 * GiB, ge=0)
-    device_capacity_bytes: int = Field(default=0, ge=0)
     codec: str = "zstd-byteplane"
     eviction_policy: str = "cost"
     write_through: bool = True
@@ -109,6 +115,17 @@ class StoreSettings(BaseModel):
     quotas: QuotaSettings = QuotaSettings()  # DSS_STORE__QUOTAS__MAX_SESSIONS=...
     retention: RetentionSettings = RetentionSettings()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_removed_fields(cls, data: Any) -> Any:
+        """A removed setting that is still set would otherwise be ignored without a word (the
+        group ignores unknown fields); the server refuses to start instead, naming it."""
+        if isinstance(data, dict):
+            for name, why in REMOVED_STORE_FIELDS.items():
+                if name in data:
+                    raise ValueError(f"DSS_STORE__{name.upper()} is no longer a setting: {why}; unset it")
+        return data
+
     @property
     def resolved_data_dir(self) -> Path:
         return self.data_dir.expanduser().resolve()
@@ -120,7 +137,6 @@ class StoreSettings(BaseModel):
             master_key_file=self.master_key_file.expanduser() if self.master_key_file else None,
             host_capacity_bytes=self.host_capacity_bytes,
             disk_capacity_bytes=self.disk_capacity_bytes,
-            device_capacity_bytes=self.device_capacity_bytes,
             codec=self.codec,
             eviction_policy=self.eviction_policy,
             write_through=self.write_through,

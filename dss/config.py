@@ -60,8 +60,6 @@ class StoreConfig:
     create_master_key: bool = True  # embedded default: generate on first start (with a warning)
     host_capacity_bytes: int = 2 * GiB
     disk_capacity_bytes: int = 20 * GiB
-    device_capacity_bytes: int = 0  # only useful with CUDA
-    device: str | None = None  # "cuda" when available, else "cpu"
     shm_dir: Path | None = None  # where the host tier makes its private directory; default /dev/shm
     codec: str = "zstd-byteplane"
     eviction_policy: str = "cost"

@@ -57,7 +57,6 @@ from dss.pages.eviction import make_policy
 from dss.pages.manager import TieredPages
 from dss.pages.rows import PageRows
 from dss.pages.table import PageTable
-from dss.pages.tiers.device import DeviceTier
 from dss.pages.tiers.disk import DiskTier
 from dss.pages.tiers.host import HostTier
 from dss.pages.tiers.remote import RemoteTier
@@ -138,11 +137,6 @@ class Store:
         self.disk: DiskTier | None = DiskTier(
             cfg.disk_dir, cfg.disk_capacity_bytes, make_codec(cfg.codec), fsync=cfg.fsync
         )
-        self.device = (
-            DeviceTier(cfg.device_capacity_bytes, device=cfg.device)
-            if cfg.device_capacity_bytes > 0
-            else None
-        )
         # The fleet's shared tier; Redis not answering now only makes it unavailable for a while.
         self.remote = RemoteTier(cfg.remote, make_codec(cfg.codec)) if cfg.remote.url else None
         self.index = PrefixIndex()
@@ -153,7 +147,6 @@ class Store:
             PageTable(),
             self.host,
             self.disk,
-            self.device,
             make_policy(cfg.eviction_policy),
             page_rows,
             self.keyring.data_key,
@@ -420,7 +413,6 @@ class Store:
             "capacity_bytes": {
                 Tier.HOST.value: self.host.capacity_bytes,
                 Tier.DISK.value: self.disk.capacity_bytes if self.disk else 0,
-                Tier.DEVICE.value: self.device.capacity_bytes if self.device else 0,
                 Tier.REMOTE.value: self.remote.capacity_bytes if self.remote else 0,
             },
             "hits_pages": {t.value: c.hits_pages[t] for t in Tier},

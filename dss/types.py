@@ -25,7 +25,6 @@ PUBLIC_TENANT = TenantId("public")
 
 
 class Tier(enum.StrEnum):
-    DEVICE = "device"
     HOST = "host"
     DISK = "disk"
     REMOTE = "remote"  # shared by every server of a fleet (Redis); the others are per server
@@ -36,8 +35,8 @@ class Tier(enum.StrEnum):
         return _TIER_RANK[self]
 
 
-_TIER_RANK = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2, Tier.REMOTE: 3}
-TIERS_FAST_TO_SLOW: tuple[Tier, ...] = (Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.REMOTE)
+_TIER_RANK = {Tier.HOST: 0, Tier.DISK: 1, Tier.REMOTE: 2}
+TIERS_FAST_TO_SLOW: tuple[Tier, ...] = (Tier.HOST, Tier.DISK, Tier.REMOTE)
 
 
 @dataclass(frozen=True, slots=True)

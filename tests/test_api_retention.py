@@ -142,7 +142,6 @@ def test_another_users_session_is_404(server: ApiServer) -> None:
 
 def test_warm_promotes_disk_pages_then_evict_demotes_them(alice: httpx.Client) -> None:
     assert resident(alice, "trip") == {
-        "device": 0,
         "host": 0,
         "disk": 12,
         "remote": 0,
@@ -157,12 +156,12 @@ def test_warm_promotes_disk_pages_then_evict_demotes_them(alice: httpx.Client) -
         3,
         12,
     )
-    assert w["resident"] == {"device": 0, "host": 0, "disk": 12, "remote": 0}
+    assert w["resident"] == {"host": 0, "disk": 12, "remote": 0}
     assert w["warming_pages"] + w["already_warming"] == 3
     assert wait_for(lambda: resident(alice, "trip")["host"] == 12)
     r = alice.patch("/v1/sessions/trip", json={"kv_retention": "evict"})
     assert r.status_code == 200 and r.json()["kv_retention"] == "evict"
-    assert resident(alice, "trip") == {"device": 0, "host": 0, "disk": 12, "remote": 0}
+    assert resident(alice, "trip") == {"host": 0, "disk": 12, "remote": 0}
     r = alice.post("/v1/sessions/trip/warm", json={"version": 1})
     assert r.status_code == 202 and r.json()["resident"]["host"] == 0
     assert wait_for(lambda: resident(alice, "trip")["host"] == 12)
@@ -220,7 +219,7 @@ def test_evict_and_warm_a_real_turns_pages(api_server: ApiServer) -> None:
         assert total > 0
         r = c.patch("/v1/sessions/walks", json={"kv_retention": "evict"})
         assert r.status_code == 200, r.text
-        assert resident(c, "walks", v) == {"device": 0, "host": 0, "disk": total, "remote": 0}
+        assert resident(c, "walks", v) == {"host": 0, "disk": total, "remote": 0}
         w = c.post("/v1/sessions/walks/warm").json()
         assert (w["version"], w["tokens"], w["resident"]["disk"]) == (v, total, total)
         assert wait_for(lambda: resident(c, "walks", v)["host"] == total, 30.0)

@@ -98,6 +98,13 @@ def test_settings_come_from_nested_env(monkeypatch: pytest.MonkeyPatch, tmp_path
         Settings()
 
 
+def test_a_removed_setting_still_set_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device tier's settings are gone: set, they would otherwise be ignored without a word."""
+    monkeypatch.setenv("DSS_STORE__DEVICE_CAPACITY_BYTES", str(1 << 30))
+    with pytest.raises(ValueError, match="DSS_STORE__DEVICE_CAPACITY_BYTES is no longer a setting"):
+        Settings()
+
+
 def test_loopback_detection() -> None:
     assert is_loopback_host("127.0.0.1") and is_loopback_host("::1") and is_loopback_host("localhost")
     assert not is_loopback_host("0.0.0.0") and not is_loopback_host("10.1.2.3")
@@ -337,7 +344,7 @@ def test_versions_rollback_and_branches(client: TestClient) -> None:
         (2, 1, "main"),
         (3, 2, "main"),
     ]
-    assert listing[0]["resident"] == {"device": 0, "host": 0, "disk": 0, "remote": 0}
+    assert listing[0]["resident"] == {"host": 0, "disk": 0, "remote": 0}
     v2 = client.get("/v1/sessions/v/versions/2", headers=h).json()
     assert v2["messages"] == [{"role": "user", "content": "v main 1"}] and v2["n_tokens"] == 9
     assert client.get("/v1/sessions/v/versions/9", headers=h).status_code == 404

@@ -135,14 +135,12 @@ def test_evict_moves_the_sessions_host_pages_to_disk_now(store: Store) -> None:
     turn(store, "alice", "trip", a)
     turn(store, "alice", "other", b)
     assert resident(store, "alice", a) == {
-        "device": 0,
         "host": 12,
         "disk": 0,
         "remote": 0,
     }  # only in memory so far
     store.retention.set_hint("alice", "trip", "evict")
     assert resident(store, "alice", a) == {
-        "device": 0,
         "host": 0,
         "disk": 12,
         "remote": 0,
@@ -200,7 +198,7 @@ def test_demotion_that_cannot_write_to_disk_keeps_the_page(tmp_path: Path) -> No
         a = _tokens(1, 2)
         turn(s, "alice", "trip", a)
         s.retention.set_hint("alice", "trip", "evict")  # a disk too small for a page: nothing moves
-        assert resident(s, "alice", a) == {"device": 0, "host": 8, "disk": 0, "remote": 0}
+        assert resident(s, "alice", a) == {"host": 8, "disk": 0, "remote": 0}
         assert s.stats()["disk_full_skips"] == 2
         s.check()
     finally:
@@ -218,7 +216,7 @@ def test_pinned_pages_survive_host_pressure_that_evicts_normal_ones(tmp_path: Pa
         assert {klass(s, h) for h in pages_of(s, "alice", hot)} == {PageClass.PINNED}
         for i in range(6):  # 12 more pages through an 8-page host tier
             turn(s, "alice", f"filler{i}", _tokens(5000 + 100 * i, 2))
-        assert resident(s, "alice", hot) == {"device": 0, "host": 12, "disk": 0, "remote": 0}
+        assert resident(s, "alice", hot) == {"host": 12, "disk": 0, "remote": 0}
         split = resident(s, "alice", cold)
         assert split["host"] < 12 and split["host"] + split["disk"] == 12
         assert s.stats()["pages"]["host"] == 8  # full: the rest were evicted around the pinned ones
@@ -284,10 +282,10 @@ def test_warm_promotes_a_versions_disk_pages_to_host(store: Store) -> None:
     store.retention.set_hint("alice", "trip", "evict")
     plan = store.retention.warm("alice", "trip")
     assert (plan.version, plan.pages, plan.tokens) == (1, 3, 12)
-    assert plan.resident == {"device": 0, "host": 0, "disk": 12, "remote": 0}
+    assert plan.resident == {"host": 0, "disk": 12, "remote": 0}
     assert plan.warming_pages + plan.already_warming == 3
     assert store.retention.idle(10)
-    assert resident(store, "alice", a) == {"device": 0, "host": 12, "disk": 12, "remote": 0}
+    assert resident(store, "alice", a) == {"host": 12, "disk": 12, "remote": 0}
     again = store.retention.warm("alice", "trip", version=1)
     assert (again.warming_pages, again.resident["host"]) == (0, 12)  # nothing left to warm
     assert store.stats()["retention"]["warmed_pages"] == 3

@@ -25,7 +25,7 @@ def test_put_load_reopen_from_disk(tmp_path):
     assert n == 20 and got == pages
     store.flush()
     # Every tier counts what it holds: the write-through copies on disk too.
-    assert store.residency(fid, alice, tokens) == {"device": 0, "host": 20, "disk": 20, "remote": 0}
+    assert store.residency(fid, alice, tokens) == {"host": 20, "disk": 20, "remote": 0}
     store.check()
     store.close()
 
@@ -105,29 +105,6 @@ def test_second_owner_refused(tmp_path):
             open_store(tmp_path)
     finally:
         store.close()
-
-
-def test_device_tier_promotes_on_hit_and_demotes_under_pressure(tmp_path):
-    # the device tier on the CPU device: same code path as CUDA, without the GPU
-    store = open_store(
-        tmp_path, device_capacity_bytes=2 * SMALL_FP.page_nbytes, device="cpu", write_through=False
-    )
-    fid = store.register_fingerprint(SMALL_FP)
-    t = store.tenant_for("alice")
-    tokens = np.arange(1, 13, dtype=np.int32)  # 3 pages
-    pages = pages_for(SMALL_FP, tokens)
-    store.put_sequence(fid, t, tokens, pages)
-    hashes = store.match(fid, t, tokens).pages
-    for h, expected in zip(hashes, pages, strict=True):
-        tensor = store.pages.promote_to_device(h, [])
-        assert tensor is not None and bytes(tensor.cpu().numpy().tobytes()) == expected
-    counts = store.pages.page_counts()
-    assert counts[Tier.DEVICE] == 2 and counts[Tier.HOST] == 3
-    assert store.pages.counters.evictions[Tier.DEVICE] == 1
-    # The device copies keep their host copies: each tier counts what it holds.
-    assert store.residency(fid, t, tokens) == {"device": 8, "host": 12, "disk": 0, "remote": 0}
-    store.check()
-    store.close()
 
 
 def test_a_new_data_directory_is_private_to_its_owner(tmp_path):

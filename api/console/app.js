@@ -5,7 +5,7 @@
 const store = window.sessionStorage;
 const $ = (id) => document.getElementById(id);
 const SVG = "http://www.w3.org/2000/svg";
-const TIERS = ["device", "host", "disk", "remote"];
+const TIERS = ["host", "disk", "remote"];
 
 // ------------------------------------------------------------------------------------ API
 function credentials() {

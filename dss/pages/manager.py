@@ -1,7 +1,7 @@
 """The tier manager: moving page bytes between the tiers, without holding a lock while doing it.
 
 Policy across the tier backends (which know nothing of each other): promotion on hit (remote or
-disk → host → device), write-behind of committed pages to the remote tier (Redis, shared by a
+disk → host), write-behind of committed pages to the remote tier (Redis, shared by a
 fleet; it is self-indexing, so its copies are not tracked here: a page the table lists as `REMOTE`
 only is one a lookup found there, about to be promoted), demotion under pressure (host → disk
 first: write-back), write-through of committed pages (called by `dss.ops.writeback`), pins for hot
@@ -26,7 +26,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from dss.errors import CapacityError, CorruptPage, KeyDestroyed, PageMissing, StorageError, TierUnavailable
 from dss.pages.encoder import PageCodecProcess
@@ -35,7 +34,6 @@ from dss.pages.meta import PageMeta
 from dss.pages.pagefile import encode_page
 from dss.pages.rows import PageRows
 from dss.pages.table import Held, PageEntry, PageTable
-from dss.pages.tiers.device import DeviceTier
 from dss.pages.tiers.disk import DiskTier
 from dss.pages.tiers.host import HostTier
 from dss.pages.tiers.remote import RemoteTier
@@ -83,7 +81,6 @@ class TieredPages:
         table: PageTable,
         host: HostTier,
         disk: DiskTier | None,
-        device: DeviceTier | None,
         policy: EvictionPolicy,
         rows: PageRows,
         data_key: DataKeyLookup,
@@ -94,7 +91,6 @@ class TieredPages:
         self.remote = remote
         self.host = host
         self.disk = disk
-        self.device = device
         self.policy = policy
         self.rows = rows
         self._data_key = data_key
@@ -118,7 +114,6 @@ class TieredPages:
         return {
             Tier.HOST: self.host.used_bytes,
             Tier.DISK: self.disk.used_bytes if self.disk else 0,
-            Tier.DEVICE: self.device.used_bytes if self.device else 0,
             Tier.REMOTE: 0,  # shared by the fleet: `RemoteTier.stats()` reads it from Redis
         }
 
@@ -464,41 +459,6 @@ class TieredPages:
                 log.warning("page codec process failed (%s); decoding in this process", exc)
         disk.read(page, key, out=self.host.slot_array(ref))
 
-    def promote_to_device(self, page: PageHash, gone: list[PageHash]) -> Any | None:
-        """The page as a tensor in the device tier. None when there is no device tier or the
-        page cannot be had."""
-        if self.device is None:
-            return None
-        e = self.table.get(page)
-        if e is not None and Tier.DEVICE in e.tiers:
-            self.counters.count("hits_pages", Tier.DEVICE)
-            return self.device.get(page)
-        if self.promote_to_host(page, gone) is None:
-            return None
-        claimed = self.table.claim(page, lambda x: Tier.HOST in x.tiers and Tier.DEVICE not in x.tiers)
-        if claimed is None or claimed.host_ref is None:
-            e = self.table.get(page)
-            return self.device.get(page) if e is not None and Tier.DEVICE in e.tiers else None
-        data = self.host.slot_array(claimed.host_ref)
-        ok = False
-        try:
-            try:
-                self.device.put(page, data)
-            except CapacityError:
-                self._make_room_device(claimed.meta.nbytes, gone)
-                self.device.put(page, data)
-            ok = True
-        except CapacityError:
-            pass
-        doomed = self.table.settle(page, (lambda x: x.tiers.add(Tier.DEVICE)) if ok else None)
-        if doomed is not None:
-            self._destroy([doomed], extra_device=ok)
-            return None
-        if not ok:
-            return None
-        self.counters.count("promotions", Tier.DEVICE)
-        return self.device.get(page)
-
     # ------------------------------------------------------------------ demotion on request
     def demote_to_disk(self, pages: Iterable[PageHash], gone: list[PageHash]) -> int:
         """Move these pages off the host tier onto the disk tier (written back first when only
@@ -605,39 +565,6 @@ class TieredPages:
         self.counters.count("evictions", Tier.DISK, len(victims))
         gone.extend(v.meta.hash for v in victims)
 
-    def _make_room_device(self, nbytes: int, gone: list[PageHash]) -> None:
-        """Demote device pages to the host tier (copying down first when only the device has it)."""
-        device = self.device
-        assert device is not None
-        need = nbytes - (device.capacity_bytes - device.used_bytes)
-        if need <= 0:
-            return
-        victims = self.table.pick_victims(lambda e: Tier.DEVICE in e.tiers, self.policy, need, _raw_size)
-        for v in victims:
-            ref: SlotRef | None = None
-            if Tier.HOST not in v.tiers:
-                try:
-                    ref = self.reserve_host(v.meta.nbytes, gone)
-                    self.host.slot_array(ref)[:] = device.get(v.meta.hash).cpu().numpy().reshape(-1)
-                except CapacityError:
-                    ref = None
-
-            def off_device(e: PageEntry, ref: SlotRef | None = ref) -> None:
-                e.tiers.discard(Tier.DEVICE)
-                if ref is not None:
-                    e.tiers.add(Tier.HOST)
-                    e.host_ref = ref
-
-            ended = self.table.settle(v.meta.hash, off_device)
-            device.delete(v.meta.hash)
-            self.counters.count("evictions", Tier.DEVICE)
-            if ended is not None:
-                if ref is not None and ended.host_ref != ref:
-                    self.host.release(ref)
-                ended.tiers.discard(Tier.DEVICE)
-                self._destroy([ended])
-                gone.append(v.meta.hash)
-
     # ------------------------------------------------------------------ dropping
     def drop(self, pages: Iterable[PageHash]) -> list[PageHash]:
         """Remove pages from every tier now (pages being moved go when their move settles).
@@ -661,7 +588,6 @@ class TieredPages:
         self,
         entries: list[PageEntry],
         extra_disk: bool = False,
-        extra_device: bool = False,
         rows_deleted: bool = False,
     ) -> None:
         """Delete the copies of entries that are out of the table: database rows first, then
@@ -675,8 +601,6 @@ class TieredPages:
                     self._free_page_slot(e.meta.hash, e.serial, e.host_ref)
                 if self.disk is not None and (extra_disk or Tier.DISK in e.tiers):
                     self.disk.delete(e.meta.hash)
-                if self.device is not None and (extra_device or Tier.DEVICE in e.tiers):
-                    self.device.delete(e.meta.hash)
         finally:
             self.table.deleted(e.meta.hash for e in entries)
 
@@ -710,8 +634,6 @@ class TieredPages:
                 if e.host_ref in refs:
                     raise AssertionError(f"page {name} shares its host slot")
                 refs.add(e.host_ref)
-            if Tier.DEVICE in e.tiers and (self.device is None or not self.device.contains(e.meta.hash)):
-                raise AssertionError(f"page {name} missing from device tier")
             if Tier.DISK in e.tiers and (self.disk is None or not self.disk.contains(e.meta.hash)):
                 raise AssertionError(f"page {name} missing from disk tier")
         expected = refs | set(reserved_elsewhere) | set(self.table.parked_slots())
