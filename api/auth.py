@@ -29,7 +29,7 @@ from typing import Any, cast
 from sqlalchemy import CursorResult, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from dss.db.engine import transaction
+from dss.db.connect import transaction
 from dss.db.models import ApiKeyRow
 from dss.errors import InvalidInput
 from dss.inputs import check_user_id

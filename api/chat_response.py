@@ -21,7 +21,7 @@ from api.errors import ApiError, BadRequest, response_for
 from api.schemas import AssistantMessage, ChatCompletion, Choice
 from api.state import AppState
 from api.turns import Answer, Prepared, Turn, answer, commit, dss_info, events, generate_all, prepare, usage
-from dss.dialogue.turns import Committed
+from dss.dialogue.turn_commits import Committed
 from dss.errors import DSSError
 
 _SESSION_KEYS = ("session_id", "state_version", "parent_version", "branch")

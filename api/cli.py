@@ -255,7 +255,7 @@ def keys_create(
 ) -> None:
     """Create an API key and print it (once)."""
     from api.auth import ApiKeys
-    from dss.db.engine import make_engine, make_session_factory, upgrade_to_head
+    from dss.db.connect import make_engine, make_session_factory, upgrade_to_head
     from dss.errors import InvalidInput
 
     if user is None and not admin:
@@ -278,7 +278,7 @@ def keys_create(
 def keys_list(data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
     """List keys (ids and owners; never the secrets)."""
     from api.auth import ApiKeys
-    from dss.db.engine import make_engine, make_session_factory, upgrade_to_head
+    from dss.db.connect import make_engine, make_session_factory, upgrade_to_head
 
     url = _db_url(data_dir, db_url)
     upgrade_to_head(url)
@@ -295,7 +295,7 @@ def keys_list(data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
 def keys_revoke(key_id: str, data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
     """Revoke a key by id (a running server stops accepting it within its key cache TTL)."""
     from api.auth import ApiKeys
-    from dss.db.engine import make_engine, make_session_factory, upgrade_to_head
+    from dss.db.connect import make_engine, make_session_factory, upgrade_to_head
 
     url = _db_url(data_dir, db_url)
     upgrade_to_head(url)

@@ -1,6 +1,6 @@
 """The OpenAI Responses API on DSS versions: request bodies, the response object, its stream.
 
-A stored response is a version of a session (`dss.dialogue.responses`): one session per chain,
+A stored response is a version of a session (`dss.dialogue.response_store`): one session per chain,
 `previous_response_id` continues a response's version, and continuing an older one than the
 newest forks a branch. So responses survive restarts, their KV cache is served from the store on
 the next turn, and they are erased with their user. `store: false` answers without keeping
@@ -33,8 +33,8 @@ from api.openai_fields import check_fields
 from api.schemas import join_text
 from api.state import AppState
 from api.turns import Answer, Prepared, Turn, answer, commit, dss_info, events, generate_all, prepare
-from dss.dialogue.responses import ResponseRecord, new_response_id
-from dss.dialogue.turns import Committed, add_response
+from dss.dialogue.response_store import ResponseRecord, new_response_id
+from dss.dialogue.turn_commits import Committed, add_response
 from dss.errors import DSSError
 from dss.jsonlimits import JsonLimits, check_items, check_json
 

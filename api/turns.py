@@ -22,7 +22,7 @@ from api.engine import ChatEngine, Delta, Finished, Sampling
 from api.schemas import DssInfo, GenerationParams, PromptTokensDetails, TierTokens, Usage
 from api.settings import LimitsSettings
 from api.state import AppState
-from dss.dialogue.turns import Committed, TurnTarget, check_text, commit_alternatives
+from dss.dialogue.turn_commits import Committed, TurnTarget, check_text, commit_alternatives
 from dss.errors import LimitExceeded
 from dss.index.hashing import TOKEN_DTYPE
 from dss.jsonlimits import check_items, check_json

@@ -93,7 +93,7 @@ def free_port() -> int:
 
 def make_keys(data_dir: Path, n: int, admin: bool = False) -> list[str]:
     from api.auth import ApiKeys
-    from dss.db.engine import make_engine, make_session_factory, sqlite_url_for, upgrade_to_head
+    from dss.db.connect import make_engine, make_session_factory, sqlite_url_for, upgrade_to_head
 
     url = sqlite_url_for(data_dir)
     upgrade_to_head(url)

@@ -24,7 +24,7 @@ from typing import Any
 
 from sqlalchemy import event, func, select
 
-from dss.db.engine import make_engine, make_session_factory, sqlite_url_for, transaction, upgrade_to_head
+from dss.db.connect import make_engine, make_session_factory, sqlite_url_for, transaction, upgrade_to_head
 from dss.db.models import VersionRow
 from dss.dialogue.versions import VersionStore
 

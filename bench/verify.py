@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dss.config import StoreConfig
-from dss.db.engine import transaction
+from dss.db.connect import transaction
 from dss.db.models import ErasureReceiptRow
 from dss.namespace import ModelFingerprint
 from dss.ops.receipt_chain import GENESIS, entry_hash

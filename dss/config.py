@@ -83,7 +83,7 @@ class StoreConfig:
 
     @property
     def resolved_db_url(self) -> str:
-        from dss.db.engine import sqlite_url_for
+        from dss.db.connect import sqlite_url_for
 
         return self.db_url or sqlite_url_for(self.data_dir)
 

@@ -4,7 +4,7 @@ Exactly one process owns a data directory (an exclusive lock in `run/owner.lock`
 with one job and its own leaf lock (see each module; no lock is ever held while another is taken):
 
 - `versions` (`dss.dialogue.versions`): sessions, versions, branches, in the metadata database;
-- `responses` (`dss.dialogue.responses`): stored Responses API responses, each holding a version;
+- `responses` (`dss.dialogue.response_store`): stored Responses API responses, each holding a version;
 - `index` (`dss.index.prefix_index`): a radix trie per namespace (model fingerprint + tenant);
 - `pages` (`dss.pages.manager` over `dss.pages.table`): the page table and the tiers;
 - `kv` (`dss.ops.kv`): loads, saves and leases for engines, with the disk writer;
@@ -32,8 +32,8 @@ import numpy as np
 from sqlalchemy import Engine
 
 from dss.config import StoreConfig
-from dss.db.engine import is_sqlite_file, make_engine, make_session_factory, upgrade_to_head
-from dss.dialogue.responses import ResponseStore
+from dss.db.connect import is_sqlite_file, make_engine, make_session_factory, upgrade_to_head
+from dss.dialogue.response_store import ResponseStore
 from dss.dialogue.versions import VersionStore
 from dss.errors import DataDirInUse, StoreClosed
 from dss.files import try_lock_exclusive

@@ -13,7 +13,7 @@ from logging.config import fileConfig
 from alembic import context
 from sqlalchemy import Connection, text
 
-from dss.db.engine import make_engine
+from dss.db.connect import make_engine
 from dss.db.models import Base
 
 config = context.config

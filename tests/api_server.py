@@ -221,7 +221,7 @@ class ApiServer:
         if cached is not None:
             return cached
         from api.auth import ApiKeys
-        from dss.db.engine import make_engine, make_session_factory, sqlite_url_for, upgrade_to_head
+        from dss.db.connect import make_engine, make_session_factory, sqlite_url_for, upgrade_to_head
 
         # The server's database: its own SQLite file, or the fleet's PostgreSQL (several servers).
         url = self.extra_env.get("DSS_STORE__DB_URL") or sqlite_url_for(self.data_dir)

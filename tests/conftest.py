@@ -20,7 +20,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from dss.db.engine import make_engine, make_session_factory, upgrade_to_head
+from dss.db.connect import make_engine, make_session_factory, upgrade_to_head
 
 DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 

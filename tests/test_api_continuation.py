@@ -13,7 +13,7 @@ import pytest
 from api.engine import ChatEngine
 from api.schemas import ChatCompletionRequest
 from api.turns import Turn, prompt_for
-from dss.dialogue.turns import TurnTarget
+from dss.dialogue.turn_commits import TurnTarget
 from dss.dialogue.versions import VersionInfo
 from dss.types import FingerprintId, SessionId, UserId
 from tests.api_server import model_dir

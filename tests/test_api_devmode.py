@@ -26,7 +26,7 @@ from api.auth import ADMIN_USER, ApiKeys, hash_key
 from api.cli import main as cli
 from api.settings import Settings, load_settings
 from api.state import AppState
-from dss.db.engine import make_engine, make_session_factory, sqlite_url_for, transaction, upgrade_to_head
+from dss.db.connect import make_engine, make_session_factory, sqlite_url_for, transaction, upgrade_to_head
 from dss.db.models import ApiKeyRow
 from tests.api_server import ApiServer
 

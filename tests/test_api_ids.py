@@ -32,7 +32,7 @@ from api.auth import ApiKeys, Principal, hash_key
 from api.cli import main as cli
 from api.errors import response_for
 from api.settings import Settings, load_settings
-from dss.db.engine import make_engine, make_session_factory, sqlite_url_for, transaction, upgrade_to_head
+from dss.db.connect import make_engine, make_session_factory, sqlite_url_for, transaction, upgrade_to_head
 from dss.db.models import ApiKeyRow, ErasureReceiptRow
 from dss.dialogue.versions import VersionStore
 from dss.errors import InvalidSessionId, InvalidUserId

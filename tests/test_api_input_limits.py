@@ -19,9 +19,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
 from api.errors import BadRequest
-from dss.db.engine import transaction
+from dss.db.connect import transaction
 from dss.db.models import SessionRow
-from dss.dialogue.responses import ResponseRecord, ResponseStore, new_response_id
+from dss.dialogue.response_store import ResponseRecord, ResponseStore, new_response_id
 from dss.dialogue.versions import VersionStore
 from dss.errors import JsonTooDeep, JsonTooLarge
 from dss.jsonlimits import MAX_SERVABLE_DEPTH, JsonLimits, check_json, json_depth

@@ -21,7 +21,7 @@ from api.errors import response_for, store_error_status
 from api.settings import Settings, is_loopback_host, load_settings
 from api.state import AppState
 from dss import errors as e
-from dss.db.engine import make_engine, make_session_factory, sqlite_url_for, upgrade_to_head
+from dss.db.connect import make_engine, make_session_factory, sqlite_url_for, upgrade_to_head
 from dss.namespace import make_namespace
 from dss.store import Store
 from dss.types import FingerprintId, TenantId

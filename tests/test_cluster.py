@@ -187,7 +187,7 @@ def test_erasing_on_a_leaves_nothing_on_b_in_redis_or_the_database(
     assert client.scard(f"{cluster.prefix}t:{tenant}") == 0
     # Nothing of the user in the shared database.
     from dss.db import models as m
-    from dss.db.engine import make_engine, make_session_factory
+    from dss.db.connect import make_engine, make_session_factory
 
     engine = make_engine(module_pg_url)
     try:

@@ -12,7 +12,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
 
-from dss.db.engine import (
+from dss.db.connect import (
     current_revision,
     make_engine,
     make_session_factory,
@@ -153,7 +153,7 @@ def test_transaction_rolls_back_on_error(sqlite_url: str) -> None:
 
 def test_concurrent_upgrades_from_several_processes_agree(db_url: str) -> None:
     # Several servers starting at once against one database: one migrates, the rest find head.
-    code = "import sys; from dss.db.engine import upgrade_to_head; upgrade_to_head(sys.argv[1])"
+    code = "import sys; from dss.db.connect import upgrade_to_head; upgrade_to_head(sys.argv[1])"
     procs = [
         subprocess.Popen([sys.executable, "-c", code, db_url], stderr=subprocess.PIPE, text=True)
         for _ in range(3)
@@ -167,7 +167,7 @@ def test_concurrent_upgrades_from_several_processes_agree(db_url: str) -> None:
 def test_0002_upgrades_a_0001_database_with_data_in_it(db_url: str) -> None:
     from alembic import command
 
-    from dss.db.engine import alembic_config
+    from dss.db.connect import alembic_config
 
     command.upgrade(alembic_config(db_url), "0001")
     assert current_revision(db_url) == "0001"
@@ -192,7 +192,7 @@ def test_0003_rekeys_sessions_per_user_and_keeps_every_version(db_url: str) -> N
 
     from alembic import command
 
-    from dss.db.engine import alembic_config
+    from dss.db.connect import alembic_config
     from dss.dialogue.versions import VersionStore
 
     command.upgrade(alembic_config(db_url), "0002")
@@ -256,7 +256,7 @@ def test_0003_rekeys_sessions_per_user_and_keeps_every_version(db_url: str) -> N
 def test_0006_gives_page_rows_a_server_and_a_store_adopts_them(db_url: str) -> None:
     from alembic import command
 
-    from dss.db.engine import alembic_config
+    from dss.db.connect import alembic_config
     from dss.pages.rows import PageRows
     from tests.store_helpers import seed_one_version
 

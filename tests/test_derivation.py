@@ -79,7 +79,7 @@ def _old_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, obj
         assert store.flush()
         store.close()
     # The old code had no derivation version in store_meta.
-    from dss.db.engine import make_engine, make_session_factory, sqlite_url_for
+    from dss.db.connect import make_engine, make_session_factory, sqlite_url_for
 
     engine = make_engine(sqlite_url_for(tmp_path / "data"))
     with make_session_factory(engine).begin() as s:

@@ -23,7 +23,7 @@ from sqlalchemy import event, func, select
 
 from dss.config import FleetConfig, StoreConfig
 from dss.db.models import DataKey, PageRow, ResponseRow, SessionRow, VersionRow
-from dss.dialogue.responses import ResponseRecord, new_response_id
+from dss.dialogue.response_store import ResponseRecord, new_response_id
 from dss.errors import ConflictError, NotFoundError, UserErased
 from dss.ops.erasure import ErasureReceipt
 from dss.store import Store

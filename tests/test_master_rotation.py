@@ -15,7 +15,7 @@ from sqlalchemy import create_engine, select, text
 from typer.testing import CliRunner
 
 from dss.config import StoreConfig
-from dss.db.engine import SQLITE_FILENAME
+from dss.db.connect import SQLITE_FILENAME
 from dss.db.models import DataKey
 from dss.errors import DataDirInUse, WrongMasterKey
 from dss.keys import rotation

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from sqlalchemy import select, text
 
-from dss.db.engine import SQLITE_FILENAME
+from dss.db.connect import SQLITE_FILENAME
 from dss.db.models import PageRow
 from tests.store_helpers import SMALL_FP, open_store, pages_for
 

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.app import create_app
 from api.auth import ApiKeys
 from api.settings import load_settings
-from dss.db.engine import make_engine, make_session_factory, sqlite_url_for, upgrade_to_head
+from dss.db.connect import make_engine, make_session_factory, sqlite_url_for, upgrade_to_head
 from dss.dialogue.quotas import Quotas
 from dss.dialogue.versions import VersionStore
 from dss.errors import QuotaExceeded

@@ -17,9 +17,9 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import text, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from dss.db.engine import current_revision, make_engine, make_session_factory, transaction, upgrade_to_head
+from dss.db.connect import current_revision, make_engine, make_session_factory, transaction, upgrade_to_head
 from dss.db.models import Base, ResponseRow
-from dss.dialogue.responses import (
+from dss.dialogue.response_store import (
     Deleted,
     Descendants,
     ResponseRecord,
@@ -483,7 +483,7 @@ def test_check_reports_broken_chains(st: Stores, session_factory: sessionmaker[S
 def test_0005_upgrades_a_0004_database_with_data_in_it(db_url: str) -> None:
     from alembic import command
 
-    from dss.db.engine import alembic_config
+    from dss.db.connect import alembic_config
 
     command.upgrade(alembic_config(db_url), "0004")
     engine = make_engine(db_url)
@@ -514,7 +514,7 @@ def test_0005_upgrades_a_0004_database_with_data_in_it(db_url: str) -> None:
 def test_long_chains_and_subtrees_cross_the_in_list_chunks(
     st: Stores, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import dss.dialogue.responses as responses_module
+    import dss.dialogue.response_store as responses_module
     import dss.dialogue.versions as versions_module
 
     monkeypatch.setattr(responses_module, "_IN_CHUNK", 2)

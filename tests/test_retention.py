@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dss.config import RetentionConfig
-from dss.db.engine import current_revision, make_engine, make_session_factory, upgrade_to_head
+from dss.db.connect import current_revision, make_engine, make_session_factory, upgrade_to_head
 from dss.dialogue.versions import VersionStore
 from dss.errors import InvalidInput, LimitExceeded, PinnedCapExceeded, SessionNotFound, VersionNotFound
 from dss.ops.retention import KEEP
@@ -348,7 +348,7 @@ def test_deleting_and_erasing_forget_the_session(store: Store) -> None:
 def test_0004_upgrades_a_0003_database_with_data_in_it(db_url: str) -> None:
     from alembic import command
 
-    from dss.db.engine import alembic_config
+    from dss.db.connect import alembic_config
 
     command.upgrade(alembic_config(db_url), "0003")
     engine = make_engine(db_url)
@@ -505,7 +505,7 @@ def test_a_refresh_matches_branch_heads_and_orphan_leaves_only(tmp_path: Path) -
 def test_sessions_updated_at_is_indexed(tmp_path: Path) -> None:
     from sqlalchemy import inspect
 
-    from dss.db.engine import sqlite_url_for
+    from dss.db.connect import sqlite_url_for
 
     url = sqlite_url_for(tmp_path / "db")
     upgrade_to_head(url)

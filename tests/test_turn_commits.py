@@ -11,8 +11,8 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.dialogue.quotas import Quotas
-from dss.dialogue.responses import ResponseRecord, ResponseStore, new_response_id
-from dss.dialogue.turns import (
+from dss.dialogue.response_store import ResponseRecord, ResponseStore, new_response_id
+from dss.dialogue.turn_commits import (
     TurnTarget,
     add_response,
     commit_alternatives,

@@ -195,7 +195,7 @@ def test_messages_are_stored_once_and_rebuilt(
 ) -> None:
     from sqlalchemy import select
 
-    from dss.db.engine import transaction
+    from dss.db.connect import transaction
     from dss.db.models import VersionRow
 
     store.create_session(ALICE, "long")

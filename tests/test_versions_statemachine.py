@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from sqlalchemy.orm import Session, sessionmaker
 
-from dss.db.engine import make_engine, make_session_factory, upgrade_to_head
+from dss.db.connect import make_engine, make_session_factory, upgrade_to_head
 from dss.dialogue.versions import VersionStore
 from dss.errors import (
     BranchExists,

@@ -18,7 +18,7 @@ from api.errors import BadRequest, error_responses
 from api.openai_fields import check_fields
 from api.schemas import ChatCompletion, ChatCompletionRequest
 from api.turns import Turn, admitted_epoch, check_limits
-from dss.dialogue.turns import chat_target
+from dss.dialogue.turn_commits import chat_target
 from dss.errors import ModelNotFound
 
 router = APIRouter(tags=["chat"])

@@ -1,6 +1,6 @@
 """The OpenAI Responses API: create, retrieve, delete, list a response's input items.
 
-Each stored response is a version (`api.responses`, `dss.dialogue.responses`): durable,
+Each stored response is a version (`api.responses`, `dss.dialogue.response_store`): durable,
 branchable (`previous_response_id` naming an older response forks), erased with its user.
 """
 
@@ -26,7 +26,7 @@ from api.responses import (
 from api.schemas import GenerationParams
 from api.state import AppState
 from api.turns import Turn, admitted_epoch, check_limits
-from dss.dialogue.turns import response_target
+from dss.dialogue.turn_commits import response_target
 from dss.errors import ModelNotFound
 
 router = APIRouter(tags=["responses"])

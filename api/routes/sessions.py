@@ -27,7 +27,7 @@ from api.schemas import (
 )
 from api.state import AppState
 from api.turns import Turn, admitted_epoch
-from dss.dialogue.turns import message_target
+from dss.dialogue.turn_commits import message_target
 from dss.dialogue.versions import SessionInfo
 from dss.errors import ModelNotFound, SessionNotFound
 from dss.ops.retention import KEEP

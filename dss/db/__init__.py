@@ -4,7 +4,7 @@ Import rules: depends only on SQLAlchemy/Alembic and `dss.types`/`dss.errors`; s
 `dss.dialogue.versions` build on it, never the other way round.
 """
 
-from dss.db.engine import (
+from dss.db.connect import (
     current_revision,
     make_engine,
     make_session_factory,

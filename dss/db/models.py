@@ -164,7 +164,7 @@ class VersionRow(Base):
 
 class ResponseRow(Base):
     """A stored OpenAI Responses API response: the version it committed and what the API returns
-    for it (`dss.dialogue.responses`). Keyed by its globally unique id (`resp_` + 48 random hex
+    for it (`dss.dialogue.response_store`). Keyed by its globally unique id (`resp_` + 48 random hex
     digits); every lookup also names the owner, so another user's id reads as missing."""
 
     __tablename__ = "responses"

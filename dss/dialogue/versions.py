@@ -16,7 +16,7 @@ raises `SessionNotFound`, exactly like a missing one.
 Versions are never renumbered: `delete_subtree` removes a version with all its descendants (the
 Responses API's cascading DELETE), which leaves gaps below `version_count`; new commits still take
 `version_count + 1`, so a deleted number never names another version later. This store owns every
-row keyed by a session, the stored responses (`dss.dialogue.responses`) included: deleting a
+row keyed by a session, the stored responses (`dss.dialogue.response_store`) included: deleting a
 session, a user's sessions or a version subtree deletes the responses that hold those versions.
 """
 
@@ -48,7 +48,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
-from dss.db.engine import transaction
+from dss.db.connect import transaction
 from dss.db.models import BranchRow, ResponseRow, SessionRow, VersionRow, utcnow
 from dss.dialogue.history import prefix_digests, rebuild, stored_form
 from dss.dialogue.quotas import Quotas, check_commit_quota, check_session_quota

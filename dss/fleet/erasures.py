@@ -36,7 +36,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from dss.db.engine import transaction
+from dss.db.connect import transaction
 from dss.db.models import ErasureAckRow, ErasureReceiptRow, ServerRow
 from dss.types import TenantId
 

@@ -29,7 +29,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from dss.db.engine import transaction
+from dss.db.connect import transaction
 from dss.db.models import SERVER_ID_LEN, ErasureReceiptRow, ServerRow
 
 log = logging.getLogger("dss.fleet")

@@ -22,7 +22,7 @@ from sqlalchemy import CursorResult, delete, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from dss.db.engine import transaction
+from dss.db.connect import transaction
 from dss.db.models import DataKey, ErasureReceiptRow
 from dss.errors import KeyDestroyed
 from dss.keys.crypto import KeyManager

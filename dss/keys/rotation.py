@@ -31,7 +31,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.config import StoreConfig
-from dss.db.engine import make_engine, make_session_factory, transaction, upgrade_to_head
+from dss.db.connect import make_engine, make_session_factory, transaction, upgrade_to_head
 from dss.db.models import DataKey, ServerRow, StoreMeta
 from dss.errors import DataDirInUse, WrongMasterKey
 from dss.files import try_lock_exclusive

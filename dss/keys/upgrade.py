@@ -31,7 +31,7 @@ from sqlalchemy import CursorResult, delete, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from dss.db.engine import transaction
+from dss.db.connect import transaction
 from dss.db.meta import meta_get
 from dss.db.models import (
     ApiKeyRow,

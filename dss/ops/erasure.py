@@ -46,7 +46,7 @@ from sqlalchemy import CursorResult, Engine, delete, func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.db import models as m
-from dss.db.engine import transaction
+from dss.db.connect import transaction
 from dss.dialogue.versions import VersionStore
 from dss.errors import ReceiptNotFound, TierUnavailable
 from dss.fleet.erasures import (

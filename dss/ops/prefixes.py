@@ -13,7 +13,7 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from dss.db.engine import transaction
+from dss.db.connect import transaction
 from dss.db.models import PublicPrefixRow
 from dss.errors import InvalidInput, PrefixNotFound
 from dss.index.fingerprints import FingerprintRegistry

@@ -42,7 +42,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from dss.db.engine import transaction
+from dss.db.connect import transaction
 from dss.db.models import ChainCheckpointRow, ErasureReceiptRow
 from dss.keys.identity import Identity
 

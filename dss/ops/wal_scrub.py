@@ -24,7 +24,7 @@ import time
 
 from sqlalchemy import Connection, Engine
 
-from dss.db.engine import BUSY_TIMEOUT_MS
+from dss.db.connect import BUSY_TIMEOUT_MS
 
 log = logging.getLogger("dss.erasure")
 _ATTEMPTS = 5

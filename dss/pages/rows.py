@@ -27,7 +27,7 @@ from sqlalchemy import CursorResult, delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from dss.db.engine import transaction
+from dss.db.connect import transaction
 from dss.db.models import PageRow
 from dss.derive import encode_fields
 from dss.errors import CorruptPage

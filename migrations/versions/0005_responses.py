@@ -1,6 +1,6 @@
 """stored OpenAI Responses API responses, each holding the version it committed
 
-A new table `responses` (see `dss.dialogue.responses`): a response's id, its owner and session,
+A new table `responses` (see `dss.dialogue.response_store`): a response's id, its owner and session,
 the version it committed, the response it continues (`previous_response_id`), and what the API
 returns for it (model, status, instructions, input items, output items, usage, parameters). Rows
 go with their session and with their version (both foreign keys cascade; the store also deletes

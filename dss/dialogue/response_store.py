@@ -47,7 +47,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
-from dss.db.engine import transaction
+from dss.db.connect import transaction
 from dss.db.models import ResponseRow, VersionRow
 from dss.dialogue.versions import VersionStore
 from dss.errors import (

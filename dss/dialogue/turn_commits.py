@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from dss.dialogue.responses import ResponseRecord, ResponseStore
+from dss.dialogue.response_store import ResponseRecord, ResponseStore
 from dss.dialogue.versions import EMPTY_HEAD, MAIN_BRANCH, SessionInfo, VersionInfo, VersionStore
 from dss.errors import (
     BranchExists,
