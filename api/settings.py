@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from dss.config import FleetConfig, GiB, RemoteConfig, RetentionConfig, StoreConfig
-from dss.dialogue.quotas import Quotas
+from dss.config import FleetConfig, GiB, Quotas, RemoteConfig, RetentionConfig, StoreConfig
 from dss.jsonlimits import MAX_SERVABLE_DEPTH, JsonLimits
 
 if TYPE_CHECKING:

@@ -24,8 +24,8 @@ from api.settings import LimitsSettings
 from api.state import AppState
 from dss.dialogue.turn_commits import Committed, TurnTarget, check_text, commit_alternatives
 from dss.errors import LimitExceeded
-from dss.index.hashing import TOKEN_DTYPE
 from dss.jsonlimits import check_items, check_json
+from dss.tokens import TOKEN_DTYPE
 from dss.types import TenantId, UserId
 
 

@@ -5,10 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dss.dialogue.quotas import Quotas
 from dss.jsonlimits import JsonLimits
 
 GiB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class Quotas:
+    """Limits per user on the dialogue state (`dss.dialogue.quotas` checks them); 0 turns one off."""
+
+    max_sessions: int = 10_000
+    max_versions: int = 100_000
+    max_stored_bytes: int = 4 * GiB
+    # What a client over quota is told to wait: until an operator raises it or it deletes data.
+    retry_after_s: int = 3600
 
 
 @dataclass(frozen=True, slots=True)

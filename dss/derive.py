@@ -24,6 +24,7 @@ import hmac
 Field = str | bytes | int
 
 _LEN_BYTES = 4
+_RPC_AUTHKEY_LABEL = "dss/rpc-authkey/v2"
 
 
 def encode_fields(label: str, *fields: Field) -> bytes:
@@ -47,3 +48,13 @@ def keyed_blake2b(key: bytes, label: str, *fields: Field, digest_size: int) -> b
 
 def blake2b(label: str, *fields: Field, digest_size: int) -> bytes:
     return hashlib.blake2b(encode_fields(label, *fields), digest_size=digest_size).digest()
+
+
+def rpc_authkey(server_secret: bytes) -> bytes:
+    """The RPC authkey of a store: HMAC-SHA256 of a fixed label under the store's server secret.
+
+    Stable across restarts of the owner of one data directory, so that engines configured with
+    the key of a previous owner are accepted by the one that replaces it."""
+    if not server_secret:
+        raise ValueError("server secret must not be empty")
+    return hmac_sha256(server_secret, _RPC_AUTHKEY_LABEL)

@@ -8,7 +8,7 @@ Every cross-process call has a deadline. A call that does not answer in time rai
 `StoreTimeout`; one that cannot reach the owner raises `StoreUnavailable` (its base class). The
 engine treats both as a cache miss and recomputes; neither ever hangs it. The client counts them,
 logs them (rate-limited) and reconnects on the next call, so an owner restarted at the same
-address with the same authkey (`rpc_authkey` of the same server secret) is picked up again.
+address with the same authkey (`dss.derive.rpc_authkey` of the same server secret) is picked up again.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from dss.derive import hmac_sha256
 from dss.errors import DSSError, InvalidInput
 from dss.namespace import ModelFingerprint
 from dss.types import FingerprintId, TenantId
@@ -48,11 +47,9 @@ __all__ = [
     "StoreService",
     "StoreTimeout",
     "StoreUnavailable",
-    "rpc_authkey",
     "socket_path_for",
 ]
 
-_AUTHKEY_LABEL = "dss/rpc-authkey/v2"
 _MAX_UNIX_PATH = 107  # sun_path is 108 bytes on Linux, NUL included
 
 
@@ -89,16 +86,6 @@ def socket_path_for(run_dir: Path) -> str:
                 "shorter data directory"
             ) from None
     return str(folder / "store.sock")
-
-
-def rpc_authkey(server_secret: bytes) -> bytes:
-    """The RPC authkey of a store: HMAC-SHA256 of a fixed label under the store's server secret.
-
-    Stable across restarts of the owner of one data directory, so that engines configured with
-    the key of a previous owner are accepted by the one that replaces it."""
-    if not server_secret:
-        raise ValueError("server secret must not be empty")
-    return hmac_sha256(server_secret, _AUTHKEY_LABEL)
 
 
 class StoreService(Protocol):

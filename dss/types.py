@@ -9,6 +9,8 @@ from typing import NewType
 PageHash = NewType("PageHash", bytes)
 """32-byte chained content address of one page (see `dss.index.hashing`)."""
 
+HASH_BYTES = 32  # the length of a `PageHash`
+
 NamespaceId = NewType("NamespaceId", bytes)
 """16-byte id of a (model fingerprint, tenant) pair."""
 

@@ -12,8 +12,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.app import create_app
 from api.auth import ApiKeys
 from api.settings import load_settings
+from dss.config import Quotas
 from dss.db.connect import make_engine, make_session_factory, sqlite_url_for, upgrade_to_head
-from dss.dialogue.quotas import Quotas
 from dss.dialogue.versions import VersionStore
 from dss.errors import QuotaExceeded
 

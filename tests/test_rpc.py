@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dss.derive import rpc_authkey
 from dss.errors import DSSError, SessionNotFound
 from dss.namespace import ModelFingerprint
 from dss.rpc import (
@@ -23,7 +24,6 @@ from dss.rpc import (
     StoreService,
     StoreTimeout,
     StoreUnavailable,
-    rpc_authkey,
     socket_path_for,
 )
 from dss.types import FingerprintId, PageHash, TenantId

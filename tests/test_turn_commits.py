@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from dss.dialogue.quotas import Quotas
+from dss.config import Quotas
 from dss.dialogue.response_store import ResponseRecord, ResponseStore, new_response_id
 from dss.dialogue.turn_commits import (
     TurnTarget,

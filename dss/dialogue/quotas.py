@@ -8,26 +8,12 @@ bound the durable dialogue rows; cached KV pages are bounded by the tiers' capac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from dss.config import Quotas
 from dss.db.models import SessionRow, VersionRow
 from dss.errors import QuotaExceeded
-
-GiB = 1 << 30
-
-
-@dataclass(frozen=True, slots=True)
-class Quotas:
-    """Limits per user; 0 turns one off."""
-
-    max_sessions: int = 10_000
-    max_versions: int = 100_000
-    max_stored_bytes: int = 4 * GiB
-    # What a client over quota is told to wait: until an operator raises it or it deletes data.
-    retry_after_s: int = 3600
 
 
 def check_session_quota(db: Session, user: str, quotas: Quotas) -> None:

@@ -48,10 +48,11 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
+from dss.config import Quotas
 from dss.db.connect import transaction
 from dss.db.models import BranchRow, ResponseRow, SessionRow, VersionRow, utcnow
 from dss.dialogue.history import prefix_digests, rebuild, stored_form
-from dss.dialogue.quotas import Quotas, check_commit_quota, check_session_quota
+from dss.dialogue.quotas import check_commit_quota, check_session_quota
 from dss.errors import (
     BranchExists,
     BranchNotFound,
@@ -63,9 +64,9 @@ from dss.errors import (
     StaleHead,
     VersionNotFound,
 )
-from dss.index.hashing import TOKEN_DTYPE
 from dss.inputs import check_session_id, check_stored_user_id
 from dss.jsonlimits import JsonLimits, check_items, check_json, servable
+from dss.tokens import TOKEN_DTYPE
 from dss.types import FingerprintId, SessionId, UserId
 
 log = logging.getLogger("dss.versions")

@@ -12,19 +12,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dss.types import NamespaceId, PageHash
+from dss.tokens import as_tokens
+from dss.types import HASH_BYTES, NamespaceId, PageHash
 
-HASH_BYTES = 32
 ROOT_PARENT = PageHash(b"\x00" * HASH_BYTES)
-TOKEN_DTYPE = np.dtype("<i4")
-
-
-def as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Token ids as a contiguous little-endian int32 array (no copy when already one)."""
-    arr = np.asarray(tokens, dtype=TOKEN_DTYPE)
-    if arr.ndim != 1:
-        raise ValueError("token ids must be a 1-D sequence")
-    return np.ascontiguousarray(arr)
 
 
 def page_hash(namespace: NamespaceId, parent: PageHash, page_tokens: np.ndarray) -> PageHash:

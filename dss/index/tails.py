@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dss.index.hashing import HASH_BYTES, as_tokens
-from dss.types import NamespaceId, PageHash
+from dss.tokens import as_tokens
+from dss.types import HASH_BYTES, NamespaceId, PageHash
 
 MAX_TAILS_PER_PARENT = 32  # per parent page and namespace
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dss.errors import InvalidInput, NotFoundError
-from dss.index.hashing import HASH_BYTES, TOKEN_DTYPE, as_tokens
-from dss.types import PageHash
+from dss.tokens import TOKEN_DTYPE, as_tokens
+from dss.types import HASH_BYTES, PageHash
 
 _EMPTY_KEY = np.empty(0, dtype=TOKEN_DTYPE)
 _MAX_PARTIAL_CANDIDATES = 256  # children compared when a match may continue into part of a page

@@ -22,11 +22,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from dss.db.meta import meta_get, meta_set
 from dss.db.models import ErasureEpoch
-from dss.derive import keyed_blake2b
+from dss.derive import keyed_blake2b, rpc_authkey
 from dss.errors import UserErased, WrongMasterKey
 from dss.keys.crypto import KeyManager, env_master_key_set, finish_rotation
 from dss.namespace import legacy_tenant_for_user, tenant_for_user
-from dss.rpc import rpc_authkey
 from dss.types import TenantId
 
 log = logging.getLogger("dss.keys")

@@ -32,7 +32,7 @@ import numpy as np
 from dss.config import StoreConfig
 from dss.errors import InvalidInput, LimitExceeded, PageShapeMismatch, StorageError, TierUnavailable
 from dss.index.fingerprints import FingerprintRegistry
-from dss.index.hashing import ROOT_PARENT, as_tokens, chain_hashes
+from dss.index.hashing import ROOT_PARENT, chain_hashes
 from dss.index.prefix_index import IndexMatch, PrefixIndex
 from dss.index.tails import tail_hash
 from dss.namespace import make_namespace, public_namespace
@@ -40,6 +40,7 @@ from dss.ops.writeback import DiskWriter
 from dss.pages.manager import TieredPages
 from dss.pages.meta import PageMeta
 from dss.pages.table import Held
+from dss.tokens import as_tokens
 from dss.types import PUBLIC_TENANT, FingerprintId, Namespace, PageHash, TenantId, Tier
 from dss.wire import LoadPlan, PageSlot, SavePlan, SlotRef
 

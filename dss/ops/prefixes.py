@@ -17,9 +17,9 @@ from dss.db.connect import transaction
 from dss.db.models import PublicPrefixRow
 from dss.errors import InvalidInput, PrefixNotFound
 from dss.index.fingerprints import FingerprintRegistry
-from dss.index.hashing import as_tokens
 from dss.jsonlimits import JsonLimits, check_items
 from dss.ops.kv import KVCache
+from dss.tokens import as_tokens
 from dss.types import PUBLIC_TENANT, FingerprintId
 
 

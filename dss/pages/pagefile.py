@@ -28,11 +28,11 @@ import numpy as np
 import xxhash
 
 from dss.errors import CorruptPage, InvalidInput, PageShapeMismatch
-from dss.index.hashing import HASH_BYTES, TOKEN_DTYPE, as_tokens
 from dss.keys import crypto
 from dss.pages.codec import Codec, codec_by_id
 from dss.pages.meta import PageMeta
-from dss.types import Buffer, NamespaceId, PageHash, TenantId
+from dss.tokens import TOKEN_DTYPE, as_tokens
+from dss.types import HASH_BYTES, Buffer, NamespaceId, PageHash, TenantId
 
 MAGIC = b"DSSP"
 FORMAT_VERSION = 1

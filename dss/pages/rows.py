@@ -31,9 +31,9 @@ from dss.db.connect import transaction
 from dss.db.models import PageRow
 from dss.derive import encode_fields
 from dss.errors import CorruptPage
-from dss.index.hashing import TOKEN_DTYPE, as_tokens
 from dss.keys import crypto
 from dss.pages.meta import PageMeta
+from dss.tokens import TOKEN_DTYPE, as_tokens
 from dss.types import FingerprintId, NamespaceId, PageHash, TenantId
 
 _CHUNK = 500

@@ -26,12 +26,11 @@ import numpy as np
 
 from dss.errors import CapacityError, CorruptPage, PageMissing, TierUnavailable
 from dss.files import fsync_dir
-from dss.index.hashing import HASH_BYTES
 from dss.pages.codec import Codec
 from dss.pages.meta import PageMeta
 from dss.pages.pagefile import HEADER_LEN, PageFileHeader, decode_page_of, encode_page, read_header
 from dss.pages.tiers.base import IndexedTier
-from dss.types import Buffer, PageHash, TenantId, Tier
+from dss.types import HASH_BYTES, Buffer, PageHash, TenantId, Tier
 
 PAGE_SUFFIX = ".page"
 TEMP_MARK = ".tmp-"
