@@ -32,6 +32,7 @@ from api.app import create_app
 from api.settings import load_settings
 from dss.namespace import ModelFingerprint
 from dss.store import Store
+from tests.db_helpers import count_user_rows
 
 FP = ModelFingerprint(
     model_id="bench", revision="1", dtype="bfloat16", num_layers=1, num_kv_heads=1, head_size=8, block_size=16
@@ -127,7 +128,7 @@ def main() -> None:
             versions_mb, versions_s = peak_mb(list_versions), seconds(*[list_versions] * 5)
             delete_mb = peak_mb(delete_session("s000"))
             delete_s = seconds(*(delete_session(f"s{i:03d}") for i in (2, 3, 4)))
-            assert store.versions.count_user_rows(USER)["sessions"] == args.sessions - 4
+            assert count_user_rows(store.sf, USER)["sessions"] == args.sessions - 4
     print(
         f"delete_session_s={delete_s:.3f} list_sessions_s={sessions_s:.3f} list_versions_s={versions_s:.3f}"
     )

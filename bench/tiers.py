@@ -89,7 +89,7 @@ def bench_host(pages: list[bytes], trials: int) -> float:
 
         def from_arena() -> None:
             for h in hashes:
-                np.copyto(dst, tier.get_array(h))
+                np.copyto(dst, np.frombuffer(tier.get(h), dtype=np.uint8))
 
         def memcpy() -> None:
             for src in plain:

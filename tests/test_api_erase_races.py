@@ -22,6 +22,7 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from api.engine import ChatEngine
 from tests.api_server import ApiServer, api_server
+from tests.db_helpers import count_user_rows
 from tests.test_api_unit import DEV, as_user, settings_for, started, state_of
 
 __all__ = ["api_server"]
@@ -135,7 +136,7 @@ def test_a_turn_being_prepared_when_its_user_is_erased_keeps_nothing(
     assert answers, "the turn did not answer"
     store = state_of(c).store
     # Nothing the turn sent before the erasure was kept: no session, version or response.
-    assert store.versions.count_user_rows(user) == {
+    assert count_user_rows(store.sf, user) == {
         "sessions": 0,
         "versions": 0,
         "branches": 0,

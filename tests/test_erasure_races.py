@@ -28,6 +28,7 @@ from dss.errors import ConflictError, NotFoundError, UserErased
 from dss.ops.erasure import ErasureReceipt
 from dss.store import Store
 from dss.types import TenantId
+from tests.db_helpers import count_user_rows
 from tests.store_helpers import SMALL_FP, open_store, pages_for
 
 ERASURES = 20
@@ -196,7 +197,7 @@ def test_a_write_admitted_before_an_erasure_is_refused_after_it(store: Store) ->
         store.versions.branch(user, "a", v2.number, "side", epoch=old)
     with pytest.raises(UserErased):
         store.versions.rollback(user, "a", "main", v2.number, epoch=old)
-    assert store.versions.count_user_rows(user) == {
+    assert count_user_rows(store.sf, user) == {
         "sessions": 1,
         "versions": 1,
         "branches": 1,

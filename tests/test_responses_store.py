@@ -38,6 +38,7 @@ from dss.errors import (
     VersionNotFound,
 )
 from dss.store import Store
+from tests.db_helpers import count_user_rows
 from tests.store_helpers import open_store, seed_one_version
 
 ALICE = "alice"
@@ -48,6 +49,7 @@ class Stores:
     """A version store and a response store over one database, with a builder of turns."""
 
     def __init__(self, sf: sessionmaker[Session]) -> None:
+        self.sf = sf
         self.versions = VersionStore(sf)
         self.responses = ResponseStore(sf, self.versions)
 
@@ -139,7 +141,7 @@ def test_add_get_chain_round_trip(st: Stores) -> None:
     assert st.responses.chain(ALICE, r1.id) == [r1]
     assert st.responses.descendants(ALICE, r1.id) == Descendants([r2.id, r3.id], [2, 3], [])
     assert st.responses.descendants(ALICE, r3.id).empty
-    assert st.versions.count_user_rows(ALICE)["responses"] == 3
+    assert count_user_rows(st.sf, ALICE)["responses"] == 3
 
 
 def test_other_users_and_unknown_ids_get_response_not_found(st: Stores) -> None:
@@ -165,7 +167,7 @@ def test_other_users_and_unknown_ids_get_response_not_found(st: Stores) -> None:
     with pytest.raises(ResponseNotFound):
         st.responses.add(record(BOB, "chat", v.number, r1, "continue hers"))
     assert st.responses.get(ALICE, r1.id) == r1
-    assert st.versions.count_user_rows(BOB)["responses"] == 0
+    assert count_user_rows(st.sf, BOB)["responses"] == 0
 
 
 def test_add_refuses_bad_records(st: Stores) -> None:
@@ -204,7 +206,7 @@ def test_add_refuses_bad_records(st: Stores) -> None:
     for change in bad:
         with pytest.raises(InvalidInput):
             st.responses.add(record(ALICE, "a", v_root.number, None, "bad", **change))
-    assert st.versions.count_user_rows(ALICE)["responses"] == 2
+    assert count_user_rows(st.sf, ALICE)["responses"] == 2
 
 
 # --- DELETE -------------------------------------------------------------------------------------
@@ -238,7 +240,7 @@ def test_delete_with_descendants_is_refused_then_cascades(st: Stores) -> None:
     st.versions.commit(ALICE, "chat", tokens=[1, 2], messages=[{"role": "user", "content": "direct"}])
     st.versions.branch(ALICE, "chat", r3.version, "bookmark")
     assert heads(st, ALICE, "chat") == {"main": 6, "fork-1": 5, "bookmark": 3}
-    before = st.versions.count_user_rows(ALICE)
+    before = count_user_rows(st.sf, ALICE)
 
     with pytest.raises(ResponseHasDescendants) as err:
         st.responses.delete(ALICE, r2.id)
@@ -248,7 +250,7 @@ def test_delete_with_descendants_is_refused_then_cascades(st: Stores) -> None:
     for rid in (r3.id, r4.id, r3b.id):
         assert rid in str(err.value)
     assert "1 other version(s)" in str(err.value) and "cascade" in str(err.value)
-    assert st.versions.count_user_rows(ALICE) == before  # nothing was deleted
+    assert count_user_rows(st.sf, ALICE) == before  # nothing was deleted
     assert st.responses.descendants(ALICE, r2.id) == Descendants([r3.id, r4.id, r3b.id], [3, 4, 5, 6], [6])
     st.check()
 
@@ -261,7 +263,7 @@ def test_delete_with_descendants_is_refused_then_cascades(st: Stores) -> None:
     # Every head in the subtree moved to its root's parent; no branch was deleted.
     assert heads(st, ALICE, "chat") == {"main": 1, "fork-1": 1, "bookmark": 1}
     assert st.responses.chain(ALICE, r1.id) == [r1] and st.responses.descendants(ALICE, r1.id).empty
-    assert st.versions.count_user_rows(ALICE)["responses"] == 1
+    assert count_user_rows(st.sf, ALICE)["responses"] == 1
 
 
 def test_a_fork_survives_deleting_the_other_branch(st: Stores) -> None:
@@ -380,7 +382,7 @@ def test_deleting_a_session_deletes_its_responses(st: Stores) -> None:
         with pytest.raises(ResponseNotFound):
             st.responses.get(ALICE, rid)
     assert st.responses.get(ALICE, k1.id) == k1
-    assert st.versions.count_user_rows(ALICE) == {"sessions": 1, "versions": 1, "branches": 1, "responses": 1}
+    assert count_user_rows(st.sf, ALICE) == {"sessions": 1, "versions": 1, "branches": 1, "responses": 1}
     assert st.versions.delete_user_sessions(ALICE) == {
         "sessions": 1,
         "versions": 1,
@@ -421,7 +423,7 @@ def test_erasure_deletes_responses_and_verification_finds_none(tmp_path: Path, d
         for rid in (r1.id, r2.id):
             with pytest.raises(ResponseNotFound):
                 store.responses.get(ALICE, rid)
-        assert store.versions.count_user_rows(ALICE)["responses"] == 0
+        assert count_user_rows(store.sf, ALICE)["responses"] == 0
         assert store.responses.get(BOB, b1.id) == b1  # others untouched
 
         # New data after the erasure is no remnant; a response row older than the erasure is one.

@@ -42,13 +42,12 @@ def test_put_get_delete_and_capacity(tier: HostTier) -> None:
     assert len({r.slot for r in refs}) == 8
     for i in range(8):
         assert bytes(tier.get(h(i))) == page_bytes(i)
-        assert tier.slot_of(h(i)) == refs[i]
     assert tier.put(h(3), page_bytes(3)) == refs[3]  # same page again: a no-op
     with pytest.raises(CapacityError):
         tier.put(h(99), page_bytes(99))
     assert tier.delete(h(2)) == SLOT
     assert tier.delete(h(2)) == 0
-    assert not tier.contains(h(2)) and tier.slot_of(h(2)) is None
+    assert not tier.contains(h(2))
     with pytest.raises(PageMissing):
         tier.get(h(2))
     ref = tier.put(h(99), page_bytes(99))
@@ -59,7 +58,7 @@ def test_put_get_delete_and_capacity(tier: HostTier) -> None:
 
 def test_delete_zeroes_the_slot_in_shared_memory(tier: HostTier, tmp_path: Path) -> None:
     ref = tier.put(h(1), page_bytes(1))
-    other = HostArena.attach_info(tier.arena_info(SLOT))  # another mapping of the same file
+    other = HostArena.attach_info(tier.arena(SLOT).info)  # another mapping of the same file
     assert bytes(other.view(ref.slot)) == page_bytes(1)
     tier.delete(h(1))
     assert not other.numpy(ref.slot).any()
@@ -73,7 +72,7 @@ def test_delete_zeroes_the_slot_in_shared_memory(tier: HostTier, tmp_path: Path)
 def test_reserve_publish_release(tier: HostTier) -> None:
     ref = tier.reserve(SLOT)
     assert tier.used_bytes == SLOT and not tier.contains(h(5))
-    tier.arena_view(ref)[:] = page_bytes(5)
+    tier.slot_array(ref).data[:] = page_bytes(5)
     assert tier.publish(h(5), ref) == ref
     assert bytes(tier.get(h(5))) == page_bytes(5)
     # A second writer of the same page: its reservation is released, the first slot kept.
@@ -97,7 +96,7 @@ def test_arenas_per_slot_size_share_one_capacity(tmp_path: Path) -> None:
     try:
         tier.put(h(1), page_bytes(1, 4000))
         tier.put(h(2), page_bytes(2, 3000))
-        assert tier.arena_info(4000) != tier.arena_info(3000)
+        assert tier.arena(4000).info != tier.arena(3000).info
         assert tier.used_bytes == 7000
         with pytest.raises(CapacityError):
             tier.put(h(3), page_bytes(3, 4000))
@@ -113,7 +112,7 @@ def test_arenas_per_slot_size_share_one_capacity(tmp_path: Path) -> None:
 def test_close_unlinks_default_directory() -> None:
     tier = HostTier(4 * SLOT, pin_memory=False)
     tier.put(h(1), page_bytes(1))
-    path = Path(tier.slot_of(h(1)).path)
+    path = Path(tier.arena(SLOT).info.path)
     assert path.exists() and path.parent.name.startswith(f"dss-{os.getpid()}-")
     view = tier.get(h(1))  # a live view must not make close() fail
     tier.close()
@@ -181,7 +180,7 @@ def test_second_process_reads_and_writes_slots(tier: HostTier) -> None:
     ctx = mp.get_context("spawn")
     recv, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(
-        target=_child, args=(tier.arena_info(SLOT), parent_ref.slot, child_ref.slot, child_payload, send)
+        target=_child, args=(tier.arena(SLOT).info, parent_ref.slot, child_ref.slot, child_payload, send)
     )
     proc.start()
     got = recv.recv() if recv.poll(60) else None

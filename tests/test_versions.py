@@ -23,6 +23,7 @@ from dss.errors import (
     StaleHead,
     VersionNotFound,
 )
+from tests.db_helpers import count_user_rows, user_ids_with_data
 
 T = TypeVar("T")
 ALICE = "alice"
@@ -221,7 +222,7 @@ def test_messages_are_stored_once_and_rebuilt(
     assert found is not None and found.number == 10 and found.messages == history[:20]
 
 
-def test_other_users_see_nothing(store: VersionStore) -> None:
+def test_other_users_see_nothing(store: VersionStore, session_factory: sessionmaker[Session]) -> None:
     store.create_session(ALICE, "private")
     store.commit(ALICE, "private", tokens=[1, 2], messages=turns("hi"))
     calls: list[Callable[[], object]] = [
@@ -245,7 +246,12 @@ def test_other_users_see_nothing(store: VersionStore) -> None:
             store.get_session(BOB, "absent")
         assert str(err.value).replace("private", "X") == str(missing.value).replace("absent", "X")
     assert store.list_sessions(BOB) == ([], False)
-    assert store.count_user_rows(BOB) == {"sessions": 0, "versions": 0, "branches": 0, "responses": 0}
+    assert count_user_rows(session_factory, BOB) == {
+        "sessions": 0,
+        "versions": 0,
+        "branches": 0,
+        "responses": 0,
+    }
     assert store.get_session(ALICE, "private").version_count == 1
     assert heads(store, ALICE, "private") == {"main": 1}
 
@@ -265,7 +271,7 @@ def test_list_sessions_pages_in_creation_order(store: VersionStore) -> None:
         store.list_sessions(ALICE, after="b0")  # Bob's session is no cursor for Alice
 
 
-def test_delete_session_and_user_erasure(store: VersionStore) -> None:
+def test_delete_session_and_user_erasure(store: VersionStore, session_factory: sessionmaker[Session]) -> None:
     for sid in ("a1", "a2"):
         store.create_session(ALICE, sid)
         store.commit(ALICE, sid, tokens=[1], messages=[])
@@ -277,12 +283,27 @@ def test_delete_session_and_user_erasure(store: VersionStore) -> None:
     assert store.delete_session(ALICE, "a1") == 2
     with pytest.raises(SessionNotFound):
         store.get_session(ALICE, "a1")
-    assert store.count_user_rows(ALICE) == {"sessions": 1, "versions": 2, "branches": 2, "responses": 0}
-    assert store.user_ids_with_data() == [ALICE, BOB]
+    assert count_user_rows(session_factory, ALICE) == {
+        "sessions": 1,
+        "versions": 2,
+        "branches": 2,
+        "responses": 0,
+    }
+    assert user_ids_with_data(session_factory) == [ALICE, BOB]
     assert store.delete_user_sessions(ALICE) == {"sessions": 1, "versions": 2, "branches": 2, "responses": 0}
-    assert store.count_user_rows(ALICE) == {"sessions": 0, "versions": 0, "branches": 0, "responses": 0}
-    assert store.count_user_rows(BOB) == {"sessions": 1, "versions": 1, "branches": 1, "responses": 0}
-    assert store.user_ids_with_data() == [BOB]
+    assert count_user_rows(session_factory, ALICE) == {
+        "sessions": 0,
+        "versions": 0,
+        "branches": 0,
+        "responses": 0,
+    }
+    assert count_user_rows(session_factory, BOB) == {
+        "sessions": 1,
+        "versions": 1,
+        "branches": 1,
+        "responses": 0,
+    }
+    assert user_ids_with_data(session_factory) == [BOB]
     assert store.check() == []
 
 
@@ -298,9 +319,14 @@ def test_delete_user_sessions_joins_the_callers_transaction(
             "branches": 1,
             "responses": 0,
         }
-        assert store.count_user_rows(ALICE, db)["sessions"] == 0
+        assert count_user_rows(session_factory, ALICE, db)["sessions"] == 0
         raise RuntimeError("erasure failed later")
-    assert store.count_user_rows(ALICE) == {"sessions": 1, "versions": 1, "branches": 1, "responses": 0}
+    assert count_user_rows(session_factory, ALICE) == {
+        "sessions": 1,
+        "versions": 1,
+        "branches": 1,
+        "responses": 0,
+    }
 
 
 def _race(n: int, work: Callable[[int], T]) -> list[T | Exception]:
@@ -358,11 +384,18 @@ def test_concurrent_commits_without_expected_head_all_land_in_one_chain(store: V
     assert store.check() == []
 
 
-def test_concurrent_ensure_session_creates_once(store: VersionStore) -> None:
+def test_concurrent_ensure_session_creates_once(
+    store: VersionStore, session_factory: sessionmaker[Session]
+) -> None:
     results = _race(5, lambda i: store.ensure_session(ALICE, "shared"))
     created = [x[1] for x in results if not isinstance(x, Exception)]
     assert len(created) == 5 and created.count(True) == 1, results
-    assert store.count_user_rows(ALICE) == {"sessions": 1, "versions": 0, "branches": 1, "responses": 0}
+    assert count_user_rows(session_factory, ALICE) == {
+        "sessions": 1,
+        "versions": 0,
+        "branches": 1,
+        "responses": 0,
+    }
 
 
 def test_limits(store: VersionStore) -> None:

@@ -37,10 +37,6 @@ def prefix_digests(messages: Sequence[Mapping[str, Any]]) -> list[str]:
     return out
 
 
-def digest_of(messages: Sequence[Mapping[str, Any]]) -> str:
-    return prefix_digests(messages)[-1]
-
-
 @dataclass(frozen=True, slots=True)
 class StoredMessages:
     """What a version row stores of its messages."""

@@ -40,7 +40,6 @@ from sqlalchemy import (
     and_,
     bindparam,
     delete,
-    func,
     select,
     tuple_,
     update,
@@ -985,21 +984,6 @@ class VersionStore:
         with transaction(self._factory) as own:
             return self._delete_where(own, user)
 
-    def count_user_rows(self, user: str, db: Session | None = None) -> dict[str, int]:
-        """How many sessions, versions, branches and stored responses `user` has (0s after an
-        erasure)."""
-        if db is not None:
-            return self._count_user(db, user)
-        with transaction(self._factory) as own:
-            return self._count_user(own, user)
-
-    def user_ids_with_data(self) -> list[UserId]:
-        with transaction(self._factory) as db:
-            return [
-                UserId(u)
-                for u in db.scalars(select(SessionRow.user_id).distinct().order_by(SessionRow.user_id))
-            ]
-
     # --- invariants ----------------------------------------------------------------------------
     def check(self) -> list[str]:
         """Every broken invariant of the version store, as readable lines (empty = healthy)."""
@@ -1154,18 +1138,6 @@ class VersionStore:
         own = [SessionRow.user_id == user] + ([SessionRow.id == sid] if sid is not None else [])
         sessions = _rowcount(db, delete(SessionRow).where(*own))
         return {"sessions": sessions, "versions": versions, "branches": branches, "responses": responses}
-
-    @staticmethod
-    def _count_user(db: Session, user: str) -> dict[str, int]:
-        def count(table: type[SessionRow] | type[VersionRow] | type[BranchRow] | type[ResponseRow]) -> int:
-            return db.scalar(select(func.count()).select_from(table).where(table.user_id == user)) or 0
-
-        return {
-            "sessions": count(SessionRow),
-            "versions": count(VersionRow),
-            "branches": count(BranchRow),
-            "responses": count(ResponseRow),
-        }
 
 
 def _version_key(user: str, sid: str) -> tuple[Any, Any]:

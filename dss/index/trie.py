@@ -149,10 +149,6 @@ class RadixTrie:
                 best = (page, n)
         return best
 
-    def pages_on_path(self, tokens: Sequence[int] | np.ndarray) -> list[PageHash]:
-        """Hashes of the indexed pages of the longest prefix of `tokens`, without touching stats."""
-        return list(self.match(tokens, touch=False).pages)
-
     def iter_pages(self) -> Iterator[PageHash]:
         """Every indexed page, parents before children."""
         for node in self._nodes():

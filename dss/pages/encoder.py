@@ -144,11 +144,6 @@ class PageCodecProcess:
         `CorruptPage`, `PageMissing` or `TierUnavailable`."""
         self._run(("decode", str(path), page, data_key, ref))
 
-    def pids(self) -> list[int]:
-        """Process ids of the running helpers (operations, tests)."""
-        with self._lock:
-            return [w.proc.pid for w in self._all if w.proc.pid is not None]
-
     def close(self) -> None:
         with self._lock:
             self._closed = True

@@ -582,9 +582,6 @@ class HostTier(IndexedTier):
             raise StoreClosed("host tier is closed")
         return slots
 
-    def arena_info(self, slot_nbytes: int) -> ArenaInfo:
-        return self._slots_for(slot_nbytes).arena.info
-
     def arena(self, slot_nbytes: int) -> HostArena:
         return self._slots_for(slot_nbytes).arena
 
@@ -689,10 +686,6 @@ class HostTier(IndexedTier):
             arena = self._arena_of(ref).arena
         return arena.numpy(ref.slot)
 
-    def arena_view(self, ref: SlotRef) -> memoryview:
-        """The slot's bytes as a writable memoryview over shared memory (zero copy)."""
-        return self.slot_array(ref).data
-
     def current(self, ref: SlotRef) -> bool:
         """Whether the slot is still at `ref`'s generation (nobody released or reused it since)."""
         with self._lock:
@@ -724,13 +717,6 @@ class HostTier(IndexedTier):
                 raise PageMissing(f"page {page.hex()} is not in the host tier")
             arena = self._arena_of(ref).arena
         return arena.view(ref.slot)
-
-    def get_array(self, page: PageHash) -> np.ndarray:
-        return np.frombuffer(self.get(page), dtype=np.uint8)
-
-    def slot_of(self, page: PageHash) -> SlotRef | None:
-        with self._lock:
-            return self._pages.get(page)
 
     def delete(self, page: PageHash) -> int:
         with self._lock:
