@@ -49,7 +49,7 @@ from dss.ops import recovery
 from dss.ops.erasure import Eraser, ErasureReceipt, OnTenantErased, Verification
 from dss.ops.kv import KVCache, MatchInfo
 from dss.ops.prefixes import PrefixInfo, PublicPrefixes
-from dss.ops.retention import Retention
+from dss.ops.retention import SessionRetention
 from dss.ops.sessions import delete_session
 from dss.pages.codec import make_codec
 from dss.pages.encoder import PageCodecProcess
@@ -172,7 +172,7 @@ class Store:
             ack_timeout_s=cfg.fleet.ack_timeout_s,
             on_tenant_erased=self._on_tenant_erased,
         )
-        self.retention = Retention(
+        self.retention = SessionRetention(
             cfg.retention, self.versions, self.identity.tenant_for, self.fingerprints, self.kv, self.pages
         )
         self.check()

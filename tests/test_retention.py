@@ -18,7 +18,7 @@ from dss.db.connect import current_revision, make_engine, make_session_factory, 
 from dss.dialogue.versions import VersionStore
 from dss.errors import InvalidInput, LimitExceeded, PinnedCapExceeded, SessionNotFound, VersionNotFound
 from dss.ops.retention import KEEP
-from dss.pages.eviction import Retention as PageClass
+from dss.pages.eviction import RetentionClass
 from dss.store import Store
 from dss.types import FingerprintId, PageHash, Tier
 from tests.store_helpers import SMALL_FP, open_store, pages_for, seed_one_version
@@ -72,7 +72,7 @@ def resident(store: Store, user: str, tokens: np.ndarray) -> dict[str, int]:
     )
 
 
-def klass(store: Store, page: PageHash) -> PageClass:
+def klass(store: Store, page: PageHash) -> RetentionClass:
     e = store.pages.table.get(page)
     assert e is not None
     return e.stats.retention
@@ -146,7 +146,7 @@ def test_evict_moves_the_sessions_host_pages_to_disk_now(store: Store) -> None:
         "remote": 0,
     }  # written back, then moved
     assert resident(store, "alice", b)["host"] == 8  # the other session is untouched
-    assert {klass(store, h) for h in pages_of(store, "alice", a)} == {PageClass.EVICT}
+    assert {klass(store, h) for h in pages_of(store, "alice", a)} == {RetentionClass.EVICT}
     assert store.stats()["demoted_pages"] == 3
     fid = store.register_fingerprint(SMALL_FP)
     n, copies = store.load_sequence(fid, store.tenant_for("alice"), a)  # still served, from disk
@@ -162,7 +162,7 @@ def test_a_page_an_active_session_shares_stays_on_the_host(store: Store) -> None
     store.retention.set_hint("alice", "trip", "evict")
     assert resident(store, "alice", shared)["host"] == 8  # the shared pages stay: "busy" uses them
     assert resident(store, "alice", np.concatenate([shared, _tokens(500, 1)]))["disk"] == 4
-    assert {klass(store, h) for h in pages_of(store, "alice", shared)} == {PageClass.NORMAL}
+    assert {klass(store, h) for h in pages_of(store, "alice", shared)} == {RetentionClass.NORMAL}
     store.check()
 
 
@@ -213,7 +213,7 @@ def test_pinned_pages_survive_host_pressure_that_evicts_normal_ones(tmp_path: Pa
         turn(s, "alice", "hot", hot)
         turn(s, "alice", "cold", cold)
         s.retention.set_hint("alice", "hot", "pinned")
-        assert {klass(s, h) for h in pages_of(s, "alice", hot)} == {PageClass.PINNED}
+        assert {klass(s, h) for h in pages_of(s, "alice", hot)} == {RetentionClass.PINNED}
         for i in range(6):  # 12 more pages through an 8-page host tier
             turn(s, "alice", f"filler{i}", _tokens(5000 + 100 * i, 2))
         assert resident(s, "alice", hot) == {"host": 12, "disk": 0, "remote": 0}
@@ -222,7 +222,7 @@ def test_pinned_pages_survive_host_pressure_that_evicts_normal_ones(tmp_path: Pa
         assert s.stats()["pages"]["host"] == 8  # full: the rest were evicted around the pinned ones
         assert s.stats()["retention"]["pinned_bytes"] == 3 * PAGE
         s.retention.set_hint("alice", "hot", "normal")  # unpinned: evictable again
-        assert {klass(s, h) for h in pages_of(s, "alice", hot)} == {PageClass.NORMAL}
+        assert {klass(s, h) for h in pages_of(s, "alice", hot)} == {RetentionClass.NORMAL}
         s.check()
     finally:
         s.close()
@@ -261,15 +261,15 @@ def test_pages_of_versions_no_branch_leads_to_go_first(tmp_path: Path) -> None:
         s.versions.rollback("alice", "trip", "main", 1)  # version 2 is off every branch now
         s.retention.sweep()  # the rollback updated the session: reclassified
         v2_only = pages_of(s, "alice", v2)[2:]
-        assert [klass(s, h) for h in v2_only] == [PageClass.ORPHAN] * 2
-        assert {klass(s, h) for h in pages_of(s, "alice", v1)} == {PageClass.NORMAL}
+        assert [klass(s, h) for h in v2_only] == [RetentionClass.ORPHAN] * 2
+        assert {klass(s, h) for h in pages_of(s, "alice", v1)} == {RetentionClass.NORMAL}
         turn(s, "bob", "new", _tokens(7000, 3))  # 3 pages into a host tier with 1 free
         assert [s.pages.fastest_tier(h) for h in v2_only] == [Tier.DISK, Tier.DISK]
         assert resident(s, "alice", old)["host"] == 12  # older, but reachable: kept
         # A branch at version 2 makes its pages reachable again.
         s.versions.branch("alice", "trip", 2, "again")
         s.retention.sweep()
-        assert [klass(s, h) for h in v2_only] == [PageClass.NORMAL] * 2
+        assert [klass(s, h) for h in v2_only] == [RetentionClass.NORMAL] * 2
         s.check()
     finally:
         s.close()
@@ -328,7 +328,7 @@ def test_after_a_restart_pinned_sessions_are_warmed(tmp_path: Path) -> None:
     s = _store(tmp_path / "d", sweep_interval_s=0.05)
     try:
         assert wait_for(lambda: resident(s, "alice", a)["host"] == 12, 10.0)  # from disk, by the sweeper
-        assert {klass(s, h) for h in pages_of(s, "alice", a)} == {PageClass.PINNED}
+        assert {klass(s, h) for h in pages_of(s, "alice", a)} == {RetentionClass.PINNED}
     finally:
         s.close()
 
@@ -372,16 +372,16 @@ def test_0004_upgrades_a_0003_database_with_data_in_it(db_url: str) -> None:
 def test_eviction_goes_class_by_class_then_by_the_policy() -> None:
     from dss.pages.eviction import LRUPolicy, PageStats, choose_victims
 
-    def st(age: float, c: PageClass) -> PageStats:
+    def st(age: float, c: RetentionClass) -> PageStats:
         return PageStats(last_access=100.0 - age, hits=1, created=0.0, index=0, nbytes=1, retention=c)
 
     pages = {
-        "old_normal": st(90, PageClass.NORMAL),
-        "new_orphan": st(1, PageClass.ORPHAN),
-        "new_evict": st(2, PageClass.EVICT),
-        "old_evict": st(50, PageClass.EVICT),
-        "pinned": st(99, PageClass.PINNED),
-        "new_normal": st(3, PageClass.NORMAL),
+        "old_normal": st(90, RetentionClass.NORMAL),
+        "new_orphan": st(1, RetentionClass.ORPHAN),
+        "new_evict": st(2, RetentionClass.EVICT),
+        "old_evict": st(50, RetentionClass.EVICT),
+        "pinned": st(99, RetentionClass.PINNED),
+        "new_normal": st(3, RetentionClass.NORMAL),
     }
     cands = [(PageHash(n.encode().ljust(32, b"\0")), s) for n, s in pages.items()]
     order = [v.rstrip(b"\0").decode() for v in choose_victims(cands, LRUPolicy(), 100.0, 10**6)]
@@ -496,8 +496,8 @@ def test_a_refresh_matches_branch_heads_and_orphan_leaves_only(tmp_path: Path) -
         s.retention.sweep()
         assert sorted(calls) == [len(v4), len(seq)]  # the head, and the one leaf off every branch
         s.kv.match = real  # type: ignore[method-assign]
-        assert {klass(s, h) for h in pages_of(s, "alice", v4)} == {PageClass.NORMAL}
-        assert {klass(s, h) for h in pages_of(s, "alice", seq)[5:]} == {PageClass.ORPHAN}
+        assert {klass(s, h) for h in pages_of(s, "alice", v4)} == {RetentionClass.NORMAL}
+        assert {klass(s, h) for h in pages_of(s, "alice", seq)[5:]} == {RetentionClass.ORPHAN}
     finally:
         s.close()
 
@@ -551,8 +551,8 @@ def test_orphans_of_normal_sessions_are_bounded(tmp_path: Path, monkeypatch: pyt
             s.retention.sweep()
             orphans[sid] = pages_of(s, "alice", v2)[1:]
         assert s.retention.stats()["tracked_sessions"] == 1  # 4 orphan pages > 3: the older went
-        assert [klass(s, h) for h in orphans["new"]] == [PageClass.ORPHAN] * 2
-        assert [klass(s, h) for h in orphans["old"]] == [PageClass.NORMAL] * 2
+        assert [klass(s, h) for h in orphans["new"]] == [RetentionClass.ORPHAN] * 2
+        assert [klass(s, h) for h in orphans["old"]] == [RetentionClass.NORMAL] * 2
     finally:
         s.close()
 
@@ -590,7 +590,7 @@ def test_public_prefix_pages_are_never_classed_or_demoted(store: Store) -> None:
     assert m.n_tokens == len(system) and len(m.pages) == 2  # the public tail page matches
     turn(store, "alice", "trip", system)
     store.retention.set_hint("alice", "trip", "evict")
-    assert [klass(store, h) for h in m.pages] == [PageClass.NORMAL] * 2
+    assert [klass(store, h) for h in m.pages] == [RetentionClass.NORMAL] * 2
     assert [store.pages.fastest_tier(h) for h in m.pages] == [Tier.HOST] * 2
 
 

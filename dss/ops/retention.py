@@ -2,7 +2,7 @@
 
 Each session carries a hint (`kv_retention`: `pinned`, `normal` or `evict`) and an optional idle
 TTL (`kv_idle_ttl_s`), stored on its row (`VersionStore.set_retention`). This module turns them
-into page retention classes (`dss.pages.eviction.Retention`) and tier moves:
+into page retention classes (`dss.pages.eviction.RetentionClass`) and tier moves:
 
 - the pages some branch head's history reaches get the session's class (`PINNED` within the
   caps, `EVICT`, or `NORMAL`); pages only versions off every branch reach (after a rollback) get
@@ -35,7 +35,7 @@ class unless a hinted session gives it another (an `evict` session sharing a pre
 remembered for `_ERASED_MEMORY_S`: a warm-up or refresh that read their data before the erasure
 does not record anything for them afterwards.
 
-Lock: `Retention._lock` is a leaf around the registry (per session: hint, pages by class; per page:
+Lock: `SessionRetention._lock` is a leaf around the registry (per session: hint, pages by class; per page:
 the class each session gives it), the warm-ups in flight and the last-use times. The database
 (`VersionStore`), the index (`KVCache.match`) and the tiers (`TieredPages`) are called with no lock
 held. Order of calls, never nested: versions → kv.match → own lock → pages → kv.forget.
@@ -71,7 +71,7 @@ from dss.dialogue.versions import MAIN_BRANCH, SessionInfo, VersionStore, check_
 from dss.errors import DSSError, PinnedCapExceeded, RetentionBusy, SessionNotFound, StoreClosed
 from dss.index.fingerprints import FingerprintRegistry
 from dss.ops.kv import KVCache
-from dss.pages.eviction import Retention as PageClass
+from dss.pages.eviction import RetentionClass
 from dss.pages.manager import TieredPages
 from dss.types import PUBLIC_TENANT, FingerprintId, PageHash, TenantId, Tier
 
@@ -133,7 +133,7 @@ class _Pages:
     orphan: dict[PageHash, int]
 
 
-class Retention:
+class SessionRetention:
     def __init__(
         self,
         config: RetentionConfig,
@@ -151,7 +151,7 @@ class Retention:
         self._pages = pages
         self._lock = threading.Lock()
         self._sessions: dict[SessionKey, _Tracked] = {}
-        self._refs: dict[PageHash, dict[SessionKey, PageClass]] = {}
+        self._refs: dict[PageHash, dict[SessionKey, RetentionClass]] = {}
         self._nbytes: dict[PageHash, int] = {}  # of every page in `_refs`
         self._touched: dict[SessionKey, float] = {}  # wall time of the last warm-up (tracked sessions)
         # `normal` sessions without a TTL that are tracked for their orphan pages only, oldest
@@ -358,10 +358,14 @@ class Retention:
         pinned: frozenset[PageHash] = frozenset()
         if info.kv_retention == "pinned":
             pinned = self._pin_within_caps(key, pages.live)
-        cls = {"pinned": PageClass.NORMAL, "normal": PageClass.NORMAL, "evict": PageClass.EVICT}
-        mine = dict.fromkeys(pages.orphan, PageClass.ORPHAN)
+        cls = {
+            "pinned": RetentionClass.NORMAL,
+            "normal": RetentionClass.NORMAL,
+            "evict": RetentionClass.EVICT,
+        }
+        mine = dict.fromkeys(pages.orphan, RetentionClass.ORPHAN)
         for h in pages.live:
-            mine[h] = PageClass.PINNED if h in pinned else cls[info.kv_retention]
+            mine[h] = RetentionClass.PINNED if h in pinned else cls[info.kv_retention]
         tracked = _Tracked(
             retention=info.kv_retention,
             idle_ttl_s=info.kv_idle_ttl_s,
@@ -427,7 +431,7 @@ class Retention:
         self,
         key: SessionKey,
         old: _Tracked | None,
-        mine: dict[PageHash, PageClass],
+        mine: dict[PageHash, RetentionClass],
         nbytes: dict[PageHash, int],
     ) -> set[PageHash]:
         """Caller holds the lock: replace `key`'s class of each page; returns the pages touched."""
@@ -444,12 +448,12 @@ class Retention:
             self._nbytes[h] = nbytes[h]
         return before | mine.keys()
 
-    def _resolve(self, pages: Iterable[PageHash]) -> dict[PageHash, PageClass]:
+    def _resolve(self, pages: Iterable[PageHash]) -> dict[PageHash, RetentionClass]:
         """Caller holds the lock: each page's class, the highest any session gives it."""
-        out: dict[PageHash, PageClass] = {}
+        out: dict[PageHash, RetentionClass] = {}
         for h in pages:
             refs = self._refs.get(h)
-            out[h] = max(refs.values()) if refs else PageClass.NORMAL
+            out[h] = max(refs.values()) if refs else RetentionClass.NORMAL
         return out
 
     def forget_session(self, user: str, sid: str) -> None:
@@ -523,9 +527,9 @@ class Retention:
     def _demotable(self, page: PageHash, key: SessionKey) -> bool:
         """Caller holds the lock."""
         for k, c in self._refs.get(page, {}).items():
-            if c is PageClass.PINNED:
+            if c is RetentionClass.PINNED:
                 return False
-            if k == key or c is PageClass.ORPHAN:  # an orphan claim keeps nothing on the host
+            if k == key or c is RetentionClass.ORPHAN:  # an orphan claim keeps nothing on the host
                 continue
             other = self._sessions.get(k)
             if other is None or (other.retention != "evict" and not self._is_cold(k, other)):

@@ -3,7 +3,7 @@
 A LOWER priority is evicted FIRST. Policies are chosen by name from `POLICIES`; `choose_victims`
 turns a policy and a set of candidate pages into an eviction order.
 
-Above every policy sits the page's retention class (`Retention`, set from the session hints by
+Above every policy sits the page's retention class (`RetentionClass`, set from the session hints by
 `dss.ops.retention`): pages are evicted class by class, lowest first (pages only versions off
 every branch reach, then pages of `evict` sessions, then the rest), and the policy orders the
 pages within a class. `PINNED` pages, like pinned public prefixes, are never chosen. A store
@@ -23,7 +23,7 @@ from dss.errors import InvalidInput
 from dss.types import PageHash
 
 
-class Retention(IntEnum):
+class RetentionClass(IntEnum):
     """A page's retention class; lower classes are evicted first (the value is the order)."""
 
     ORPHAN = 0  # only versions that no branch head leads to reach it (after a rollback)
@@ -42,7 +42,7 @@ class PageStats:
     index: int  # position of the page in its sequence (0 = first page)
     nbytes: int
     pinned: bool = False
-    retention: Retention = Retention.NORMAL
+    retention: RetentionClass = RetentionClass.NORMAL
 
 
 @runtime_checkable
@@ -159,7 +159,7 @@ def choose_victims(
     heap = [
         (int(stats.retention), policy.priority(stats, now), seq, page, stats.nbytes)
         for seq, (page, stats) in enumerate(candidates)
-        if not stats.pinned and stats.retention is not Retention.PINNED
+        if not stats.pinned and stats.retention is not RetentionClass.PINNED
     ]
     heapq.heapify(heap)
     victims: list[PageHash] = []

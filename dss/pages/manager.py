@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from dss.errors import CapacityError, CorruptPage, KeyDestroyed, PageMissing, StorageError, TierUnavailable
 from dss.pages.encoder import PageCodecProcess
-from dss.pages.eviction import EvictionPolicy, PageStats, Retention
+from dss.pages.eviction import EvictionPolicy, PageStats, RetentionClass
 from dss.pages.meta import PageMeta
 from dss.pages.pagefile import encode_page
 from dss.pages.rows import PageRows
@@ -154,7 +154,7 @@ class TieredPages:
     def set_pinned(self, pages: Iterable[PageHash], pinned: bool) -> None:
         self.table.set_pinned(pages, pinned)
 
-    def set_retention(self, classes: Mapping[PageHash, Retention]) -> int:
+    def set_retention(self, classes: Mapping[PageHash, RetentionClass]) -> int:
         """The retention class of each present page (eviction goes class by class, see
         `dss.pages.eviction`); returns how many pages were present."""
         return self.table.set_retention(classes)
@@ -657,7 +657,7 @@ def _demotable(e: PageEntry) -> bool:
         Tier.HOST in e.tiers
         and e.leases == 0
         and not e.stats.pinned
-        and e.stats.retention is not Retention.PINNED
+        and e.stats.retention is not RetentionClass.PINNED
     )
 
 

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from dss.pages.eviction import EvictionPolicy, PageStats, Retention, choose_victims
+from dss.pages.eviction import EvictionPolicy, PageStats, RetentionClass, choose_victims
 from dss.pages.meta import PageMeta
 from dss.types import PageHash, TenantId, Tier
 from dss.wire import SlotRef
@@ -206,7 +206,7 @@ class PageTable:
                 if e is not None:
                     e.stats.pinned = pinned
 
-    def set_retention(self, classes: Mapping[PageHash, Retention]) -> int:
+    def set_retention(self, classes: Mapping[PageHash, RetentionClass]) -> int:
         """Set the retention class of present pages; returns how many were present."""
         n = 0
         with self._lock:
