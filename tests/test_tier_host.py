@@ -14,8 +14,9 @@ import pytest
 
 from dss.errors import CapacityError, InvalidInput, PageMissing, StoreClosed
 from dss.pages.tiers.base import PageTier
-from dss.pages.tiers.host import ArenaInfo, HostArena, HostTier, SlotRef, arena_layout
+from dss.pages.tiers.host import HostArena, HostTier, arena_layout
 from dss.types import PageHash, Tier
+from dss.wire import ArenaInfo, SlotRef
 
 SLOT = 4096
 

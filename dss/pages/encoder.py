@@ -31,7 +31,7 @@ from dss.errors import CorruptPage, DSSError, PageMissing, TierUnavailable
 from dss.pages.codec import make_codec
 from dss.pages.meta import PageMeta
 from dss.pages.pagefile import decode_page, encode_page
-from dss.pages.tiers.host import HostArena
+from dss.pages.tiers.host.arena import HostArena
 from dss.types import PageHash
 from dss.wire import SlotRef
 

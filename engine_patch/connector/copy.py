@@ -25,7 +25,7 @@ import torch
 
 from dss.errors import InvalidInput
 from dss.namespace import LATENT_ROWS_ISA
-from dss.pages.tiers.host import HostArena
+from dss.pages.tiers.host.arena import HostArena
 from engine_patch.connector.layouts import KVLayout, slot_view
 
 if TYPE_CHECKING:
