@@ -6,6 +6,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Protocol, runtime_checkable
 
+from dss.errors import CapacityError
 from dss.types import PageHash, Tier
 
 
@@ -33,12 +34,38 @@ class PageTier(Protocol):
 
 
 class IndexedTier:
-    """The membership queries every backend answers the same way from its own page index.
+    """What every local backend answers the same way: membership from its own page index, and
+    byte accounting against its capacity.
 
-    A backend sets `self._lock` and returns its page → location mapping from `_page_index()`.
+    A backend sets `self._lock` and returns its page → location mapping from `_page_index()`; it
+    keeps `_used` (bytes it holds) and `_pending` (bytes reserved by writes in flight) under its
+    lock.
     """
 
+    tier: Tier
+    capacity_bytes: int
     _lock: threading.Lock | threading.RLock
+    _used: int = 0
+    _pending: int = 0
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return self.capacity_bytes - self._used - self._pending
+
+    def _room_error_locked(self, nbytes: int) -> CapacityError | None:
+        """Caller holds the lock: the error to raise when `nbytes` more do not fit, else None."""
+        taken = self._used + self._pending
+        if taken + nbytes <= self.capacity_bytes:
+            return None
+        return CapacityError(
+            f"{self.tier.value} tier full: {taken} of {self.capacity_bytes} bytes used, {nbytes} asked"
+        )
 
     def _page_index(self) -> Mapping[PageHash, object]:
         raise NotImplementedError

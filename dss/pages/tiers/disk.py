@@ -100,12 +100,10 @@ class DiskTier(IndexedTier):
                 return self._sizes[meta.hash]
         blob = encode_page(meta, raw, self.codec, data_key)  # CPU-bound; outside the lock
         with self._lock:
-            used = self._used + self._pending
-        if meta.hash not in self._sizes and used + len(blob) > self.capacity_bytes:
             # Checked before writing too, so a full tier costs no file write.
-            raise CapacityError(
-                f"disk tier full: {used} of {self.capacity_bytes} bytes used, {len(blob)} asked"
-            )
+            full = None if meta.hash in self._sizes else self._room_error_locked(len(blob))
+        if full is not None:
+            raise full
         tmp = self.temp_path(meta.hash)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -150,11 +148,8 @@ class DiskTier(IndexedTier):
         with self._lock:
             if meta.hash in self._sizes:
                 existing = self._sizes[meta.hash]
-            elif self._used + self._pending + size > self.capacity_bytes:
-                raise CapacityError(
-                    f"disk tier full: {self._used + self._pending} of {self.capacity_bytes} bytes used, "
-                    f"{size} asked"
-                )
+            elif (full := self._room_error_locked(size)) is not None:
+                raise full
             else:
                 existing = None
                 self._pending += size
@@ -401,16 +396,6 @@ class DiskTier(IndexedTier):
     def size_of(self, page: PageHash) -> int | None:
         with self._lock:
             return self._sizes.get(page)
-
-    @property
-    def used_bytes(self) -> int:
-        with self._lock:
-            return self._used
-
-    @property
-    def free_bytes(self) -> int:
-        with self._lock:
-            return self.capacity_bytes - self._used - self._pending
 
     def probe(self) -> bool:
         """Try a small durable write; the tier is available again exactly when it succeeds."""

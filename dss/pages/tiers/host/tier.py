@@ -208,10 +208,8 @@ class HostTier(IndexedTier):
     def _check_room_locked(self, nbytes: int) -> None:
         if self._closed:
             raise StoreClosed("host tier is closed")
-        if self._used + nbytes > self.capacity_bytes:
-            raise CapacityError(
-                f"host tier full: {self._used} of {self.capacity_bytes} bytes used, {nbytes} asked"
-            )
+        if (full := self._room_error_locked(nbytes)) is not None:
+            raise full
 
     def publish(self, page: PageHash, ref: SlotRef) -> SlotRef:
         """Make a filled reservation visible as `page`; returns the slot that now holds the page.
@@ -319,16 +317,6 @@ class HostTier(IndexedTier):
 
     def _page_index(self) -> Mapping[PageHash, object]:
         return self._pages
-
-    @property
-    def used_bytes(self) -> int:
-        with self._lock:
-            return self._used
-
-    @property
-    def free_bytes(self) -> int:
-        with self._lock:
-            return self.capacity_bytes - self._used
 
     def reserved_slots(self) -> set[SlotRef]:
         """Every reserved slot at its current generation (the page store's pages live there), for
