@@ -27,7 +27,7 @@ import logging
 import re
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Literal, Protocol, cast, overload
 
@@ -240,31 +240,26 @@ _SUMMARY_COLS = (
 )
 
 
+def _summary_fields(r: Any) -> dict[str, Any]:
+    """The `VersionSummary` fields of a version row (or of a row of `_SUMMARY_COLS`)."""
+    return {
+        "session_id": SessionId(r.session_id),
+        "number": r.number,
+        "parent": r.parent,
+        "branch": r.branch,
+        "created_at": _aware(r.created_at),
+        "n_tokens": r.n_tokens,
+        "fingerprint": r.fingerprint,
+    }
+
+
 def _summary(r: Any) -> VersionSummary:
-    return VersionSummary(
-        session_id=SessionId(r.session_id),
-        number=r.number,
-        parent=r.parent,
-        branch=r.branch,
-        created_at=_aware(r.created_at),
-        n_tokens=r.n_tokens,
-        fingerprint=r.fingerprint,
-    )
+    return VersionSummary(**_summary_fields(r))
 
 
 def _full(r: VersionRow, messages: list[dict[str, Any]]) -> VersionInfo:
     tokens = np.frombuffer(r.tokens, dtype=TOKEN_DTYPE) if r.tokens else _EMPTY_TOKENS
-    return VersionInfo(
-        session_id=SessionId(r.session_id),
-        number=r.number,
-        parent=r.parent,
-        branch=r.branch,
-        created_at=_aware(r.created_at),
-        n_tokens=r.n_tokens,
-        fingerprint=r.fingerprint,
-        tokens=tokens,
-        messages=messages,
-    )
+    return VersionInfo(**_summary_fields(r), tokens=tokens, messages=messages)
 
 
 def _descendants(parents: Mapping[int, int | None], root: int) -> list[int]:
@@ -657,36 +652,25 @@ class VersionStore:
                 raise _LostRace
             self._move_head(db, user, sid, branch, head, number)
             parent = head if head != EMPTY_HEAD else None
-            db.add(
-                VersionRow(
-                    user_id=user,
-                    session_id=sid,
-                    number=number,
-                    parent=parent,
-                    branch=branch,
-                    created_at=now,
-                    n_tokens=n_tokens,
-                    tokens=body,
-                    messages=stored.delta,
-                    messages_base=stored.base,
-                    n_messages=stored.n_messages,
-                    digest=stored.digest,
-                    body_bytes=len(body) + delta_bytes,
-                    fingerprint=fingerprint,
-                )
+            added = VersionRow(
+                user_id=user,
+                session_id=sid,
+                number=number,
+                parent=parent,
+                branch=branch,
+                created_at=now,
+                n_tokens=n_tokens,
+                tokens=body,
+                messages=stored.delta,
+                messages_base=stored.base,
+                n_messages=stored.n_messages,
+                digest=stored.digest,
+                body_bytes=len(body) + delta_bytes,
+                fingerprint=fingerprint,
             )
+            db.add(added)
             db.flush()
-        return VersionInfo(
-            session_id=SessionId(sid),
-            number=number,
-            parent=parent,
-            branch=branch,
-            created_at=now,
-            n_tokens=n_tokens,
-            fingerprint=fingerprint,
-            tokens=np.frombuffer(body, dtype=TOKEN_DTYPE) if body else _EMPTY_TOKENS,
-            messages=msgs,
-        )
+        return _full(added, msgs)
 
     def rollback(
         self,
@@ -721,9 +705,7 @@ class VersionStore:
                         )
                     self._move_head(db, user, sid, branch, head, to_version)
                     self._touch(db, user, sid)
-                    return BranchInfo(
-                        name=branch, head_version=to_version, created_at=_aware(brow.created_at)
-                    )
+                    return replace(_branch_info(brow), head_version=to_version)
             except _LostRace:
                 if expected_head is not None:
                     raise StaleHead(f"branch {branch!r} head moved during the rollback") from None
