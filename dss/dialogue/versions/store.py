@@ -22,13 +22,11 @@ session, a user's sessions or a version subtree deletes the responses that hold 
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from dataclasses import replace
+from datetime import datetime
 from typing import Any, Literal, Protocol, cast, overload
 
 import numpy as np
@@ -52,6 +50,36 @@ from dss.db.connect import transaction
 from dss.db.models import BranchRow, ResponseRow, SessionRow, VersionRow, utcnow
 from dss.dialogue.history import prefix_digests, rebuild, stored_form
 from dss.dialogue.quotas import check_commit_quota, check_session_quota
+from dss.dialogue.versions.records import (
+    SUMMARY_COLS,
+    BranchInfo,
+    RetentionHint,
+    SessionInfo,
+    VersionInfo,
+    VersionSummary,
+    VersionTokens,
+    aware,
+    branch_info,
+    full_version,
+    session_info,
+    version_summary,
+)
+from dss.dialogue.versions.rules import (
+    EMPTY_HEAD,
+    EMPTY_TOKENS,
+    INT32_MAX,
+    MAIN_BRANCH,
+    MAX_LIST_LIMIT,
+    MAX_METADATA_BYTES,
+    MAX_SYSTEM_PROMPT_CHARS,
+    check_name,
+    check_number,
+    check_retention,
+    coerce_tokens,
+    json_size,
+    normalised,
+)
+from dss.dialogue.versions.tree import ancestors_of, descendants_of
 from dss.errors import (
     BranchExists,
     BranchNotFound,
@@ -64,19 +92,12 @@ from dss.errors import (
     VersionNotFound,
 )
 from dss.inputs import check_session_id, check_stored_user_id
-from dss.jsonlimits import JsonLimits, check_items, check_json, servable
+from dss.jsonlimits import JsonLimits, check_items, check_json
 from dss.tokens import TOKEN_DTYPE
 from dss.types import FingerprintId, SessionId, UserId
 
 log = logging.getLogger("dss.versions")
 
-MAIN_BRANCH = "main"
-EMPTY_HEAD = 0
-MAX_TOKENS = 1 << 20
-MAX_MESSAGES_BYTES = 8 << 20
-MAX_METADATA_BYTES = 64 << 10
-MAX_SYSTEM_PROMPT_CHARS = 1 << 20
-MAX_LIST_LIMIT = 1000
 # Each retry means another writer committed in between; far more than that is a livelock.
 MAX_COMMIT_ATTEMPTS = 64
 # Bound parameters per IN (...) list; SQLite allows 32766 in all, PostgreSQL 65535.
@@ -84,214 +105,6 @@ _IN_CHUNK = 500
 # Versions whose token ids `iter_tokens` reads per query: what it holds at once is this many
 # versions' ids (8 x 64 KiB at 16k tokens), whatever the length of the history it walks.
 _TOKEN_CHUNK = 8
-
-KV_RETENTIONS = ("pinned", "normal", "evict")
-MIN_IDLE_TTL_S = 1
-MAX_IDLE_TTL_S = 30 * 24 * 3600
-
-_NAME_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-_INT32_MAX = np.iinfo(np.int32).max
-_EMPTY_TOKENS = np.zeros(0, dtype=TOKEN_DTYPE)
-_EMPTY_TOKENS.flags.writeable = False
-
-
-@dataclass(frozen=True, slots=True)
-class BranchInfo:
-    name: str
-    head_version: int  # EMPTY_HEAD (0) when the branch has no versions yet
-    created_at: datetime
-
-    @property
-    def is_empty(self) -> bool:
-        return self.head_version == EMPTY_HEAD
-
-
-@dataclass(frozen=True, slots=True)
-class SessionInfo:
-    id: SessionId
-    user_id: UserId
-    created_at: datetime
-    updated_at: datetime
-    system_prompt: str | None
-    metadata: dict[str, Any]
-    version_count: int
-    branches: tuple[BranchInfo, ...]
-    kv_retention: str = "normal"  # one of KV_RETENTIONS (see `dss.ops.retention`)
-    kv_idle_ttl_s: int | None = None  # idle seconds before its host pages move to disk; None: never
-
-    def branch(self, name: str) -> BranchInfo:
-        for b in self.branches:
-            if b.name == name:
-                return b
-        raise BranchNotFound(f"branch {name!r} not found")
-
-
-@dataclass(frozen=True, slots=True)
-class VersionSummary:
-    """A version without its token and message bodies (what listings return)."""
-
-    session_id: SessionId
-    number: int
-    parent: int | None
-    branch: str  # the branch it was committed on
-    created_at: datetime
-    n_tokens: int
-    fingerprint: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class VersionInfo(VersionSummary):
-    tokens: np.ndarray  # int32, read-only
-    messages: list[dict[str, Any]]
-
-
-@dataclass(frozen=True, slots=True)
-class VersionTokens:
-    """A version's token ids without its messages (what `iter_tokens` yields)."""
-
-    session_id: SessionId
-    number: int
-    fingerprint: FingerprintId | None
-    tokens: np.ndarray  # int32, read-only
-
-
-def _aware(ts: datetime) -> datetime:
-    # SQLite hands back naive datetimes; everything is stored in UTC.
-    return ts if ts.tzinfo is not None else ts.replace(tzinfo=UTC)
-
-
-def _check_name(kind: str, name: str) -> str:
-    if not isinstance(name, str) or _NAME_RE.fullmatch(name) is None:
-        raise InvalidInput(f"{kind} must be 1-128 characters of [A-Za-z0-9._:-], got {name!r}")
-    return name
-
-
-def _json_size(kind: str, value: object) -> int:
-    try:
-        return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode())
-    except (TypeError, ValueError) as exc:
-        raise InvalidInput(f"{kind} is not JSON-serialisable: {exc}") from exc
-
-
-def _coerce_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-    arr = np.asarray(tokens)
-    if arr.ndim != 1:
-        raise InvalidInput("tokens must be a 1-D sequence of token ids")
-    if arr.size == 0:
-        return _EMPTY_TOKENS
-    if arr.dtype.kind not in "iu":
-        raise InvalidInput(f"tokens must be integers, got dtype {arr.dtype}")
-    if arr.size > MAX_TOKENS:
-        raise LimitExceeded(f"{arr.size} tokens exceed the limit of {MAX_TOKENS}")
-    if int(arr.min()) < 0 or int(arr.max()) > _INT32_MAX:
-        raise InvalidInput("token ids must be in [0, 2**31 - 1]")
-    return np.ascontiguousarray(arr, dtype=TOKEN_DTYPE)
-
-
-def _check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    if not isinstance(messages, list | tuple) or not all(isinstance(m, Mapping) for m in messages):
-        raise InvalidInput("messages must be a list of JSON objects")
-    plain = [dict(m) for m in messages]
-    size = _json_size("messages", plain)
-    if size > MAX_MESSAGES_BYTES:
-        raise LimitExceeded(f"messages take {size} bytes of JSON, over the limit of {MAX_MESSAGES_BYTES}")
-    return plain
-
-
-def _normalised(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as they come back from the JSON column, so equality matches stored ones."""
-    _check_messages(messages)
-    out: list[dict[str, Any]] = json.loads(json.dumps([dict(m) for m in messages]))
-    return out
-
-
-def _branch_info(row: BranchRow) -> BranchInfo:
-    return BranchInfo(name=row.name, head_version=row.head_version, created_at=_aware(row.created_at))
-
-
-def _session_info(row: SessionRow, branches: Iterable[BranchRow], limits: JsonLimits) -> SessionInfo:
-    meta = dict(row.meta or {})
-    if not servable(meta, limits):
-        # Stored before the depth limit existed: serving it would fail the user's whole listing.
-        log.warning("stored session metadata nested over %d levels deep: served empty", limits.max_depth)
-        meta = {}
-    return SessionInfo(
-        id=SessionId(row.id),
-        user_id=UserId(row.user_id),
-        created_at=_aware(row.created_at),
-        updated_at=_aware(row.updated_at),
-        system_prompt=row.system_prompt,
-        metadata=meta,
-        version_count=row.version_count,
-        branches=tuple(_branch_info(b) for b in branches),
-        kv_retention=row.kv_retention,
-        kv_idle_ttl_s=row.kv_idle_ttl_s,
-    )
-
-
-_SUMMARY_COLS = (
-    VersionRow.session_id,
-    VersionRow.number,
-    VersionRow.parent,
-    VersionRow.branch,
-    VersionRow.created_at,
-    VersionRow.n_tokens,
-    VersionRow.fingerprint,
-)
-
-
-def _summary_fields(r: Any) -> dict[str, Any]:
-    """The `VersionSummary` fields of a version row (or of a row of `_SUMMARY_COLS`)."""
-    return {
-        "session_id": SessionId(r.session_id),
-        "number": r.number,
-        "parent": r.parent,
-        "branch": r.branch,
-        "created_at": _aware(r.created_at),
-        "n_tokens": r.n_tokens,
-        "fingerprint": r.fingerprint,
-    }
-
-
-def _summary(r: Any) -> VersionSummary:
-    return VersionSummary(**_summary_fields(r))
-
-
-def _full(r: VersionRow, messages: list[dict[str, Any]]) -> VersionInfo:
-    tokens = np.frombuffer(r.tokens, dtype=TOKEN_DTYPE) if r.tokens else _EMPTY_TOKENS
-    return VersionInfo(**_summary_fields(r), tokens=tokens, messages=messages)
-
-
-def _descendants(parents: Mapping[int, int | None], root: int) -> list[int]:
-    """`root` and every version below it, ascending (so `root` first: children have larger numbers)."""
-    inside = [root]
-    seen = {root}
-    for number in sorted(n for n in parents if n > root):
-        if parents[number] in seen:
-            inside.append(number)
-            seen.add(number)
-    return inside
-
-
-def _chain(parents: Mapping[int, int | None], start: int) -> list[int]:
-    """`start` and its ancestors, newest first (parents always have smaller numbers)."""
-    out: list[int] = []
-    cur: int | None = start
-    while cur is not None and cur != EMPTY_HEAD:
-        out.append(cur)
-        cur = parents[cur]
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class RetentionHint:
-    """A session's KV retention hint, without its branches (what the retention sweeper reads)."""
-
-    user_id: UserId
-    session_id: SessionId
-    kv_retention: str
-    kv_idle_ttl_s: int | None
-    updated_at: datetime
 
 
 class WriteFence(Protocol):
@@ -379,14 +192,14 @@ class VersionStore:
                 )
                 db.add(main)
                 db.flush()
-                return _session_info(row, [main], self._json_limits)
+                return session_info(row, [main], self._json_limits)
         except IntegrityError as exc:
             raise SessionExists(f"session id {sid!r} is already in use") from exc
 
     def get_session(self, user: str, sid: str) -> SessionInfo:
         with transaction(self._factory) as db:
             row = self._owned(db, user, sid)
-            return _session_info(row, self._branch_rows(db, user, sid), self._json_limits)
+            return session_info(row, self._branch_rows(db, user, sid), self._json_limits)
 
     def ensure_session(
         self,
@@ -440,7 +253,7 @@ class VersionStore:
                     .order_by(BranchRow.created_at, BranchRow.name)
                 ):
                     by_session[b.session_id].append(b)
-            return [_session_info(r, by_session[r.id], self._json_limits) for r in rows], has_more
+            return [session_info(r, by_session[r.id], self._json_limits) for r in rows], has_more
 
     def set_retention(self, user: str, sid: str, kv_retention: str, kv_idle_ttl_s: int | None) -> SessionInfo:
         """Set the session's KV retention hint and idle TTL (None: none). `InvalidInput` for a hint
@@ -451,7 +264,7 @@ class VersionStore:
             row.kv_retention = kv_retention
             row.kv_idle_ttl_s = kv_idle_ttl_s
             db.flush()
-            return _session_info(row, self._branch_rows(db, user, sid), self._json_limits)
+            return session_info(row, self._branch_rows(db, user, sid), self._json_limits)
 
     def retention_hints(
         self, *, updated_after: datetime | None = None, hinted_only: bool = False, limit: int = MAX_LIST_LIMIT
@@ -470,7 +283,7 @@ class VersionStore:
         q = q.order_by(SessionRow.updated_at, SessionRow.user_id, SessionRow.id).limit(limit)
         with transaction(self._factory) as db:
             return [
-                RetentionHint(UserId(u), SessionId(sid), r, ttl, _aware(ts))
+                RetentionHint(UserId(u), SessionId(sid), r, ttl, aware(ts))
                 for u, sid, r, ttl, ts in db.execute(q).tuples()
             ]
 
@@ -486,7 +299,7 @@ class VersionStore:
                     *_version_key(user, sid), VersionRow.number.in_(want[i : i + 500])
                 )
                 for number, raw in db.execute(q).tuples():
-                    out[number] = np.frombuffer(raw, dtype=TOKEN_DTYPE) if raw else _EMPTY_TOKENS
+                    out[number] = np.frombuffer(raw, dtype=TOKEN_DTYPE) if raw else EMPTY_TOKENS
         return out
 
     def iter_tokens(
@@ -512,7 +325,7 @@ class VersionStore:
         if sid is not None:
             where.append(VersionRow.session_id == sid)
             if through is not None:
-                where.append(VersionRow.number <= min(through, _INT32_MAX))
+                where.append(VersionRow.number <= min(through, INT32_MAX))
         if only is not None:
             where.append(VersionRow.fingerprint.in_(only))
         # One statement for every chunk, the cursor bound: session ids are never empty, so the
@@ -525,7 +338,7 @@ class VersionStore:
             .limit(_TOKEN_CHUNK)
         )
         # Numbers are INTEGER columns: a larger bound names no version (and PostgreSQL refuses it).
-        start = (sid, min(after, _INT32_MAX)) if sid is not None else ("", -1)
+        start = (sid, min(after, INT32_MAX)) if sid is not None else ("", -1)
         walk = self._token_chunks(user, sid, q if only is None or only else None, start)
         next(walk)  # opens the transaction and checks the session: SessionNotFound here, at the call
         return (v for v in walk if v is not None)
@@ -582,9 +395,9 @@ class VersionStore:
         whatever the head is when it lands. `epoch`: the erasure epoch the turn was admitted
         under (`UserErased` when the user was erased since; see `hold_user`).
         """
-        arr = _coerce_tokens(tokens)
+        arr = coerce_tokens(tokens)
         check_items("messages", messages, self._json_limits)  # before anything walks them recursively
-        msgs = _normalised(messages)
+        msgs = normalised(messages)
         if fingerprint is not None and len(fingerprint) > 64:
             raise InvalidInput("fingerprint longer than 64 characters")
         pinned = {h for h in (parent, expected_head) if h is not None}
@@ -633,7 +446,7 @@ class VersionStore:
                     raise _LostRace
                 base = (row[0], row[1])
             stored = stored_form(msgs, *(base if base is not None else (None, None)))
-            delta_bytes = _json_size("messages", stored.delta)
+            delta_bytes = json_size("messages", stored.delta)
             check_commit_quota(db, user, self._quotas, len(body) + delta_bytes)
             # The fence before the first write (on SQLite it takes the write lock, so the quota's
             # sum above did not hold it); what was read before is checked by the compare-and-sets.
@@ -670,7 +483,7 @@ class VersionStore:
             )
             db.add(added)
             db.flush()
-        return _full(added, msgs)
+        return full_version(added, msgs)
 
     def rollback(
         self,
@@ -699,13 +512,13 @@ class VersionStore:
                     parents = self._parents(db, user, sid)
                     if to_version not in parents:
                         raise VersionNotFound(f"version {to_version} not found in session {sid!r}")
-                    if to_version not in _chain(parents, head):
+                    if to_version not in ancestors_of(parents, head):
                         raise NotAnAncestor(
                             f"version {to_version} is not on the history of branch {branch!r}"
                         )
                     self._move_head(db, user, sid, branch, head, to_version)
                     self._touch(db, user, sid)
-                    return replace(_branch_info(brow), head_version=to_version)
+                    return replace(branch_info(brow), head_version=to_version)
             except _LostRace:
                 if expected_head is not None:
                     raise StaleHead(f"branch {branch!r} head moved during the rollback") from None
@@ -717,8 +530,8 @@ class VersionStore:
         """A new branch `name` whose head is the existing version `from_version`
         (`EMPTY_HEAD`, 0: a branch with no versions yet, for a fork of a session's first turn).
         `epoch`: as for `commit`."""
-        _check_name("branch name", name)
-        _check_number(from_version, sid)
+        check_name("branch name", name)
+        check_number(from_version, sid)
         try:
             with transaction(self._factory) as db:
                 self.hold_user(db, user, epoch)
@@ -739,7 +552,7 @@ class VersionStore:
                 db.add(row)
                 db.flush()
                 self._touch(db, user, sid)
-                return _branch_info(row)
+                return branch_info(row)
         except IntegrityError as exc:
             # A concurrent writer created the same name (or deleted the session) in between.
             self.get_session(user, sid)
@@ -749,12 +562,12 @@ class VersionStore:
     def list_branches(self, user: str, sid: str) -> list[BranchInfo]:
         with transaction(self._factory) as db:
             self._owned(db, user, sid)
-            return [_branch_info(b) for b in self._branch_rows(db, user, sid)]
+            return [branch_info(b) for b in self._branch_rows(db, user, sid)]
 
     def get_branch(self, user: str, sid: str, name: str) -> BranchInfo:
         with transaction(self._factory) as db:
             self._owned(db, user, sid)
-            return _branch_info(self._branch_row(db, user, sid, name))
+            return branch_info(self._branch_row(db, user, sid, name))
 
     @overload
     def list_versions(
@@ -776,10 +589,10 @@ class VersionStore:
                     # A version that inherits messages has a parent (messages_base > 0 only then).
                     inherited = full[r.parent][: r.messages_base] if r.messages_base and r.parent else []
                     full[r.number] = inherited + list(r.messages)
-                    out.append(_full(r, full[r.number]))
+                    out.append(full_version(r, full[r.number]))
                 return out
-            q2 = select(*_SUMMARY_COLS).where(*_version_key(user, sid)).order_by(VersionRow.number)
-            return [_summary(r) for r in db.execute(q2)]
+            q2 = select(*SUMMARY_COLS).where(*_version_key(user, sid)).order_by(VersionRow.number)
+            return [version_summary(r) for r in db.execute(q2)]
 
     def version_page(
         self, user: str, sid: str, limit: int = 20, after: int = 0
@@ -791,12 +604,12 @@ class VersionStore:
         with transaction(self._factory) as db:
             self._owned(db, user, sid)
             q = (
-                select(*_SUMMARY_COLS)
-                .where(*_version_key(user, sid), VersionRow.number > min(after, _INT32_MAX))
+                select(*SUMMARY_COLS)
+                .where(*_version_key(user, sid), VersionRow.number > min(after, INT32_MAX))
                 .order_by(VersionRow.number)
                 .limit(limit + 1)
             )
-            rows = [_summary(r) for r in db.execute(q)]
+            rows = [version_summary(r) for r in db.execute(q)]
         return rows[:limit], len(rows) > limit
 
     @overload
@@ -806,16 +619,16 @@ class VersionStore:
     @overload
     def get_version(self, user: str, sid: str, number: int, with_body: Literal[False]) -> VersionSummary: ...
     def get_version(self, user: str, sid: str, number: int, with_body: bool = True) -> VersionSummary:
-        _check_number(number, sid)
+        check_number(number, sid)
         with transaction(self._factory) as db:
             self._owned(db, user, sid)
             if with_body:
                 return self._full_version(db, user, sid, number)
             where = (*_version_key(user, sid), VersionRow.number == number)
-            r = db.execute(select(*_SUMMARY_COLS).where(*where)).one_or_none()
+            r = db.execute(select(*SUMMARY_COLS).where(*where)).one_or_none()
             if r is None:
                 raise VersionNotFound(f"version {number} not found in session {sid!r}")
-            return _summary(r)
+            return version_summary(r)
 
     def ancestors(self, user: str, sid: str, number: int) -> list[int]:
         """Version `number` and its ancestors back to the root, `number` first."""
@@ -824,7 +637,7 @@ class VersionStore:
             parents = self._parents(db, user, sid)
             if number not in parents:
                 raise VersionNotFound(f"version {number} not found in session {sid!r}")
-            return _chain(parents, number)
+            return ancestors_of(parents, number)
 
     def lineage(self, user: str, sid: str, number: int, db: Session | None = None) -> list[int]:
         """`ancestors` inside the caller's transaction (`db`): `number` first, back to the root.
@@ -832,11 +645,11 @@ class VersionStore:
         if db is None:
             with transaction(self._factory) as own:
                 return self.lineage(user, sid, number, own)
-        _check_number(number, sid)
+        check_number(number, sid)
         parents = self._parents(db, user, sid)
         if number not in parents:
             raise VersionNotFound(f"version {number} not found in session {sid!r}")
-        return _chain(parents, number)
+        return ancestors_of(parents, number)
 
     def subtree(self, user: str, sid: str, number: int, db: Session | None = None) -> list[int]:
         """Version `number` and every version descending from it, by number (`number` first:
@@ -844,11 +657,11 @@ class VersionStore:
         if db is None:
             with transaction(self._factory) as own:
                 return self.subtree(user, sid, number, own)
-        _check_number(number, sid)
+        check_number(number, sid)
         parents = self._parents(db, user, sid)
         if number not in parents:
             raise VersionNotFound(f"version {number} not found in session {sid!r}")
-        return _descendants(parents, number)
+        return descendants_of(parents, number)
 
     def hold_session(self, user: str, sid: str, db: Session) -> None:
         """Take the session's write lock in the caller's transaction, so that what it reads next
@@ -878,13 +691,13 @@ class VersionStore:
         if db is None:
             with transaction(self._factory) as own:
                 return self.delete_subtree(user, sid, number, own)
-        _check_number(number, sid)
+        check_number(number, sid)
         self.hold_user(db, user)
         self.hold_session(user, sid, db)
         parents = self._parents(db, user, sid)
         if number not in parents:
             raise VersionNotFound(f"version {number} not found in session {sid!r}")
-        doomed = _descendants(parents, number)
+        doomed = descendants_of(parents, number)
         parent = parents[number]
         new_head = parent if parent is not None else EMPTY_HEAD
         for i in range(0, len(doomed), _IN_CHUNK):
@@ -920,7 +733,7 @@ class VersionStore:
         number. Returns None when no version matches (a new turn then starts from scratch).
         One indexed lookup of the prefix digests; no version's messages are read but the answer's.
         """
-        want = prefix_digests(_normalised(messages))
+        want = prefix_digests(normalised(messages))
         with transaction(self._factory) as db:
             self._owned(db, user, sid)
             candidates: list[tuple[int, int]] = []
@@ -1025,7 +838,7 @@ class VersionStore:
         if row is None:
             raise VersionNotFound(f"version {number} not found in session {sid!r}")
         if row.messages_base == 0:
-            return _full(row, list(row.messages))
+            return full_version(row, list(row.messages))
         v = aliased(VersionRow)
         cols = (VersionRow.number, VersionRow.parent, VersionRow.messages_base, VersionRow.messages)
         chain = (
@@ -1039,7 +852,7 @@ class VersionStore:
             .where(v.user_id == user, v.session_id == sid)
         )
         rows = db.execute(select(chain.c.messages_base, chain.c.messages).order_by(chain.c.number)).tuples()
-        return _full(row, rebuild([*rows, (row.messages_base, row.messages)]))
+        return full_version(row, rebuild([*rows, (row.messages_base, row.messages)]))
 
     @staticmethod
     def _branch_rows(db: Session, user: str, sid: str) -> list[BranchRow]:
@@ -1130,25 +943,3 @@ def _rowcount(db: Session, stmt: Update | Delete) -> int:
     """Rows matched by a bulk UPDATE/DELETE (the ORM session is not synchronised: rows are re-read)."""
     result = db.execute(stmt.execution_options(synchronize_session=False))
     return cast(CursorResult[Any], result).rowcount
-
-
-def check_retention(kv_retention: str, kv_idle_ttl_s: int | None) -> None:
-    """`InvalidInput` unless the hint is one of KV_RETENTIONS and the TTL None or in range."""
-    if kv_retention not in KV_RETENTIONS:
-        raise InvalidInput(f"kv_retention must be one of {', '.join(KV_RETENTIONS)}, got {kv_retention!r}")
-    ttl = kv_idle_ttl_s
-    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < MIN_IDLE_TTL_S):
-        raise InvalidInput(
-            f"kv_idle_ttl_s must be an integer of at least {MIN_IDLE_TTL_S} or null, got {ttl!r}"
-        )
-    if ttl is not None and ttl > MAX_IDLE_TTL_S:
-        raise LimitExceeded(f"kv_idle_ttl_s {ttl} exceeds the limit of {MAX_IDLE_TTL_S} s")
-
-
-_MAX_NUMBER = int(_INT32_MAX)  # INTEGER columns: a larger number cannot name a stored version
-
-
-def _check_number(number: int, sid: str) -> None:
-    """A version number no database column can hold names no version (not a database error)."""
-    if not 0 <= number <= _MAX_NUMBER:
-        raise VersionNotFound(f"version {number} not found in session {sid!r}")

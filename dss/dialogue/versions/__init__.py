@@ -1,0 +1,52 @@
+"""Versioned sessions: the durable dialogue state, with git-like branches (`VersionStore`).
+
+One job per module: `store` (`VersionStore`: sessions, commits, rollbacks, branches, reads,
+erasure of rows, `check`), `records` (the records its reads return, one builder each from its
+rows), `rules` (input rules and limits), `tree` (walking a session's version tree).
+"""
+
+from dss.dialogue.versions.records import (
+    BranchInfo,
+    RetentionHint,
+    SessionInfo,
+    VersionInfo,
+    VersionSummary,
+    VersionTokens,
+)
+from dss.dialogue.versions.rules import (
+    EMPTY_HEAD,
+    KV_RETENTIONS,
+    MAIN_BRANCH,
+    MAX_IDLE_TTL_S,
+    MAX_LIST_LIMIT,
+    MAX_MESSAGES_BYTES,
+    MAX_METADATA_BYTES,
+    MAX_SYSTEM_PROMPT_CHARS,
+    MAX_TOKENS,
+    MIN_IDLE_TTL_S,
+    check_retention,
+)
+from dss.dialogue.versions.store import MAX_COMMIT_ATTEMPTS, VersionStore, WriteFence
+
+__all__ = [
+    "EMPTY_HEAD",
+    "KV_RETENTIONS",
+    "MAIN_BRANCH",
+    "MAX_COMMIT_ATTEMPTS",
+    "MAX_IDLE_TTL_S",
+    "MAX_LIST_LIMIT",
+    "MAX_MESSAGES_BYTES",
+    "MAX_METADATA_BYTES",
+    "MAX_SYSTEM_PROMPT_CHARS",
+    "MAX_TOKENS",
+    "MIN_IDLE_TTL_S",
+    "BranchInfo",
+    "RetentionHint",
+    "SessionInfo",
+    "VersionInfo",
+    "VersionStore",
+    "VersionSummary",
+    "VersionTokens",
+    "WriteFence",
+    "check_retention",
+]
