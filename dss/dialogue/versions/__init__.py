@@ -1,8 +1,9 @@
 """Versioned sessions: the durable dialogue state, with git-like branches (`VersionStore`).
 
 One job per module: `store` (`VersionStore`: sessions, commits, rollbacks, branches, reads,
-erasure of rows, `check`), `records` (the records its reads return, one builder each from its
-rows), `rules` (input rules and limits), `tree` (walking a session's version tree).
+erasure of rows), `records` (the records its reads return, one builder each from its rows),
+`rules` (input rules and limits), `tree` (walking a session's version tree), `check` (the
+invariants over its tables).
 """
 
 from dss.dialogue.versions.records import (
