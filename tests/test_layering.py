@@ -125,3 +125,12 @@ def test_no_import_cycles() -> None:
         if v not in index:
             strong(v)
     assert not cycles, "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_arena_format_stands_alone() -> None:
+    """`engine_patch.connector` and the page-codec helpers map arenas: the format module needs
+    nothing of the store beyond the shared types, errors and its directory checks."""
+    allowed = {"dss.errors", "dss.types", "dss.wire", "dss.pages.tiers.host.shm"}
+    g = graph()
+    assert g["dss.pages.tiers.host.arena"] <= allowed, g["dss.pages.tiers.host.arena"] - allowed
+    assert g["dss.pages.tiers.host.shm"] <= allowed, g["dss.pages.tiers.host.shm"] - allowed
