@@ -3,25 +3,25 @@ loopback port, and a child that dies with the benchmark."""
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # this checkout's engine_patch, not another one's editable install
 
 
 def model_dir() -> Path:
-    env = os.environ.get("DSS_MODEL_DIR")
-    candidates = [Path(env)] if env else []
-    candidates += [
-        Path.home() / ".cache" / "dss" / "models" / "SmolLM2-135M-Instruct",
-        REPO / ".dss" / "models" / "SmolLM2-135M-Instruct",
-    ]
-    for c in candidates:
-        if (c / "config.json").is_file() and (c / ".dss-ready").is_file():
-            return c
-    raise SystemExit("the default model is not prepared: run `make model` (or set DSS_MODEL_DIR)")
+    """The model every bench serves: `engine_patch.setup.model.find_model` (the CLI's and the
+    tests' way too), or an exit that says how to prepare it."""
+    from engine_patch.setup.model import NOT_PREPARED, find_model
+
+    found = find_model()
+    if found is None:
+        raise SystemExit(NOT_PREPARED)
+    return found
 
 
 def free_port() -> int:

@@ -35,6 +35,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench._procs import model_dir  # noqa: E402 - after the path is set
+
 CLIENTS = int(os.environ.get("DSS_BENCH_CLIENTS", "32"))
 SECONDS = float(os.environ.get("DSS_BENCH_SECONDS", "60"))
 MAX_TOKENS = 8
@@ -66,14 +68,6 @@ class Stats:
 # What every run must complete at least once for its figures to mean anything: the operation
 # kinds of `Client.run`, and both kinds of turn whose time to first token is reported.
 OPERATIONS = ("chat", "rollback", "branch", "get_session", "ttft_cold", "ttft_warm")
-
-
-def model_dir() -> Path:
-    env = os.environ.get("DSS_MODEL_DIR")
-    for c in ([Path(env)] if env else []) + [REPO / ".dss" / "models" / "SmolLM2-135M-Instruct"]:
-        if (c / ".dss-ready").is_file():
-            return c
-    raise SystemExit("the default model is not prepared: run `make model` (or set DSS_MODEL_DIR)")
 
 
 def die_with_parent() -> None:

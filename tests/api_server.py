@@ -33,6 +33,8 @@ from typing import Any
 import httpx
 import pytest
 
+from engine_patch.setup.model import find_model
+
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
@@ -41,13 +43,9 @@ MAX_OUTPUT_TOKENS = 512  # room for a stream long enough to be interrupted (test
 
 
 def model_dir() -> Path | None:
-    env = os.environ.get("DSS_MODEL_DIR")
-    candidates = [Path(env)] if env else []
-    candidates.append(REPO / ".dss" / "models" / "SmolLM2-135M-Instruct")
-    for c in candidates:
-        if (c / "config.json").is_file() and (c / ".dss-ready").is_file():
-            return c
-    return None
+    """The model the API tests serve, found as the CLI and the benches find it; None when none is
+    prepared (the tests skip)."""
+    return find_model()
 
 
 def die_with_parent() -> None:
