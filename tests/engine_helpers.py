@@ -154,10 +154,10 @@ class Engine:
                 os.environ[key] = old
         self.tokenizer = self.llm.get_tokenizer()
 
-    def session(self, tenant: str, session_id: str, version: int = 1) -> dict[str, Any]:
+    def session(self, tenant: str, session_id: str) -> dict[str, Any]:
         """The signed session tag of a request (the connector ignores unsigned ones)."""
         assert self.authkey is not None, "a session request needs the store's authkey"
-        return session_params(self.authkey, tenant, session_id, version)
+        return session_params(self.authkey, tenant, session_id)
 
     def generate(
         self,
