@@ -20,9 +20,7 @@ import atexit
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -33,7 +31,10 @@ from typing import Any
 import httpx
 import pytest
 
+from bench._procs import die_with_parent, free_port, serve_command
 from engine_patch.setup.model import find_model
+
+__all__ = ["REPO", "Answer", "ApiServer", "die_with_parent", "free_port", "model_dir", "serve_command"]
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 300.0
@@ -46,21 +47,6 @@ def model_dir() -> Path | None:
     """The model the API tests serve, found as the CLI and the benches find it; None when none is
     prepared (the tests skip)."""
     return find_model()
-
-
-def die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the process that started it dies, however it
-    dies (a killed test run or benchmark must not leave a server and its engine behind)."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)
@@ -116,15 +102,7 @@ class ApiServer:
         return env
 
     def command(self) -> list[str]:
-        engine = ["--model", str(self.model)] if self.model is not None else ["--no-engine"]
-        return [
-            sys.executable, "-m", "api.cli", "serve", *engine,
-            "--data-dir", str(self.data_dir),
-            "--host", "127.0.0.1",
-            "--port", str(self.port),
-            "--log-level", "warning",
-            *(["--dev"] if self.dev else []),
-        ]  # fmt: skip
+        return serve_command(self.model, self.data_dir, self.port, dev=self.dev)
 
     def start(self) -> None:
         self.launch()
