@@ -488,9 +488,7 @@ class ChatEngine:
         sid = session_id if session_id is not None else f"anon-{uuid.uuid4().hex}"
         params = sampling.params.clone()
         params.output_kind = RequestOutputKind.DELTA
-        params.extra_args = (
-            SessionTag(tenant, sid, state_version).extra_args(self._tag_key) if persist else None
-        )
+        params.extra_args = SessionTag(tenant, sid).extra_args(self._tag_key) if persist else None
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=cache_salt)
         request_id = "chatcmpl-" + uuid.uuid4().hex
         self._running.setdefault(tenant, set()).add(request_id)

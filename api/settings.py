@@ -159,7 +159,7 @@ class EngineGroup(BaseModel):
     """The embedded vLLM engine (`enabled=False` serves the store API alone: no chat)."""
 
     enabled: bool = True
-    model: Path | None = None  # an HF folder; default: the prepared default model in data_dir
+    model: Path | None = None  # an HF folder; default: `engine_patch.setup.model.find_model(data_dir)`
     served_model_name: str | None = None  # default: the model folder's name
     # vLLM's tool-call parser for `tool_choice: "auto"` (e.g. `hermes`); None: tools are refused
     # as vLLM's own server refuses them without `--tool-call-parser`.

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _procs import die_with_parent, model_dir
+from _procs import die_hard_with_parent, model_dir, serve_command
 
 REPO = Path(__file__).resolve().parents[1]
 # The code the server runs: the checkout, or (`--server-root`) another copy of it, e.g. a
@@ -147,14 +147,7 @@ class Server:
             log.write(
                 f"\n===== soak: start #{self.starts + 1} at {time.strftime('%H:%M:%S')} =====\n".encode()
             )
-            cmd = [
-                *dss_cli(), "serve",
-                "--model", str(model_dir()),
-                "--data-dir", str(self.data_dir),
-                "--host", "127.0.0.1",
-                "--port", str(self.port),
-                "--log-level", "warning",
-            ]  # fmt: skip
+            cmd = serve_command(model_dir(), self.data_dir, self.port, cli=dss_cli())
             self.proc = subprocess.Popen(
                 cmd,
                 cwd=SERVER_ROOT,
@@ -162,7 +155,7 @@ class Server:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: os.killpg reaches the engine too
-                preexec_fn=die_with_parent,
+                preexec_fn=die_hard_with_parent,
             )
         self.starts += 1
         self.last_metrics = {}

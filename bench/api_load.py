@@ -20,7 +20,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from bench._procs import die_with_parent, free_port, model_dir, serve_command  # noqa: E402 - after the path is set
 
 CLIENTS = int(os.environ.get("DSS_BENCH_CLIENTS", "32"))
 SECONDS = float(os.environ.get("DSS_BENCH_SECONDS", "60"))
@@ -68,29 +69,6 @@ class Stats:
 OPERATIONS = ("chat", "rollback", "branch", "get_session", "ttft_cold", "ttft_warm")
 
 
-def model_dir() -> Path:
-    env = os.environ.get("DSS_MODEL_DIR")
-    for c in ([Path(env)] if env else []) + [REPO / ".dss" / "models" / "SmolLM2-135M-Instruct"]:
-        if (c / ".dss-ready").is_file():
-            return c
-    raise SystemExit("the default model is not prepared: run `make model` (or set DSS_MODEL_DIR)")
-
-
-def die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the process that started it dies, however it
-    dies (a killed test run or benchmark must not leave a server and its engine behind)."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def make_keys(data_dir: Path, n: int, admin: bool = False) -> list[str]:
     from api.auth import ApiKeys
     from dss.db.connect import make_engine, make_session_factory, sqlite_url_for, upgrade_to_head
@@ -117,8 +95,7 @@ def start_server(root: Path) -> tuple[subprocess.Popen[bytes], str]:
         "DSS_STORE__HOST_CAPACITY_BYTES": str(1 << 30),
         "DSS_STORE__FSYNC": "false",
     }
-    cmd = [sys.executable, "-m", "api.cli", "serve", "--model", str(model_dir()), "--data-dir",
-           str(root / "data"), "--port", str(port), "--log-level", "warning"]  # fmt: skip
+    cmd = serve_command(model_dir(), root / "data", port)
     log = open(root / "server.log", "wb")  # noqa: SIM115 - owned by the subprocess
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent

@@ -87,6 +87,8 @@ def report(phase: str, times: list[float], extra: str = "") -> None:
 
 
 def main() -> None:
+    smoke = "--smoke" in sys.argv[1:]  # tiny sizes, seconds (the suite runs this)
+    seconds, attackers = (1.0, 1) if smoke else (SECONDS, ATTACKERS)
     with tempfile.TemporaryDirectory(prefix="dss-auth-flood-") as tmp:
         server = ApiServer(None, Path(tmp))
         server.start()
@@ -97,16 +99,16 @@ def main() -> None:
                         "/v1/sessions", json={"session_id": f"s{i}", "metadata": {"i": i}}
                     ).raise_for_status()
                 victim(c, 1.0)  # warm-up
-                report("alone", victim(c, SECONDS))
+                report("alone", victim(c, seconds))
                 counts: mp.Queue[tuple[int, dict[int, int]]] = mp.Queue()
                 procs = [
-                    mp.Process(target=attacker, args=(server.port, SECONDS + 1, counts))
-                    for _ in range(ATTACKERS)
+                    mp.Process(target=attacker, args=(server.port, seconds + 1, counts))
+                    for _ in range(attackers)
                 ]
                 for p in procs:
                     p.start()
                 time.sleep(0.5)
-                times = victim(c, SECONDS)
+                times = victim(c, seconds)
                 results = [counts.get(timeout=120) for _ in procs]
                 for p in procs:
                     p.join(30)
@@ -116,7 +118,7 @@ def main() -> None:
                     for k, v in s.items():
                         statuses[k] = statuses.get(k, 0) + v
                 shown = ",".join(f"{k}:{v}" for k, v in sorted(statuses.items()))
-                report("flood", times, f" attackers={ATTACKERS} posts={posts} statuses={shown}")
+                report("flood", times, f" attackers={attackers} posts={posts} statuses={shown}")
         finally:
             server.stop()
 

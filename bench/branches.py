@@ -34,6 +34,8 @@ N_BRANCHES = 16
 
 
 def main() -> None:
+    smoke = "--smoke" in sys.argv[1:]  # tiny sizes, seconds (the suite runs this)
+    n_branches = 2 if smoke else N_BRANCHES
     print(f"cores={os.cpu_count()} page_bytes={FP.page_nbytes}")
     with tempfile.TemporaryDirectory() as d:
         store = Store.open(
@@ -49,7 +51,7 @@ def main() -> None:
             "bench-user", sid, tokens=base, messages=[{"role": "user", "content": "b"}]
         )
         store.put_sequence(fid, tenant, base, [page] * (BASE_TOKENS // FP.block_size))
-        for i in range(N_BRANCHES):
+        for i in range(n_branches):
             name = f"b{i}"
             store.versions.branch("bench-user", sid, base_v.number, name)
             seq = np.concatenate([base, rng.integers(0, 50_000, SUFFIX_TOKENS, dtype=np.int32)])
@@ -58,11 +60,11 @@ def main() -> None:
             )
             store.put_sequence(fid, tenant, seq, [page] * (len(seq) // FP.block_size))
         stored = store.stats()["bytes"]["host"]
-        ideal = (BASE_TOKENS + N_BRANCHES * SUFFIX_TOKENS) // FP.block_size * FP.page_nbytes
-        naive = N_BRANCHES * (BASE_TOKENS + SUFFIX_TOKENS) // FP.block_size * FP.page_nbytes
+        ideal = (BASE_TOKENS + n_branches * SUFFIX_TOKENS) // FP.block_size * FP.page_nbytes
+        naive = n_branches * (BASE_TOKENS + SUFFIX_TOKENS) // FP.block_size * FP.page_nbytes
         store.check()
         store.close()
-    print(f"branches={N_BRANCHES} stored_bytes={stored} base_plus_suffixes={ideal} without_sharing={naive}")
+    print(f"branches={n_branches} stored_bytes={stored} base_plus_suffixes={ideal} without_sharing={naive}")
     print(f"RESULT branch_overhead={stored / ideal:.4f}")
 
 

@@ -43,6 +43,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from engine_patch.setup.model import NOT_PREPARED  # noqa: E402 - after the path is set
 from tests.api_server import ApiServer, model_dir  # noqa: E402 - after the path is set
 
 PG_URL = os.environ.get("DSS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -163,7 +164,7 @@ def main() -> None:
     args = ap.parse_args()
     model = model_dir()
     if model is None:
-        sys.exit("the default model is not prepared: run `make model` (or set DSS_MODEL_DIR)")
+        sys.exit(NOT_PREPARED)
     db_url, admin, db_name = fresh_database()
     prefix = f"bench-{uuid.uuid4().hex[:8]}:"
     root = Path(tempfile.mkdtemp(prefix="dss-bench-cluster-"))

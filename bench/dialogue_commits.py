@@ -72,7 +72,10 @@ def _run(folder: Path, synchronous: str, turns: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=int, default=200)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (the suite runs this)")
     args = parser.parse_args()
+    if args.smoke:
+        args.turns = 30  # past turn 15: the "early" window is turns 5-15
     with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:  # a real disk, not tmpfs
         full = _run(Path(tmp) / "full", "FULL", args.turns)
         normal = _run(Path(tmp) / "normal", "NORMAL", args.turns)

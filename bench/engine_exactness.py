@@ -145,7 +145,7 @@ def conversations(engine: Engine, served: ServedStore, tally: Tally, n: int = N_
         warm, cold, dss = three_ways(
             engine,
             [prompts[i] for i in active],
-            [engine.session(tenants[i], convs[i].session_id, turn + 1) for i in active],
+            [engine.session(tenants[i], convs[i].session_id) for i in active],
             [convs[i].max_tokens for i in active],
             warm=turn > 0,
         )
@@ -178,7 +178,7 @@ def case(engine: Engine, served: ServedStore, kind: str, seed: int, tally: Tally
     states: list[tuple[list[int], list[int]]] = []
     for turn in range(1, turns + 1):
         engine.reset_prefix_cache()
-        (r,) = engine.generate([prompt], [engine.session(tenant, sid, turn)], 20)
+        (r,) = engine.generate([prompt], [engine.session(tenant, sid)], 20)
         want = served_by(computed(states), prompt)
         if r.loaded_tokens != want:
             tally.notes.append(
@@ -202,7 +202,7 @@ def case(engine: Engine, served: ServedStore, kind: str, seed: int, tally: Tally
     prompt = engine.continue_ids(*prev, f"Instead, describe {words(rng, 25)}")
     stored = computed(states)  # everything this user's DSS runs stored
     for step in range(2):
-        sess = engine.session(tenant, sid, turns + step + 1)
+        sess = engine.session(tenant, sid)
         warm, cold, dss = three_ways(engine, [prompt], [sess], [24], warm=True)
         tally.add([f"{kind}-{seed} +{step + 1}"], warm, cold, dss, [served_by(stored, prompt)])
         out = dss[0].output_ids

@@ -171,7 +171,7 @@ def main() -> None:
     tenants = [served.store.tenant_for(f"multiround-user-{s}") for s in range(N_SESSIONS)]
 
     def dss_session(s: int, rnd: int) -> dict[str, Any]:
-        return session_params(served.authkey, tenants[s], f"multiround-{s}", rnd)
+        return session_params(served.authkey, tenants[s], f"multiround-{s}")
 
     cols: list[Column] = []
     offload: TimedEngine | str = "not tried"

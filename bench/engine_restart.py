@@ -76,7 +76,7 @@ def measure(
     cold, loaded, apc = [], [], []
     for k, prompt in enumerate(prompts):
         c = engine.timed(prompt, None, reset=True)
-        d = engine.timed(prompt, engine.session(tenant, f"restart-{k}", version), reset=True)
+        d = engine.timed(prompt, engine.session(tenant, f"restart-{k}"), reset=True)
         if c.result.num_cached_tokens != 0:
             raise RuntimeError(f"{label}: the cold run reused {c.result.num_cached_tokens} tokens")
         if d.result.loaded_tokens != want[k]:
@@ -117,7 +117,7 @@ def run(served: ServedStore, a: TimedEngine | None = None, smoke: bool = False) 
         saved_pages = 0
         for k in range(z.sessions):
             p1 = a.chat_ids([{"role": "user", "content": text_of_tokens(rng, z.turn1_tokens)}])
-            t = a.timed(p1, a.session(tenant, f"restart-{k}", 1), z.answer_tokens, reset=True)
+            t = a.timed(p1, a.session(tenant, f"restart-{k}"), z.answer_tokens, reset=True)
             p2 = a.continue_ids(p1, t.result.output_ids, text_of_tokens(rng, z.followup_tokens))
             (seq,) = computed([(p1, t.result.output_ids)])
             pages = -(-len(seq) // BS)  # whole pages and the tail page

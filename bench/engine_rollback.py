@@ -69,7 +69,7 @@ def run(served: ServedStore, engine: TimedEngine, smoke: bool = False) -> dict[s
     states: list[tuple[list[int], list[int]]] = []
     saved: list[list[int]] = []  # what the session's DSS runs stored (their computed tokens)
     for turn in range(1, z.turns + 1):
-        t = engine.timed(prompt, engine.session(tenant, sid, turn), z.answer_tokens, reset=True)
+        t = engine.timed(prompt, engine.session(tenant, sid), z.answer_tokens, reset=True)
         if t.result.loaded_tokens != served_by(saved, prompt):
             raise RuntimeError(f"turn {turn} loaded {t.result.loaded_tokens}, not {served_by(saved, prompt)}")
         out = t.result.output_ids
@@ -102,7 +102,7 @@ def run(served: ServedStore, engine: TimedEngine, smoke: bool = False) -> dict[s
         question = f"Instead, describe {text_of_tokens(rng, z.followup_tokens)}"
         new = engine.continue_ids(stored[:-1], stored[-1:], question)
         r = engine.timed(new, None, z.answer_tokens, reset=True)
-        d = engine.timed(new, engine.session(tenant, sid, z.turns + 1), z.answer_tokens, reset=True)
+        d = engine.timed(new, engine.session(tenant, sid), z.answer_tokens, reset=True)
         engine.timed(turn_after, None, reset=True)  # vLLM's cache as if it had kept the dialogue
         a = engine.timed(new, None, z.answer_tokens)
         if r.result.num_cached_tokens != 0:
@@ -140,7 +140,7 @@ def run(served: ServedStore, engine: TimedEngine, smoke: bool = False) -> dict[s
     assert first_continuation is not None
     new, out = first_continuation
     nxt = engine.continue_ids(new, out, f"And finally {text_of_tokens(rng, 60)}")
-    n = engine.timed(nxt, engine.session(tenant, sid, z.turns + 2), z.answer_tokens, reset=True)
+    n = engine.timed(nxt, engine.session(tenant, sid), z.answer_tokens, reset=True)
     want_next = served_by(saved, nxt)
     if n.result.loaded_tokens != want_next or want_next < len(new) + len(out) - 1:
         raise RuntimeError(f"the next turn loaded {n.result.loaded_tokens}, not {want_next}")

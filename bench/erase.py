@@ -30,6 +30,8 @@ SESSIONS, VERSIONS, TOKENS_PER_TURN = 100, 10, 32
 
 
 def main() -> None:
+    smoke = "--smoke" in sys.argv[1:]  # tiny sizes, seconds (the suite runs this)
+    sessions = 5 if smoke else SESSIONS
     print(f"cores={os.cpu_count()}")
     with tempfile.TemporaryDirectory() as d:
         store = Store.open(StoreConfig(data_dir=Path(d), fsync=False, host_capacity_bytes=1 << 28))
@@ -39,7 +41,7 @@ def main() -> None:
         rng = np.random.default_rng(0)
         page = rng.integers(0, 255, FP.page_nbytes, dtype=np.uint8).tobytes()
         t0 = time.perf_counter()
-        for _ in range(SESSIONS):
+        for _ in range(sessions):
             sid = store.versions.create_session(user).id
             tokens = np.array([], dtype=np.int32)
             for v in range(VERSIONS):

@@ -92,7 +92,10 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=40)  # at least 5: 4 are deleted
     ap.add_argument("--versions", type=int, default=25)
     ap.add_argument("--tokens", type=int, default=16_384)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (the suite runs this)")
     args = ap.parse_args()
+    if args.smoke:
+        args.sessions, args.versions, args.tokens = 5, 3, 512
     history_mb = args.sessions * args.versions * args.tokens * 4 / MiB
     print(f"cores={os.cpu_count()} sessions={args.sessions} versions={args.versions} tokens={args.tokens}")
     with tempfile.TemporaryDirectory() as d:

@@ -252,7 +252,7 @@ class Matrix:
                 out = self.turn(
                     f"{c.name} turn {t + 1}",
                     tenant,
-                    e.session(tenant, c.session_id, t + 1),
+                    e.session(tenant, c.session_id),
                     prompt,
                     c.max_tokens,
                 )
@@ -268,12 +268,12 @@ class Matrix:
         prompt = e.chat_ids([{"role": "user", "content": f"Remember these words: {words(rng, 260)}"}])
         states = []
         for t in range(turns):
-            out = self.turn(f"history turn {t + 1}", tenant, e.session(tenant, sid, t + 1), prompt, 20)
+            out = self.turn(f"history turn {t + 1}", tenant, e.session(tenant, sid), prompt, 20)
             states.append((prompt, out.ids))
             prompt = e.continue_ids(prompt, out.ids, f"Tell me more about {words(rng, 30)}")
         for case, base, sess in [
-            ("rollback", states[0], e.session(tenant, sid, turns + 1)),
-            ("branch", states[1], e.session(tenant, sid + "-fork", 1)),
+            ("rollback", states[0], e.session(tenant, sid)),
+            ("branch", states[1], e.session(tenant, sid + "-fork")),
         ]:
             p = e.continue_ids(*base, f"Instead, describe {words(rng, 25)}")
             out = self.turn(case, tenant, sess, p, 24)
@@ -288,7 +288,7 @@ class Matrix:
         tenant = self.served.store.tenant_for(f"{self.row.name}-history")
         prompt, ids = self.stored[tenant][-1]
         p = e.continue_ids(prompt, ids, "After the restart, say it once more.")
-        out = self.turn("after restart", tenant, e.session(tenant, "s-restart", 1), p, 16)
+        out = self.turn("after restart", tenant, e.session(tenant, "s-restart"), p, 16)
         loaded_from = (out.params or {}).get("loaded_from") or {}
         if out.loaded_tokens and set(loaded_from) != {"disk"}:
             self.res.mismatches.append(f"after restart: loaded from {loaded_from}, not the disk tier alone")

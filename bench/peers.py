@@ -59,7 +59,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from _procs import die_with_parent, free_port, model_dir  # noqa: E402
+from _procs import die_hard_with_parent, free_port, model_dir  # noqa: E402
 
 PEERS = ("dss", "apc", "lmcache", "nocache")
 LMCACHE_VERSION = "0.5.6"
@@ -175,7 +175,7 @@ class Proc:
         with open(log, "ab") as f:
             self.p = subprocess.Popen(
                 cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=die_with_parent,
+                start_new_session=True, preexec_fn=die_hard_with_parent,
             )  # fmt: skip
 
     def tail(self, n: int = 2500) -> str:

@@ -195,7 +195,10 @@ def main() -> None:
     ap.add_argument("--hot", type=int, default=6)
     ap.add_argument("--occasional", type=int, default=150)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (the suite runs this)")
     args = ap.parse_args()
+    if args.smoke:
+        args.turns, args.host_pages, args.occasional = 100, 32, 20
     ops, kinds = workload(args.turns, args.seed, args.hot, args.occasional)
     results: dict[str, Tally] = {}
     with tempfile.TemporaryDirectory(prefix="dss-bench-retention-") as tmp:

@@ -28,6 +28,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from engine_patch.setup.model import NOT_PREPARED  # noqa: E402
 from tests.api_server import ApiServer, model_dir  # noqa: E402
 
 BLOCK = 128
@@ -61,7 +62,7 @@ def main() -> None:
         args.sessions, args.turns = 2, 3
     model = model_dir()
     if model is None:
-        raise SystemExit("the default model is not prepared: run `make model` (or set DSS_MODEL_DIR)")
+        raise SystemExit(NOT_PREPARED)
     root = Path(tempfile.mkdtemp(prefix="dss-reuse-"))
     server = ApiServer(model, root, env={"DSS_ENGINE__MAX_MODEL_LEN": "4096"})
     server.start()

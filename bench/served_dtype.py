@@ -130,7 +130,7 @@ def store_and_load(side: Side, served: ServedStore, prompt: list[int], sid: str)
     """Store `prompt`'s pages in session `sid` with this engine; wait until they are in the host
     tier. Returns (tokens loaded by the storing request, whole pages stored)."""
     tenant = served.store.tenant_for("dtype-user")
-    sess = session_params(served.authkey, tenant, sid, 1)
+    sess = session_params(served.authkey, tenant, sid)
     before = served.host_pages()
     first = side.engine.timed(prompt, sess, reset=True).result
     stored = int((first.params or {}).get("stored_pages", 0))
@@ -161,7 +161,7 @@ def main() -> None:
         for side in sides:
             prompt = shared_prompt(side.engine)
             side.foreign_loaded, _ = store_and_load(side, served, prompt, "shared-session")
-            sess = session_params(served.authkey, tenant, "shared-session", 1)
+            sess = session_params(served.authkey, tenant, "shared-session")
             if not side.engine.timed(prompt, sess, reset=True).result.loaded_tokens:
                 raise RuntimeError(f"[{side.dtype}] the engine loaded none of its own pages")
 
@@ -184,7 +184,7 @@ def main() -> None:
             for side in sides:
                 prompt = prompts[side.dtype]
                 reuse = ((len(prompt) - 1) // BS) * BS
-                sess = session_params(served.authkey, tenant, f"hot-{side.dtype}", 1)
+                sess = session_params(served.authkey, tenant, f"hot-{side.dtype}")
                 h = side.engine.timed(prompt, sess, reset=True)
                 a = side.engine.timed(prompt, None)
                 if h.result.loaded_tokens < reuse or a.result.num_cached_tokens < reuse:

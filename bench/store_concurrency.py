@@ -181,7 +181,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=float(os.environ.get("DSS_BENCH_SECONDS", "30")))
     ap.add_argument("--backlog-pages", type=int, default=96)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (the suite runs this)")
     args = ap.parse_args()
+    if args.smoke:
+        args.seconds, args.backlog_pages = 2.0, 8
     print(
         f"cores={os.cpu_count()} loadavg={' '.join(f'{x:.2f}' for x in os.getloadavg())} "
         f"page_nbytes={FP.page_nbytes}",

@@ -59,7 +59,7 @@ def two_turns(engine: Engine, served: ServedStore) -> tuple[int, int]:
     nxt = engine.continue_ids(prompt, first.output_ids, words(rng, 20))
     engine.settle()
     engine.reset_prefix_cache()
-    (second,) = engine.generate([nxt], [engine.session(tenant, "s", 2)], 8)
+    (second,) = engine.generate([nxt], [engine.session(tenant, "s")], 8)
     return second.loaded_tokens, len(prompt) + len(first.output_ids) - 1
 
 

@@ -168,7 +168,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sample", type=Path, default=SAMPLE)
     parser.add_argument("--trials", type=int, default=25)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (the suite runs this)")
     args = parser.parse_args()
+    if args.smoke:
+        args.trials = 1
 
     print(f"cores: {os.cpu_count()} (usable: {len(os.sched_getaffinity(0))})")
     pages = load_pages(args.sample)

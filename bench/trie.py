@@ -77,7 +77,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=10_000_000)
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (the suite runs this)")
     args = ap.parse_args()
+    if args.smoke:
+        args.tokens, args.reps = 100_000, 5
     rng = np.random.default_rng(7)
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     print(f"cores: {affinity} usable of {os.cpu_count()}")

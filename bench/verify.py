@@ -98,7 +98,10 @@ def main() -> None:
     ap.add_argument("--page-files", type=int, default=8_000)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--warm", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (the suite runs this)")
     args = ap.parse_args()
+    if args.smoke:
+        args.receipts, args.page_files, args.runs = 200, 80, 1
     print(f"cores={os.cpu_count()}")
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)

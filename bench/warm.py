@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -34,22 +33,10 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench._procs import model_dir  # noqa: E402
 from tests.api_server import ApiServer  # noqa: E402 - a real `dss serve` in a subprocess, as in the tests
 
 FIRST_WORDS = 180  # ~1,100 tokens of the default model (about 6 per word)
-
-
-def model_dir() -> Path:
-    env = os.environ.get("DSS_MODEL_DIR")
-    candidates = [Path(env)] if env else []
-    candidates += [
-        REPO / ".dss" / "models" / "SmolLM2-135M-Instruct",
-        Path.home() / ".cache" / "dss" / "models" / "SmolLM2-135M-Instruct",
-    ]
-    for c in candidates:
-        if (c / ".dss-ready").is_file():
-            return c
-    raise SystemExit("the default model is not prepared: run `make model` (or set DSS_MODEL_DIR)")
 
 
 def first_text(i: int) -> str:

@@ -124,23 +124,22 @@ class SessionTag:
     it is signed (HMAC-SHA256 under `tag_key`), and the connector ignores a tag whose signature
     does not verify (the request then runs as a plain vLLM request: no load, no save), which
     keeps a client of an engine with this connector from naming someone else's tenant.
+
+    It names no version: the connector loads the longest stored prefix of the request's token ids
+    for (model, tenant), and the API has already turned a version into those ids. (Tags up to v2
+    carried the version and nothing read it. A tag lives for one request between the API and its
+    own engine, never stored, so no v2 tag reaches a v3 connector; one that did would fail to
+    verify and run as a plain vLLM request, which is safe.)
     """
 
     tenant: TenantId
     session_id: str
-    state_version: int | None = None
 
     def _mac(self, key: bytes) -> str:
-        version = "" if self.state_version is None else self.state_version  # never "" otherwise
-        return hmac_sha256(key, "dss/session-tag/v2", self.tenant, self.session_id, version).hex()
+        return hmac_sha256(key, "dss/session-tag/v3", self.tenant, self.session_id).hex()
 
     def to_params(self, key: bytes) -> dict[str, Any]:
-        return {
-            "tenant": self.tenant,
-            "session_id": self.session_id,
-            "state_version": self.state_version,
-            "sig": self._mac(key),
-        }
+        return {"tenant": self.tenant, "session_id": self.session_id, "sig": self._mac(key)}
 
     def extra_args(self, key: bytes) -> dict[str, Any]:
         """`SamplingParams(extra_args=...)`: vLLM hands `kv_transfer_params` to the connector."""
@@ -155,8 +154,7 @@ class SessionTag:
         tenant, session_id = params.get("tenant"), params.get("session_id")
         if not isinstance(tenant, str) or not tenant or not isinstance(session_id, str) or not session_id:
             return None
-        version = params.get("state_version")
-        tag = cls(TenantId(tenant), session_id, version if isinstance(version, int) else None)
+        tag = cls(TenantId(tenant), session_id)
         sig = params.get("sig")
         if not isinstance(sig, str) or not hmac.compare_digest(sig, tag._mac(key)):
             return None
@@ -180,7 +178,6 @@ class TurnReport:
     """
 
     session_id: str
-    state_version: int | None
     fingerprint: str | None
     engine_cached_tokens: int = 0
     loaded_from: dict[str, int] = field(default_factory=dict)
@@ -200,7 +197,6 @@ class TurnReport:
     def to_params(self) -> dict[str, Any]:
         return {
             "session_id": self.session_id,
-            "state_version": self.state_version,
             "fingerprint": self.fingerprint,
             "engine_cached_tokens": self.engine_cached_tokens,
             "loaded_from": dict(self.loaded_from),
@@ -217,11 +213,9 @@ class TurnReport:
     def from_params(cls, params: object) -> TurnReport | None:
         if not isinstance(params, Mapping) or not isinstance(params.get("session_id"), str):
             return None
-        version = params.get("state_version")
         fingerprint = params.get("fingerprint")
         return cls(
             session_id=str(params["session_id"]),
-            state_version=version if isinstance(version, int) else None,
             fingerprint=fingerprint if isinstance(fingerprint, str) else None,
             engine_cached_tokens=_count(params.get("engine_cached_tokens")),
             loaded_from=_tier_counts(params.get("loaded_from")),

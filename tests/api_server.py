@@ -20,9 +20,7 @@ import atexit
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -33,6 +31,11 @@ from typing import Any
 import httpx
 import pytest
 
+from bench._procs import die_with_parent, free_port, serve_command
+from engine_patch.setup.model import find_model
+
+__all__ = ["REPO", "Answer", "ApiServer", "die_with_parent", "free_port", "model_dir", "serve_command"]
+
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
@@ -41,28 +44,9 @@ MAX_OUTPUT_TOKENS = 512  # room for a stream long enough to be interrupted (test
 
 
 def model_dir() -> Path | None:
-    env = os.environ.get("DSS_MODEL_DIR")
-    candidates = [Path(env)] if env else []
-    candidates.append(REPO / ".dss" / "models" / "SmolLM2-135M-Instruct")
-    for c in candidates:
-        if (c / "config.json").is_file() and (c / ".dss-ready").is_file():
-            return c
-    return None
-
-
-def die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the process that started it dies, however it
-    dies (a killed test run or benchmark must not leave a server and its engine behind)."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """The model the API tests serve, found as the CLI and the benches find it; None when none is
+    prepared (the tests skip)."""
+    return find_model()
 
 
 @dataclass(frozen=True)
@@ -118,15 +102,7 @@ class ApiServer:
         return env
 
     def command(self) -> list[str]:
-        engine = ["--model", str(self.model)] if self.model is not None else ["--no-engine"]
-        return [
-            sys.executable, "-m", "api.cli", "serve", *engine,
-            "--data-dir", str(self.data_dir),
-            "--host", "127.0.0.1",
-            "--port", str(self.port),
-            "--log-level", "warning",
-            *(["--dev"] if self.dev else []),
-        ]  # fmt: skip
+        return serve_command(self.model, self.data_dir, self.port, dev=self.dev)
 
     def start(self) -> None:
         self.launch()

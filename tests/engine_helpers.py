@@ -21,7 +21,7 @@ import numpy as np
 from dss.config import StoreConfig
 from dss.store import Store
 from engine_patch.setup.factory import EngineSettings, build_llm, session_params
-from engine_patch.setup.model import default_data_dir, pull_default_model, resolve_model
+from engine_patch.setup.model import default_data_dir, find_model, pull_default_model, resolve_model
 
 IM_END = "<|im_end|>"
 
@@ -83,11 +83,12 @@ WORDS = [
 
 
 def model_path() -> Path:
-    """`$DSS_MODEL_DIR` when set (any HF folder), else the default model prepared in the data dir."""
+    """`find_model` (`$DSS_MODEL_DIR` when set, else a prepared default model); with none prepared
+    and no `$DSS_MODEL_DIR`, the default model is pulled into the data dir."""
     env = os.environ.get("DSS_MODEL_DIR")
     if env:
-        return resolve_model(env, default_data_dir())
-    return pull_default_model(default_data_dir(), progress=False)
+        return resolve_model(env, default_data_dir())  # raises, naming the folder, when it is not a model
+    return find_model() or pull_default_model(default_data_dir(), progress=False)
 
 
 def open_store(data_dir: Path, host_gib: float = 1.0) -> Store:
@@ -153,10 +154,10 @@ class Engine:
                 os.environ[key] = old
         self.tokenizer = self.llm.get_tokenizer()
 
-    def session(self, tenant: str, session_id: str, version: int = 1) -> dict[str, Any]:
+    def session(self, tenant: str, session_id: str) -> dict[str, Any]:
         """The signed session tag of a request (the connector ignores unsigned ones)."""
         assert self.authkey is not None, "a session request needs the store's authkey"
-        return session_params(self.authkey, tenant, session_id, version)
+        return session_params(self.authkey, tenant, session_id)
 
     def generate(
         self,

@@ -5,23 +5,18 @@ A real `dss serve --no-engine` on loopback in development mode."""
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
-from tests.api_server import REPO, die_with_parent, free_port
+from tests.api_server import REPO, die_with_parent, free_port, serve_command
 
 
 def test_access_log_has_templates_not_user_ids(tmp_path: Path) -> None:
     port = free_port()
     log_path = tmp_path / "server.log"
-    cmd = [
-        sys.executable, "-m", "api.cli", "serve", "--no-engine", "--dev",
-        "--data-dir", str(tmp_path / "data"), "--host", "127.0.0.1", "--port", str(port),
-        "--log-level", "info",
-    ]  # fmt: skip
+    cmd = serve_command(None, tmp_path / "data", port, dev=True, log_level="info")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent

@@ -534,9 +534,9 @@ def test_a_report_that_caching_went_off_in_the_engine_turns_readyz_and_the_gauge
     )  # fmt: skip
     seen: list[bool] = []
     engine.on_caching_change = seen.append
-    engine.note_report(TurnReport("s", 1, "f"))
+    engine.note_report(TurnReport("s", "f"))
     assert engine.kv_caching and seen == []
-    off = TurnReport.from_params({**TurnReport("s", 1, "f").to_params(), "caching_off": "a worker ..."})
+    off = TurnReport.from_params({**TurnReport("s", "f").to_params(), "caching_off": "a worker ..."})
     engine.note_report(off)
     engine.note_report(off)
     assert not engine.kv_caching and engine.uncached_reason == "a worker ..." and seen == [False]

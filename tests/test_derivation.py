@@ -34,8 +34,8 @@ def test_a_user_id_cannot_collide_with_another_users_tenant() -> None:
         FingerprintId("a"), TenantId("bc")
     )
     key = b"k" * 32
-    sig = SessionTag(TenantId("t"), "s\x00", 1).to_params(key)["sig"]
-    assert sig != SessionTag(TenantId("t\x00s"), "", 1).to_params(key)["sig"]
+    sig = SessionTag(TenantId("t"), "s\x00").to_params(key)["sig"]
+    assert sig != SessionTag(TenantId("t\x00s"), "").to_params(key)["sig"]
 
 
 # ---------------------------------------------------------------- the old derivation, as it was

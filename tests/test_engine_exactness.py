@@ -151,7 +151,7 @@ def test_multiturn_conversations_are_token_identical(rig: Rig) -> None:
         res = run_turn(
             engine,
             [prompts[i] for i in active],
-            [engine.session(tenants[i], convs[i].session_id, turn + 1) for i in active],
+            [engine.session(tenants[i], convs[i].session_id) for i in active],
             [convs[i].max_tokens for i in active],
             warm=turn > 0,
         )
@@ -189,9 +189,9 @@ def build_history(
     """A dialogue of `turns` turns through DSS, each turn saving its pages: (prompt, output) per turn."""
     prompt = engine.chat_ids([{"role": "user", "content": f"Remember these words: {words(rng, 260)}"}])
     states: list[tuple[list[int], list[int]]] = []
-    for turn in range(turns):
+    for _ in range(turns):
         engine.reset_prefix_cache()
-        (r,) = engine.generate([prompt], [engine.session(tenant, sid, turn + 1)], 20)
+        (r,) = engine.generate([prompt], [engine.session(tenant, sid)], 20)
         assert r.loaded_tokens == served_by(computed(states), prompt)
         states.append((prompt, r.output_ids))
         prompt = engine.continue_ids(prompt, r.output_ids, f"Tell me more about {words(rng, 30)}")
@@ -208,12 +208,12 @@ def test_rollback_or_branch_then_continue(rig: Rig, case: str) -> None:
         # Six turns, then back to the state after turn 3 and a different question, same session.
         states = build_history(engine, tenant, sid, rng, 6)
         base_prompt, base_output = states[2]
-        sess = engine.session(tenant, sid, 7)
+        sess = engine.session(tenant, sid)
     else:
         # Three turns, then a new session of the same user forked after turn 1.
         states = build_history(engine, tenant, sid, rng, 3)
         base_prompt, base_output = states[0]
-        sess = engine.session(tenant, f"{sid}-fork", 1)
+        sess = engine.session(tenant, f"{sid}-fork")
     prompt = engine.continue_ids(base_prompt, base_output, f"Instead, describe {words(rng, 25)}")
     # Beyond the base, the new question's template start matches the later turns' ("<|im_start|>user").
     want = served_by(computed(states), prompt)
@@ -304,7 +304,7 @@ def test_tenants_are_isolated_and_public_prefix_is_shared(rig: Rig) -> None:
     assert dave.output_ids == carol.output_ids  # same pages loaded, same tokens computed
     # Carol herself, next time, gets her private pages too: the same bytes vLLM's cache reused.
     engine.reset_prefix_cache()
-    (carol2,) = engine.generate([carol_ids], [engine.session(store.tenant_for("carol"), "c1", 2)], [16])
+    (carol2,) = engine.generate([carol_ids], [engine.session(store.tenant_for("carol"), "c1")], [16])
     # (All of her prompt but its last token: her last turn's tail page serves its first tokens.)
     assert carol2.loaded_tokens == len(carol_ids) - 1 > len(public)
     assert carol2.num_cached_tokens > carol_apc.num_cached_tokens == ((len(carol_ids) - 1) // BS) * BS

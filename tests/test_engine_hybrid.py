@@ -155,7 +155,7 @@ def test_multiturn_longer_than_the_window_is_exact(rig: Rig) -> None:
     first_turn_reuse: list[float] = []
     engine.reset_prefix_cache()
     for turn in range(n_turns):
-        sessions = [engine.session(tenants[i], f"hybrid-{i}", turn + 1) for i in range(n_conv)]
+        sessions = [engine.session(tenants[i], f"hybrid-{i}") for i in range(n_conv)]
         warm = generate(engine, prompts, [None] * n_conv, max(answer)) if turn else None
         engine.reset_prefix_cache()
         dss = generate(engine, prompts, sessions, max(answer))

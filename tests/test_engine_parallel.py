@@ -73,7 +73,7 @@ def test_a_tensor_parallel_engine_serves_turns_from_the_store(rig: tuple[Store, 
     second = [p + r.output_ids + _tokens(rng, 40) for p, r in zip(prompts, first, strict=True)]
     warm = engine.generate(second, [None] * n, 24)
     engine.reset_prefix_cache()
-    dss = engine.generate(second, [engine.session("tp", f"s{i}", 2) for i in range(n)], 24)
+    dss = engine.generate(second, [engine.session("tp", f"s{i}") for i in range(n)], 24)
     for i, (w, d) in enumerate(zip(warm, dss, strict=True)):
         assert d.loaded_tokens == 2 * PAGE == w.num_cached_tokens == d.num_cached_tokens, (i, d.params)
         assert d.output_ids == w.output_ids, f"session {i}: DSS {d.output_ids} != prefix cache {w.output_ids}"
@@ -82,7 +82,7 @@ def test_a_tensor_parallel_engine_serves_turns_from_the_store(rig: tuple[Store, 
     # Turn 3 continues past a page boundary: its history ends in a tail page both ranks saved.
     engine.reset_prefix_cache()
     third = [p + r.output_ids + _tokens(rng, 9) for p, r in zip(second, dss, strict=True)]
-    again = engine.generate(third, [engine.session("tp", f"s{i}", 3) for i in range(n)], 8)
+    again = engine.generate(third, [engine.session("tp", f"s{i}") for i in range(n)], 8)
     for i, (p, r, a) in enumerate(zip(second, dss, again, strict=True)):
         want = len(p) + len(r.output_ids) - 1  # turn 2's history, all but its last sampled token
         assert want % PAGE, "the case must end in a tail page"

@@ -76,7 +76,7 @@ def test_restart_fingerprints_and_failed_loads(served: ServedStore) -> None:
     try:
         p1 = a.chat_ids([{"role": "user", "content": f"Keep these words in mind: {words(rng, 700)}"}])
         assert len(p1) > 6 * BS
-        t1 = one(a, p1, a.session(tenant, sid, 1))
+        t1 = one(a, p1, a.session(tenant, sid))
         computed_1 = len(p1) + len(t1.output_ids) - 1  # all but the last sampled token
         # Its whole pages and its tail page.
         assert t1.params is not None and t1.params["stored_pages"] == -(-computed_1 // BS)
@@ -93,7 +93,7 @@ def test_restart_fingerprints_and_failed_loads(served: ServedStore) -> None:
     # --- engine C: another block size is another fingerprint; nothing of A's may load.
     c = Engine(served.address, served.authkey, block_size=64)
     try:
-        r = one(c, p2, c.session(tenant, sid, 2))
+        r = one(c, p2, c.session(tenant, sid))
         assert r.loaded_tokens == 0 and r.num_cached_tokens == 0
         assert r.params is not None and r.params["fingerprint"] != fid
         cold_c = one(c, p2, None)
@@ -106,7 +106,7 @@ def test_restart_fingerprints_and_failed_loads(served: ServedStore) -> None:
     b = Engine(served.address, served.authkey)
     try:
         cold_b = one(b, p2, None)
-        r = one(b, p2, b.session(tenant, sid, 2))
+        r = one(b, p2, b.session(tenant, sid))
         assert r.loaded_tokens == want_loaded
         if r.num_cached_tokens == warm_a.num_cached_tokens:  # the same KV bytes: bit for bit
             assert r.output_ids == warm_a.output_ids
@@ -126,7 +126,7 @@ def test_restart_fingerprints_and_failed_loads(served: ServedStore) -> None:
         hidden = arena.with_suffix(".hidden")
         os.rename(arena, hidden)
         try:
-            r = one(b, q, b.session(tenant, sid, 3))
+            r = one(b, q, b.session(tenant, sid))
         finally:
             os.rename(hidden, arena)
         assert r.params is not None and r.params["loaded_tokens"] == 0
@@ -134,12 +134,12 @@ def test_restart_fingerprints_and_failed_loads(served: ServedStore) -> None:
 
         # Whole-store restart: the arena is gone, pages are on disk only -> async loads of the
         # very bytes a load from the host arena used just before (tail page included).
-        from_host = one(b, p2, b.session(tenant, sid, 4))
+        from_host = one(b, p2, b.session(tenant, sid))
         assert from_host.loaded_tokens == len(p2) - 1
         b.settle()
         served.restart()
         assert served.store.stats()["pages"]["host"] == 0
-        r = one(b, p2, b.session(tenant, sid, 4))
+        r = one(b, p2, b.session(tenant, sid))
         assert r.loaded_tokens == len(p2) - 1
         assert r.output_ids == from_host.output_ids
         assert served.store.stats()["promotions"]["host"] >= -(-(len(p2) - 1) // BS)
@@ -151,7 +151,7 @@ def test_restart_fingerprints_and_failed_loads(served: ServedStore) -> None:
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
-        r = one(b, p2, b.session(tenant, sid, 5))
+        r = one(b, p2, b.session(tenant, sid))
         assert r.params is not None and r.params["loaded_tokens"] == 0
         assert r.output_ids == cold_b.output_ids
         assert served.store.stats()["corrupt_pages"] >= 1

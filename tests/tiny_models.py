@@ -119,9 +119,11 @@ SPECS: dict[str, TinySpec] = {
 
 def tokenizer_dir() -> Path:
     """The default model's folder, whose tokenizer every tiny model uses."""
-    env = os.environ.get("DSS_MODEL_DIR")
-    if env:
-        return Path(env)
+    from engine_patch.setup.model import find_model
+
+    found = find_model()
+    if found is not None:
+        return found
     from tests.engine_helpers import model_path
 
     return model_path()

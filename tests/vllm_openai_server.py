@@ -29,8 +29,8 @@ from typing import Any
 
 import httpx
 
+from bench._procs import die_with_parent, free_port
 from engine_patch.setup.factory import served_dtype
-from tests.api_server import die_with_parent, free_port
 
 # DSS's served dtype, so that both servers compute the same way.
 SERVED_DTYPE = served_dtype()

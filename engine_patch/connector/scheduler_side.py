@@ -460,7 +460,6 @@ class SchedulerSide:
         loaded = _tokens_by_tier(st.page_tiers[:n_ok], min(st.loaded_tokens, n_ok * bs), bs)
         return TurnReport(
             session_id=st.session.session_id,
-            state_version=st.session.state_version,
             fingerprint=self.fingerprint.id if self.fingerprint is not None else None,
             engine_cached_tokens=st.engine_cached,
             loaded_from=loaded,

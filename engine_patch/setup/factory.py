@@ -249,9 +249,7 @@ def build_async_engine(
     )
 
 
-def session_params(
-    authkey: bytes, tenant: str, session_id: str, state_version: int | None = None
-) -> dict[str, Any]:
+def session_params(authkey: bytes, tenant: str, session_id: str) -> dict[str, Any]:
     """`SamplingParams(extra_args=session_params(...))`: what the connector reads per request
     (`dss.wire.SessionTag`, the one place that builds it), signed with the store's RPC authkey."""
-    return SessionTag(TenantId(tenant), session_id, state_version).extra_args(tag_key(authkey))
+    return SessionTag(TenantId(tenant), session_id).extra_args(tag_key(authkey))

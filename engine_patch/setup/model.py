@@ -47,12 +47,50 @@ def default_model_dir(data_dir: Path) -> Path:
     return Path(data_dir) / "models" / DEFAULT_MODEL_NAME
 
 
+def model_cache_dir() -> Path:
+    """Where `make model` prepares the default model (its `DSS_CACHE`): `~/.cache/dss`, outside
+    the checkout so that fresh clones and worktrees reuse it."""
+    return Path.home() / ".cache" / "dss"
+
+
 def is_ready(model_dir: Path) -> bool:
     return (Path(model_dir) / READY_MARKER).is_file()
 
 
-def read_marker(model_dir: Path) -> dict[str, Any]:
-    return dict(json.loads((Path(model_dir) / READY_MARKER).read_text()))
+def find_model(data_dir: Path | None = None) -> Path | None:
+    """The model to serve when none is named: the one way the CLI, the benches and the tests find it.
+
+    `$DSS_MODEL_DIR` when set (any HF folder; None while it is not one yet, e.g. being prepared),
+    else the first prepared default model under `data_dir` (the server's), `default_data_dir()`
+    and `model_cache_dir()` (where `make model` puts it). None when none is prepared.
+    """
+    env = os.environ.get("DSS_MODEL_DIR")
+    if env:
+        path = Path(env).expanduser()
+        return path.resolve() if _is_hf_folder(path) else None
+    roots = [data_dir] if data_dir is not None else []
+    roots += [default_data_dir(), model_cache_dir()]
+    for root in roots:
+        candidate = default_model_dir(Path(root).expanduser())
+        if is_ready(candidate):
+            return candidate
+    return None
+
+
+NOT_PREPARED = "the default model is not prepared: run `make model` (or set DSS_MODEL_DIR)"
+
+
+def require_model(data_dir: Path | None = None) -> Path:
+    """`find_model`, or `ModelNotFound` saying how to prepare it (the benches' start)."""
+    found = find_model(data_dir)
+    if found is None:
+        raise ModelNotFound(NOT_PREPARED)
+    return found
+
+
+def _is_hf_folder(path: Path) -> bool:
+    has_weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+    return (path / "config.json").is_file() and has_weights
 
 
 def pull_default_model(data_dir: Path, progress: bool = True) -> Path:
@@ -86,11 +124,13 @@ def pull_default_model(data_dir: Path, progress: bool = True) -> Path:
 def resolve_model(path_or_none: str | Path | None, data_dir: Path, pull: bool = True) -> Path:
     """The model folder to serve: `path_or_none` when given (any local HF folder), else the default."""
     if path_or_none is None:
-        default = default_model_dir(data_dir)
-        if is_ready(default):
-            return default
+        found = find_model(data_dir)
+        if found is not None:
+            return found
         if not pull:
-            raise ModelNotFound(f"default model not prepared in {default}; run `dss model pull`")
+            raise ModelNotFound(
+                f"default model not prepared in {default_model_dir(data_dir)}; run `dss model pull`"
+            )
         return pull_default_model(data_dir)
     path = Path(path_or_none).expanduser().resolve()
     if not (path / "config.json").is_file():
