@@ -32,9 +32,9 @@ from api.routes import (
     chat,
     console,
     health,
-    metrics,
     models,
     prefixes,
+    prometheus,
     responses,
     sessions,
     users,
@@ -85,7 +85,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         prefixes,
         models,
         health,
-        metrics,
+        prometheus,
         console,
     ):
         app.include_router(module.router)
