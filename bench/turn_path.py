@@ -8,10 +8,12 @@ case) with `sys.setprofile`, also in the worker threads the turn's blocking step
 
     .venv/bin/python bench/turn_path.py [--stream]
 
-prints `RESULT modules=N reentries=M check_limits=K vllm_validations=V` and the module sequence.
-A module is entered when a call begins (not when a generator resumes) in it while the previous
-call that began in a measured module was in another one; `reentries` counts every entry after a
-module's first.
+prints `RESULT modules=N reentries=M upcalls=U check_limits=K vllm_validations=V` and the module
+sequence. A module is entered when a call begins (not when a generator resumes) in it while the
+previous call that began in a measured module was in another one; `reentries` counts every entry
+after a module's first. `upcalls` counts the calls that climb back into a module still on the
+call stack below the caller (a callback: `api.a` -> `dss.b` -> `api.a`), where `reentries` also
+counts a module that calls two others in turn.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class PathProfile:
         self.active = False
         self.seen: set[FrameType] = set()
         self.sequence: list[str] = []
+        self.upcalls: Counter[str] = Counter()
         self.limit_checks = 0
         self.validations = 0
         self._lock = threading.Lock()
@@ -56,10 +59,25 @@ class PathProfile:
                     self.limit_checks += 1
                 if not self.sequence or self.sequence[-1] != module:
                     self.sequence.append(module)
+                self._note_upcall(frame, module)
             elif code.co_name == "model_validate" and module == "pydantic.main":
                 cls = frame.f_locals.get("cls")
                 if cls is not None and str(getattr(cls, "__module__", "")).startswith("vllm."):
                     self.validations += 1
+
+    def _note_upcall(self, frame: FrameType, module: str) -> None:
+        caller = frame.f_back
+        if caller is None or caller.f_globals.get("__name__") == module:
+            return
+        below = caller.f_back
+        for _ in range(256):
+            if below is None:
+                return
+            if below.f_globals.get("__name__") == module:
+                outer = str(caller.f_globals.get("__name__", ""))
+                self.upcalls[f"{module} <- {outer}"] += 1
+                return
+            below = below.f_back
 
 
 def environment(data_dir: Path, model: Path) -> None:
@@ -138,8 +156,10 @@ def main() -> None:
     for module, n in entries.most_common():
         print(f"  {n:3d}  {module}")
     reentries = sum(n - 1 for n in entries.values())
+    for edge, n in profile.upcalls.most_common():
+        print(f"  upcall {n:3d}  {edge}")
     print(
-        f"RESULT modules={len(entries)} reentries={reentries} "
+        f"RESULT modules={len(entries)} reentries={reentries} upcalls={sum(profile.upcalls.values())} "
         f"check_limits={profile.limit_checks} vllm_validations={profile.validations}"
     )
 

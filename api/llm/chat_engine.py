@@ -23,7 +23,7 @@ from api.errors import BadRequest
 from api.llm.sampling import Sampling, ValidatedRequest, sampling_for, tool_calls, validate_request
 from api.llm.slots import GenerationSlots
 from api.llm.tenant_aborts import TenantAborts
-from dss.dialogue.continuation import continue_ids
+from dss.dialogue.continuation import continuation_text
 from dss.errors import InvalidInput
 from dss.types import FingerprintId, TenantId
 from dss.wire import TurnReport
@@ -140,7 +140,8 @@ class ChatEngine:
         after = self.render_text([*stored_messages, *new_messages], add_generation_prompt=True, tools=tools)
         if not after.startswith(before):
             return None  # a template that rewrites earlier turns when one is added: no decode needed
-        return continue_ids(stored, self.decode(stored), before, after, self.encode)
+        rest = continuation_text(self.decode(stored), before, after)
+        return None if rest is None else [*stored, *self.encode(rest)]
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of token ids exactly as the tokenizer has them, special tokens included."""
