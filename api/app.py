@@ -32,9 +32,9 @@ from api.routes import (
     chat,
     console,
     health,
-    metrics,
     models,
     prefixes,
+    prometheus,
     responses,
     sessions,
     users,
@@ -85,7 +85,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         prefixes,
         models,
         health,
-        metrics,
+        prometheus,
         console,
     ):
         app.include_router(module.router)
@@ -227,11 +227,11 @@ async def _open(app: FastAPI, settings: Settings, startup: Startup) -> None:
     if startup.phase is Phase.STOPPING:
         return
     if settings.engine.enabled:
-        from api.engine import ChatEngine
+        from api.llm.startup import start_chat_engine
 
         startup.phase = Phase.ENGINE_STARTING
-        engine = await asyncio.wait_for(ChatEngine.start(settings, store), settings.engine.startup_timeout_s)
-        engine.on_inflight_change = metrics.inflight.set
+        engine = await asyncio.wait_for(start_chat_engine(settings, store), settings.engine.startup_timeout_s)
+        engine.slots.on_change = metrics.inflight.set
         metrics.kv_caching.set(1 if engine.kv_caching else 0)
         engine.on_caching_change = lambda on: metrics.kv_caching.set(1 if on else 0)
         state.engine = engine

@@ -13,14 +13,14 @@ from starlette.types import Scope
 
 from api.auth import KEY_PREFIX, Principal, bearer_token, check_user_name
 from api.errors import EngineUnavailable, Forbidden, ServerStarting, SessionIdConflict, Unauthorized
-from api.schemas import NAME_PATTERN
+from api.shapes.schemas import NAME_PATTERN
 from api.state import AppState, Phase, Startup
 from dss.errors import InvalidInput
 from dss.inputs import check_text, check_user_id
 from dss.store import Store
 
 if TYPE_CHECKING:
-    from api.engine import ChatEngine
+    from api.llm.chat_engine import ChatEngine
 
 DEV_USER_HEADER = "X-DSS-User"
 # The session id as a header, for a router that hashes on it (a body is costly to parse there).

@@ -289,7 +289,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
 # Documented error responses of every route (OpenAPI), so clients and schema tests know them.
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    from api.schemas import ErrorResponse
+    from api.shapes.schemas import ErrorResponse
 
     descriptions = {
         400: "Bad request",

@@ -19,7 +19,7 @@ from dss.store import Store
 from dss.types import TenantId
 
 if TYPE_CHECKING:
-    from api.engine import ChatEngine
+    from api.llm.chat_engine import ChatEngine
 
 P = ParamSpec("P")
 T = TypeVar("T")

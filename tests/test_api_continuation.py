@@ -10,9 +10,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from api.engine import ChatEngine
-from api.schemas import ChatCompletionRequest
-from api.turns import Turn, prompt_for
+from api.llm.chat_engine import ChatEngine
+from api.shapes.schemas import ChatCompletionRequest
+from api.turn.prompt import prompt_for
+from api.turn.types import Turn
 from dss.dialogue.turn_commits import TurnTarget
 from dss.dialogue.versions import VersionInfo
 from dss.types import FingerprintId, SessionId, UserId

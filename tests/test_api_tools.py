@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from api.engine import ChatEngine, template_message
 from api.errors import BadRequest
-from api.openai_fields import HONOURED_CHAT, REFUSED, check_fields
+from api.llm.chat_engine import ChatEngine, template_message
+from api.shapes.openai_fields import HONOURED_CHAT, REFUSED, check_fields
 from dss.types import FingerprintId
 from tests.api_server import model_dir
 

@@ -253,8 +253,8 @@ def test_huge_version_numbers_and_lone_surrogates_are_4xx(client: TestClient) ->
 
 
 def test_chat_text_with_a_lone_surrogate_is_refused_before_the_engine() -> None:
-    from api.schemas import ChatCompletionRequest
-    from api.turns import check_limits
+    from api.shapes.schemas import ChatCompletionRequest
+    from api.turn.limits import check_limits
 
     body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi \ud800"}]})
     limits = settings_for(Path("/nonexistent")).limits
@@ -459,26 +459,26 @@ def test_deleting_a_session_drops_only_its_own_pages(client: TestClient) -> None
 def test_engine_admission_answers_503_with_retry_after() -> None:
     import asyncio
 
-    from api.engine import ChatEngine
     from api.errors import EngineOverloaded
+    from api.llm.chat_engine import ChatEngine
 
     engine = ChatEngine(
         None, None, model_name="m", max_model_len=64, fingerprint=None, max_inflight=1, retry_after_s=3,
         tag_key=b"k" * 32,
     )  # fmt: skip
     seen: list[int] = []
-    engine.on_inflight_change = seen.append
+    engine.slots.on_change = seen.append
 
     async def scenario() -> None:
-        async with engine.admitted():
+        async with engine.slots.admitted():
             with pytest.raises(EngineOverloaded) as info:
-                async with engine.admitted():
+                async with engine.slots.admitted():
                     pass
             resp = response_for(info.value)
             assert resp.status_code == 503 and resp.headers["retry-after"] == "3"
-            async with engine.admitted(strict=False):  # a stream already promised its 200
+            async with engine.slots.admitted(strict=False):  # a stream already promised its 200
                 pass
-        async with engine.admitted():
+        async with engine.slots.admitted():
             pass
 
     asyncio.run(scenario())
@@ -525,7 +525,7 @@ def test_sqlite_file_never_holds_a_plain_key(tmp_path: Path) -> None:
 
 
 def test_a_report_that_caching_went_off_in_the_engine_turns_readyz_and_the_gauge() -> None:
-    from api.engine import ChatEngine
+    from api.llm.chat_engine import ChatEngine
     from dss.wire import TurnReport
 
     engine = ChatEngine(

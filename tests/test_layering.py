@@ -16,6 +16,16 @@ FORBIDDEN = [
     ("dss", "api"),
     ("engine_patch", "api"),
     ("engine_patch.connector", "engine_patch.setup"),
+    # Inside `api`: the vLLM engine (`api.llm`) knows no turn, shape or route; the turn pipeline
+    # (`api.turn`) knows no route and gets its reply from the route, not from a shape it picks;
+    # the wire shapes know no route.
+    ("api.llm", "api.turn"),
+    ("api.llm", "api.shapes"),
+    ("api.llm", "api.routes"),
+    ("api.turn", "api.routes"),
+    ("api.turn", "api.shapes.chat_completion"),
+    ("api.turn", "api.shapes.openai_responses"),
+    ("api.shapes", "api.routes"),
 ]
 # Inside `dss` (docs/architecture.md): `ops` combines the parts (`index`, `pages`, `keys`,
 # `dialogue`, `fleet`), which do not import each other sideways nor anything above them; what two

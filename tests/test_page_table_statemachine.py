@@ -28,7 +28,7 @@ from hypothesis.stateful import (
 )
 from sqlalchemy.orm import Session, sessionmaker
 
-from dss.db.engine import make_engine, make_session_factory, sqlite_url_for, upgrade_to_head
+from dss.db.connect import make_engine, make_session_factory, sqlite_url_for, upgrade_to_head
 from dss.errors import CapacityError
 from dss.pages.codec import DEFAULT_CODEC, make_codec
 from dss.pages.eviction import make_policy

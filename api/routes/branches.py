@@ -6,7 +6,7 @@ from fastapi import APIRouter, status
 
 from api.deps import PrincipalDep, StateDep
 from api.errors import error_responses
-from api.schemas import BranchCreate, BranchOut, ListResponse
+from api.shapes.schemas import BranchCreate, BranchOut, ListResponse
 from dss.dialogue.versions import BranchInfo
 
 router = APIRouter(tags=["branches"])

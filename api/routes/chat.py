@@ -2,23 +2,23 @@
 (in the body, or as the `X-DSS-Session` header a router hashes on).
 
 The request takes its generation slot on arrival, and a client that goes away stops its
-generation (`api.admission`, shared with the stateful `/messages` route).
+generation (`api.turn.pipeline`, shared with the stateful `/messages` route and Responses).
 """
 
 from __future__ import annotations
 
-import asyncio
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
 
-from api.admission import serve_turn
 from api.deps import EngineDep, PrincipalDep, SessionHeaderDep, StateDep, acting_principal, session_id_of
 from api.errors import BadRequest, error_responses
-from api.openai_fields import check_fields
-from api.schemas import ChatCompletion, ChatCompletionRequest
-from api.turns import Turn, admitted_epoch, check_limits
-from dss.dialogue.turn_commits import chat_target
+from api.shapes.chat_completion import ChatReply
+from api.shapes.openai_fields import check_fields
+from api.shapes.schemas import ChatCompletion, ChatCompletionRequest
+from api.turn.pipeline import serve_turn
+from api.turn.target import chat_turn
 from dss.errors import ModelNotFound
 
 router = APIRouter(tags=["chat"])
@@ -54,15 +54,6 @@ async def create_chat_completion(
     fields = body.request_fields(exclude=_CHAT_OWN)
     check_fields(fields, own=())
 
-    async def build() -> Turn:
-        messages = [m.plain() for m in body.messages]
-        check_limits(state.settings.limits, body, messages, fields)
-        epoch = await admitted_epoch(state, who.user)
-        target = None
-        if session_id is not None:
-            target = await asyncio.to_thread(
-                chat_target, state.store.versions, who.user, session_id, messages, body.state_version, epoch
-            )
-        return Turn(who.user, messages, body, target, fields, epoch=epoch)
-
-    return await serve_turn(state, engine, request, bool(body.stream), build)
+    messages = [m.plain() for m in body.messages]
+    resolve = partial(chat_turn, state, who.user, messages, body, fields, session_id, body.state_version)
+    return await serve_turn(state, engine, request, who.user, bool(body.stream), resolve, ChatReply())

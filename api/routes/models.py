@@ -6,7 +6,7 @@ from fastapi import APIRouter
 
 from api.deps import PrincipalDep, StateDep
 from api.errors import error_responses
-from api.schemas import ListResponse, ModelOut
+from api.shapes.schemas import ListResponse, ModelOut
 
 router = APIRouter(tags=["models"])
 

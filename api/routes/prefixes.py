@@ -9,9 +9,10 @@ from typing import Any
 from fastapi import APIRouter, Request, status
 
 from api.deps import AdminDep, EngineDep, PrincipalDep, StateDep
-from api.engine import ChatEngine, Finished
 from api.errors import EngineUnavailable, error_responses
-from api.schemas import Deleted, ListResponse, PrefixCreate, PrefixOut
+from api.llm.chat_engine import ChatEngine
+from api.llm.generation import Finished, generate
+from api.shapes.schemas import Deleted, ListResponse, PrefixCreate, PrefixOut
 from api.state import AppState
 from dss.ops.prefixes import PrefixInfo
 from dss.types import PUBLIC_TENANT
@@ -35,14 +36,14 @@ def _out(p: PrefixInfo) -> PrefixOut:
 async def _warm(state: AppState, engine: ChatEngine, tokens: list[int], prefix_id: str) -> None:
     """One generation of a single token under the public tenant: the connector saves its pages."""
     one_token = engine.sampling([], {"temperature": 0.0}, max_tokens=1)
-    async with engine.admitted():
-        async for ev in engine.generate(
+    async with engine.slots.admitted():
+        async for ev in generate(
+            engine,
             tokens,
             one_token,
             tenant=PUBLIC_TENANT,
             cache_salt=PUBLIC_TENANT,
             session_id=prefix_id,
-            state_version=None,
             arrived=time.perf_counter(),
         ):
             if isinstance(ev, Finished):

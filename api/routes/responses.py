@@ -1,32 +1,29 @@
 """The OpenAI Responses API: create, retrieve, delete, list a response's input items.
 
-Each stored response is a version (`api.responses`, `dss.dialogue.response_store`): durable,
+Each stored response is a version (`api.shapes.openai_responses`, `dss.dialogue.response_store`): durable,
 branchable (`previous_response_id` naming an older response forks), erased with its user.
 """
 
 from __future__ import annotations
 
-import asyncio
+from functools import partial
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
 
-from api.admission import serve_turn
 from api.deps import EngineDep, PrincipalDep, StateDep, acting_principal
-from api.engine import ChatEngine
 from api.errors import error_responses
-from api.responses import (
+from api.shapes.openai_responses import (
     ResponseCreate,
     ResponsePlan,
+    ResponseReply,
     item_messages,
     response_body,
-    run_response,
     stored_items,
 )
-from api.schemas import GenerationParams
-from api.state import AppState
-from api.turns import Turn, admitted_epoch, check_limits
-from dss.dialogue.turn_commits import response_target
+from api.shapes.schemas import GenerationParams
+from api.turn.pipeline import serve_turn
+from api.turn.target import response_turn
 from dss.errors import ModelNotFound
 
 router = APIRouter(tags=["responses"])
@@ -54,29 +51,19 @@ async def create_response(
     params = GenerationParams(max_tokens=body.max_output_tokens, stream=body.stream)
     fields = body.sampling_fields()
 
-    async def build() -> Turn:
-        new = item_messages(items)
-        check_limits(state.settings.limits, params, new, fields)
-        epoch = await admitted_epoch(state, who.user)
-        planned = await asyncio.to_thread(
-            response_target,
-            state.store.versions,
-            state.store.responses,
-            who.user,
-            body.previous_response_id,
-            body.instructions,
-            new,
-            body.store,
-        )
-        # `store: false` keeps nothing, not even KV: the connector neither loads nor saves it.
-        return Turn(
-            who.user, planned.messages, params, planned.target, fields, persist=body.store, epoch=epoch
-        )
-
-    async def run(state: AppState, engine: ChatEngine, turn: Turn, request: Request) -> Any:
-        return await run_response(state, engine, turn, request, plan)
-
-    return await serve_turn(state, engine, request, body.stream, build, run)
+    new = item_messages(items)
+    resolve = partial(
+        response_turn,
+        state,
+        who.user,
+        body.previous_response_id,
+        body.instructions,
+        new,
+        body.store,
+        params,
+        fields,
+    )
+    return await serve_turn(state, engine, request, who.user, body.stream, resolve, ResponseReply(plan))
 
 
 @router.get("/v1/responses/{response_id}", responses=error_responses(400, 401, 404))

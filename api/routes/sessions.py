@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
+from functools import partial
 from typing import Annotated, Any, cast
 
 from fastapi import APIRouter, Body, Query, Request, status
 
-from api.admission import serve_turn
 from api.deps import EngineDep, PrincipalDep, SessionHeaderDep, StateDep, acting_principal, session_id_of
 from api.errors import error_responses
-from api.openai_fields import HONOURED_CHAT, REFUSED, check_fields
-from api.schemas import (
+from api.shapes.chat_completion import ChatReply
+from api.shapes.openai_fields import HONOURED_CHAT, REFUSED, check_fields
+from api.shapes.schemas import (
     BranchOut,
     ChatCompletion,
     Deleted,
@@ -26,8 +26,8 @@ from api.schemas import (
     WarmRequest,
 )
 from api.state import AppState
-from api.turns import Turn, admitted_epoch
-from dss.dialogue.turn_commits import message_target
+from api.turn.pipeline import serve_turn
+from api.turn.target import message_turn
 from dss.dialogue.versions import SessionInfo
 from dss.errors import ModelNotFound, SessionNotFound
 from dss.ops.retention import KEEP
@@ -199,12 +199,7 @@ async def post_message(
     # The dialogue is the stored one: `messages` here would be silently replaced, so it is refused.
     check_fields(fields, own=(), honoured=HONOURED_CHAT - {"messages"}, refused=_MESSAGE_REFUSED)
 
-    async def build() -> Turn:
-        epoch = await admitted_epoch(state, who.user)
-        target, base = await asyncio.to_thread(
-            message_target, state.store.versions, who.user, session_id, body.branch, body.version
-        )
-        messages = [*base, {"role": "user", "content": body.text()}]
-        return Turn(who.user, messages, body, target, fields, epoch=epoch)
-
-    return await serve_turn(state, engine, request, bool(body.stream), build)
+    resolve = partial(
+        message_turn, state, who.user, session_id, body.branch, body.version, body.text(), body, fields
+    )
+    return await serve_turn(state, engine, request, who.user, bool(body.stream), resolve, ChatReply())

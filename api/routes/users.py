@@ -17,7 +17,7 @@ from fastapi import APIRouter, Query
 from api.auth import ApiKeys, Principal
 from api.deps import PrincipalDep, StateDep
 from api.errors import Forbidden, RateLimited, error_responses
-from api.schemas import (
+from api.shapes.schemas import (
     ErasureFleetOut,
     ErasureReceiptOut,
     ErasureReceiptSummary,

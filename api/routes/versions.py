@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query
 
 from api.deps import PrincipalDep, StateDep
 from api.errors import error_responses
-from api.schemas import BranchOut, ListResponse, RollbackRequest, TierTokens, VersionDetail, VersionOut
+from api.shapes.schemas import BranchOut, ListResponse, RollbackRequest, TierTokens, VersionDetail, VersionOut
 from api.state import AppState
 from dss.dialogue.versions import VersionSummary
 from dss.types import FingerprintId, Tier

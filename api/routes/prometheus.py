@@ -1,4 +1,5 @@
-"""`GET /metrics`: Prometheus text format (admin keys; open in development mode)."""
+"""`GET /metrics`: the Prometheus text format (admin keys; open in development mode). Named for
+the format, not the path, so that it is not a second `metrics.py` beside `api/metrics.py`."""
 
 from __future__ import annotations
 

@@ -1,59 +1,59 @@
 """A turn's answer as OpenAI's Chat Completions API shapes it: one JSON body, or SSE chunks.
 
 Used by `/v1/chat/completions` and `/v1/sessions/{sid}/messages`; the steps of the turn itself
-are in `api.turns`. Choices carry log-probabilities in vLLM's format when asked for, and, in a
+are in `api.turn`. Choices carry log-probabilities in vLLM's format when asked for, and, in a
 session, the version and branch each one became (the first choice's are also at the top level).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
-from api.engine import ChatEngine, Finished
-from api.errors import ApiError, BadRequest, response_for
-from api.schemas import AssistantMessage, ChatCompletion, Choice
-from api.state import AppState
-from api.turns import Answer, Prepared, Turn, answer, commit, dss_info, events, generate_all, prepare, usage
+from api.errors import ApiError, response_for
+from api.llm.chat_engine import ChatEngine
+from api.llm.generation import Finished
+from api.shapes.schemas import AssistantMessage, ChatCompletion, Choice
+from api.shapes.usage import dss_info, usage
+from api.turn.pipeline import AfterCommit, TurnRun
+from api.turn.types import Answer, Prepared, Turn
 from dss.dialogue.turn_commits import Committed
 from dss.errors import DSSError
 
 _SESSION_KEYS = ("session_id", "state_version", "parent_version", "branch")
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _MIN_LOGPROB = -9999.0  # as vLLM clamps -inf
 
 
-async def run_turn(state: AppState, engine: ChatEngine, turn: Turn, request: Request) -> Any:
-    arrived = time.perf_counter()
-    prep = await prepare(state, engine, turn)
-    engine.check_capacity()
-    if turn.params.stream:
-        return StreamingResponse(
-            _stream(state, engine, turn, prep, arrived), media_type="text/event-stream", headers=SSE_HEADERS
-        )
-    fins = await generate_all(engine, turn, prep, arrived)
-    if turn.target is not None and await request.is_disconnected():
-        state.metrics.aborted.inc()
-        raise BadRequest("the client went away before the turn was committed", code="client_disconnected")
-    answers = [answer(engine, prep, f) for f in fins]
-    committed = await commit(state, engine, turn, prep, answers)
-    body = _completion(engine, turn, prep, answers, committed).model_dump(mode="json")
-    for choice in body["choices"]:
-        if not choice["message"]["tool_calls"]:
-            del choice["message"]["tool_calls"]
-    if turn.target is None:  # a plain OpenAI answer: no session fields at all
-        for key in _SESSION_KEYS:
-            body.pop(key, None)
+class ChatReply:
+    """A turn's answer as a chat completion (`api.turn.pipeline.Reply`)."""
+
+    client_gone = "the client went away before the turn was committed"
+
+    def after_commit(self, run: TurnRun, answers: Sequence[Answer]) -> AfterCommit | None:
+        return None
+
+    def body(
+        self, run: TurnRun, answers: Sequence[Answer], committed: Sequence[Committed | None]
+    ) -> Response:
+        turn = run.turn
+        body = _completion(run.engine, turn, run.prep, answers, committed).model_dump(mode="json")
         for choice in body["choices"]:
-            choice.pop("state_version", None)
-            choice.pop("branch", None)
-    return JSONResponse(body)
+            if not choice["message"]["tool_calls"]:
+                del choice["message"]["tool_calls"]
+        if turn.target is None:  # a plain OpenAI answer: no session fields at all
+            for key in _SESSION_KEYS:
+                body.pop(key, None)
+            for choice in body["choices"]:
+                choice.pop("state_version", None)
+                choice.pop("branch", None)
+        return JSONResponse(body)
+
+    def stream(self, run: TurnRun) -> AsyncIterator[str]:
+        return _stream(run)
 
 
 def system_fingerprint(engine: ChatEngine) -> str | None:
@@ -158,9 +158,8 @@ def _completion(
     )
 
 
-async def _stream(
-    state: AppState, engine: ChatEngine, turn: Turn, prep: Prepared, arrived: float
-) -> AsyncIterator[str]:
+async def _stream(run: TurnRun) -> AsyncIterator[str]:
+    state, engine, turn, prep = run.state, run.engine, run.turn, run.prep
     cid = prep.completion_id
     created = int(time.time())
     base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": engine.model_name}
@@ -188,10 +187,7 @@ async def _stream(
     committed_ok = False
     try:
         fins: list[Finished] = []
-        async with (
-            engine.admitted(strict=False),
-            contextlib.aclosing(events(engine, turn, prep, arrived)) as evs,
-        ):
+        async with run.events() as evs:
             for i in range(prep.sampling.n):
                 yield chunk(i, {"role": "assistant", "content": ""})
             async for ev in evs:
@@ -203,9 +199,9 @@ async def _stream(
                         lp = {"content": logprobs_content(engine, ev.token_ids, ev.logprobs, top_n)}
                     yield chunk(ev.index, {"content": ev.text}, logprobs=lp)
         fins.sort(key=lambda f: f.index)
-        answers = [answer(engine, prep, f) for f in fins]
+        answers = [run.answer(f) for f in fins]
         # Every token is generated and sent; only now does the turn become versions.
-        committed = await commit(state, engine, turn, prep, answers)
+        committed = await run.commit(answers)
         committed_ok = True
         fields = _session_fields(turn, committed)
         # As vLLM's server: the system fingerprint is on the usage chunk, or else the last one.

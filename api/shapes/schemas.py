@@ -1,7 +1,7 @@
 """Request and response bodies of the REST API (pydantic), separate from the database models.
 
 Management requests ignore unknown fields. Generation requests keep every field they are sent and
-check it against `api.openai_fields`: honoured through vLLM, or refused with a 400 that names it
+check it against `api.shapes.openai_fields`: honoured through vLLM, or refused with a 400 that names it
 (`tenant`, `kv_transfer_params` and the like are derived on the server only).
 """
 
@@ -131,7 +131,7 @@ class GenerationParams(_Request):
     """Sampling parameters shared by `/v1/chat/completions` and `/v1/sessions/{sid}/messages`.
 
     The fields typed here are the ones DSS itself reads; every other field is kept as given and
-    checked against `api.openai_fields` (honoured through vLLM's own request model, or refused
+    checked against `api.shapes.openai_fields` (honoured through vLLM's own request model, or refused
     with a 400 that names it)."""
 
     model_config = ConfigDict(extra="allow")

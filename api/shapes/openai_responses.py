@@ -13,7 +13,6 @@ came from. Streams send OpenAI's event types, each `event: <type>` with its JSON
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 import uuid
@@ -22,17 +21,17 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from api.chat_response import SSE_HEADERS
-from api.engine import ChatEngine, Finished
-from api.errors import ApiError, BadRequest, response_for
-from api.openai_fields import check_fields
-from api.schemas import join_text
-from api.state import AppState
-from api.turns import Answer, Prepared, Turn, answer, commit, dss_info, events, generate_all, prepare
+from api.errors import ApiError, response_for
+from api.llm.chat_engine import ChatEngine
+from api.llm.generation import Finished
+from api.shapes.openai_fields import check_fields
+from api.shapes.schemas import join_text
+from api.shapes.usage import dss_info
+from api.turn.pipeline import AfterCommit, TurnRun
+from api.turn.types import Answer, Prepared
 from dss.dialogue.response_store import ResponseRecord, new_response_id
 from dss.dialogue.turn_commits import Committed, add_response
 from dss.errors import DSSError
@@ -160,7 +159,7 @@ class ResponseCreate(BaseModel):
         return list(self.input)
 
     def sampling_fields(self) -> dict[str, Any]:
-        """The request as vLLM's chat request fields (`api.openai_fields.HONOURED_CHAT`)."""
+        """The request as vLLM's chat request fields (`api.shapes.openai_fields.HONOURED_CHAT`)."""
         out: dict[str, Any] = {}
         if self.max_output_tokens is not None:
             out["max_tokens"] = self.max_output_tokens
@@ -323,45 +322,43 @@ def _output_message(text: str, status: str, item_id: str | None = None) -> dict[
 
 
 # ------------------------------------------------------------------------------------------ running
-async def run_response(
-    state: AppState, engine: ChatEngine, turn: Turn, request: Request, plan: ResponsePlan
-) -> Any:
-    """Generate, commit the version and record the response (when stored); JSON or a stream."""
-    arrived = time.perf_counter()
-    prep = await prepare(state, engine, turn)
-    engine.check_capacity()
-    if plan.body.stream:
-        return StreamingResponse(
-            _stream(state, engine, turn, prep, plan, arrived),
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
-        )
-    fins = await generate_all(engine, turn, prep, arrived)
-    if turn.target is not None and await request.is_disconnected():
-        state.metrics.aborted.inc()
-        raise BadRequest("the client went away before the response was stored", code="client_disconnected")
-    record = await _finish(state, engine, turn, prep, plan, fins)
-    return JSONResponse(response_body(record))
+class ResponseReply:
+    """A turn's answer as a Responses response (`api.turn.pipeline.Reply`): the version is
+    committed and its record added in one worker-thread step (`add_response`: no version is
+    left without its record); unstored, only the response is built."""
 
+    client_gone = "the client went away before the response was stored"
 
-async def _finish(
-    state: AppState, engine: ChatEngine, turn: Turn, prep: Prepared, plan: ResponsePlan, fins: list[Finished]
-) -> ResponseRecord:
-    """Commit the version and add its record in one worker-thread step (`add_response`: no
-    version is left without its record); unstored, only build the response."""
-    answers = [answer(engine, prep, f) for f in fins]
-    sid = turn.target.session_id if turn.target is not None else None
-    records: list[ResponseRecord] = []
+    def __init__(self, plan: ResponsePlan) -> None:
+        self.plan = plan
+        self._records: list[ResponseRecord] = []
 
-    def record(committed: list[Committed]) -> None:
-        rec = _record(plan, turn.user, engine, prep, answers[0], committed[0], sid)
-        add_response(state.store.versions, state.store.responses, rec, turn.epoch)
-        records.append(rec)
+    def after_commit(self, run: TurnRun, answers: Sequence[Answer]) -> AfterCommit | None:
+        turn = run.turn
+        sid = turn.target.session_id if turn.target is not None else None
 
-    committed = await commit(state, engine, turn, prep, answers, then=record)
-    if records:
-        return records[0]
-    return _record(plan, turn.user, engine, prep, answers[0], committed[0], sid)
+        def record(committed: list[Committed]) -> None:
+            rec = _record(self.plan, turn.user, run.engine, run.prep, answers[0], committed[0], sid)
+            add_response(run.state.store.versions, run.state.store.responses, rec, turn.epoch)
+            self._records.append(rec)
+
+        return record
+
+    def record(
+        self, run: TurnRun, answers: Sequence[Answer], committed: Sequence[Committed | None]
+    ) -> ResponseRecord:
+        if self._records:
+            return self._records[0]
+        sid = run.turn.target.session_id if run.turn.target is not None else None
+        return _record(self.plan, run.turn.user, run.engine, run.prep, answers[0], committed[0], sid)
+
+    def body(
+        self, run: TurnRun, answers: Sequence[Answer], committed: Sequence[Committed | None]
+    ) -> Response:
+        return JSONResponse(response_body(self.record(run, answers, committed)))
+
+    def stream(self, run: TurnRun) -> AsyncIterator[str]:
+        return _stream(run, self)
 
 
 def _event(kind: str, seq: int, **data: Any) -> str:
@@ -369,9 +366,8 @@ def _event(kind: str, seq: int, **data: Any) -> str:
     return f"event: {kind}\ndata: {json.dumps(body, separators=(',', ':'), default=str)}\n\n"
 
 
-async def _stream(
-    state: AppState, engine: ChatEngine, turn: Turn, prep: Prepared, plan: ResponsePlan, arrived: float
-) -> AsyncIterator[str]:
+async def _stream(run: TurnRun, reply: ResponseReply) -> AsyncIterator[str]:
+    engine, turn, plan = run.engine, run.turn, reply.plan
     seq = iter(range(1 << 62))
     pending = ResponseRecord(
         id=plan.id,
@@ -395,10 +391,7 @@ async def _stream(
         yield _event("response.in_progress", next(seq), response=response_body(pending))
         fins: list[Finished] = []
         text: list[str] = []
-        async with (
-            engine.admitted(strict=False),
-            contextlib.aclosing(events(engine, turn, prep, arrived)) as evs,
-        ):
+        async with run.events() as evs:
             yield _event(
                 "response.output_item.added",
                 next(seq),
@@ -413,7 +406,9 @@ async def _stream(
                 elif ev.text:
                     text.append(ev.text)
                     yield _event("response.output_text.delta", next(seq), delta=ev.text, logprobs=[], **where)
-        record = await _finish(state, engine, turn, prep, plan, fins)
+        answers = [run.answer(f) for f in fins]
+        committed = await run.commit(answers, then=reply.after_commit(run, answers))
+        record = reply.record(run, answers, committed)
         done = "".join(text)
         final_part = {"type": "output_text", "text": done, "annotations": [], "logprobs": []}
         yield _event("response.output_text.done", next(seq), text=done, logprobs=[], **where)

@@ -1,0 +1,55 @@
+"""The limits table on a turn: every 400 names the field and the limit.
+
+Checked once per turn, by the pipeline, on the whole dialogue the prompt renders (for a stateful
+or Responses turn: the stored one and the new input) with the request's own fields, after the
+target is resolved and before anything is rendered or generated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sized
+from typing import Any
+
+from api.settings import LimitsSettings
+from api.shapes.schemas import GenerationParams
+from dss.dialogue.turn_commits import check_text
+from dss.errors import LimitExceeded
+from dss.jsonlimits import check_items, check_json
+
+
+def check_limits(
+    lim: LimitsSettings,
+    params: GenerationParams,
+    messages: list[dict[str, Any]],
+    fields: Mapping[str, Any] | None = None,
+) -> None:
+    """The limits table on a turn's request, before any work for it: every 400 names the field
+    and the limit. `fields`: the honoured OpenAI fields passed to vLLM."""
+    json_limits = lim.json_limits()
+    # First: what follows (and vLLM) walks these values recursively.
+    check_items("messages", messages, json_limits)
+    for name, (setting, most) in lim.entry_limits().items():
+        value = (fields or {}).get(name)
+        if isinstance(value, Sized) and not isinstance(value, str) and len(value) > most:
+            raise LimitExceeded(
+                f"`{name}` has {len(value)} entries, over this server's limit of {most} ({setting})",
+                field=name,
+            )
+    for name, value in (fields or {}).items():
+        if isinstance(value, Mapping | list | tuple):
+            check_json(name, value, json_limits)
+    check_text(messages, "messages")
+    check_text(list(params.stop or []), "stop")
+    if len(messages) > lim.max_messages:
+        raise LimitExceeded(f"{len(messages)} messages exceed the limit of {lim.max_messages}")
+    longest = max((len(str(m.get("content") or "")) for m in messages), default=0)
+    if longest > lim.max_message_chars:
+        raise LimitExceeded(f"a message of {longest} characters exceeds the limit of {lim.max_message_chars}")
+    stops = params.stop or []
+    if len(stops) > lim.max_stop_sequences:
+        raise LimitExceeded(f"{len(stops)} stop sequences exceed the limit of {lim.max_stop_sequences}")
+    wanted = params.requested_max_tokens
+    if wanted is not None and wanted > lim.max_output_tokens:
+        raise LimitExceeded(f"max_tokens {wanted} exceeds this server's limit of {lim.max_output_tokens}")
+    if params.n > lim.max_n:
+        raise LimitExceeded(f"n={params.n} exceeds this server's limit of {lim.max_n} alternatives")

@@ -1,0 +1,81 @@
+"""Resolve a turn's target: the session, the version it extends and its branch, and the whole
+dialogue its prompt renders. One resolver per way of asking, each reading the store in a worker
+thread under the epoch the turn was admitted with (`dss.dialogue.turn_commits` holds the rules)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+from api.shapes.schemas import GenerationParams
+from api.state import AppState
+from api.turn.types import Turn
+from dss.dialogue.turn_commits import chat_target, message_target, response_target
+from dss.types import UserId
+
+
+async def chat_turn(
+    state: AppState,
+    user: UserId,
+    messages: list[dict[str, Any]],
+    params: GenerationParams,
+    fields: Mapping[str, Any],
+    session_id: str | None,
+    state_version: int | None,
+    epoch: int,
+) -> Turn:
+    """A Chat Completions turn: the client sends the whole dialogue; with a session, the turn
+    attaches where that dialogue's history was stored (or forks where it was edited)."""
+    target = None
+    if session_id is not None:
+        target = await asyncio.to_thread(
+            chat_target, state.store.versions, user, session_id, messages, state_version, epoch
+        )
+    return Turn(user, messages, params, target, fields, epoch=epoch)
+
+
+async def message_turn(
+    state: AppState,
+    user: UserId,
+    session_id: str,
+    branch: str | None,
+    version: int | None,
+    text: str,
+    params: GenerationParams,
+    fields: Mapping[str, Any],
+    epoch: int,
+) -> Turn:
+    """A stateful turn: the stored dialogue of the branch (or version), then the new message."""
+    target, base = await asyncio.to_thread(
+        message_target, state.store.versions, user, session_id, branch, version
+    )
+    messages = [*base, {"role": "user", "content": text}]
+    return Turn(user, messages, params, target, fields, epoch=epoch)
+
+
+async def response_turn(
+    state: AppState,
+    user: UserId,
+    previous_response_id: str | None,
+    instructions: str | None,
+    new: list[dict[str, Any]],
+    store: bool,
+    params: GenerationParams,
+    fields: Mapping[str, Any],
+    epoch: int,
+) -> Turn:
+    """A Responses turn: the chain of `previous_response_id` (a session of its own), the
+    instructions, then the new input items. `store: false` keeps nothing, not even KV: the
+    connector neither loads nor saves it."""
+    planned = await asyncio.to_thread(
+        response_target,
+        state.store.versions,
+        state.store.responses,
+        user,
+        previous_response_id,
+        instructions,
+        new,
+        store,
+    )
+    return Turn(user, planned.messages, params, planned.target, fields, persist=store, epoch=epoch)
