@@ -30,7 +30,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dss.config import StoreConfig
-from dss.errors import InvalidInput, LimitExceeded, PageShapeMismatch, StorageError, TierUnavailable
+from dss.errors import (
+    InvalidInput,
+    LimitExceeded,
+    PageShapeMismatch,
+    StorageError,
+    StoreClosed,
+    TierUnavailable,
+)
 from dss.index.fingerprints import FingerprintRegistry
 from dss.index.hashing import ROOT_PARENT, as_tokens, chain_hashes
 from dss.index.prefix_index import IndexMatch, PrefixIndex
@@ -117,11 +124,18 @@ class KVCache:
         self._loader = ThreadPoolExecutor(max_workers=config.loader_threads, thread_name_prefix="dss-loader")
         write_through = config.write_through and (pages.disk is not None or pages.remote is not None)
         self.writer = DiskWriter(pages, self.forget) if write_through else None
+        self._closed = False
 
     def close(self) -> None:
+        self._closed = True
         self._loader.shutdown(wait=True, cancel_futures=True)
         if self.writer is not None:
             self.writer.close()
+
+    def ensure_open(self) -> None:
+        """`StoreClosed` once `close` ran: what a match, load, save or erasure meets then."""
+        if self._closed:
+            raise StoreClosed("the store is closed")
 
     # ------------------------------------------------------------------ matching
     def _tokens(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -139,6 +153,12 @@ class KVCache:
         included: whole pages, then the page (a tail page, or a whole one) the rest of `tokens`
         shares the most leading tokens with. Pages that left every tier end the match. `touch`:
         counts as a use of those pages (their recency)."""
+        self.ensure_open()
+        return self._match(fid, tenant, tokens, touch)
+
+    def _match(
+        self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray, touch: bool = True
+    ) -> MatchInfo:
         bs = self.fingerprints.get(fid).block_size
         m = self.index.match(fid, tenant, self._tokens(tokens), touch=touch)
         pages = _with_partial(m)
@@ -150,7 +170,7 @@ class KVCache:
     ) -> dict[str, int]:
         """Tokens of `tokens` whose KV each tier holds now. A page on two tiers (host and its
         write-through copy on disk) counts in both."""
-        m = self.match(fid, tenant, tokens)
+        m = self._match(fid, tenant, tokens)
         bs = self.fingerprints.get(fid).block_size
         out = {t.value: 0 for t in Tier}
         for h, n in zip(m.pages, m.page_tokens(bs), strict=True):
@@ -171,7 +191,7 @@ class KVCache:
             if fid not in self.fingerprints:
                 continue
             fp = self.fingerprints.get(fid)
-            info = self.match(fid, tenant, tokens, touch=False)
+            info = self._match(fid, tenant, tokens, touch=False)
             for h in info.pages[info.public_tokens // fp.block_size :]:
                 if h not in seen:
                     seen.add(h)
@@ -197,6 +217,7 @@ class KVCache:
     ) -> LoadPlan | None:
         """Match and pin the pages after `start_token` (a multiple of the block size). Pages only
         on disk are promoted into the host arena by loader threads (the plan is then async)."""
+        self.ensure_open()
         bs = self.fingerprints.get(fid).block_size
         if start_token % bs:
             raise InvalidInput(f"start_token {start_token} is not a multiple of the block size {bs}")
@@ -391,6 +412,7 @@ class KVCache:
         """Reserve host slots for the pages of `tokens[: n_pages * block_size]` that the store
         lacks. `with_tail`: the tokens after those pages, when fewer than a page, are saved too,
         as a tail page (the engine copies their whole block; its first tokens are valid)."""
+        self.ensure_open()
         self._expire_stale()
         fp = self.fingerprints.get(fid)
         bs = fp.block_size
