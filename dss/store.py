@@ -1,7 +1,7 @@
 """The composition root: opens a data directory, wires its parts together, reports and checks them.
 
 Exactly one process owns a data directory (an exclusive lock in `run/owner.lock`). The parts, each
-with one job and its own leaf lock (see each module; no lock is ever held while another is taken):
+with one job and its own leaf lock (see each module and the "Locks" section of docs/architecture.md):
 
 - `versions` (`dss.dialogue.versions`): sessions, versions, branches, in the metadata database;
 - `responses` (`dss.dialogue.responses`): stored Responses API responses, each holding a version;

@@ -6,6 +6,11 @@ import enum
 from dataclasses import dataclass
 from typing import NewType
 
+import numpy as np
+
+TOKEN_DTYPE = np.dtype("<i4")
+"""Token ids as stored, hashed and sent between processes: little-endian int32."""
+
 PageHash = NewType("PageHash", bytes)
 """32-byte chained content address of one page (see `dss.index.hashing`)."""
 

@@ -12,11 +12,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dss.types import NamespaceId, PageHash
+from dss.types import TOKEN_DTYPE, NamespaceId, PageHash
 
 HASH_BYTES = 32
 ROOT_PARENT = PageHash(b"\x00" * HASH_BYTES)
-TOKEN_DTYPE = np.dtype("<i4")
 
 
 def as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
