@@ -24,9 +24,8 @@ from api.settings import LimitsSettings
 from api.state import AppState
 from dss.dialogue.turns import Committed, TurnTarget, check_text, commit_alternatives
 from dss.errors import LimitExceeded
-from dss.index.hashing import TOKEN_DTYPE
 from dss.jsonlimits import check_items, check_json
-from dss.types import TenantId, UserId
+from dss.types import TOKEN_DTYPE, TenantId, UserId
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +72,7 @@ class Answer:
 
 async def admitted_epoch(state: AppState, user: str) -> int:
     """The user's erasure epoch as a turn is admitted, before it reads or writes anything."""
-    return await asyncio.to_thread(state.store.epoch_of, user)
+    return await asyncio.to_thread(state.store.identity.epoch_of, user)
 
 
 def check_limits(
@@ -135,10 +134,11 @@ async def prepare(state: AppState, engine: ChatEngine, turn: Turn) -> Prepared:
     sampling = engine.sampling(turn.messages, turn.fields, max_tokens)
     store = state.store
     if turn.epoch is not None:  # the turn's own tenant: an erasure since retired it
-        tenant, salt = store.tenant_at(turn.user, turn.epoch), store.cache_salt(turn.user, turn.epoch)
+        tenant = store.identity.tenant_at(turn.user, turn.epoch)
+        salt = store.identity.cache_salt(turn.user, turn.epoch)
     else:
-        tenant = store.tenant_for(turn.user)
-        salt = await asyncio.to_thread(store.cache_salt, turn.user)
+        tenant = store.identity.tenant_for(turn.user)
+        salt = await asyncio.to_thread(store.identity.cache_salt, turn.user)
     return Prepared(prompt_ids, sampling, tenant, salt)
 
 
