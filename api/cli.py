@@ -407,11 +407,11 @@ def users_erase(
             typer.echo(f"{command}: {exc}", err=True)
             raise typer.Exit(2) from None
         try:
-            out = receipt_out(store, store.erase_user(user))
+            out = receipt_out(store, store.eraser.erase_user(user))
         except DSSError as exc:
             typer.echo(f"{command}: {type(exc).__name__}: {exc}", err=True)
             raise typer.Exit(1) from None
-        verification = store.verify_erasure(out.id)
+        verification = store.eraser.verify(out.id)
     _print_verified(out, verification)
 
 
@@ -429,7 +429,7 @@ def users_verify(
     command = "dss users verify"
     with _open_store(command, data_dir, db_url) as store:
         try:
-            verification = store.verify_erasure(receipt_id)
+            verification = store.eraser.verify(receipt_id)
         except DSSError as exc:
             typer.echo(f"{command}: {exc}", err=True)
             raise typer.Exit(1) from None

@@ -41,8 +41,8 @@ def main() -> None:
         store = Store.open(
             StoreConfig(data_dir=Path(d), fsync=False, host_capacity_bytes=1 << 30, write_through=False)
         )
-        fid = store.register_fingerprint(FP)
-        tenant = store.tenant_for("bench-user")
+        fid = store.fingerprints.register(FP)
+        tenant = store.identity.tenant_for("bench-user")
         sid = store.versions.create_session("bench-user").id
         rng = np.random.default_rng(0)
         base = rng.integers(0, 50_000, BASE_TOKENS, dtype=np.int32)
@@ -50,7 +50,7 @@ def main() -> None:
         base_v = store.versions.commit(
             "bench-user", sid, tokens=base, messages=[{"role": "user", "content": "b"}]
         )
-        store.put_sequence(fid, tenant, base, [page] * (BASE_TOKENS // FP.block_size))
+        store.kv.put_sequence(fid, tenant, base, [page] * (BASE_TOKENS // FP.block_size))
         for i in range(n_branches):
             name = f"b{i}"
             store.versions.branch("bench-user", sid, base_v.number, name)
@@ -58,7 +58,7 @@ def main() -> None:
             store.versions.commit(
                 "bench-user", sid, tokens=seq, messages=[{"role": "user", "content": name}], branch=name
             )
-            store.put_sequence(fid, tenant, seq, [page] * (len(seq) // FP.block_size))
+            store.kv.put_sequence(fid, tenant, seq, [page] * (len(seq) // FP.block_size))
         stored = store.stats()["bytes"]["host"]
         ideal = (BASE_TOKENS + n_branches * SUFFIX_TOKENS) // FP.block_size * FP.page_nbytes
         naive = n_branches * (BASE_TOKENS + SUFFIX_TOKENS) // FP.block_size * FP.page_nbytes

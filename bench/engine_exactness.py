@@ -132,7 +132,7 @@ def expected_loaded(prev_prompt: list[int], prev_output: list[int], prompt: list
 
 def conversations(engine: Engine, served: ServedStore, tally: Tally, n: int = N_CONVERSATIONS) -> None:
     convs = make_conversations(n)
-    tenants = [served.store.tenant_for(f"exactness-user-{i}") for i in range(len(convs))]
+    tenants = [served.store.identity.tenant_for(f"exactness-user-{i}") for i in range(len(convs))]
     prompts = [engine.chat_ids(c.first) for c in convs]
     print(
         f"{len(convs)} conversations, turn-1 prompts of {min(map(len, prompts))}-"
@@ -170,7 +170,7 @@ def case(engine: Engine, served: ServedStore, kind: str, seed: int, tally: Tally
     then two turns on the new path, each compared three ways."""
     store = served.store
     user = f"{kind}-user-{seed}"
-    tenant = store.tenant_for(user)
+    tenant = store.identity.tenant_for(user)
     sid = store.versions.create_session(user, f"{kind}-{seed}").id
     rng = np.random.default_rng(seed)
     turns, back_to = (6, 3) if kind == "rollback" else (3, 1)

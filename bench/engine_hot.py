@@ -51,7 +51,7 @@ def run(served: ServedStore, engine: TimedEngine, smoke: bool = False) -> dict[s
     assert reuse % BS == 0 and reuse > 0
     stored = len(prompt) // BS + 1  # whole pages and the tail page
     reps = SMOKE_REPS if smoke else REPS
-    sess = session_params(served.authkey, served.store.tenant_for("hot-user"), "hot-session")
+    sess = session_params(served.authkey, served.store.identity.tenant_for("hot-user"), "hot-session")
     first = engine.timed(prompt, sess, reset=True)
     params = first.result.params
     if params is None or params["stored_pages"] != stored:

@@ -168,7 +168,7 @@ def main() -> None:
     )
     common: dict[str, Any] = {"max_model_len": MAX_MODEL_LEN, "num_gpu_blocks_override": GPU_BLOCKS}
     served = ServedStore(host_gib=1.0)
-    tenants = [served.store.tenant_for(f"multiround-user-{s}") for s in range(N_SESSIONS)]
+    tenants = [served.store.identity.tenant_for(f"multiround-user-{s}") for s in range(N_SESSIONS)]
 
     def dss_session(s: int, rnd: int) -> dict[str, Any]:
         return session_params(served.authkey, tenants[s], f"multiround-{s}")

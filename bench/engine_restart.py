@@ -105,7 +105,7 @@ def run(served: ServedStore, a: TimedEngine | None = None, smoke: bool = False) 
     and is closed here, then two engines are started. The store is reopened: the caller's
     other engines on it stop working."""
     z = SMOKE if smoke else Sizes()
-    tenant = served.store.tenant_for("restart-user")
+    tenant = served.store.identity.tenant_for("restart-user")
     rng = np.random.default_rng(5)
 
     a = a or TimedEngine(served.address, served.authkey)

@@ -62,7 +62,7 @@ def run(served: ServedStore, engine: TimedEngine, smoke: bool = False) -> dict[s
     store = served.store
     engine.warm_up()
     rng = np.random.default_rng(9)
-    tenant = store.tenant_for(USER)
+    tenant = store.identity.tenant_for(USER)
     sid = store.versions.create_session(USER, "rollback-session").id
     messages = [{"role": "user", "content": f"Remember: {text_of_tokens(rng, z.first_tokens)}"}]
     prompt = engine.chat_ids(messages)

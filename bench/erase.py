@@ -35,9 +35,9 @@ def main() -> None:
     print(f"cores={os.cpu_count()}")
     with tempfile.TemporaryDirectory() as d:
         store = Store.open(StoreConfig(data_dir=Path(d), fsync=False, host_capacity_bytes=1 << 28))
-        fid = store.register_fingerprint(FP)
+        fid = store.fingerprints.register(FP)
         user = "erase-bench-user"
-        tenant = store.tenant_for(user)
+        tenant = store.identity.tenant_for(user)
         rng = np.random.default_rng(0)
         page = rng.integers(0, 255, FP.page_nbytes, dtype=np.uint8).tobytes()
         t0 = time.perf_counter()
@@ -49,14 +49,14 @@ def main() -> None:
                 store.versions.commit(
                     user, sid, tokens=tokens, messages=[{"role": "user", "content": str(v)}]
                 )
-            store.put_sequence(fid, tenant, tokens, [page] * (len(tokens) // FP.block_size))
+            store.kv.put_sequence(fid, tenant, tokens, [page] * (len(tokens) // FP.block_size))
         store.flush()
         fill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        receipt = store.erase_user(user)
+        receipt = store.eraser.erase_user(user)
         erase_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        verification = store.verify_erasure(receipt.id)
+        verification = store.eraser.verify(receipt.id)
         verify_s = time.perf_counter() - t0
         store.close()
     print(f"fill_s={fill_s:.2f} counts={receipt.counts} verify_s={verify_s:.3f}")

@@ -67,8 +67,8 @@ def seconds(*runs: Callable[[], Any]) -> float:
 def fill(store: Store, sessions: int, versions: int, n_tokens: int) -> None:
     """Every session starts with the same 2 pages (a system prompt) and then its own tokens; a
     version is its session's stem with its own last 512 tokens (a regenerated turn)."""
-    fid = store.register_fingerprint(FP)
-    tenant = store.tenant_for(USER)
+    fid = store.fingerprints.register(FP)
+    tenant = store.identity.tenant_for(USER)
     rng = np.random.default_rng(0)
     shared = rng.integers(0, 50_000, 2 * FP.block_size, dtype=np.int32)
     page = rng.integers(0, 255, FP.page_nbytes, dtype=np.uint8).tobytes()
@@ -84,7 +84,7 @@ def fill(store: Store, sessions: int, versions: int, n_tokens: int) -> None:
             msgs = [{"role": "user", "content": f"turn {v} " + "x" * 200}]
             store.versions.commit(USER, sid, tokens=tokens, messages=msgs, fingerprint=fid)
             head = tokens[: 4 * FP.block_size]
-            store.put_sequence(fid, tenant, head, [page] * 4)
+            store.kv.put_sequence(fid, tenant, head, [page] * 4)
 
 
 def main() -> None:

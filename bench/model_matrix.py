@@ -246,7 +246,7 @@ class Matrix:
     def conversations(self, n: int) -> None:
         e = self.engine
         for c in make_conversations(n, seed=17):
-            tenant = self.served.store.tenant_for(f"{self.row.name}-{c.name}")
+            tenant = self.served.store.identity.tenant_for(f"{self.row.name}-{c.name}")
             prompt = e.chat_ids(c.first)
             for t in range(len(c.followups) + 1):
                 out = self.turn(
@@ -263,7 +263,7 @@ class Matrix:
         """`turns` turns, then back to after turn 1 in the same session (a rollback), and a new
         session forked after turn 2 (a branch); each goes one turn further."""
         e, rng = self.engine, np.random.default_rng(23)
-        tenant = self.served.store.tenant_for(f"{self.row.name}-history")
+        tenant = self.served.store.identity.tenant_for(f"{self.row.name}-history")
         sid = "s-" + uuid.uuid4().hex[:8]
         prompt = e.chat_ids([{"role": "user", "content": f"Remember these words: {words(rng, 260)}"}])
         states = []
@@ -285,7 +285,7 @@ class Matrix:
         """The history conversation one turn further on a new engine and a reopened store (its
         host tier empty): everything it reuses comes from the disk tier, and the answer matches."""
         e = self.engine
-        tenant = self.served.store.tenant_for(f"{self.row.name}-history")
+        tenant = self.served.store.identity.tenant_for(f"{self.row.name}-history")
         prompt, ids = self.stored[tenant][-1]
         p = e.continue_ids(prompt, ids, "After the restart, say it once more.")
         out = self.turn("after restart", tenant, e.session(tenant, "s-restart"), p, 16)
@@ -298,7 +298,7 @@ class Matrix:
         """A long prompt's first token from the store's host tier vs from vLLM's hot prefix cache
         (or, where vLLM keeps none, vs recomputing the prompt)."""
         e, rng = self.engine, np.random.default_rng(31)
-        tenant = self.served.store.tenant_for(f"{self.row.name}-hot")
+        tenant = self.served.store.identity.tenant_for(f"{self.row.name}-hot")
         prompt = e.chat_ids([{"role": "user", "content": f"Hot: {words(rng, 900)}"}])
         e.reset_prefix_cache()
         generate(e, [prompt], [e.session(tenant, "hot-0")], 1)

@@ -126,7 +126,7 @@ def run(root: Path, ops: list[Op], kinds: list[bool], host_pages: int, hints: bo
     page = bytes(FP.page_nbytes)
     counter = 1
     with Store.open(cfg) as store:
-        fid = FingerprintId(store.register_fingerprint(FP))
+        fid = FingerprintId(store.fingerprints.register(FP))
         sessions: dict[int, Sess] = {}
         began = time.perf_counter()
         for n, op in enumerate(ops):
@@ -160,9 +160,9 @@ def run(root: Path, ops: list[Op], kinds: list[bool], host_pages: int, hints: bo
                     store.versions.rollback(s.user, s.sid, "main", target)
                     s.head = target
                 continue
-            tenant = store.tenant_for(s.user)
+            tenant = store.identity.tenant_for(s.user)
             history = s.tokens[s.head]
-            m = store.match(fid, tenant, history)
+            m = store.kv.match(fid, tenant, history)
             for h in m.pages:
                 tier = store.pages.fastest_tier(h)
                 if tier is Tier.HOST:
@@ -172,11 +172,11 @@ def run(root: Path, ops: list[Op], kinds: list[bool], host_pages: int, hints: bo
                 else:
                     tally.missed += BS
             tally.missed += len(history) - len(m.pages) * BS
-            store.load_sequence(fid, tenant, history)
+            store.kv.load_sequence(fid, tenant, history)
             new = np.arange(counter, counter + op.new_pages * BS, dtype=np.int32)
             counter += op.new_pages * BS
             tokens = np.concatenate([history, new])
-            store.put_sequence(fid, tenant, tokens, [page] * (len(tokens) // BS))
+            store.kv.put_sequence(fid, tenant, tokens, [page] * (len(tokens) // BS))
             v = store.versions.commit(
                 s.user, s.sid, tokens=tokens, messages=[{"role": "user", "content": str(n)}], fingerprint=fid
             )

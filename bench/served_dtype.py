@@ -123,13 +123,13 @@ def start(dtype: str, served: ServedStore) -> Side:
     except BaseException:
         engine.close()
         raise
-    return Side(dtype, engine, fid, served.store.fingerprint(fid), report)
+    return Side(dtype, engine, fid, served.store.fingerprints.get(fid), report)
 
 
 def store_and_load(side: Side, served: ServedStore, prompt: list[int], sid: str) -> tuple[int, int]:
     """Store `prompt`'s pages in session `sid` with this engine; wait until they are in the host
     tier. Returns (tokens loaded by the storing request, whole pages stored)."""
-    tenant = served.store.tenant_for("dtype-user")
+    tenant = served.store.identity.tenant_for("dtype-user")
     sess = session_params(served.authkey, tenant, sid)
     before = served.host_pages()
     first = side.engine.timed(prompt, sess, reset=True).result
@@ -154,7 +154,7 @@ def main() -> None:
     try:
         for dtype in args.dtypes.split(","):
             sides.append(start(dtype, served))
-        tenant = served.store.tenant_for("dtype-user")
+        tenant = served.store.identity.tenant_for("dtype-user")
 
         # One prompt, one session, one tenant, asked by every engine in turn: none may load what
         # another dtype stored (the fingerprints differ); each loads its own pages afterwards.
@@ -200,7 +200,7 @@ def main() -> None:
                 side.decode_tps.append(decode_rate(side.engine, prompts[side.dtype]))
 
         for side in sides:
-            n, pages = served.store.load_sequence(side.fid, tenant, prompts[side.dtype])
+            n, pages = served.store.kv.load_sequence(side.fid, tenant, prompts[side.dtype])
             pages = pages[: n // BS]  # whole blocks only
             if not pages:
                 raise RuntimeError(f"[{side.dtype}] the store returned no whole page")

@@ -7,7 +7,7 @@ distinct token ids). fsync on, as in production.
 Phases 1-2 run twice: page files encoded in the owner process, then in the codec process (the
 default, `StoreConfig.codec_process`); the RESULT's first three keys are the latter's.
 
-1. idle: p50/p99 of `store.match` on a host-resident 4-page sequence, nothing else running (one
+1. idle: p50/p99 of `store.kv.match` on a host-resident 4-page sequence, nothing else running (one
    lookup a millisecond, paced like the busy samples);
 2. busy: the same lookups right after putting BACKLOG_PAGES fresh pages, while the write-through
    backlog drains (only samples taken before flush() returned count);
@@ -113,20 +113,20 @@ def lookup_phase(data_dir: Path, backlog_pages: int, codec_process: bool) -> tup
         host_capacity_bytes=(n_seqs + 2) * PAGES_PER_SEQ * FP.page_nbytes,
         codec_process=codec_process,
     )
-    fid = store.register_fingerprint(FP)
-    tenant = store.tenant_for("bench")
+    fid = store.fingerprints.register(FP)
+    tenant = store.identity.tenant_for("bench")
     flush = store.flush
     n_tok = PAGES_PER_SEQ * FP.block_size
     hot = np.arange(1, n_tok + 1, dtype=np.int32)
-    store.put_sequence(fid, tenant, hot, real[:PAGES_PER_SEQ])
+    store.kv.put_sequence(fid, tenant, hot, real[:PAGES_PER_SEQ])
     flush()
-    assert store.match(fid, tenant, hot).n_tokens == n_tok
+    assert store.kv.match(fid, tenant, hot).n_tokens == n_tok
 
     state.phase = "idle"
     idle: list[float] = []
     for _ in range(IDLE_SAMPLES):
         t0 = time.perf_counter()
-        store.match(fid, tenant, hot)
+        store.kv.match(fid, tenant, hot)
         idle.append(time.perf_counter() - t0)
         state.progress = time.monotonic()
         time.sleep(0.001)  # the same pacing as the busy samples below
@@ -137,7 +137,7 @@ def lookup_phase(data_dir: Path, backlog_pages: int, codec_process: bool) -> tup
     t0 = time.perf_counter()
     for s in range(n_seqs - 1):
         toks = np.arange(1, n_tok + 1, dtype=np.int32) + (s + 1) * 1_000_000
-        store.put_sequence(fid, tenant, toks, [real[i % len(real)] for i in range(PAGES_PER_SEQ)])
+        store.kv.put_sequence(fid, tenant, toks, [real[i % len(real)] for i in range(PAGES_PER_SEQ)])
         state.progress = time.monotonic()
     put_s = time.perf_counter() - t0
     state.phase = "busy"
@@ -153,7 +153,7 @@ def lookup_phase(data_dir: Path, backlog_pages: int, codec_process: bool) -> tup
     busy: list[float] = []
     while not drained.is_set():
         t0 = time.perf_counter()
-        store.match(fid, tenant, hot)
+        store.kv.match(fid, tenant, hot)
         dt = time.perf_counter() - t0
         if not drained.is_set():
             busy.append(dt)

@@ -52,7 +52,7 @@ def capacity(engine: Engine) -> tuple[int, float, int]:
 def two_turns(engine: Engine, served: ServedStore) -> tuple[int, int]:
     """Tokens turn 2 loaded from the store, and what it could have (turn 1's computed tokens)."""
     rng = np.random.default_rng(0)
-    tenant = served.store.tenant_for("capacity-user")
+    tenant = served.store.identity.tenant_for("capacity-user")
     prompt = engine.chat_ids([{"role": "user", "content": words(rng, 150)}])
     engine.reset_prefix_cache()
     (first,) = engine.generate([prompt], [engine.session(tenant, "s")], 96)

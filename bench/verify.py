@@ -61,13 +61,13 @@ def _fill_chain(store: Store, n: int) -> None:
 
 
 def _fill_pages(store: Store, user: str, n_pages: int, seed: int) -> None:
-    fid = store.register_fingerprint(FP)
-    tenant = store.tenant_for(user)
+    fid = store.fingerprints.register(FP)
+    tenant = store.identity.tenant_for(user)
     rng = np.random.default_rng(seed)
     page = rng.integers(0, 255, FP.page_nbytes, dtype=np.uint8).tobytes()
     for _ in range(max(1, n_pages // PAGES_PER_SEQUENCE)):
         tokens = rng.integers(0, 50_000, PAGES_PER_SEQUENCE * FP.block_size, dtype=np.int32)
-        store.put_sequence(fid, tenant, tokens, [page] * PAGES_PER_SEQUENCE)
+        store.kv.put_sequence(fid, tenant, tokens, [page] * PAGES_PER_SEQUENCE)
 
 
 def _evict(root: Path) -> None:
@@ -119,11 +119,11 @@ def main() -> None:
         store = _open(d)  # a restart: recovery reads every header once
         pages = d / "pages"
         n_files = sum(1 for _ in pages.rglob("*.page"))
-        first = store.erase_user("alice")
+        first = store.eraser.erase_user("alice")
         t0 = time.perf_counter()
-        store.verify_erasure(first.id)  # the first after an upgrade walks the chain once, sealing
+        store.eraser.verify(first.id)  # the first after an upgrade walks the chain once, sealing
         first_s = time.perf_counter() - t0
-        receipt = store.erase_user("bob")
+        receipt = store.eraser.erase_user("bob")
         verify_s, remnants, ok = _timed(store, receipt.id, False, pages, args.warm, args.runs)
         full_s, full_remnants, full_ok = _timed(store, receipt.id, True, pages, args.warm, args.runs)
         store.close()

@@ -1,14 +1,14 @@
-"""The store facade: opens a data directory, wires its parts together, reports and checks them.
+"""The composition root: opens a data directory, wires its parts together, reports and checks them.
 
 Exactly one process owns a data directory (an exclusive lock in `run/owner.lock`). The parts, each
-with one job and its own leaf lock (see each module; no lock is ever held while another is taken):
+with one job and its own leaf lock (see each module and the "Locks" section of docs/architecture.md):
 
 - `versions` (`dss.dialogue.versions`): sessions, versions, branches, in the metadata database;
 - `responses` (`dss.dialogue.response_store`): stored Responses API responses, each holding a version;
 - `index` (`dss.index.prefix_index`): a radix trie per namespace (model fingerprint + tenant);
 - `pages` (`dss.pages.manager` over `dss.pages.table`): the page table and the tiers;
-- `kv` (`dss.ops.kv`): loads, saves and leases for engines, with the disk writer;
-- `eraser`, `prefixes`, `dss.ops.recovery`, `dss.ops.sessions`: operations over several parts;
+- `kv` (`dss.ops.kv`): matches, loads, saves and leases for engines, with the disk writer;
+- `eraser`, `prefixes`, `sessions`, `dss.ops.recovery`: operations over several parts;
 - `retention` (`dss.ops.retention`): session retention hints, idle demotion, warm-ups (own threads);
 - `identity`, `keyring` (`dss.keys`): tenants, receipt subjects, per-tenant data keys.
 
@@ -16,41 +16,41 @@ Several servers may share one PostgreSQL database (`dss.fleet`), each with its o
 directory: this one's `server_id` names its page rows, its row in `servers` (heartbeat) and its
 erasure acknowledgements; a follower thread applies the other servers' erasures here.
 
-Engine processes reach the owner through `dss.rpc` (this object is its `StoreService`) and move
-page bytes through the shared-memory host arena. The methods below are thin delegations, kept so
-that callers have one entry point.
+Callers use the parts by name (`store.kv.match(...)`, `store.identity.tenant_for(...)`,
+`store.eraser.erase_user(...)`): `Store` keeps only the lifecycle (`open`, `close`, `flush`),
+`check()`, `stats()` and `serve_rpc()`. Engine processes reach the owner through `dss.rpc`, which
+serves `kv` through `EngineCalls` (the table of what an engine may call), and move page bytes
+through the shared-memory host arena.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
-from collections.abc import Iterable, Sequence
 from typing import IO, Any
 
-import numpy as np
-from sqlalchemy import Engine
+from sqlalchemy import Engine, orm
 
 from dss.config import StoreConfig
 from dss.db.connect import is_sqlite_file, make_engine, make_session_factory, upgrade_to_head
 from dss.dialogue.response_store import ResponseStore
 from dss.dialogue.versions import VersionStore
-from dss.errors import DataDirInUse, StoreClosed
+from dss.errors import DataDirInUse
 from dss.files import try_lock_exclusive
 from dss.fleet.erasures import ErasureFollower
 from dss.fleet.members import Membership, resolve_server_id
 from dss.index.fingerprints import FingerprintRegistry
 from dss.index.prefix_index import PrefixIndex
+from dss.keys.crypto import KeyManager
 from dss.keys.identity import Identity, load_master_key
 from dss.keys.keyring import Keyring
 from dss.keys.upgrade import upgrade_derivation
-from dss.namespace import ModelFingerprint
 from dss.ops import recovery
 from dss.ops.erasure import Eraser, ErasureReceipt, OnTenantErased, Verification
 from dss.ops.kv import KVCache, MatchInfo
 from dss.ops.prefixes import PrefixInfo, PublicPrefixes
 from dss.ops.retention import SessionRetention
-from dss.ops.sessions import delete_session
+from dss.ops.sessions import Sessions
 from dss.pages.codec import make_codec
 from dss.pages.encoder import PageCodecProcess
 from dss.pages.eviction import make_policy
@@ -60,15 +60,36 @@ from dss.pages.table import PageTable
 from dss.pages.tiers.disk import DiskTier
 from dss.pages.tiers.host import HostTier
 from dss.pages.tiers.remote import RemoteTier
-from dss.rpc import StoreServer, socket_path_for
-from dss.types import FingerprintId, TenantId, Tier
-from dss.wire import LoadPlan, PageSlot, SavePlan
+from dss.rpc import EngineCalls, StoreServer, socket_path_for
+from dss.types import Tier
 
 __all__ = ["ErasureReceipt", "MatchInfo", "PrefixInfo", "Store", "Verification"]
 
 
 class Store:
-    """Open with `Store.open(config)`; close with `close()` (also a context manager)."""
+    """Open with `Store.open(config)`; close with `close()` (also a context manager).
+
+    The parts, by name (set by `open`; callers use them directly, each through its own interface):
+    """
+
+    db: Engine
+    sf: orm.sessionmaker[orm.Session]
+    keys: KeyManager
+    versions: VersionStore
+    responses: ResponseStore
+    identity: Identity  # tenants, erasure epochs, receipt subjects, engine cache salts
+    keyring: Keyring
+    fingerprints: FingerprintRegistry
+    index: PrefixIndex
+    pages: TieredPages
+    host: HostTier
+    disk: DiskTier | None
+    remote: RemoteTier | None
+    kv: KVCache  # match, loads, saves, leases, residency, stored bytes
+    prefixes: PublicPrefixes
+    sessions: Sessions  # session deletion
+    eraser: Eraser  # erasure, receipts, verification, `holds_user`
+    retention: SessionRetention
 
     def __init__(self, config: StoreConfig, on_tenant_erased: OnTenantErased | None = None) -> None:
         self.config = config
@@ -158,6 +179,17 @@ class Store:
         )
         self.kv = KVCache(cfg, self.fingerprints, self.index, self.pages, self.keyring.is_retired)
         self.prefixes = PublicPrefixes(self.sf, self.fingerprints, self.kv, self.config.json_limits)
+        self.retention = SessionRetention(
+            cfg.retention, self.versions, self.identity.tenant_for, self.fingerprints, self.kv, self.pages
+        )
+        self.sessions = Sessions(
+            self.versions,
+            self.identity,
+            self.fingerprints,
+            self.index,
+            self.pages,
+            on_deleted=self.retention.forget_session,
+        )
         self.eraser = Eraser(
             self.sf,
             self.db,
@@ -171,9 +203,7 @@ class Store:
             membership=self.membership,
             ack_timeout_s=cfg.fleet.ack_timeout_s,
             on_tenant_erased=self._on_tenant_erased,
-        )
-        self.retention = SessionRetention(
-            cfg.retention, self.versions, self.identity.tenant_for, self.fingerprints, self.kv, self.pages
+            on_user_erased=self.retention.forget_user,
         )
         self.check()
         self.retention.start()
@@ -220,10 +250,6 @@ class Store:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _ensure_open(self) -> None:
-        if self._closed:
-            raise StoreClosed("the store is closed")
-
     @staticmethod
     def ensure_data_dir_free(config: StoreConfig) -> None:
         """`DataDirInUse` when another process owns `config`'s data directory: the owner lock,
@@ -254,139 +280,6 @@ class Store:
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Wait until every committed page reached the disk tier (tests, clean shutdown)."""
         return self.kv.writer.flush(timeout_s) if self.kv.writer is not None else True
-
-    # ================================================================== identity and models
-    def tenant_for(self, user: str) -> TenantId:
-        return self.identity.tenant_for(user)
-
-    def epoch_of(self, user: str) -> int:
-        """The user's erasure epoch now: what a request is admitted under. Its writes pass it on
-        (`epoch=`) and are refused with `UserErased` once the user was erased since."""
-        return self.identity.epoch_of(user)
-
-    def tenant_at(self, user: str, epoch: int) -> TenantId:
-        """The user's tenant in `epoch` (a request's, from `epoch_of` when it was admitted)."""
-        return self.identity.tenant_at(user, epoch)
-
-    def subject_hash(self, user: str) -> str:
-        return self.identity.subject_hash(user)
-
-    def receipt_subjects(self, user: str) -> set[str]:
-        """What the user's erasure receipts may name: every tenant the user had (and, for receipts
-        written before tenants had epochs, the subject hash)."""
-        subjects = {*self.identity.tenants_of(user), self.identity.subject_hash(user)}
-        if self.identity.legacy:
-            subjects.add(self.identity.legacy_subject_hash(user))
-        return subjects
-
-    def register_fingerprint(self, fp: ModelFingerprint) -> FingerprintId:
-        return self.fingerprints.register(fp)
-
-    def fingerprint(self, fid: FingerprintId) -> ModelFingerprint:
-        return self.fingerprints.get(fid)
-
-    # ================================================================== KV (engines; `StoreService`)
-    def match(self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray) -> MatchInfo:
-        self._ensure_open()
-        return self.kv.match(fid, tenant, tokens)
-
-    def residency(
-        self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray
-    ) -> dict[str, int]:
-        return self.kv.residency(fid, tenant, tokens)
-
-    def stored_bytes(
-        self, tenant: TenantId, sequences: Iterable[tuple[FingerprintId, Sequence[int] | np.ndarray]]
-    ) -> int:
-        return self.kv.stored_bytes(tenant, sequences)
-
-    def begin_load(
-        self,
-        fid: FingerprintId,
-        tenant: TenantId,
-        tokens: Sequence[int] | np.ndarray,
-        start_token: int = 0,
-        max_tokens: int | None = None,
-    ) -> LoadPlan | None:
-        self._ensure_open()
-        return self.kv.begin_load(fid, tenant, tokens, start_token, max_tokens)
-
-    def wait_loaded(
-        self, load_id: str, timeout_s: float = 30.0, *, release: bool = False, shard: int | None = None
-    ) -> tuple[PageSlot | None, ...]:
-        return self.kv.wait_loaded(load_id, timeout_s, release=release, shard=shard)
-
-    def release(self, load_id: str, shard: int | None = None) -> None:
-        self.kv.release(load_id, shard)
-
-    def plan_save(
-        self,
-        fid: FingerprintId,
-        tenant: TenantId,
-        tokens: Sequence[int] | np.ndarray,
-        n_pages: int,
-        with_tail: bool = False,
-    ) -> SavePlan:
-        self._ensure_open()
-        return self.kv.plan_save(fid, tenant, tokens, n_pages, with_tail)
-
-    def commit_save(self, save_id: str, written: Sequence[int], shard: int = 0) -> int:
-        return self.kv.commit_save(save_id, written, shard)
-
-    def abort_save(self, save_id: str, shard: int | None = None) -> None:
-        self.kv.abort_save(save_id, shard)
-
-    def put_sequence(
-        self,
-        fid: FingerprintId,
-        tenant: TenantId,
-        tokens: Sequence[int] | np.ndarray,
-        pages: Sequence[bytes | memoryview],
-    ) -> int:
-        self._ensure_open()
-        return self.kv.put_sequence(fid, tenant, tokens, pages)
-
-    def load_sequence(
-        self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray
-    ) -> tuple[int, list[bytes]]:
-        self._ensure_open()
-        return self.kv.load_sequence(fid, tenant, tokens)
-
-    # ================================================================== sessions, prefixes, erasure
-    def delete_session(self, user: str, sid: str) -> int:
-        """Delete a session and the cached pages only it used; returns the pages dropped."""
-        dropped = delete_session(
-            self.versions, self.identity, self.fingerprints, self.index, self.pages, user, sid
-        )
-        self.retention.forget_session(user, sid)
-        return dropped
-
-    def holds_user(self, user: str) -> bool:
-        """Whether anything of `user` is stored: a session, a stored response, or a data key of
-        its tenant (KV it wrote). API keys are the API's (`ApiKeys.holds_user`)."""
-        return self.versions.holds_user(user) or self.keyring.holds_key(self.tenant_for(user))
-
-    def erase_user(self, user: str) -> ErasureReceipt:
-        self._ensure_open()
-        receipt = self.eraser.erase_user(user)
-        self.retention.forget_user(user)
-        return receipt
-
-    def verify_erasure(self, receipt_id: str) -> Verification:
-        return self.eraser.verify(receipt_id)
-
-    def get_receipt(self, receipt_id: str) -> ErasureReceipt:
-        return self.eraser.get_receipt(receipt_id)
-
-    def list_receipts(self, limit: int, after: str | None = None) -> tuple[list[ErasureReceipt], bool]:
-        """Erasure receipts newest first; and whether more follow."""
-        return self.eraser.list_receipts(limit, after)
-
-    def cache_salt(self, user: str, epoch: int | None = None) -> str:
-        """The engine prefix-cache salt of `user` (in `epoch`; default: the current one): the
-        tenant, which moves with each erasure of the user (vLLM's own cache keeps an erased
-        user's blocks until they age out; a re-created user must not hit them)."""
-        return str(self.tenant_for(user) if epoch is None else self.tenant_at(user, epoch))
 
     # ================================================================== introspection
     def check(self) -> None:
@@ -438,12 +331,16 @@ class Store:
         }
 
     # ================================================================== RPC
+    def engine_calls(self) -> EngineCalls:
+        """What engine processes may call, over `kv` and `fingerprints` (`dss.rpc.EngineCalls`)."""
+        return EngineCalls(self.kv, self.fingerprints.register, self.stats)
+
     def serve_rpc(self) -> tuple[str, bytes]:
         """Start (once) the local RPC server engine processes use; returns (address, authkey).
         Both are stable for the data directory, so an engine reaches a restarted owner."""
         if self._rpc_server is None:
             address = socket_path_for(self.config.run_dir)
-            self._rpc_server = StoreServer(self, address, self.identity.rpc_authkey())
+            self._rpc_server = StoreServer(self.engine_calls(), address, self.identity.rpc_authkey())
         return self._rpc_server.address, self._rpc_server.authkey
 
 

@@ -142,7 +142,7 @@ def run_stress(store: Store, seconds: float, watchdog_s: float, n_workers: int =
     it starts and g1 after it returns must return, page by page, the bytes of some generation in
     [g0, g1]: never bytes of an erased generation, never another user's bytes, never garbage.
     """
-    fid = store.register_fingerprint(SMALL_FP)
+    fid = store.fingerprints.register(SMALL_FP)
     report = StressReport()
     state_lock = threading.Lock()
     user_locks = [threading.Lock() for _ in range(STRESS_USERS)]
@@ -181,13 +181,13 @@ def run_stress(store: Store, seconds: float, watchdog_s: float, n_workers: int =
             u, s = rng.randrange(STRESS_USERS), rng.randrange(len(STRESS_SEQUENCES))
             tokens = STRESS_SEQUENCES[s]
             try:
-                tenant = store.tenant_for(f"u{u}")
+                tenant = store.identity.tenant_for(f"u{u}")
                 if rng.random() < 0.5:
                     with user_locks[u]:
-                        store.put_sequence(fid, tenant, tokens, pages(u, gen[u], s))
+                        store.kv.put_sequence(fid, tenant, tokens, pages(u, gen[u], s))
                 else:
                     g0 = gen[u]
-                    n, got = store.load_sequence(fid, tenant, tokens)
+                    n, got = store.kv.load_sequence(fid, tenant, tokens)
                     g1 = gen[u]
                     if n != len(got) * _BS:
                         raise AssertionError(f"load_sequence said {n} tokens for {len(got)} pages")
@@ -210,7 +210,7 @@ def run_stress(store: Store, seconds: float, watchdog_s: float, n_workers: int =
             u = rng.randrange(STRESS_USERS)
             try:
                 with user_locks[u]:
-                    store.erase_user(f"u{u}")
+                    store.eraser.erase_user(f"u{u}")
                     gen[u] += 1
                 done("erase")
             except Exception:

@@ -59,7 +59,7 @@ def test_every_list_names_its_first_and_last_item(client: TestClient) -> None:
     assert client.post(
         "/v1/sessions/a/branches", json={"from_version": 2, "name": "side"}, headers=ALICE
     ).is_success
-    fid = store.register_fingerprint(SMALL_FP)
+    fid = store.fingerprints.register(SMALL_FP)
     store.prefixes.register(fid, np.arange(1, 9, dtype=np.int32))
 
     def ends(path: str) -> tuple[str | None, str | None]:
@@ -80,7 +80,7 @@ def test_times_are_iso_strings_on_every_object(client: TestClient) -> None:
     store = _state(client).store
     client.post("/v1/sessions", json={"session_id": "t"}, headers=ALICE)
     store.versions.commit("alice", "t", tokens=np.arange(8, dtype=np.int32), messages=[{"role": "user"}])
-    fid = store.register_fingerprint(SMALL_FP)
+    fid = store.fingerprints.register(SMALL_FP)
     store.prefixes.register(fid, np.arange(1, 9, dtype=np.int32))
     times = {
         "session": client.get("/v1/sessions/t", headers=ALICE).json()["created_at"],

@@ -202,9 +202,9 @@ def test_a_legacy_user_with_a_slash_is_erasable(tmp_path: Path) -> None:
             assert r.status_code == 403, r.text
         # A legacy user whose only trace is KV (a sessionless chat): its tenant's data key.
         store = c.app.state.dss.store  # type: ignore[attr-defined]
-        fid = store.register_fingerprint(SMALL_FP)
+        fid = store.fingerprints.register(SMALL_FP)
         toks = np.arange(100, 116, dtype=np.int32)
-        store.put_sequence(fid, store.tenant_for("org/kv"), toks, pages_for(SMALL_FP, toks))
+        store.kv.put_sequence(fid, store.identity.tenant_for("org/kv"), toks, pages_for(SMALL_FP, toks))
         assert store.flush()
         r = c.delete("/v1/users/org%2Fkv", headers=bearer(admin))
         assert r.status_code == 200, r.text

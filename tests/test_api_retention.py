@@ -34,14 +34,14 @@ def _seed(data_dir: Path) -> None:
     """alice's sessions "trip" (3 pages) and "big" (3 pages) and "empty", stored on disk."""
     cfg = StoreConfig(data_dir=data_dir, fsync=False, host_capacity_bytes=1 << 22, codec_process=False)
     with Store.open(cfg) as store:
-        fid = store.register_fingerprint(SMALL_FP)
-        tenant = store.tenant_for("alice")
+        fid = store.fingerprints.register(SMALL_FP)
+        tenant = store.identity.tenant_for("alice")
         for sid, tokens in (("trip", TRIP), ("big", BIG)):
             store.versions.create_session("alice", sid)
             store.versions.commit(
                 "alice", sid, tokens=tokens, messages=[{"role": "user", "content": sid}], fingerprint=fid
             )
-            store.put_sequence(fid, tenant, tokens, pages_for(SMALL_FP, tokens))
+            store.kv.put_sequence(fid, tenant, tokens, pages_for(SMALL_FP, tokens))
         store.versions.create_session("alice", "empty")
         store.flush()
 

@@ -394,7 +394,7 @@ def test_erasure_over_the_api(client: TestClient) -> None:
 
 # ---------------------------------------------------------------------- deleting a session's pages
 def _pages_on_path(store: Store, tenant: str, tokens: np.ndarray) -> int:
-    return store.match(SMALL_FP.id, tenant, tokens).n_tokens // SMALL_FP.block_size  # type: ignore[arg-type]
+    return store.kv.match(SMALL_FP.id, tenant, tokens).n_tokens // SMALL_FP.block_size  # type: ignore[arg-type]
 
 
 def _host_pages(store: Store) -> int:
@@ -413,26 +413,26 @@ def test_dropping_a_sequence_keeps_public_prefix_pages(tmp_path: Path) -> None:
     from tests.store_helpers import open_store
 
     with open_store(tmp_path / "s") as store:
-        fid = store.register_fingerprint(SMALL_FP)
+        fid = store.fingerprints.register(SMALL_FP)
         public = np.arange(1, 9, dtype=np.int32)  # two pages
         store.prefixes.register(fid, public)
-        store.put_sequence(fid, "public", public, pages_for(SMALL_FP, public))  # type: ignore[arg-type]
-        tenant = store.tenant_for("pat")
+        store.kv.put_sequence(fid, "public", public, pages_for(SMALL_FP, public))  # type: ignore[arg-type]
+        tenant = store.identity.tenant_for("pat")
         mine = np.concatenate([public, np.arange(50, 58, dtype=np.int32)])
-        store.put_sequence(fid, tenant, mine, pages_for(SMALL_FP, mine))
-        assert store.match(fid, tenant, mine).n_tokens == 16
+        store.kv.put_sequence(fid, tenant, mine, pages_for(SMALL_FP, mine))
+        assert store.kv.match(fid, tenant, mine).n_tokens == 16
         assert _drop_paths(store, fid, "public", [public]) == 0  # public pages go with their prefix
         assert _drop_paths(store, fid, tenant, [mine]) == 2
-        assert store.match(fid, tenant, mine).n_tokens == 8  # the public pages still serve her
-        assert store.match(fid, store.tenant_for("quinn"), public).n_tokens == 8
-        assert _drop_paths(store, fid, store.tenant_for("nobody"), [mine]) == 0
+        assert store.kv.match(fid, tenant, mine).n_tokens == 8  # the public pages still serve her
+        assert store.kv.match(fid, store.identity.tenant_for("quinn"), public).n_tokens == 8
+        assert _drop_paths(store, fid, store.identity.tenant_for("nobody"), [mine]) == 0
         store.check()
 
 
 def test_deleting_a_session_drops_only_its_own_pages(client: TestClient) -> None:
     store = state_of(client).store
-    fid = store.register_fingerprint(SMALL_FP)
-    tenant = store.tenant_for("dana")
+    fid = store.fingerprints.register(SMALL_FP)
+    tenant = store.identity.tenant_for("dana")
     shared = np.arange(100, 108, dtype=np.int32)  # two pages both sessions start with
     only_a = np.concatenate([shared, np.arange(500, 512, dtype=np.int32)])
     only_b = np.concatenate([shared, np.arange(700, 708, dtype=np.int32)])
@@ -441,7 +441,7 @@ def test_deleting_a_session_drops_only_its_own_pages(client: TestClient) -> None
         store.versions.commit(
             "dana", sid, tokens=toks, messages=[{"role": "user", "content": sid}], fingerprint=fid
         )
-        store.put_sequence(fid, tenant, toks, pages_for(SMALL_FP, toks))
+        store.kv.put_sequence(fid, tenant, toks, pages_for(SMALL_FP, toks))
     assert _pages_on_path(store, tenant, only_a) == 5 and _pages_on_path(store, tenant, only_b) == 4
     before = _host_pages(store)
     assert client.delete("/v1/sessions/a", headers=as_user("dana")).status_code == 200

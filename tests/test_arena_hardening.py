@@ -135,9 +135,11 @@ def test_a_symlink_planted_at_the_old_predictable_store_path_is_never_followed(t
     try:
         store = open_store(data)
         try:
-            fid = store.register_fingerprint(SMALL_FP)
+            fid = store.fingerprints.register(SMALL_FP)
             tokens = np.arange(1, 9, dtype=np.int32)
-            store.put_sequence(fid, store.tenant_for("alice"), tokens, pages_for(SMALL_FP, tokens))
+            store.kv.put_sequence(
+                fid, store.identity.tenant_for("alice"), tokens, pages_for(SMALL_FP, tokens)
+            )
             arena_dir = store.host.directory
             assert arena_dir.resolve() != attacker.resolve() and arena_dir != planted
         finally:
@@ -353,7 +355,7 @@ def test_a_slots_generation_moves_on_when_it_is_released_and_reused(tier: HostTi
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[Store]:
     s = open_store(tmp_path / "data", shm_dir=tmp_path / "shm", write_through=False)
-    s.register_fingerprint(SMALL_FP)
+    s.fingerprints.register(SMALL_FP)
     try:
         yield s
     finally:
@@ -375,8 +377,8 @@ def test_a_leased_slot_is_not_reused_when_its_page_is_dropped(store: Store) -> N
     bob_tokens = np.arange(900, 904, dtype=np.int32)
     (alice_page,) = pages_for(SMALL_FP, alice_tokens)
     (bob_page,) = pages_for(SMALL_FP, bob_tokens, salt=7)
-    store.put_sequence(fid, store.tenant_for("alice"), alice_tokens, [alice_page])
-    plan = store.kv.begin_load(fid, store.tenant_for("alice"), alice_tokens)
+    store.kv.put_sequence(fid, store.identity.tenant_for("alice"), alice_tokens, [alice_page])
+    plan = store.kv.begin_load(fid, store.identity.tenant_for("alice"), alice_tokens)
     assert plan is not None and not plan.is_async
     ref = plan.pages[0].slot
     assert ref is not None and _slot_bytes(ref) == alice_page
@@ -384,7 +386,7 @@ def test_a_leased_slot_is_not_reused_when_its_page_is_dropped(store: Store) -> N
     gone = store.pages.drop([plan.pages[0].hash])
     store.kv.forget(gone)
     assert _slot_bytes(ref) == bytes(len(alice_page))  # zeroed at once, lease or not
-    store.put_sequence(fid, store.tenant_for("bob"), bob_tokens, [bob_page])
+    store.kv.put_sequence(fid, store.identity.tenant_for("bob"), bob_tokens, [bob_page])
     copied = _slot_bytes(ref)  # the engine's copy through the ref it was given
     assert copied != bob_page, "a load was handed another tenant's page"
     arena = HostArena.attach(ref.path, ref.slot_nbytes, ref.n_slots)
@@ -401,10 +403,10 @@ def test_a_leased_slot_is_not_reused_when_its_page_is_dropped(store: Store) -> N
 def test_a_slot_parked_for_a_lease_is_freed_when_the_lease_ends(store: Store) -> None:
     fid = SMALL_FP.id
     tokens = np.arange(1, 9, dtype=np.int32)
-    store.put_sequence(fid, store.tenant_for("alice"), tokens, pages_for(SMALL_FP, tokens))
-    plan = store.kv.begin_load(fid, store.tenant_for("alice"), tokens)
+    store.kv.put_sequence(fid, store.identity.tenant_for("alice"), tokens, pages_for(SMALL_FP, tokens))
+    plan = store.kv.begin_load(fid, store.identity.tenant_for("alice"), tokens)
     assert plan is not None
-    store.erase_user("alice")
+    store.eraser.erase_user("alice")
     assert store.host.used_bytes == 2 * SMALL_FP.page_nbytes  # held for the load, already zeroed
     for ps in plan.pages:
         assert ps.slot is not None and not any(_slot_bytes(ps.slot))
@@ -438,20 +440,22 @@ def test_the_engine_worker_discards_a_copy_whose_slot_moved_on(store: Store) -> 
         return torch.cat(parts).numpy().tobytes()
 
     try:
-        store.put_sequence(fid, store.tenant_for("alice"), alice_tokens, pages_for(SMALL_FP, alice_tokens))
-        plan = store.kv.begin_load(fid, store.tenant_for("alice"), alice_tokens)
+        store.kv.put_sequence(
+            fid, store.identity.tenant_for("alice"), alice_tokens, pages_for(SMALL_FP, alice_tokens)
+        )
+        plan = store.kv.begin_load(fid, store.identity.tenant_for("alice"), alice_tokens)
         assert plan is not None
         span = span_of(plan.pages)
         assert span is not None
         # Between the scheduler's plan and the worker's copy, alice's page is dropped and bob's saved.
         store.kv.forget(store.pages.drop([plan.pages[0].hash]))
-        store.put_sequence(fid, store.tenant_for("bob"), bob_tokens, [bob_page])
+        store.kv.put_sequence(fid, store.identity.tenant_for("bob"), bob_tokens, [bob_page])
         worker._sync_load(LoadSpec("req-a", plan.load_id, ((5,),), span, False))
         assert block_bytes(5) != bob_page, "another tenant's KV reached the engine's blocks"
         assert worker.get_block_ids_with_load_errors() == {5}  # recomputed, not served
         assert worker._copy_in(span, ((6,),)) == 0  # the worker's own check, without the store's
         # A slot that did not move on is copied and kept.
-        bob_plan = store.kv.begin_load(fid, store.tenant_for("bob"), bob_tokens)
+        bob_plan = store.kv.begin_load(fid, store.identity.tenant_for("bob"), bob_tokens)
         assert bob_plan is not None
         bob_span = span_of(bob_plan.pages)
         assert bob_span is not None and worker._copy_in(bob_span, ((3,),)) == 1

@@ -66,16 +66,16 @@ def _old_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, obj
             bytes.fromhex(meta_get(store.sf, "server_secret_wrapped") or ""), "server-secret"
         )
         mp.setattr(Identity, "subject_hash", lambda _self, user: _old_subject(secret, user))
-        fid = store.register_fingerprint(SMALL_FP)
+        fid = store.fingerprints.register(SMALL_FP)
         toks = np.arange(1, 17, dtype=np.int32)
         for user in ("alice", "bob", "carol"):
             store.versions.create_session(user, f"{user}-s")
-            store.put_sequence(fid, store.tenant_for(user), toks, pages_for(SMALL_FP, toks))
-        bob_receipt = store.erase_user("bob")
-        carol_receipt = store.erase_user("carol")
+            store.kv.put_sequence(fid, store.identity.tenant_for(user), toks, pages_for(SMALL_FP, toks))
+        bob_receipt = store.eraser.erase_user("bob")
+        carol_receipt = store.eraser.erase_user("carol")
         store.versions.create_session("bob", "bob-again")
-        store.put_sequence(fid, store.tenant_for("bob"), toks, pages_for(SMALL_FP, toks, salt=1))
-        assert store.tenant_for("bob") == _old_tenant(secret, "bob", 1)
+        store.kv.put_sequence(fid, store.identity.tenant_for("bob"), toks, pages_for(SMALL_FP, toks, salt=1))
+        assert store.identity.tenant_for("bob") == _old_tenant(secret, "bob", 1)
         assert store.flush()
         store.close()
     # The old code had no derivation version in store_meta.
@@ -96,12 +96,16 @@ def test_a_store_made_under_the_old_derivation_is_upgraded_at_open(
     assert isinstance(secret, bytes) and isinstance(toks, np.ndarray)
     store = open_store(tmp_path / "data", shm_dir=tmp_path / "shm")
     assert meta_get(store.sf, "derivation") == "2"
-    fid = store.register_fingerprint(SMALL_FP)
+    fid = store.fingerprints.register(SMALL_FP)
     # New tenants, the epochs of known users kept: bob stays at epoch 1.
-    assert store.tenant_for("alice") == tenant_for_user(secret, "alice", 0) != _old_tenant(secret, "alice")
-    assert store.tenant_for("bob") == tenant_for_user(secret, "bob", 1)
+    assert (
+        store.identity.tenant_for("alice")
+        == tenant_for_user(secret, "alice", 0)
+        != _old_tenant(secret, "alice")
+    )
+    assert store.identity.tenant_for("bob") == tenant_for_user(secret, "bob", 1)
     with store.sf() as s:
-        assert s.get(ErasureEpoch, store.subject_hash("bob")).epoch == 1  # type: ignore[union-attr]
+        assert s.get(ErasureEpoch, store.identity.subject_hash("bob")).epoch == 1  # type: ignore[union-attr]
         # Nothing of any old tenant is left: page rows and data keys gone, files removed.
         assert s.scalar(select(func.count()).select_from(PageRow)) == 0
         tenants = set(s.execute(select(DataKey.tenant)).scalars())
@@ -109,26 +113,26 @@ def test_a_store_made_under_the_old_derivation_is_upgraded_at_open(
     assert store.disk is not None and list(store.disk.scan()) == []
     # bob, erased before the upgrade, and everyone else: cold, whatever the tenant asked for.
     for user in ("alice", "bob", "carol"):
-        assert store.load_sequence(fid, store.tenant_for(user), toks)[0] == 0
+        assert store.kv.load_sequence(fid, store.identity.tenant_for(user), toks)[0] == 0
         for e in (0, 1):
-            assert store.load_sequence(fid, _old_tenant(secret, user, e), toks)[0] == 0
+            assert store.kv.load_sequence(fid, _old_tenant(secret, user, e), toks)[0] == 0
     # Old receipts still verify, and are still their user's.
     for name in ("bob", "carol"):
         receipt = old[name]
-        v = store.verify_erasure(receipt.id)  # type: ignore[attr-defined]
+        v = store.eraser.verify(receipt.id)  # type: ignore[attr-defined]
         assert v.remnants == 0 and v.chain_ok, v.details
-        assert receipt.subject in store.receipt_subjects(name)  # type: ignore[attr-defined]
+        assert receipt.subject in store.identity.receipt_subjects(name)  # type: ignore[attr-defined]
     # The upgraded store works: alice saves and loads under her new tenant, erasures still chain.
-    alice = store.tenant_for("alice")
-    assert store.put_sequence(fid, alice, toks, pages_for(SMALL_FP, toks)) == 4
-    receipt = store.erase_user("bob")
-    assert store.tenant_for("bob") == tenant_for_user(secret, "bob", 2)
-    assert store.verify_erasure(receipt.id).remnants == 0
+    alice = store.identity.tenant_for("alice")
+    assert store.kv.put_sequence(fid, alice, toks, pages_for(SMALL_FP, toks)) == 4
+    receipt = store.eraser.erase_user("bob")
+    assert store.identity.tenant_for("bob") == tenant_for_user(secret, "bob", 2)
+    assert store.eraser.verify(receipt.id).remnants == 0
     store.check()
     store.close()
     # Once: a second open changes nothing.
     store = open_store(tmp_path / "data", shm_dir=tmp_path / "shm")
     assert store.recovery_report is not None and store.recovery_report.pages_indexed == 4
-    assert store.load_sequence(fid, alice, toks)[0] == 16
-    assert store.tenant_for("bob") == tenant_for_user(secret, "bob", 2)
+    assert store.kv.load_sequence(fid, alice, toks)[0] == 16
+    assert store.identity.tenant_for("bob") == tenant_for_user(secret, "bob", 2)
     store.close()

@@ -138,7 +138,7 @@ def test_multiturn_conversations_are_token_identical(rig: Rig) -> None:
     # One user per conversation: what a turn may reuse is then its own history only (within a
     # user, conversations share their template's first tokens, and which of them a batch sees
     # saved first depends on the engine's step timing).
-    tenants = [rig.store.tenant_for(f"exactness-user-{i}") for i in range(len(convs))]
+    tenants = [rig.store.identity.tenant_for(f"exactness-user-{i}") for i in range(len(convs))]
     assert any(len(engine.chat_ids(c.first)) > 3 * BS for c in convs)
     prompts = [engine.chat_ids(c.first) for c in convs]
     prev: list[tuple[list[int], list[int]] | None] = [None] * len(convs)
@@ -201,7 +201,7 @@ def build_history(
 @pytest.mark.parametrize("case", ["rollback", "branch"])
 def test_rollback_or_branch_then_continue(rig: Rig, case: str) -> None:
     engine, store = rig.engine, rig.store
-    tenant = store.tenant_for(f"{case}-user")
+    tenant = store.identity.tenant_for(f"{case}-user")
     rng = np.random.default_rng(11 if case == "rollback" else 12)
     sid = f"{case}-session"
     if case == "rollback":
@@ -274,10 +274,10 @@ def test_tenants_are_isolated_and_public_prefix_is_shared(rig: Rig) -> None:
     # Private prompts are never shared between users.
     private = engine.chat_ids([{"role": "user", "content": f"My secret notes: {words(rng, 400)}"}])
     engine.reset_prefix_cache()
-    (alice,) = engine.generate([private], [engine.session(store.tenant_for("alice"), "a1")], [8])
+    (alice,) = engine.generate([private], [engine.session(store.identity.tenant_for("alice"), "a1")], [8])
     assert alice.params is not None and alice.params["stored_pages"] > 0
     engine.reset_prefix_cache()
-    (bob,) = engine.generate([private], [engine.session(store.tenant_for("bob"), "b1")], [8])
+    (bob,) = engine.generate([private], [engine.session(store.identity.tenant_for("bob"), "b1")], [8])
     assert bob.loaded_tokens == 0 and bob.num_cached_tokens == 0
     assert bob.output_ids == alice.output_ids  # both computed from scratch
 
@@ -294,17 +294,17 @@ def test_tenants_are_isolated_and_public_prefix_is_shared(rig: Rig) -> None:
     assert warm_up.params is not None and warm_up.params["stored_pages"] == len(public) // BS
 
     engine.reset_prefix_cache()
-    (carol,) = engine.generate([carol_ids], [engine.session(store.tenant_for("carol"), "c1")], [16])
+    (carol,) = engine.generate([carol_ids], [engine.session(store.identity.tenant_for("carol"), "c1")], [16])
     assert carol.loaded_tokens == len(public)
     (carol_apc,) = engine.generate([carol_ids], [None], [16])  # vLLM's cache now holds Carol's blocks
     # Dave sends Carol's exact prompt: he gets the public pages, never Carol's private ones.
     engine.reset_prefix_cache()
-    (dave,) = engine.generate([carol_ids], [engine.session(store.tenant_for("dave"), "d1")], [16])
+    (dave,) = engine.generate([carol_ids], [engine.session(store.identity.tenant_for("dave"), "d1")], [16])
     assert dave.loaded_tokens == len(public)
     assert dave.output_ids == carol.output_ids  # same pages loaded, same tokens computed
     # Carol herself, next time, gets her private pages too: the same bytes vLLM's cache reused.
     engine.reset_prefix_cache()
-    (carol2,) = engine.generate([carol_ids], [engine.session(store.tenant_for("carol"), "c1")], [16])
+    (carol2,) = engine.generate([carol_ids], [engine.session(store.identity.tenant_for("carol"), "c1")], [16])
     # (All of her prompt but its last token: her last turn's tail page serves its first tokens.)
     assert carol2.loaded_tokens == len(carol_ids) - 1 > len(public)
     assert carol2.num_cached_tokens > carol_apc.num_cached_tokens == ((len(carol_ids) - 1) // BS) * BS

@@ -132,7 +132,7 @@ def test_the_hybrid_kv_cache_manager_stays_on(rig: Rig) -> None:
     assert isinstance(specs[0], SlidingWindowSpec) and specs[0].sliding_window == SWA_WINDOW
     assert type(specs[1]) is FullAttentionSpec
     (fid,) = rig.store.fingerprints
-    fp = rig.store.fingerprint(fid)
+    fp = rig.store.fingerprints.get(fid)
     assert fp.kv_groups == f"sliding{SWA_WINDOW}:0,2;full:1,3" and fp.block_size == BS
 
 
@@ -142,7 +142,7 @@ def test_multiturn_longer_than_the_window_is_exact(rig: Rig) -> None:
     engine, store = rig.engine, rig.store
     rng = np.random.default_rng(20)
     n_conv, n_turns = 4, 3
-    tenants = [store.tenant_for(f"hybrid-user-{i}") for i in range(n_conv)]
+    tenants = [store.identity.tenant_for(f"hybrid-user-{i}") for i in range(n_conv)]
     lengths = [int(rng.integers(90, 260)) for _ in range(n_conv)]
     prompts = [
         engine.chat_ids([{"role": "user", "content": f"Conversation {i}: {words(rng, n)}"}])
@@ -190,7 +190,7 @@ def test_a_branch_inside_a_long_answer_loads_its_window(rig: Rig) -> None:
     the window can serve it. DSS must load all of it and answer as a full recompute does."""
     engine, store = rig.engine, rig.store
     rng = np.random.default_rng(21)
-    tenant = store.tenant_for("hybrid-branch-user")
+    tenant = store.identity.tenant_for("hybrid-branch-user")
     prompt = engine.chat_ids([{"role": "user", "content": f"Tell a long story: {words(rng, 150)}"}])
     engine.reset_prefix_cache()
     (first,) = generate(engine, [prompt], [engine.session(tenant, "trunk")], 5 * SWA_WINDOW)

@@ -37,12 +37,12 @@ class ServedStore:
         self.address = str(data_dir.parent / f"{data_dir.name}-rpc.sock")
         self.authkey = os.urandom(32)
         self.store: Store = open_store(data_dir)
-        self.server = StoreServer(self.store, self.address, self.authkey)
+        self.server = StoreServer(self.store.engine_calls(), self.address, self.authkey)
 
     def restart(self) -> None:
         self.close()
         self.store = open_store(self.data_dir)
-        self.server = StoreServer(self.store, self.address, self.authkey)
+        self.server = StoreServer(self.store.engine_calls(), self.address, self.authkey)
 
     def close(self) -> None:
         self.store.flush()
@@ -68,7 +68,7 @@ def one(engine: Engine, prompt: list[int], sess: dict[str, object] | None, reset
 
 def test_restart_fingerprints_and_failed_loads(served: ServedStore) -> None:
     rng = np.random.default_rng(21)
-    tenant = served.store.tenant_for("restart-user")
+    tenant = served.store.identity.tenant_for("restart-user")
     sid = "restart-session"
 
     # --- engine A writes turn 1 of a session; its own prefix cache gives the reference turn 2.
@@ -121,7 +121,7 @@ def test_restart_fingerprints_and_failed_loads(served: ServedStore) -> None:
         # The arena file vanishes under the worker: the sync load fails, vLLM recomputes.
         q = [*p1, *t1.output_ids][: saved_pages * BS + 5]
         cold_q = one(b, q, None)
-        page_nbytes = served.store.fingerprint(fid).page_nbytes
+        page_nbytes = served.store.fingerprints.get(fid).page_nbytes
         arena = Path(served.store.host.directory) / f"arena-{page_nbytes}.shm"
         hidden = arena.with_suffix(".hidden")
         os.rename(arena, hidden)

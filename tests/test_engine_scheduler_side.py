@@ -33,7 +33,7 @@ TAG_KEY = tag_key(b"scheduler-side tests")
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[Store]:
     s = open_store(tmp_path / "store")
-    s.register_fingerprint(SMALL_FP)
+    s.fingerprints.register(SMALL_FP)
     try:
         yield s
     finally:
@@ -78,19 +78,19 @@ def blocks_of(ids: list[int]) -> KVCacheBlocks:
 
 def stored(store: Store, tenant: str, n_tokens: int, seed: int = 0) -> list[int]:
     tokens = np.arange(seed, seed + n_tokens, dtype=np.int32)
-    store.put_sequence(SMALL_FP.id, tenant, tokens, pages_for(SMALL_FP, tokens))
+    store.kv.put_sequence(SMALL_FP.id, tenant, tokens, pages_for(SMALL_FP, tokens))
     return [int(t) for t in tokens]
 
 
 def test_request_without_session_is_left_alone(store: Store, side: SchedulerSide) -> None:
-    tokens = stored(store, store.tenant_for("u"), 5 * BS)
+    tokens = stored(store, store.identity.tenant_for("u"), 5 * BS)
     assert side.get_num_new_matched_tokens(request("r", tokens, None), 0) == (0, False)
     assert side.request_finished(request("r", tokens, None), ([0, 1, 2, 3, 4],)) == (False, None)
     assert store.stats()["leases"] == 0
 
 
 def test_claims_are_capped_cached_and_released(store: Store, side: SchedulerSide) -> None:
-    tenant = store.tenant_for("u")
+    tenant = store.identity.tenant_for("u")
     tokens = stored(store, tenant, 5 * BS)
     # A block-aligned prompt: a sync hit must leave the last token, so the last page serves all
     # but its last token.
@@ -118,7 +118,7 @@ def test_claims_are_capped_cached_and_released(store: Store, side: SchedulerSide
 def test_unsigned_or_forged_session_tags_are_ignored(store: Store, side: SchedulerSide) -> None:
     # A client of an engine running this connector sets `kv_transfer_params` itself, naming
     # alice's tenant: without the store's key it neither reads nor writes alice's pages.
-    tenant = store.tenant_for("alice")
+    tenant = store.identity.tenant_for("alice")
     tokens = stored(store, tenant, 4 * BS)
     unsigned = Request(
         "r1",
@@ -137,13 +137,13 @@ def test_unsigned_or_forged_session_tags_are_ignored(store: Store, side: Schedul
 
 
 def test_other_tenants_match_nothing(store: Store, side: SchedulerSide) -> None:
-    tokens = stored(store, store.tenant_for("alice"), 4 * BS)
-    bob = request("r", [*tokens, 1], store.tenant_for("bob"))
+    tokens = stored(store, store.identity.tenant_for("alice"), 4 * BS)
+    bob = request("r", [*tokens, 1], store.identity.tenant_for("bob"))
     assert side.get_num_new_matched_tokens(bob, 0) == (0, False)
 
 
 def test_finish_saves_only_new_pages_and_settles_the_next_turn(store: Store, side: SchedulerSide) -> None:
-    tenant = store.tenant_for("u")
+    tenant = store.identity.tenant_for("u")
     tokens = stored(store, tenant, 2 * BS)
     r = request("r1", [*tokens, *range(500, 500 + 2 * BS + 1)], tenant)
     r.num_computed_tokens = 4 * BS + 1
@@ -159,7 +159,7 @@ def test_finish_saves_only_new_pages_and_settles_the_next_turn(store: Store, sid
     # The session's next turn waits until the worker reports the save done...
     nxt = request("r2", [*r.all_token_ids, 7, 7], tenant)
     assert side.get_num_new_matched_tokens(nxt, 0) == (None, False)
-    store.abort_save(save.save_id)
+    store.kv.abort_save(save.save_id)
     side.update_connector_output(KVConnectorOutput(finished_sending={"r1"}))
     # ...then matches what the store has (the aborted pages are simply not there).
     assert side.get_num_new_matched_tokens(nxt, 0) == (2 * BS, False)
@@ -172,7 +172,7 @@ def test_finish_saves_only_new_pages_and_settles_the_next_turn(store: Store, sid
 
 
 def test_prompt_pages_are_saved_when_prefill_completes(store: Store, side: SchedulerSide) -> None:
-    tenant = store.tenant_for("u")
+    tenant = store.identity.tenant_for("u")
     r = request("r1", list(range(100, 100 + 3 * BS + 2)), tenant)
     assert side.get_num_new_matched_tokens(r, 0) == (0, False)
     side.test_blocks["r1"] = ([4, 5, 6, 7],)  # type: ignore[attr-defined]
@@ -183,22 +183,22 @@ def test_prompt_pages_are_saved_when_prefill_completes(store: Store, side: Sched
     assert save.page_indexes == (0, 1, 2) and save.block_ids == ((4, 5, 6),) and not save.on_finish
     assert save.tail_tokens == 0  # after prefill: whole pages only
     assert step(side, {"r1": 1}).saves == []
-    store.abort_save(save.save_id)
+    store.kv.abort_save(save.save_id)
 
 
 def test_a_hung_owner_is_a_miss_within_the_deadline(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """The store stops answering (say, it deadlocked): vLLM's scheduler must not hang in
     `get_num_new_matched_tokens`; the request recomputes and its report counts the failure."""
-    tenant = store.tenant_for("u")
+    tenant = store.identity.tenant_for("u")
     tokens = stored(store, tenant, 3 * BS)
     answer = threading.Event()
-    real = store.begin_load
+    real = store.kv.begin_load
 
     def hung(*args: object, **kwargs: object) -> object:
         answer.wait(10)
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(store, "begin_load", hung)
+    monkeypatch.setattr(store.kv, "begin_load", hung)
     address, authkey = store.serve_rpc()
     client = StoreClient(address, authkey, timeout_s=0.5)
     sched = SchedulerSide(SMALL_FP, client, block_ids_of={}.__getitem__, tag_key=TAG_KEY)
@@ -221,7 +221,7 @@ def test_a_turn_loads_the_previous_turns_tail_page_and_computes_only_new_tokens(
 ) -> None:
     """The previous turn ended 2 tokens into its third block: its tail page is offered, vLLM
     admits a count that is not a whole number of pages, and the worker copies 3 blocks."""
-    tenant = store.tenant_for("u")
+    tenant = store.identity.tenant_for("u")
     prev = list(range(300, 300 + 2 * BS + 2))
     r1 = request("r1", [*prev, 9], tenant)  # the last sampled token (9) has no KV yet
     r1.num_computed_tokens = len(prev)
@@ -233,7 +233,7 @@ def test_a_turn_loads_the_previous_turns_tail_page_and_computes_only_new_tokens(
     for idx, slot in zip(save.page_indexes, save.span.slots, strict=True):
         ref = SlotRef(save.span.arena_path, save.span.slot_nbytes, slot)
         store.pages.host.slot_array(ref)[:] = np.frombuffer(written[idx], dtype=np.uint8)
-    assert store.commit_save(save.save_id, save.page_indexes) == 3
+    assert store.kv.commit_save(save.save_id, save.page_indexes) == 3
     side.update_connector_output(KVConnectorOutput(finished_sending={"r1"}))
 
     nxt = request("r2", [*prev, 9, 7, 7, 7], tenant)
@@ -257,7 +257,7 @@ def test_a_worker_turning_the_connector_off_is_said_in_every_later_report(
 ) -> None:
     # Before: the scheduler logged one line ("a DSS worker turned the connector off") and the
     # server went on serving uncached while /readyz and dss_kv_caching_enabled said caching was on.
-    tenant = store.tenant_for("u")
+    tenant = store.identity.tenant_for("u")
     tokens = stored(store, tenant, 2 * BS)
     r1 = request("r1", [*tokens, 1], tenant)
     r1.num_computed_tokens = 0

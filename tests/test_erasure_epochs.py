@@ -25,52 +25,52 @@ def _rows(store, tenant) -> tuple[int, int]:
 
 def test_saves_in_flight_or_after_an_erase_store_nothing(tmp_path):
     store = open_store(tmp_path / "data", shm_dir=tmp_path / "shm")
-    fid = store.register_fingerprint(SMALL_FP)
-    old = store.tenant_for("alice")
+    fid = store.fingerprints.register(SMALL_FP)
+    old = store.identity.tenant_for("alice")
     first = np.arange(1, 17, dtype=np.int32)
-    store.put_sequence(fid, old, first, pages_for(SMALL_FP, first))
+    store.kv.put_sequence(fid, old, first, pages_for(SMALL_FP, first))
     # A generation's save planned before the erase and committed after it:
     late = np.arange(100, 116, dtype=np.int32)
-    plan = store.plan_save(fid, old, late, 4)
+    plan = store.kv.plan_save(fid, old, late, 4)
     for ps in plan.pages:
         store.host.slot_array(ps.slot)[:] = np.frombuffer(pages_for(SMALL_FP, late)[ps.page_index], np.uint8)
-    receipt = store.erase_user("alice")
-    assert store.commit_save(plan.save_id, [ps.page_index for ps in plan.pages]) == 0
+    receipt = store.eraser.erase_user("alice")
+    assert store.kv.commit_save(plan.save_id, [ps.page_index for ps in plan.pages]) == 0
     # ... and a save that arrives afterwards under the old tenant (the request was tagged before):
     again = np.arange(200, 216, dtype=np.int32)
-    assert store.put_sequence(fid, old, again, pages_for(SMALL_FP, again)) == 0
+    assert store.kv.put_sequence(fid, old, again, pages_for(SMALL_FP, again)) == 0
     with pytest.raises(KeyDestroyed):
         store.keyring.data_key(old)
     store.flush()
-    assert store.match(fid, old, again).n_tokens == 0 and store.match(fid, old, late).n_tokens == 0
+    assert store.kv.match(fid, old, again).n_tokens == 0 and store.kv.match(fid, old, late).n_tokens == 0
     assert _rows(store, old) == (0, 0)
     assert not any(h.tenant == old for h, _, _ in store.disk.scan())
-    assert store.verify_erasure(receipt.id).remnants == 0
+    assert store.eraser.verify(receipt.id).remnants == 0
     # The re-created user is a new tenant: cold in the store, and in vLLM's own cache (the salt).
-    new = store.tenant_for("alice")
-    assert new != old and store.cache_salt("alice") == new
-    assert store.load_sequence(fid, new, first) == (0, [])
-    assert store.put_sequence(fid, new, first, pages_for(SMALL_FP, first)) == 4
-    assert store.load_sequence(fid, new, first)[0] == 16
+    new = store.identity.tenant_for("alice")
+    assert new != old and store.identity.cache_salt("alice") == new
+    assert store.kv.load_sequence(fid, new, first) == (0, [])
+    assert store.kv.put_sequence(fid, new, first, pages_for(SMALL_FP, first)) == 4
+    assert store.kv.load_sequence(fid, new, first)[0] == 16
     store.check()
     store.close()
     # Durable: after a restart the old tenant is still refused and the new one still in use.
     store = open_store(tmp_path / "data", shm_dir=tmp_path / "shm")
-    assert store.tenant_for("alice") == new
-    assert store.put_sequence(fid, old, again, pages_for(SMALL_FP, again)) == 0
-    assert store.load_sequence(fid, new, first)[0] == 16
+    assert store.identity.tenant_for("alice") == new
+    assert store.kv.put_sequence(fid, old, again, pages_for(SMALL_FP, again)) == 0
+    assert store.kv.load_sequence(fid, new, first)[0] == 16
     store.close()
 
 
 def test_verification_counts_rows_written_after_the_erase(tmp_path):
     """It only counted rows created before `erased_at`, so a page written back afterwards passed."""
     store = open_store(tmp_path / "data", shm_dir=tmp_path / "shm")
-    fid = store.register_fingerprint(SMALL_FP)
-    old = store.tenant_for("bob")
+    fid = store.fingerprints.register(SMALL_FP)
+    old = store.identity.tenant_for("bob")
     tokens = np.arange(1, 9, dtype=np.int32)
-    store.put_sequence(fid, old, tokens, pages_for(SMALL_FP, tokens))
-    receipt = store.erase_user("bob")
-    assert store.verify_erasure(receipt.id).remnants == 0
+    store.kv.put_sequence(fid, old, tokens, pages_for(SMALL_FP, tokens))
+    receipt = store.eraser.erase_user("bob")
+    assert store.eraser.verify(receipt.id).remnants == 0
     planted = PageMeta(
         hash=PageHash(b"\x01" * 32),
         namespace=NamespaceId(b"\x02" * 16),
@@ -83,7 +83,7 @@ def test_verification_counts_rows_written_after_the_erase(tmp_path):
         checksum=b"\x03" * 16,
     )
     store.pages.rows.add(planted, 100, b"\x00" * 32)  # as a write-back racing the erase would have
-    v = store.verify_erasure(receipt.id)
+    v = store.eraser.verify(receipt.id)
     assert v.remnants == 1 and "page row" in " ".join(v.details)
     store.close()
 
@@ -93,28 +93,28 @@ def test_a_save_planned_before_an_erase_keeps_its_slots_until_the_engine_reports
     # the erase, the next reservation (LIFO) hands the same slot to another user's save, and the
     # late copy lands in that user's page.
     store = open_store(tmp_path / "data", shm_dir=tmp_path / "shm")
-    fid = store.register_fingerprint(SMALL_FP)
-    alice, bob = store.tenant_for("alice"), store.tenant_for("bob")
+    fid = store.fingerprints.register(SMALL_FP)
+    alice, bob = store.identity.tenant_for("alice"), store.identity.tenant_for("bob")
     a_tokens = np.arange(100, 116, dtype=np.int32)
-    a_plan = store.plan_save(fid, alice, a_tokens, 4)
+    a_plan = store.kv.plan_save(fid, alice, a_tokens, 4)
     a_bytes = pages_for(SMALL_FP, a_tokens)
     for ps in a_plan.pages:
         store.host.slot_array(ps.slot)[:] = np.frombuffer(a_bytes[ps.page_index], np.uint8)
-    store.erase_user("alice")
+    store.eraser.erase_user("alice")
     for ps in a_plan.pages:  # zeroed at once, though still reserved
         assert not store.host.slot_array(ps.slot).any()
     b_tokens = np.arange(500, 516, dtype=np.int32)
-    b_plan = store.plan_save(fid, bob, b_tokens, 4)
+    b_plan = store.kv.plan_save(fid, bob, b_tokens, 4)
     assert {ps.slot.slot for ps in b_plan.pages}.isdisjoint({ps.slot.slot for ps in a_plan.pages})
     b_bytes = pages_for(SMALL_FP, b_tokens)
     for ps in b_plan.pages:
         store.host.slot_array(ps.slot)[:] = np.frombuffer(b_bytes[ps.page_index], np.uint8)
     for ps in a_plan.pages:  # the engine's late copy of alice's save
         store.host.slot_array(ps.slot)[:] = np.frombuffer(a_bytes[ps.page_index], np.uint8)
-    assert store.commit_save(b_plan.save_id, [ps.page_index for ps in b_plan.pages]) == 4
-    assert store.commit_save(a_plan.save_id, [ps.page_index for ps in a_plan.pages]) == 0
+    assert store.kv.commit_save(b_plan.save_id, [ps.page_index for ps in b_plan.pages]) == 4
+    assert store.kv.commit_save(a_plan.save_id, [ps.page_index for ps in a_plan.pages]) == 0
     for ps in a_plan.pages:  # freed (and zeroed) once the engine reported the save
         assert not store.host.slot_array(ps.slot).any()
-    assert store.load_sequence(fid, bob, b_tokens) == (16, b_bytes)
+    assert store.kv.load_sequence(fid, bob, b_tokens) == (16, b_bytes)
     store.check()
     store.close()

@@ -88,7 +88,7 @@ def _write_turns(
                 )
                 store.responses.add(_record(user, sid, v.number))
             else:
-                epoch = store.epoch_of(user)
+                epoch = store.identity.epoch_of(user)
                 store.versions.create_session(user, sid, system_prompt="my secret", epoch=epoch)
                 admitted[sid] = epoch
                 v = store.versions.commit(
@@ -120,7 +120,7 @@ def _rows_created_by(store: Store, user: str, cutoff: datetime) -> dict[str, int
 
 def _assert_receipts_clean(store: Store, receipts: list[ErasureReceipt]) -> None:
     for r in receipts:
-        v = store.verify_erasure(r.id)
+        v = store.eraser.verify(r.id)
         assert v.remnants == 0, (r.counts.get("epoch"), v.details)
         assert v.chain_ok
 
@@ -148,7 +148,7 @@ def test_writes_racing_erasures_leave_no_remnant(store: Store, admit: bool) -> N
     receipts: list[ErasureReceipt] = []
     try:
         for _ in range(ERASURES):
-            receipts.append(store.erase_user(user))
+            receipts.append(store.eraser.erase_user(user))
             time.sleep(0.005)
     finally:
         stop.set()
@@ -173,14 +173,14 @@ def test_a_write_admitted_before_an_erasure_is_refused_after_it(store: Store) ->
     """Every write of a request admitted under an epoch the user has left is refused, the one
     that would create a session included; the re-created user writes under the new epoch."""
     user = "adm-u"
-    old = store.epoch_of(user)
+    old = store.identity.epoch_of(user)
     store.versions.create_session(user, "a", epoch=old)
     v = store.versions.commit(
         user, "a", tokens=[1, 2], messages=[{"role": "user", "content": "x"}], epoch=old
     )
     store.responses.add(_record(user, "a", v.number), epoch=old)
-    receipt = store.erase_user(user)
-    new = store.epoch_of(user)
+    receipt = store.eraser.erase_user(user)
+    new = store.identity.epoch_of(user)
     assert new == old + 1 == receipt.counts["epoch"]
     with pytest.raises(UserErased):
         store.versions.create_session(user, "a", epoch=old)
@@ -203,7 +203,7 @@ def test_a_write_admitted_before_an_erasure_is_refused_after_it(store: Store) ->
         "branches": 1,
         "responses": 0,
     }
-    assert store.verify_erasure(receipt.id).remnants == 0
+    assert store.eraser.verify(receipt.id).remnants == 0
 
 
 @contextlib.contextmanager
@@ -246,14 +246,14 @@ def test_a_session_insert_held_across_an_erasure_is_not_left_behind(store: Store
         creator.start()
         assert reached.wait(10)
         receipts: list[ErasureReceipt] = []
-        eraser = threading.Thread(target=lambda: receipts.append(store.erase_user(user)), daemon=True)
+        eraser = threading.Thread(target=lambda: receipts.append(store.eraser.erase_user(user)), daemon=True)
         eraser.start()
         eraser.join(0.5)  # the old code erased at once; the fenced one waits for the creation
         release.set()
         creator.join(30)
         eraser.join(30)
     assert created and receipts
-    v = store.verify_erasure(receipts[0].id)
+    v = store.eraser.verify(receipts[0].id)
     assert v.remnants == 0, v.details
     assert _rows_created_by(store, user, receipts[0].erased_at) == {
         "sessions": 0,
@@ -277,13 +277,13 @@ def _tenant_left(store: Store, tenant: TenantId) -> dict[str, int]:
 
 def _put_kv(store: Store, user: str, stop: threading.Event, failures: list[BaseException]) -> None:
     """KV of `user` under whatever tenant the user has now, as a generation would save it."""
-    fid = store.register_fingerprint(SMALL_FP)
+    fid = store.fingerprints.register(SMALL_FP)
     i = 0
     while not stop.is_set():
         i += 1
         tokens = np.arange(1000 * i, 1000 * i + 8, dtype=np.int32)
         try:
-            store.put_sequence(fid, store.tenant_for(user), tokens, pages_for(SMALL_FP, tokens))
+            store.kv.put_sequence(fid, store.identity.tenant_for(user), tokens, pages_for(SMALL_FP, tokens))
         except BaseException as exc:
             failures.append(exc)
             return
@@ -298,7 +298,7 @@ def _erase_at_once(stores: list[Store], user: str, per_store: int) -> list[Erasu
     def erase(s: Store) -> None:
         barrier.wait()
         try:
-            receipts.append(s.erase_user(user))
+            receipts.append(s.eraser.erase_user(user))
         except BaseException as exc:
             failures.append(exc)
 
@@ -374,8 +374,8 @@ def test_parallel_erasures_of_one_user_on_two_servers(tmp_path: Path, pg_url: st
         user = "fleet-carol"
         tokens = np.arange(1, 9, dtype=np.int32)
         for s in stores:
-            fid = s.register_fingerprint(SMALL_FP)
-            s.put_sequence(fid, s.tenant_for(user), tokens, pages_for(SMALL_FP, tokens))
+            fid = s.fingerprints.register(SMALL_FP)
+            s.kv.put_sequence(fid, s.identity.tenant_for(user), tokens, pages_for(SMALL_FP, tokens))
         receipts = _erase_at_once(stores, user, 2)
         for s in stores:
             assert s.follower is not None

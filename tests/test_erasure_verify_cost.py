@@ -47,11 +47,11 @@ def _receipt_rows_loaded() -> Iterator[list[int]]:
 
 
 def _fill(store: Store, user: str, n_sequences: int, base: int) -> None:
-    fid = store.register_fingerprint(SMALL_FP)
-    tenant = store.tenant_for(user)
+    fid = store.fingerprints.register(SMALL_FP)
+    tenant = store.identity.tenant_for(user)
     for i in range(n_sequences):
         tokens = np.arange(base + 100 * i, base + 100 * i + 16, dtype=np.int32)
-        store.put_sequence(fid, tenant, tokens, pages_for(SMALL_FP, tokens))
+        store.kv.put_sequence(fid, tenant, tokens, pages_for(SMALL_FP, tokens))
 
 
 @pytest.fixture
@@ -72,17 +72,17 @@ def test_verification_reads_the_chain_only_since_its_checkpoint(tmp_path: Path) 
     store = open_store(tmp_path)
     _extend_chain(store, 1200)
     _fill(store, "alice", 1, 1000)
-    first = store.erase_user("alice")
-    assert store.verify_erasure(first.id).chain_ok  # the first one may walk the chain once
+    first = store.eraser.erase_user("alice")
+    assert store.eraser.verify(first.id).chain_ok  # the first one may walk the chain once
     _fill(store, "bob", 1, 2000)
-    receipt = store.erase_user("bob")
+    receipt = store.eraser.erase_user("bob")
     with _receipt_rows_loaded() as loaded:
-        v = store.verify_erasure(receipt.id)
+        v = store.eraser.verify(receipt.id)
     assert v.chain_ok and v.remnants == 0, v.details
     # Was: every receipt from #1 (1,203 rows) on every verification.
     assert len(loaded) <= 100, f"{len(loaded)} receipt rows read"
     with _receipt_rows_loaded() as loaded:
-        assert store.verify_erasure(first.id).chain_ok
+        assert store.eraser.verify(first.id).chain_ok
     assert len(loaded) <= 100, f"{len(loaded)} receipt rows read"
     store.close()
 
@@ -99,12 +99,12 @@ def test_a_forged_checkpoint_cannot_hide_a_broken_link(tmp_path: Path) -> None:
         row.counts = {"sessions": 99}
         at = s.execute(select(ErasureReceiptRow).where(ErasureReceiptRow.seq == 256)).scalar_one()
         s.add(ChainCheckpointRow(seq=256, entry_hash=at.entry_hash, seal="0" * 64))
-    receipt = store.erase_user("alice")
-    v = store.verify_erasure(receipt.id)
+    receipt = store.eraser.erase_user("alice")
+    v = store.eraser.verify(receipt.id)
     assert not v.chain_ok and any("checkpoint #256" in d for d in v.details), v.details
     with store.sf() as s, s.begin():
         s.delete(s.get(ChainCheckpointRow, 256))
-    v = store.verify_erasure(receipt.id)
+    v = store.eraser.verify(receipt.id)
     assert not v.chain_ok and any("#100" in d for d in v.details), v.details
     with store.sf() as s:  # nothing past the broken link was sealed by these verifications
         assert s.execute(select(ChainCheckpointRow.seq).where(ChainCheckpointRow.seq >= 100)).all() == []
@@ -120,9 +120,9 @@ def test_verification_reads_no_header_of_another_tenants_page_file(
     store.flush()
     store.close()
     store = open_store(tmp_path / "data", shm_dir=tmp_path / "shm")  # a restart: recovery reads them once
-    receipt = store.erase_user("alice")
+    receipt = store.eraser.erase_user("alice")
     header_reads.clear()
-    v = store.verify_erasure(receipt.id)
+    v = store.eraser.verify(receipt.id)
     assert v.remnants == 0, v.details
     assert len(header_reads) == 0, f"{len(header_reads)} page file headers read"  # was: 160
     store.close()
@@ -135,9 +135,9 @@ def test_a_page_file_written_after_the_erasure_is_found_without_reading_headers(
     _fill(store, "bob", 10, 10_000)
     _fill(store, "alice", 1, 1000)
     store.flush()
-    old = store.tenant_for("alice")
-    receipt = store.erase_user("alice")
-    assert store.verify_erasure(receipt.id).remnants == 0
+    old = store.identity.tenant_for("alice")
+    receipt = store.eraser.erase_user("alice")
+    assert store.eraser.verify(receipt.id).remnants == 0
     # A writer that raced the erasure lands a file of the old tenant after its rows were deleted.
     assert store.disk is not None
     tokens = np.arange(5000, 5004, dtype=np.int32)
@@ -145,7 +145,7 @@ def test_a_page_file_written_after_the_erasure_is_found_without_reading_headers(
         hash=PageHash(b"\x07" * 32),
         namespace=NamespaceId(b"\x02" * 16),
         tenant=old,
-        fingerprint=store.register_fingerprint(SMALL_FP),
+        fingerprint=store.fingerprints.register(SMALL_FP),
         parent=PageHash(b"\x00" * 32),
         index=0,
         nbytes=SMALL_FP.page_nbytes,
@@ -153,7 +153,7 @@ def test_a_page_file_written_after_the_erasure_is_found_without_reading_headers(
     )
     store.disk.write(meta, pages_for(SMALL_FP, tokens)[0], None)
     header_reads.clear()
-    v = store.verify_erasure(receipt.id)
+    v = store.eraser.verify(receipt.id)
     assert v.remnants == 1 and "disk: page file 0707" in " ".join(v.details), v.details
     assert header_reads == []
     store.close()
@@ -162,7 +162,7 @@ def test_a_page_file_written_after_the_erasure_is_found_without_reading_headers(
 def test_verification_runs_no_wal_checkpoint_once_the_erasure_scrubbed(tmp_path: Path) -> None:
     store = open_store(tmp_path)
     _fill(store, "alice", 1, 1000)
-    receipt = store.erase_user("alice")
+    receipt = store.eraser.erase_user("alice")
     assert receipt.database_scrubbed is True
     statements: list[str] = []
 
@@ -172,7 +172,7 @@ def test_verification_runs_no_wal_checkpoint_once_the_erasure_scrubbed(tmp_path:
     event.listen(store.db, "before_cursor_execute", on_execute)
     try:
         for _ in range(3):
-            assert store.verify_erasure(receipt.id).database_scrubbed is True
+            assert store.eraser.verify(receipt.id).database_scrubbed is True
     finally:
         event.remove(store.db, "before_cursor_execute", on_execute)
     assert [s for s in statements if "wal_checkpoint" in s.lower()] == []
@@ -182,16 +182,16 @@ def test_verification_runs_no_wal_checkpoint_once_the_erasure_scrubbed(tmp_path:
 def test_an_edit_behind_a_checkpoint_is_found_by_its_own_receipt_and_the_full_audit(tmp_path: Path) -> None:
     store = open_store(tmp_path)
     _extend_chain(store, 300)
-    receipt = store.erase_user("alice")
-    assert store.verify_erasure(receipt.id).chain_ok  # seals checkpoints up to #256
+    receipt = store.eraser.erase_user("alice")
+    assert store.eraser.verify(receipt.id).chain_ok  # seals checkpoints up to #256
     with store.sf() as s, s.begin():
         row = s.execute(select(ErasureReceiptRow).where(ErasureReceiptRow.seq == 100)).scalar_one()
         row.counts = {"sessions": 99}
         edited = row.id
     # The documented limit: a verification starts at #256, past the edit.
-    assert store.verify_erasure(receipt.id).chain_ok
+    assert store.eraser.verify(receipt.id).chain_ok
     assert not store.eraser.verify(receipt.id, full=True).chain_ok
-    v = store.verify_erasure(edited)
+    v = store.eraser.verify(edited)
     assert not v.chain_ok and any("#100" in d for d in v.details), v.details
     store.close()
 
@@ -207,7 +207,7 @@ def test_verification_reads_the_erasure_epochs_once_not_per_user(tmp_path: Path)
             insert(SessionRow), [{"user_id": f"user-{i}", "id": "s1", "version_count": 0} for i in range(300)]
         )
     store.versions.create_session("alice")
-    receipt = store.erase_user("alice")
+    receipt = store.eraser.erase_user("alice")
     store.close()
     store = open_store(tmp_path)  # a restart: no epoch is cached
     statements: list[str] = []
@@ -219,7 +219,7 @@ def test_verification_reads_the_erasure_epochs_once_not_per_user(tmp_path: Path)
 
     event.listen(store.db, "before_cursor_execute", on_execute)
     try:
-        assert store.verify_erasure(receipt.id).remnants == 0
+        assert store.eraser.verify(receipt.id).remnants == 0
     finally:
         event.remove(store.db, "before_cursor_execute", on_execute)
     epoch_reads = [s for s in statements if "erasure_epochs" in s]

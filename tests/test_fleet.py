@@ -88,12 +88,12 @@ def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0) -> bool:
 
 def fill(store: Store, user: str, base: int, n_seq: int = 2) -> list[np.ndarray]:
     """Pages of `user` on `store` (host and disk), `n_seq` sequences of 2 pages each."""
-    fid = store.register_fingerprint(SMALL_FP)
-    tenant = store.tenant_for(user)
+    fid = store.fingerprints.register(SMALL_FP)
+    tenant = store.identity.tenant_for(user)
     seqs = []
     for i in range(n_seq):
         tokens = np.arange(base + 100 * i, base + 100 * i + 8, dtype=np.int32)
-        store.put_sequence(fid, tenant, tokens, pages_for(SMALL_FP, tokens))
+        store.kv.put_sequence(fid, tenant, tokens, pages_for(SMALL_FP, tokens))
         seqs.append(tokens)
     assert store.flush()
     return seqs
@@ -164,11 +164,11 @@ def test_erasure_on_one_server_drops_the_other_servers_pages(fleet: Fleet) -> No
     b = fleet.open("b", on_tenant_erased=erased_on_b.append)
     fill(a, "alice", 1000)
     bob = fill(b, "bob", 3000, n_seq=1)
-    old = b.tenant_for("alice")
+    old = b.identity.tenant_for("alice")
     seqs_b = fill(b, "alice", 2000)
     assert page_files(b, old) == 4 and b.pages.table.snapshot(old)
 
-    receipt = a.erase_user("alice")
+    receipt = a.eraser.erase_user("alice")
     assert receipt.fleet is not None and receipt.fleet.unanswered == ()
     assert set(receipt.fleet.servers) == {"a", "b"}
     assert receipt.fleet.servers["a"]["pages"]["disk"] == 4
@@ -179,16 +179,16 @@ def test_erasure_on_one_server_drops_the_other_servers_pages(fleet: Fleet) -> No
     # B dropped everything of the tenant: table, index, files; and called the hook first.
     assert erased_on_b == [old]
     assert b.pages.table.snapshot(old) == [] and page_files(b, old) == 0
-    fid = b.register_fingerprint(SMALL_FP)
-    assert all(b.match(fid, old, t).n_tokens == 0 for t in seqs_b)
+    fid = b.fingerprints.register(SMALL_FP)
+    assert all(b.kv.match(fid, old, t).n_tokens == 0 for t in seqs_b)
     assert b.keyring.is_retired(old)
     # B's next tenant of the user (and engine cache salt) is the new epoch's, as on A.
-    assert b.tenant_for("alice") == a.tenant_for("alice") != old
-    assert b.cache_salt("alice") == str(a.tenant_for("alice"))
-    assert b.match(fid, b.tenant_for("bob"), bob[0]).n_tokens == 8  # others untouched
-    v = a.verify_erasure(receipt.id)
+    assert b.identity.tenant_for("alice") == a.identity.tenant_for("alice") != old
+    assert b.identity.cache_salt("alice") == str(a.identity.tenant_for("alice"))
+    assert b.kv.match(fid, b.identity.tenant_for("bob"), bob[0]).n_tokens == 8  # others untouched
+    v = a.eraser.verify(receipt.id)
     assert v.remnants == 0 and v.chain_ok, v.details
-    assert a.get_receipt(receipt.id).fleet == receipt.fleet
+    assert a.eraser.get_receipt(receipt.id).fleet == receipt.fleet
     # Both servers advance their erasure_seq (A skips its own receipt: it acknowledged it).
     assert wait_for(lambda: a.membership is not None and a.membership.erasure_seq() == receipt.seq)
     assert b.membership is not None and b.membership.erasure_seq() == receipt.seq
@@ -198,15 +198,15 @@ def test_erasure_on_one_server_drops_the_other_servers_pages(fleet: Fleet) -> No
 def test_a_stopped_server_is_unanswered_then_catches_up_when_it_is_back(fleet: Fleet) -> None:
     a = fleet.open("a", fleet=FleetConfig(**{**_fast(), "ack_timeout_s": 0.5}))
     b = fleet.open("b")
-    tenant = b.tenant_for("carol")
+    tenant = b.identity.tenant_for("carol")
     fill(b, "carol", 1000)
     b.close()  # last_seen stays recent: as if it were killed a moment ago
     assert page_files_at(fleet.root / "b", b) == 4
 
-    receipt = a.erase_user("carol")
+    receipt = a.eraser.erase_user("carol")
     assert receipt.fleet is not None and receipt.fleet.unanswered == ("b",)
     assert set(receipt.fleet.servers) == {"a"}
-    v = a.verify_erasure(receipt.id)
+    v = a.eraser.verify(receipt.id)
     assert any("server b" in d for d in v.details) and v.remnants >= 1, v.details
 
     b2 = fleet.open("b")
@@ -221,9 +221,9 @@ def test_a_stopped_server_is_unanswered_then_catches_up_when_it_is_back(fleet: F
     assert wait_for(acked), report
     assert report is not None and "b" in report.servers
     assert b2.membership is not None and b2.membership.erasure_seq() == receipt.seq
-    v = a.verify_erasure(receipt.id)
+    v = a.eraser.verify(receipt.id)
     assert v.remnants == 0, v.details
-    assert b2.tenant_for("carol") == a.tenant_for("carol") != tenant
+    assert b2.identity.tenant_for("carol") == a.identity.tenant_for("carol") != tenant
 
 
 def test_a_registered_server_that_never_answers_stays_a_remnant(fleet: Fleet) -> None:
@@ -231,9 +231,9 @@ def test_a_registered_server_that_never_answers_stays_a_remnant(fleet: Fleet) ->
     with a.sf() as s, s.begin():
         s.add(ServerRow(id="ghost", erasure_seq=0))  # registered a moment ago, never heard from again
     fill(a, "dave", 1000, n_seq=1)
-    receipt = a.erase_user("dave")
+    receipt = a.eraser.erase_user("dave")
     assert receipt.fleet is not None and receipt.fleet.unanswered == ("ghost",)
-    v = a.verify_erasure(receipt.id)
+    v = a.eraser.verify(receipt.id)
     assert v.details == ("server ghost: has not acknowledged the erasure",)
 
 
@@ -242,7 +242,7 @@ def test_a_dropped_listen_connection_is_survived(fleet: Fleet) -> None:
     b = fleet.open("b")
     assert b.follower is not None
     assert wait_for(lambda: b.follower is not None and b.follower.connects == 1)
-    tenant = b.tenant_for("erin")
+    tenant = b.identity.tenant_for("erin")
     fill(b, "erin", 1000)
     with a.db.connect() as c:
         killed = c.execute(
@@ -253,12 +253,12 @@ def test_a_dropped_listen_connection_is_survived(fleet: Fleet) -> None:
             {"n": b.follower.application_name},
         ).all()
     assert killed == [(True,)]
-    receipt = a.erase_user("erin")
+    receipt = a.eraser.erase_user("erin")
     # Either it reconnected before the NOTIFY, or its catch-up after reconnecting applies it.
     assert wait_for(lambda: page_files(b, tenant) == 0)
     assert wait_for(lambda: (r := fleet_report(a.sf, receipt.id)) is not None and r.unanswered == ())
     assert b.follower.connects >= 2
-    assert a.verify_erasure(receipt.id).remnants == 0
+    assert a.eraser.verify(receipt.id).remnants == 0
 
 
 def test_erasures_on_two_servers_at_once_keep_one_chain(fleet: Fleet) -> None:
@@ -271,7 +271,7 @@ def test_erasures_on_two_servers_at_once_keep_one_chain(fleet: Fleet) -> None:
 
     def erase(store: Store, user: str) -> None:
         barrier.wait()
-        out[user] = store.erase_user(user)
+        out[user] = store.eraser.erase_user(user)
 
     threads = [threading.Thread(target=erase, args=(s, u)) for s, u in ((a, "u1"), (b, "u2"))]
     for t in threads:
@@ -281,7 +281,7 @@ def test_erasures_on_two_servers_at_once_keep_one_chain(fleet: Fleet) -> None:
     seqs = sorted(r.seq for r in out.values())  # type: ignore[attr-defined]
     assert seqs == [1, 2]
     for r in out.values():
-        v = a.verify_erasure(r.id)  # type: ignore[attr-defined]
+        v = a.eraser.verify(r.id)  # type: ignore[attr-defined]
         assert v.chain_ok and v.remnants == 0, v.details
     with a.sf() as s:
         assert (
@@ -302,18 +302,18 @@ def test_erasure_deletes_the_remote_tiers_keys_and_verify_counts_leftovers(fleet
     try:
         a = fleet.open("a", remote=RemoteConfig(url=url, key_prefix=prefix))
         b = fleet.open("b", remote=RemoteConfig(url=url, key_prefix=prefix))
-        tenant = a.tenant_for("fay")
+        tenant = a.identity.tenant_for("fay")
         fill(a, "fay", 1000)
         assert a.remote is not None and a.remote.count_tenant(tenant) == 4
-        receipt = a.erase_user("fay")
+        receipt = a.eraser.erase_user("fay")
         assert receipt.counts["remote_keys"] == 4 and a.remote.count_tenant(tenant) == 0
         assert receipt.fleet is not None and receipt.fleet.servers["a"]["remote_keys"] == 4
         assert "b" in receipt.fleet.servers and receipt.fleet.unanswered == ()
-        assert a.get_receipt(receipt.id).counts["remote_keys"] == 4  # read back, from A's ack
-        assert b.verify_erasure(receipt.id).remnants == 0
+        assert a.eraser.get_receipt(receipt.id).counts["remote_keys"] == 4  # read back, from A's ack
+        assert b.eraser.verify(receipt.id).remnants == 0
         # A copy that reached Redis anyway (a late write-behind elsewhere) is a remnant.
         a.remote.put(PageHash(b"\x07" * 32), tenant, b"unreadable without the data key")
-        v = b.verify_erasure(receipt.id)
+        v = b.eraser.verify(receipt.id)
         assert v.details == ("remote: 1 key(s) of the tenant",), v.details
     finally:
         client = redis.Redis.from_url(url)

@@ -50,8 +50,8 @@ def session_tokens(session: int, version: int, n_tokens: int) -> np.ndarray:
 def fill(store: Store, user: str, sessions: int, versions: int, n_tokens: int) -> None:
     """`sessions` sessions of `versions` versions of `n_tokens` tokens; the KV of each session's
     first four pages (two shared by all, two its own) is stored."""
-    fid = store.register_fingerprint(SMALL_FP)
-    tenant = store.tenant_for(user)
+    fid = store.fingerprints.register(SMALL_FP)
+    tenant = store.identity.tenant_for(user)
     for s in range(sessions):
         store.versions.create_session(user, f"s{s}")
         for v in range(versions):
@@ -64,7 +64,7 @@ def fill(store: Store, user: str, sessions: int, versions: int, n_tokens: int) -
                 fingerprint=fid,
             )
         head = session_tokens(s, 0, n_tokens)[: 4 * BS]
-        store.put_sequence(fid, tenant, head, pages_for(SMALL_FP, head))
+        store.kv.put_sequence(fid, tenant, head, pages_for(SMALL_FP, head))
 
 
 def test_deleting_a_session_reads_that_session_not_the_users_history(tmp_path: Path) -> None:
@@ -73,13 +73,13 @@ def test_deleting_a_session_reads_that_session_not_the_users_history(tmp_path: P
     store = open_store(tmp_path / "s")
     try:
         fill(store, "alice", sessions=30, versions=4, n_tokens=4096)
-        fid, tenant = SMALL_FP.id, store.tenant_for("alice")
+        fid, tenant = SMALL_FP.id, store.identity.tenant_for("alice")
         doomed, kept = session_tokens(0, 0, 4096), session_tokens(1, 0, 4096)
-        assert store.match(fid, tenant, doomed).n_tokens == 4 * BS  # type: ignore[arg-type]
-        dropped, peak = peak_bytes(lambda: store.delete_session("alice", "s0"))
+        assert store.kv.match(fid, tenant, doomed).n_tokens == 4 * BS  # type: ignore[arg-type]
+        dropped, peak = peak_bytes(lambda: store.sessions.delete("alice", "s0"))
         assert dropped == 2  # its own two pages; the two shared ones stay (the other sessions use them)
-        assert store.match(fid, tenant, doomed).n_tokens == 2 * BS  # type: ignore[arg-type]
-        assert store.match(fid, tenant, kept).n_tokens == 4 * BS  # type: ignore[arg-type]
+        assert store.kv.match(fid, tenant, doomed).n_tokens == 2 * BS  # type: ignore[arg-type]
+        assert store.kv.match(fid, tenant, kept).n_tokens == 4 * BS  # type: ignore[arg-type]
         one_session = 4 * 4096 * 4  # its token ids; the other sessions hold 29 times as many
         assert peak < 10 * one_session, f"peak {peak} B while deleting one session of 4 versions"
         store.check()

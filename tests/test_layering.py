@@ -1,6 +1,7 @@
 """The import graph of `dss`, `engine_patch` and `api`, lazy imports (inside functions) included:
-no module imports one that imports it back, and the rooms import one way only
-(`api` → `engine_patch.setup` → `engine_patch.connector` → `dss`)."""
+no module imports one that imports it back, the rooms import one way only
+(`api` → `engine_patch.setup` → `engine_patch.connector` → `dss`), and `api` imports from `dss`
+only what the rule in docs/architecture.md ("What `api/` may import from `dss`") allows."""
 
 from __future__ import annotations
 
@@ -38,6 +39,23 @@ FORBIDDEN += [(part, other) for part in _PARTS for other in (*_PARTS, *_ABOVE_PA
 FORBIDDEN += [("dss.config", other) for other in (*_PARTS, *_ABOVE_PARTS)]
 # (importer prefix, exact module it may import although FORBIDDEN says otherwise)
 ALLOWED = {("dss.pages", "dss.keys"), ("dss.pages", "dss.keys.crypto")}
+
+# What `api` may import from `dss` (docs/architecture.md): the composition root, the shared
+# vocabulary, and the public interfaces of the parts `Store` exposes; `dss.db` for the API's own
+# table (API keys) and the offline commands. Never the machinery under the parts.
+API_MAY_IMPORT = (
+    "dss.store",
+    "dss.errors",
+    "dss.types",
+    "dss.inputs",
+    "dss.wire",
+    "dss.jsonlimits",
+    "dss.config",
+    "dss.dialogue",
+    "dss.ops",
+    "dss.keys",
+    "dss.db",
+)
 
 
 def modules() -> dict[str, Path]:
@@ -95,6 +113,31 @@ def test_rooms_import_one_way() -> None:
         and not any((m == i or m.startswith(i + ".")) and t == allowed for i, allowed in ALLOWED)
     ]
     assert not bad, "\n".join(sorted(bad))
+
+
+def api_imports_outside_the_rule(g: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{m} imports {t}"
+        for m, targets in g.items()
+        if m == "api" or m.startswith("api.")
+        for t in targets
+        if (t == "dss" or t.startswith("dss."))
+        and t != "dss"  # `from dss import errors`: the package itself, then the module
+        and not any(t == allowed or t.startswith(allowed + ".") for allowed in API_MAY_IMPORT)
+    )
+
+
+def test_api_imports_from_dss_only_what_the_rule_allows() -> None:
+    bad = api_imports_outside_the_rule(graph())
+    assert not bad, "\n".join(bad)
+
+
+def test_the_api_rule_catches_a_reach_into_the_machinery() -> None:
+    g = {"api.fake": {"dss.pages.table", "dss.store", "dss.index.hashing", "dss.ops.kv"}}
+    assert api_imports_outside_the_rule(g) == [
+        "api.fake imports dss.index.hashing",
+        "api.fake imports dss.pages.table",
+    ]
 
 
 def test_no_import_cycles() -> None:

@@ -43,10 +43,10 @@ def test_rotation_rewraps_everything_and_the_old_master_no_longer_opens(
     monkeypatch.delenv("DSS_MASTER_KEY", raising=False)
     data = tmp_path / "data"
     store = open_store(data, shm_dir=tmp_path / "shm")
-    fid = store.register_fingerprint(SMALL_FP)
-    alice, bob = store.tenant_for("alice"), store.tenant_for("bob")
-    store.put_sequence(fid, alice, TOKS, pages_for(SMALL_FP, TOKS))
-    store.put_sequence(fid, bob, TOKS, pages_for(SMALL_FP, TOKS, salt=7))
+    fid = store.fingerprints.register(SMALL_FP)
+    alice, bob = store.identity.tenant_for("alice"), store.identity.tenant_for("bob")
+    store.kv.put_sequence(fid, alice, TOKS, pages_for(SMALL_FP, TOKS))
+    store.kv.put_sequence(fid, bob, TOKS, pages_for(SMALL_FP, TOKS, salt=7))
     assert store.flush()
     store.close()
     old_key_text = (data / "master.key").read_text()
@@ -61,9 +61,9 @@ def test_rotation_rewraps_everything_and_the_old_master_no_longer_opens(
     new = KeyManager(bytes.fromhex(new_key_text.strip()), "new master")
 
     store = open_store(data, shm_dir=tmp_path / "shm")  # the new key file opens it; pages still load
-    assert store.load_sequence(fid, alice, TOKS) == (16, pages_for(SMALL_FP, TOKS))
-    receipt = store.erase_user("bob")  # an erasure AFTER the rotation
-    assert store.verify_erasure(receipt.id).remnants == 0
+    assert store.kv.load_sequence(fid, alice, TOKS) == (16, pages_for(SMALL_FP, TOKS))
+    receipt = store.eraser.erase_user("bob")  # an erasure AFTER the rotation
+    assert store.eraser.verify(receipt.id).remnants == 0
     store.close()
 
     # The old master no longer opens the store.
@@ -95,9 +95,9 @@ def test_a_rotation_interrupted_after_its_commit_is_finished_at_the_next_open(
 ) -> None:
     monkeypatch.delenv("DSS_MASTER_KEY", raising=False)
     store = open_store(tmp_path / "data", shm_dir=tmp_path / "shm")
-    fid = store.register_fingerprint(SMALL_FP)
-    alice = store.tenant_for("alice")
-    store.put_sequence(fid, alice, TOKS, pages_for(SMALL_FP, TOKS))
+    fid = store.fingerprints.register(SMALL_FP)
+    alice = store.identity.tenant_for("alice")
+    store.kv.put_sequence(fid, alice, TOKS, pages_for(SMALL_FP, TOKS))
     assert store.flush()
     store.close()
 
@@ -109,7 +109,7 @@ def test_a_rotation_interrupted_after_its_commit_is_finished_at_the_next_open(
         with pytest.raises(KeyboardInterrupt):
             rotation.rotate_master(_cfg(tmp_path))
     store = open_store(tmp_path / "data", shm_dir=tmp_path / "shm")
-    assert store.load_sequence(fid, alice, TOKS)[0] == 16
+    assert store.kv.load_sequence(fid, alice, TOKS)[0] == 16
     store.close()
     assert not list((tmp_path / "data").glob("*.rotating*"))
 

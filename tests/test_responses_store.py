@@ -400,7 +400,7 @@ def test_the_store_deletes_a_session_with_its_responses(tmp_path: Path, db_url: 
     try:
         sid = store.versions.create_session(ALICE).id
         r1 = respond(store, ALICE, sid, None, "one")
-        store.delete_session(ALICE, sid)
+        store.sessions.delete(ALICE, sid)
         with pytest.raises(ResponseNotFound):
             store.responses.get(ALICE, r1.id)
         assert store.responses.check() == [] and store.versions.check() == []
@@ -416,9 +416,9 @@ def test_erasure_deletes_responses_and_verification_finds_none(tmp_path: Path, d
         r2 = respond(store, ALICE, sid, r1, "two")
         bob_sid = store.versions.create_session(BOB, "chat").id
         b1 = respond(store, BOB, bob_sid, None, "bob's")
-        receipt = store.erase_user(ALICE)
+        receipt = store.eraser.erase_user(ALICE)
         assert receipt.counts["responses"] == 2 and receipt.counts["versions"] == 2
-        verification = store.verify_erasure(receipt.id)
+        verification = store.eraser.verify(receipt.id)
         assert verification.remnants == 0 and verification.chain_ok, verification.details
         for rid in (r1.id, r2.id):
             with pytest.raises(ResponseNotFound):
@@ -429,14 +429,14 @@ def test_erasure_deletes_responses_and_verification_finds_none(tmp_path: Path, d
         # New data after the erasure is no remnant; a response row older than the erasure is one.
         store.versions.create_session(ALICE, "again")
         again = respond(store, ALICE, "again", None, "hello again")
-        assert store.verify_erasure(receipt.id).remnants == 0
+        assert store.eraser.verify(receipt.id).remnants == 0
         with transaction(store.sf) as db:
             db.execute(
                 update(ResponseRow)
                 .where(ResponseRow.id == again.id)
                 .values(created_at=receipt.erased_at - timedelta(hours=1))
             )
-        planted = store.verify_erasure(receipt.id)
+        planted = store.eraser.verify(receipt.id)
         assert planted.remnants == 1 and "1 stored response(s)" in planted.details[0], planted.details
         assert store.responses.check() == [] and store.versions.check() == []
     finally:

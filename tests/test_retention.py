@@ -51,24 +51,24 @@ def _tokens(start: int, n_pages: int) -> np.ndarray:
 
 def turn(store: Store, user: str, sid: str, tokens: np.ndarray, branch: str = "main") -> int:
     """A committed version with its pages stored, as a chat turn leaves them."""
-    fid = store.register_fingerprint(SMALL_FP)
+    fid = store.fingerprints.register(SMALL_FP)
     store.versions.ensure_session(user, sid)
     v = store.versions.commit(
         user, sid, tokens=tokens, messages=[{"role": "user", "content": f"{len(tokens)}"}],
         branch=branch, fingerprint=fid,
     )  # fmt: skip
-    store.put_sequence(fid, store.tenant_for(user), tokens, pages_for(SMALL_FP, tokens))
+    store.kv.put_sequence(fid, store.identity.tenant_for(user), tokens, pages_for(SMALL_FP, tokens))
     return v.number
 
 
 def pages_of(store: Store, user: str, tokens: np.ndarray) -> tuple[PageHash, ...]:
-    fid = store.register_fingerprint(SMALL_FP)
-    return store.match(fid, store.tenant_for(user), tokens).pages
+    fid = store.fingerprints.register(SMALL_FP)
+    return store.kv.match(fid, store.identity.tenant_for(user), tokens).pages
 
 
 def resident(store: Store, user: str, tokens: np.ndarray) -> dict[str, int]:
-    return store.residency(
-        FingerprintId(store.register_fingerprint(SMALL_FP)), store.tenant_for(user), tokens
+    return store.kv.residency(
+        FingerprintId(store.fingerprints.register(SMALL_FP)), store.identity.tenant_for(user), tokens
     )
 
 
@@ -148,8 +148,8 @@ def test_evict_moves_the_sessions_host_pages_to_disk_now(store: Store) -> None:
     assert resident(store, "alice", b)["host"] == 8  # the other session is untouched
     assert {klass(store, h) for h in pages_of(store, "alice", a)} == {RetentionClass.EVICT}
     assert store.stats()["demoted_pages"] == 3
-    fid = store.register_fingerprint(SMALL_FP)
-    n, copies = store.load_sequence(fid, store.tenant_for("alice"), a)  # still served, from disk
+    fid = store.fingerprints.register(SMALL_FP)
+    n, copies = store.kv.load_sequence(fid, store.identity.tenant_for("alice"), a)  # still served, from disk
     assert n == 12 and copies == pages_for(SMALL_FP, a)
     store.check()
 
@@ -339,8 +339,8 @@ def test_deleting_and_erasing_forget_the_session(store: Store) -> None:
     store.retention.set_hint("alice", "trip", "evict")
     store.retention.set_hint("bob", "b", kv_idle_ttl_s=60)
     assert store.retention.stats()["tracked_sessions"] == 2
-    store.delete_session("alice", "trip")
-    store.erase_user("bob")
+    store.sessions.delete("alice", "trip")
+    store.eraser.erase_user("bob")
     assert wait_for(lambda: store.retention.stats()["tracked_sessions"] == 0, 5.0)
 
 
@@ -564,7 +564,7 @@ def test_a_warm_up_racing_an_erasure_records_nothing_for_the_user(store: Store) 
 
     def then_erased(*args: Any, **kwargs: Any) -> Any:
         v = real(*args, **kwargs)  # read before the erasure ...
-        store.erase_user("alice")
+        store.eraser.erase_user("alice")
         store.retention._worker.submit(lambda: None).result(10)  # ... forgotten before the touch
         return v
 
@@ -581,12 +581,12 @@ def test_public_prefix_pages_are_never_classed_or_demoted(store: Store) -> None:
     whole page is given the session's class or moved to disk."""
     from dss.types import PUBLIC_TENANT
 
-    fid = store.register_fingerprint(SMALL_FP)
+    fid = store.fingerprints.register(SMALL_FP)
     system = np.arange(500, 500 + BS + 2, dtype=np.int32)  # one whole page and a tail
     store.prefixes.register(fid, system, text="system prompt", pin=True)
     public_pages = [*pages_for(SMALL_FP, system), pages_for(SMALL_FP, _tokens(9000, 1))[0]]
-    store.put_sequence(fid, PUBLIC_TENANT, system, public_pages)
-    m = store.match(fid, store.tenant_for("alice"), system)
+    store.kv.put_sequence(fid, PUBLIC_TENANT, system, public_pages)
+    m = store.kv.match(fid, store.identity.tenant_for("alice"), system)
     assert m.n_tokens == len(system) and len(m.pages) == 2  # the public tail page matches
     turn(store, "alice", "trip", system)
     store.retention.set_hint("alice", "trip", "evict")

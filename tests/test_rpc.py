@@ -19,6 +19,7 @@ from dss.derive import rpc_authkey
 from dss.errors import DSSError, SessionNotFound
 from dss.namespace import ModelFingerprint
 from dss.rpc import (
+    EngineCalls,
     StoreClient,
     StoreServer,
     StoreService,
@@ -338,3 +339,50 @@ def test_a_deep_run_dir_gets_a_short_private_socket_path(tmp_path: Path, service
     folder.chmod(0o700)
     short = tmp_path / "run"
     assert socket_path_for(short) == str(short / "store.sock")
+
+
+def test_a_failure_is_counted_after_the_connection_lock_is_released(tmp_path: Path) -> None:
+    """Locks are leaves: the failure counters' lock is never taken while the connection's is held."""
+    client = StoreClient(str(tmp_path / "nobody.sock"), KEY, timeout_s=0.5, backoff_s=5.0)
+    connection_held: list[bool] = []
+
+    class Probe:
+        def __enter__(self) -> None:
+            connection_held.append(client._lock.locked())
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    client._count_lock = Probe()  # type: ignore[assignment]
+    for _ in range(2):  # a refused connection, then (no backoff for it) a second one
+        with pytest.raises(StoreUnavailable):
+            client.ping(timeout_s=0.5)
+    assert connection_held and not any(connection_held)
+
+
+def test_engine_calls_serve_the_kv_cache_and_nothing_else() -> None:
+    """The adapter answers each engine call from the part that owns it."""
+    calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    class KV:
+        def __getattr__(self, name: str) -> Any:
+            return lambda *args, **kwargs: calls.append((name, (*args, *kwargs.values())))
+
+    engine = EngineCalls(KV(), lambda fp: FingerprintId("f" + fp.model_id), lambda: {"pages": 1})  # type: ignore[arg-type]
+    assert engine.register_fingerprint(FP) == "f" + FP.model_id
+    assert engine.stats() == {"pages": 1}
+    engine.release("L1", 2)
+    engine.abort_save("S1", None)
+    engine.commit_save("S1", [0], 1)
+    assert calls == [("release", ("L1", 2)), ("abort_save", ("S1", None)), ("commit_save", ("S1", [0], 1))]
+    served = {name for name in vars(EngineCalls) if not name.startswith("_")}
+    assert served == {
+        "register_fingerprint",
+        "begin_load",
+        "wait_loaded",
+        "release",
+        "plan_save",
+        "commit_save",
+        "abort_save",
+        "stats",
+    }

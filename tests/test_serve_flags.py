@@ -285,7 +285,7 @@ def test_serve_runs_the_engine_with_vllm_flags(tmp_path: Path, monkeypatch: pyte
 
     store = Store.open(StoreConfig(data_dir=server.data_dir, fsync=False, codec_process=False))
     try:
-        (fp,) = (store.fingerprint(f) for f in store.fingerprints)
+        (fp,) = (store.fingerprints.get(f) for f in store.fingerprints)
         assert (fp.block_size, fp.dtype) == (32, factory.served_dtype())
     finally:
         store.close()

@@ -15,61 +15,61 @@ from tests.store_helpers import SMALL_FP, open_store, pages_for
 
 def test_put_load_reopen_from_disk(tmp_path):
     store = open_store(tmp_path)
-    fid = store.register_fingerprint(SMALL_FP)
-    alice = store.tenant_for("alice")
+    fid = store.fingerprints.register(SMALL_FP)
+    alice = store.identity.tenant_for("alice")
     tokens = np.arange(1, 23, dtype=np.int32)  # 5 full pages of 4 + 2 tokens
     pages = pages_for(SMALL_FP, tokens)
-    assert store.put_sequence(fid, alice, tokens, pages) == 5
-    assert store.put_sequence(fid, alice, tokens, pages) == 0  # dedup by content address
-    n, got = store.load_sequence(fid, alice, tokens)
+    assert store.kv.put_sequence(fid, alice, tokens, pages) == 5
+    assert store.kv.put_sequence(fid, alice, tokens, pages) == 0  # dedup by content address
+    n, got = store.kv.load_sequence(fid, alice, tokens)
     assert n == 20 and got == pages
     store.flush()
     # Every tier counts what it holds: the write-through copies on disk too.
-    assert store.residency(fid, alice, tokens) == {"host": 20, "disk": 20, "remote": 0}
+    assert store.kv.residency(fid, alice, tokens) == {"host": 20, "disk": 20, "remote": 0}
     store.check()
     store.close()
 
     store = open_store(tmp_path)
     assert store.recovery_report is not None and store.recovery_report.pages_indexed == 5
-    assert store.residency(fid, alice, tokens)["disk"] == 20
-    n, got = store.load_sequence(fid, alice, tokens)
+    assert store.kv.residency(fid, alice, tokens)["disk"] == 20
+    n, got = store.kv.load_sequence(fid, alice, tokens)
     assert n == 20 and got == pages
-    assert store.residency(fid, alice, tokens)["host"] == 20  # promoted on hit
+    assert store.kv.residency(fid, alice, tokens)["host"] == 20  # promoted on hit
     store.check()
     store.close()
 
 
 def test_tenants_and_fingerprints_never_share(tmp_path):
     store = open_store(tmp_path)
-    fid = store.register_fingerprint(SMALL_FP)
-    other_fp = store.register_fingerprint(dataclasses.replace(SMALL_FP, isa="amx"))
-    alice, bob = store.tenant_for("alice"), store.tenant_for("bob")
+    fid = store.fingerprints.register(SMALL_FP)
+    other_fp = store.fingerprints.register(dataclasses.replace(SMALL_FP, isa="amx"))
+    alice, bob = store.identity.tenant_for("alice"), store.identity.tenant_for("bob")
     tokens = np.arange(100, 116, dtype=np.int32)
-    store.put_sequence(fid, alice, tokens, pages_for(SMALL_FP, tokens))
-    assert store.match(fid, alice, tokens).n_tokens == 16
-    assert store.match(fid, bob, tokens).n_tokens == 0
-    assert store.match(other_fp, alice, tokens).n_tokens == 0
+    store.kv.put_sequence(fid, alice, tokens, pages_for(SMALL_FP, tokens))
+    assert store.kv.match(fid, alice, tokens).n_tokens == 16
+    assert store.kv.match(fid, bob, tokens).n_tokens == 0
+    assert store.kv.match(other_fp, alice, tokens).n_tokens == 0
     store.close()
 
 
 def test_public_prefix_shared_rest_private(tmp_path):
     store = open_store(tmp_path)
-    fid = store.register_fingerprint(SMALL_FP)
+    fid = store.fingerprints.register(SMALL_FP)
     system = np.arange(500, 508, dtype=np.int32)  # two pages
     store.prefixes.register(fid, system, text="system prompt", pin=True)
-    store.put_sequence(fid, PUBLIC_TENANT, system, pages_for(SMALL_FP, system))
-    alice, bob = store.tenant_for("alice"), store.tenant_for("bob")
+    store.kv.put_sequence(fid, PUBLIC_TENANT, system, pages_for(SMALL_FP, system))
+    alice, bob = store.identity.tenant_for("alice"), store.identity.tenant_for("bob")
     a_tokens = np.concatenate([system, np.arange(1, 9, dtype=np.int32)])
-    assert store.match(fid, alice, a_tokens).n_tokens == 8  # the public pages
-    store.put_sequence(fid, alice, a_tokens, pages_for(SMALL_FP, a_tokens))
-    assert store.match(fid, alice, a_tokens).n_tokens == 16
-    m = store.match(fid, bob, a_tokens)
+    assert store.kv.match(fid, alice, a_tokens).n_tokens == 8  # the public pages
+    store.kv.put_sequence(fid, alice, a_tokens, pages_for(SMALL_FP, a_tokens))
+    assert store.kv.match(fid, alice, a_tokens).n_tokens == 16
+    m = store.kv.match(fid, bob, a_tokens)
     assert m.n_tokens == 8 and m.public_tokens == 8
     # the public pages are pinned: erasing alice leaves them
-    receipt = store.erase_user("alice")
+    receipt = store.eraser.erase_user("alice")
     assert receipt.counts["pages"]["host"] == 2
-    assert store.match(fid, bob, a_tokens).n_tokens == 8
-    assert store.verify_erasure(receipt.id).remnants == 0
+    assert store.kv.match(fid, bob, a_tokens).n_tokens == 8
+    assert store.eraser.verify(receipt.id).remnants == 0
     store.check()
     store.close()
 
@@ -77,14 +77,14 @@ def test_public_prefix_shared_rest_private(tmp_path):
 def test_host_pressure_demotes_to_disk_then_promotes(tmp_path):
     page = SMALL_FP.page_nbytes
     store = open_store(tmp_path, host_capacity_bytes=4 * page, write_through=False)
-    fid = store.register_fingerprint(SMALL_FP)
-    t = store.tenant_for("alice")
+    fid = store.fingerprints.register(SMALL_FP)
+    t = store.identity.tenant_for("alice")
     seqs = [np.arange(i * 1000, i * 1000 + 8, dtype=np.int32) for i in range(6)]  # 12 pages > 4 slots
     for s in seqs:
-        store.put_sequence(fid, t, s, pages_for(SMALL_FP, s))
+        store.kv.put_sequence(fid, t, s, pages_for(SMALL_FP, s))
     assert store.pages.counters.evictions[Tier.HOST] >= 8
     for s in seqs:
-        n, got = store.load_sequence(fid, t, s)
+        n, got = store.kv.load_sequence(fid, t, s)
         assert n == 8 and got == pages_for(SMALL_FP, s)
     store.check()
     store.close()
@@ -111,9 +111,9 @@ def test_a_new_data_directory_is_private_to_its_owner(tmp_path):
     """It was 0755 with a 0644 database: every message readable by every local user."""
     data = tmp_path / "fresh" / "data"
     store = open_store(data, shm_dir=tmp_path / "shm")
-    fid = store.register_fingerprint(SMALL_FP)
+    fid = store.fingerprints.register(SMALL_FP)
     tokens = np.arange(1, 9, dtype=np.int32)
-    store.put_sequence(fid, store.tenant_for("alice"), tokens, pages_for(SMALL_FP, tokens))
+    store.kv.put_sequence(fid, store.identity.tenant_for("alice"), tokens, pages_for(SMALL_FP, tokens))
     store.versions.create_session("alice", "s")
     store.flush()
     modes = {p: stat.S_IMODE(p.stat().st_mode) for p in [data, *data.rglob("*")]}
@@ -127,20 +127,22 @@ def test_stored_bytes_counts_each_own_page_once(tmp_path):
     """A session's stored KV (`Store.stored_bytes`, the API's `stored_bytes`): the distinct pages
     its versions' tokens match, public prefix pages and unknown models left out."""
     store = open_store(tmp_path)
-    fid = store.register_fingerprint(SMALL_FP)
+    fid = store.fingerprints.register(SMALL_FP)
     page = SMALL_FP.page_nbytes
     system = np.arange(500, 508, dtype=np.int32)  # two public pages
     store.prefixes.register(fid, system, text="system prompt", pin=True)
-    store.put_sequence(fid, PUBLIC_TENANT, system, pages_for(SMALL_FP, system))
-    alice = store.tenant_for("alice")
+    store.kv.put_sequence(fid, PUBLIC_TENANT, system, pages_for(SMALL_FP, system))
+    alice = store.identity.tenant_for("alice")
     v1 = np.concatenate([system, np.arange(1, 9, dtype=np.int32)])  # + 2 own pages
     v2 = np.concatenate([v1, np.arange(9, 13, dtype=np.int32)])  # its child: + 1 own page
     sibling = np.concatenate([v1, np.arange(40, 44, dtype=np.int32)])  # another child: + 1
     for tokens in (v1, v2, sibling):
-        store.put_sequence(fid, alice, tokens, pages_for(SMALL_FP, tokens))
-    assert store.stored_bytes(alice, [(fid, v1)]) == 2 * page
-    assert store.stored_bytes(alice, [(fid, v1), (fid, v2), (fid, sibling)]) == 4 * page  # shared once
-    assert store.stored_bytes(store.tenant_for("bob"), [(fid, v2)]) == 0  # the public pages are no one's
-    assert store.stored_bytes(alice, [(FingerprintId("unknown"), v2)]) == 0
-    assert store.stored_bytes(alice, []) == 0
+        store.kv.put_sequence(fid, alice, tokens, pages_for(SMALL_FP, tokens))
+    assert store.kv.stored_bytes(alice, [(fid, v1)]) == 2 * page
+    assert store.kv.stored_bytes(alice, [(fid, v1), (fid, v2), (fid, sibling)]) == 4 * page  # shared once
+    assert (
+        store.kv.stored_bytes(store.identity.tenant_for("bob"), [(fid, v2)]) == 0
+    )  # the public pages are no one's
+    assert store.kv.stored_bytes(alice, [(FingerprintId("unknown"), v2)]) == 0
+    assert store.kv.stored_bytes(alice, []) == 0
     store.close()

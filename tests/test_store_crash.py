@@ -20,8 +20,8 @@ WRITER = textwrap.dedent(
     from tests.store_helpers import SMALL_FP, open_store, pages_for
     data_dir, round_no = sys.argv[1], int(sys.argv[2])
     store = open_store(__import__("pathlib").Path(data_dir), fsync=True)
-    fid = store.register_fingerprint(SMALL_FP)
-    tenant = store.tenant_for("writer")
+    fid = store.fingerprints.register(SMALL_FP)
+    tenant = store.identity.tenant_for("writer")
     sid = f"s{round_no}"
     store.versions.ensure_session("writer", sid)
     tokens = np.array([], dtype=np.int32)
@@ -31,7 +31,7 @@ WRITER = textwrap.dedent(
         msgs = [{"role": "user", "content": str(v)}]
         info = store.versions.commit("writer", sid, tokens=tokens, messages=msgs)
         print(f"COMMITTED {sid} {info.number} {len(tokens)}", flush=True)
-        store.put_sequence(fid, tenant, tokens, pages_for(SMALL_FP, tokens))
+        store.kv.put_sequence(fid, tenant, tokens, pages_for(SMALL_FP, tokens))
     """
 )
 
@@ -62,15 +62,15 @@ def test_kill_9_during_commits_recovers(tmp_path):
 
         store = open_store(data)  # recovery: temp files, orphans, index rebuild, check()
         store.check()
-        fid = store.register_fingerprint(SMALL_FP)
-        tenant = store.tenant_for("writer")
+        fid = store.fingerprints.register(SMALL_FP)
+        tenant = store.identity.tenant_for("writer")
         for sid, last in committed.items():
             versions = store.versions.list_versions("writer", sid)
             numbers = [v.number for v in versions]
             assert numbers[:last] == list(range(1, last + 1)), f"{sid}: committed version lost"
             info = store.versions.get_version("writer", sid, last)
             tokens = info.tokens
-            _n, got = store.load_sequence(fid, tenant, tokens)
+            _n, got = store.kv.load_sequence(fid, tenant, tokens)
             # whatever KV survived must be byte-exact; the rest is recomputed
             assert got == pages_for(SMALL_FP, np.asarray(tokens))[: len(got)]
         assert not list(data.rglob("*.tmp-*")), "half-written temp files must be collected"

@@ -16,11 +16,11 @@ from tests.store_helpers import SMALL_FP, open_store, pages_for
 
 def _disk_only_store(tmp_path):
     store = open_store(tmp_path)
-    fid = store.register_fingerprint(SMALL_FP)
-    tenant = store.tenant_for("alice")
+    fid = store.fingerprints.register(SMALL_FP)
+    tenant = store.identity.tenant_for("alice")
     tokens = np.arange(1, 41, dtype=np.int32)  # 10 pages
     pages = pages_for(SMALL_FP, tokens)
-    store.put_sequence(fid, tenant, tokens, pages)
+    store.kv.put_sequence(fid, tenant, tokens, pages)
     store.close()  # flushes write-through; the host tier is gone after this
     return tokens, pages
 
@@ -29,10 +29,10 @@ def _disk_only_store(tmp_path):
 def test_corrupt_page_is_never_served(tmp_path, damage):
     tokens, pages = _disk_only_store(tmp_path)
     store = open_store(tmp_path)
-    fid = store.register_fingerprint(SMALL_FP)
-    tenant = store.tenant_for("alice")
+    fid = store.fingerprints.register(SMALL_FP)
+    tenant = store.identity.tenant_for("alice")
     victim_index = 6
-    victim = store.match(fid, tenant, tokens).pages[victim_index]
+    victim = store.kv.match(fid, tenant, tokens).pages[victim_index]
     path = store.disk.path_of(victim)
     blob = bytearray(path.read_bytes())
     rng = random.Random(7)
@@ -45,15 +45,15 @@ def test_corrupt_page_is_never_served(tmp_path, damage):
         blob[-64:] = b"\x00" * 64
     path.write_bytes(bytes(blob))
 
-    n, got = store.load_sequence(fid, tenant, tokens)
+    n, got = store.kv.load_sequence(fid, tenant, tokens)
     assert n == victim_index * SMALL_FP.block_size
     assert got == pages[:victim_index]  # exact bytes up to the damaged page, nothing after
     assert store.stats()["corrupt_pages"] >= 1
     assert not path.exists(), "a corrupt page file is deleted"
     store.check()
     # the KV is recomputable: storing it again heals the sequence
-    store.put_sequence(fid, tenant, tokens, pages)
-    assert store.load_sequence(fid, tenant, tokens) == (40, pages)
+    store.kv.put_sequence(fid, tenant, tokens, pages)
+    assert store.kv.load_sequence(fid, tenant, tokens) == (40, pages)
     store.close()
 
 
@@ -62,8 +62,8 @@ def test_missing_page_file_is_a_miss_after_restart(tmp_path):
     files = sorted((tmp_path / "pages").rglob("*.page"))
     files[0].unlink()  # some page vanished (operator error, fs damage)
     store = open_store(tmp_path)
-    fid = store.register_fingerprint(SMALL_FP)
-    _n, got = store.load_sequence(fid, store.tenant_for("alice"), tokens)
+    fid = store.fingerprints.register(SMALL_FP)
+    _n, got = store.kv.load_sequence(fid, store.identity.tenant_for("alice"), tokens)
     assert got == pages[: len(got)]
     assert store.recovery_report.rows_without_file == 1
     store.check()
@@ -72,8 +72,8 @@ def test_missing_page_file_is_a_miss_after_restart(tmp_path):
 
 def test_unusable_disk_tier_keeps_serving_from_memory(tmp_path):
     store = open_store(tmp_path)
-    fid = store.register_fingerprint(SMALL_FP)
-    tenant = store.tenant_for("alice")
+    fid = store.fingerprints.register(SMALL_FP)
+    tenant = store.identity.tenant_for("alice")
     # every fan-out directory name is taken by a plain file: writes fail even for root
     for i in range(256):
         d = store.disk.root / f"{i:02x}"
@@ -81,11 +81,11 @@ def test_unusable_disk_tier_keeps_serving_from_memory(tmp_path):
             d.write_bytes(b"")
     tokens = np.arange(1, 17, dtype=np.int32)
     pages = pages_for(SMALL_FP, tokens)
-    store.put_sequence(fid, tenant, tokens, pages)
+    store.kv.put_sequence(fid, tenant, tokens, pages)
     store.flush()
     stats = store.stats()
     assert stats["disk_available"] is False and stats["disk_write_errors"] >= 1
-    assert store.load_sequence(fid, tenant, tokens) == (16, pages)
+    assert store.kv.load_sequence(fid, tenant, tokens) == (16, pages)
     store.close()
 
 
@@ -93,18 +93,18 @@ def test_unusable_disk_tier_keeps_serving_from_memory(tmp_path):
 def test_store_on_postgresql(tmp_path, pg_url):
     cfg = StoreConfig(data_dir=tmp_path, db_url=pg_url, fsync=False, host_capacity_bytes=1 << 22)
     store = Store.open(cfg)
-    fid = store.register_fingerprint(SMALL_FP)
-    tenant = store.tenant_for("alice")
+    fid = store.fingerprints.register(SMALL_FP)
+    tenant = store.identity.tenant_for("alice")
     sid = store.versions.create_session("alice").id
     tokens = np.arange(1, 25, dtype=np.int32)
     store.versions.commit("alice", sid, tokens=tokens, messages=[{"role": "user", "content": "hi"}])
     pages = pages_for(SMALL_FP, tokens)
-    store.put_sequence(fid, tenant, tokens, pages)
+    store.kv.put_sequence(fid, tenant, tokens, pages)
     store.close()
     store = Store.open(cfg)
-    assert store.load_sequence(fid, tenant, tokens) == (24, pages)
-    receipt = store.erase_user("alice")
-    assert store.verify_erasure(receipt.id).remnants == 0
+    assert store.kv.load_sequence(fid, tenant, tokens) == (24, pages)
+    receipt = store.eraser.erase_user("alice")
+    assert store.eraser.verify(receipt.id).remnants == 0
     assert receipt.counts["versions"] == 1 and receipt.counts["pages"]["disk"] == 6
     store.check()
     store.close()
@@ -143,7 +143,7 @@ def _engine_side(address: str, authkey: bytes, fp_json: str, tenant: str, q) -> 
 def test_rpc_from_another_process(tmp_path):
     store = open_store(tmp_path)
     address, authkey = store.serve_rpc()
-    tenant = store.tenant_for("alice")
+    tenant = store.identity.tenant_for("alice")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_engine_side, args=(address, authkey, SMALL_FP.to_json(), tenant, q))
@@ -153,7 +153,7 @@ def test_rpc_from_another_process(tmp_path):
     assert (written, n_loaded, same) == (5, 5, True)
     fid = SMALL_FP.id
     tokens = np.arange(50, 70, dtype=np.int32)
-    assert store.load_sequence(fid, tenant, tokens) == (20, pages_for(SMALL_FP, tokens))
+    assert store.kv.load_sequence(fid, tenant, tokens) == (20, pages_for(SMALL_FP, tokens))
     assert store.stats()["leases"] == 0
     store.check()
     store.close()
@@ -173,15 +173,15 @@ def test_rpc_rejects_wrong_authkey(tmp_path):
 
 def test_abandoned_leases_and_saves_expire(tmp_path):
     store = open_store(tmp_path, lease_timeout_s=0.5)
-    fid = store.register_fingerprint(SMALL_FP)
-    tenant = store.tenant_for("alice")
+    fid = store.fingerprints.register(SMALL_FP)
+    tenant = store.identity.tenant_for("alice")
     tokens = np.arange(1, 9, dtype=np.int32)
-    store.put_sequence(fid, tenant, tokens, pages_for(SMALL_FP, tokens))
-    store.begin_load(fid, tenant, tokens)  # an engine that died before releasing
-    store.plan_save(fid, tenant, np.arange(100, 108, dtype=np.int32), 2)  # ... or before committing
+    store.kv.put_sequence(fid, tenant, tokens, pages_for(SMALL_FP, tokens))
+    store.kv.begin_load(fid, tenant, tokens)  # an engine that died before releasing
+    store.kv.plan_save(fid, tenant, np.arange(100, 108, dtype=np.int32), 2)  # ... or before committing
     assert store.stats()["leases"] == 1 and store.stats()["pending_saves"] == 1
     time.sleep(0.6)
-    store.begin_load(fid, tenant, tokens)  # the next request sweeps the stale ones
+    store.kv.begin_load(fid, tenant, tokens)  # the next request sweeps the stale ones
     assert store.stats()["leases"] == 1 and store.stats()["pending_saves"] == 0
     assert all(e.leases <= 1 for e in store.pages.table.snapshot())
     store.close()

@@ -4,7 +4,7 @@ The interleaving is forced with events: the call that encodes and writes a page 
 the instance so that the background write-through of one page stops inside it until the test
 releases it: `store.disk.write` when pages are encoded in the owner process, the helper call
 `store.pages.encoder.encode_to_file` when a codec process does it (both are run). Only public
-behaviour is used (Store methods, `store.disk`, `store.pages.encoder`, `store.residency`).
+behaviour is used (Store methods, `store.disk`, `store.pages.encoder`, `store.kv.residency`).
 
 1. A lookup of a page that is already in the host tier must not wait for a disk write in
    flight (encode, encrypt, write, fsync can take tens of ms for a real page; lookups must not
@@ -100,25 +100,25 @@ def _operations(store: Store, fid: Any, tenant: TenantId) -> dict[str, Callable[
     hot_pages = pages_for(SMALL_FP, HOT)
 
     def load() -> object:
-        n, got = store.load_sequence(fid, tenant, HOT)
+        n, got = store.kv.load_sequence(fid, tenant, HOT)
         assert n == len(HOT) and got == hot_pages
         return n
 
     def match() -> object:
-        assert store.match(fid, tenant, HOT).n_tokens == len(HOT)
+        assert store.kv.match(fid, tenant, HOT).n_tokens == len(HOT)
         return True
 
     return {
         "match": match,
         "load_sequence": load,
-        "put_existing": lambda: store.put_sequence(fid, tenant, HOT, hot_pages),
+        "put_existing": lambda: store.kv.put_sequence(fid, tenant, HOT, hot_pages),
     }
 
 
 def _pause_writer_on_new_page(store: Store, pw: PausedWriter, fid: Any, tenant: TenantId) -> None:
     pw.armed = True
     # The put itself may (wrongly) block behind the paused writer: run it aside.
-    call_bounded(lambda: store.put_sequence(fid, tenant, NEW, pages_for(SMALL_FP, NEW)), 0.0)
+    call_bounded(lambda: store.kv.put_sequence(fid, tenant, NEW, pages_for(SMALL_FP, NEW)), 0.0)
     assert pw.entered.wait(LOOKUP_S), f"write-through never reached {pw.method}"
 
 
@@ -126,9 +126,9 @@ def _pause_writer_on_new_page(store: Store, pw: PausedWriter, fid: Any, tenant: 
 @pytest.mark.parametrize("op", ["match", "load_sequence", "put_existing"])
 def test_host_lookup_does_not_wait_for_disk_write(paused: Opener, op: str) -> None:
     store, pw = paused(fsync=True)
-    fid = store.register_fingerprint(SMALL_FP)
-    tenant = store.tenant_for("alice")
-    store.put_sequence(fid, tenant, HOT, pages_for(SMALL_FP, HOT))
+    fid = store.fingerprints.register(SMALL_FP)
+    tenant = store.identity.tenant_for("alice")
+    store.kv.put_sequence(fid, tenant, HOT, pages_for(SMALL_FP, HOT))
     _flush(store)
     try:
         _pause_writer_on_new_page(store, pw, fid, tenant)
@@ -153,19 +153,19 @@ def test_evicting_disk_write_and_lookup_do_not_deadlock(paused: Opener, op: str)
         host_capacity_bytes=4 * SMALL_FP.page_nbytes,
         disk_capacity_bytes=int(6.5 * DISK_PAGE_FILE_BYTES),
     )
-    fid = store.register_fingerprint(SMALL_FP)
-    tenant = store.tenant_for("alice")
+    fid = store.fingerprints.register(SMALL_FP)
+    tenant = store.identity.tenant_for("alice")
     for base in (100, 200, 300):  # 2-page sequences: the first one ends up disk-only
         toks = np.arange(base, base + 8, dtype=np.int32)
-        store.put_sequence(fid, tenant, toks, pages_for(SMALL_FP, toks))
+        store.kv.put_sequence(fid, tenant, toks, pages_for(SMALL_FP, toks))
         _flush(store)
-    store.put_sequence(fid, tenant, HOT, pages_for(SMALL_FP, HOT))
+    store.kv.put_sequence(fid, tenant, HOT, pages_for(SMALL_FP, HOT))
     _flush(store)
     disk = store.disk
     assert disk is not None
     per_page = disk.used_bytes / max(1, len(list(disk.keys())))
     assert disk.used_bytes + per_page > disk.capacity_bytes, "precondition: the disk tier is full"
-    assert store.residency(fid, tenant, HOT)["host"] == len(HOT), "precondition: HOT is in the host tier"
+    assert store.kv.residency(fid, tenant, HOT)["host"] == len(HOT), "precondition: HOT is in the host tier"
 
     try:
         _pause_writer_on_new_page(store, pw, fid, tenant)
@@ -188,7 +188,7 @@ def test_evicting_disk_write_and_lookup_do_not_deadlock(paused: Opener, op: str)
     if lookup[2] is not None:
         raise lookup[2]
     _flush(store)
-    finished, res, exc = call_bounded(lambda: store.match(fid, tenant, NEW).pages, SETTLE_S)
+    finished, res, exc = call_bounded(lambda: store.kv.match(fid, tenant, NEW).pages, SETTLE_S)
     assert finished and exc is None, f"match hung or failed after the write resumed ({exc!r})"
     assert isinstance(res, tuple) and len(res) == 1, f"NEW is not indexed: {res}"
     assert disk.contains(res[0]), "the evicting write did not land on disk"

@@ -198,14 +198,14 @@ def test_redis_stopped_mid_run_makes_the_tier_unavailable_then_back(
     assert time.monotonic() - t0 < 0.05
     # A store whose Redis is gone serves from its local tiers, and says so.
     with open_store(tmp_path / "s", remote=_config("o:", url=url, timeout_s=0.3)) as store:
-        fid = store.register_fingerprint(SMALL_FP)
-        tenant = store.tenant_for("alice")
+        fid = store.fingerprints.register(SMALL_FP)
+        tenant = store.identity.tenant_for("alice")
         tokens = np.arange(1, 4 * SMALL_FP.block_size + 1, dtype=np.int32)
-        assert store.put_sequence(fid, tenant, tokens, pages_for(SMALL_FP, tokens)) == 4
+        assert store.kv.put_sequence(fid, tenant, tokens, pages_for(SMALL_FP, tokens)) == 4
         store.flush()
-        assert store.load_sequence(fid, tenant, tokens)[0] == len(tokens)
+        assert store.kv.load_sequence(fid, tenant, tokens)[0] == len(tokens)
         other = np.arange(500, 500 + 2 * SMALL_FP.block_size, dtype=np.int32)
-        assert store.load_sequence(fid, tenant, other)[0] == 0  # a miss, not an error
+        assert store.kv.load_sequence(fid, tenant, other)[0] == 0  # a miss, not an error
         s = store.stats()
         assert s["remote_available"] is False and s["remote_error"]
         assert s["remote_write_errors"] >= 1
@@ -223,22 +223,22 @@ def test_a_page_saved_on_one_server_loads_on_another(pg_url: str, tmp_path: Path
     pages = pages_for(SMALL_FP, tokens)
     tail = page_bytes(SMALL_FP, 99)
     with open_store(tmp_path / "a", **common) as a:
-        fid = a.register_fingerprint(SMALL_FP)
-        tenant = a.tenant_for("alice")
-        assert a.put_sequence(fid, tenant, tokens, [*pages, tail]) == 6
+        fid = a.fingerprints.register(SMALL_FP)
+        tenant = a.identity.tenant_for("alice")
+        assert a.kv.put_sequence(fid, tenant, tokens, [*pages, tail]) == 6
         assert a.flush()
         assert a.stats()["remote_writes"] == 6
         with open_store(tmp_path / "b", **common) as b:
-            assert b.tenant_for("alice") == tenant
-            b.register_fingerprint(SMALL_FP)
+            assert b.identity.tenant_for("alice") == tenant
+            b.fingerprints.register(SMALL_FP)
             longer = np.concatenate([tokens, np.arange(900, 900 + 2 * bs, dtype=np.int32)])
-            n, copies = b.load_sequence(fid, tenant, longer)
+            n, copies = b.kv.load_sequence(fid, tenant, longer)
             assert n == len(tokens)
             assert copies[:5] == pages and copies[5] == tail
             s = b.stats()
             assert s["hits_pages"][Tier.REMOTE.value] == 6 and s["remote_read_bytes"] > 0
             assert b.flush()
-            assert b.residency(fid, tenant, tokens)["disk"] == len(tokens)  # kept on B's disk too
+            assert b.kv.residency(fid, tenant, tokens)["disk"] == len(tokens)  # kept on B's disk too
             b.check()
             # Another tenant asking for the same tokens finds nothing of alice's.
-            assert b.load_sequence(fid, b.tenant_for("bob"), longer)[0] == 0
+            assert b.kv.load_sequence(fid, b.identity.tenant_for("bob"), longer)[0] == 0

@@ -130,10 +130,11 @@ def _engine_fingerprint(
         )
 
         try:
-            return store.register_fingerprint(frontend_fingerprint(llm.vllm_config))
+            return store.fingerprints.register(frontend_fingerprint(llm.vllm_config))
         except GroupsKnownInEngine:
             # A sliding-window model: the engine's connector registered its fingerprint.
-            found = registered_for_model(llm.vllm_config, [store.fingerprint(f) for f in store.fingerprints])
+            known = [store.fingerprints.get(f) for f in store.fingerprints]
+            found = registered_for_model(llm.vllm_config, known)
             if len(found) == 1:
                 return found[0].id
     except Exception as exc:  # a config the connector cannot describe: it is off as well

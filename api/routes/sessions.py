@@ -46,7 +46,7 @@ def stored_bytes(state: AppState, user: str, session_id: str) -> int:
     except SessionNotFound:
         return 0
     sequences = ((v.fingerprint, v.tokens) for v in versions if v.fingerprint is not None)
-    return state.store.stored_bytes(state.store.tenant_for(user), sequences)
+    return state.store.kv.stored_bytes(state.store.identity.tenant_for(user), sequences)
 
 
 def session_out(s: SessionInfo, stored: int) -> SessionOut:
@@ -82,7 +82,7 @@ def create_session(
         session_id,
         system_prompt=body.system_prompt,
         metadata=body.metadata,
-        epoch=store.epoch_of(principal.user),  # refused if the user is erased before it commits
+        epoch=store.identity.epoch_of(principal.user),  # refused if the user is erased before it commits
     )
     return session_out(s, 0)  # no version yet, no KV
 
@@ -162,7 +162,7 @@ def warm_session(
 @router.delete("/v1/sessions/{session_id}", response_model=Deleted, responses=error_responses(401, 404))
 def delete_session(session_id: str, state: StateDep, principal: PrincipalDep) -> Deleted:
     """Delete the session, its branches and versions (see docs/privacy.md for its cached pages)."""
-    state.store.delete_session(principal.user, session_id)
+    state.store.sessions.delete(principal.user, session_id)
     return Deleted(id=session_id, object="session.deleted")
 
 

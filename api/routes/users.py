@@ -56,7 +56,7 @@ def receipt_out(store: Store, r: ErasureReceipt) -> ErasureReceiptOut:
             if r.fleet is not None
             else None
         ),
-        verification=verification_out(store.verify_erasure(r.id)),
+        verification=verification_out(store.eraser.verify(r.id)),
     )
 
 
@@ -79,7 +79,7 @@ def erasable_user(store: Store, keys: ApiKeys, user: str) -> UserId:
     try:
         return check_user_id(stored)
     except InvalidUserId:
-        if keys.holds_user(stored) or store.holds_user(stored):
+        if keys.holds_user(stored) or store.eraser.holds_user(stored):
             return stored
         raise
 
@@ -104,8 +104,8 @@ async def erase_user(user_id: str, state: StateDep, principal: PrincipalDep) -> 
     check_rate(state, principal)
     user_id = await asyncio.to_thread(erasable_user, store, state.keys, user_id)
     if state.engine is not None:
-        await state.engine.abort_tenant(store.tenant_for(user_id))
-    receipt = await asyncio.to_thread(store.erase_user, user_id)
+        await state.engine.abort_tenant(store.identity.tenant_for(user_id))
+    receipt = await asyncio.to_thread(store.eraser.erase_user, user_id)
     if state.engine is not None:
         await state.engine.abort_tenant(TenantId(receipt.subject))
     state.metrics.erasures.inc()
@@ -127,7 +127,7 @@ def list_erasures(
     if not principal.is_admin:
         raise Forbidden("only an admin key may list erasure receipts")
     limit = min(limit, state.settings.limits.max_list_limit)
-    rows, has_more = state.store.list_receipts(limit, after)
+    rows, has_more = state.store.eraser.list_receipts(limit, after)
     data = [
         ErasureReceiptSummary(id=r.id, erased_at=r.erased_at, subject=r.subject, counts=r.counts)
         for r in rows
@@ -141,8 +141,8 @@ def list_erasures(
 def get_erasure(receipt_id: str, state: StateDep, principal: PrincipalDep) -> ErasureReceiptOut:
     """The receipt with a fresh verification (admins: any; users: their own)."""
     store = state.store
-    receipt = store.get_receipt(receipt_id)
-    if not principal.is_admin and receipt.subject not in store.receipt_subjects(principal.user):
+    receipt = store.eraser.get_receipt(receipt_id)
+    if not principal.is_admin and receipt.subject not in store.identity.receipt_subjects(principal.user):
         raise ReceiptNotFound(f"no erasure receipt {receipt_id!r}")
     check_rate(state, principal)
     return receipt_out(store, receipt)

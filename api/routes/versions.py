@@ -21,8 +21,8 @@ def _resident(state: AppState, user: str, fingerprint: str | None, tokens: np.nd
     """Tokens of the version whose KV sits in each tier now (nothing for an unknown model)."""
     if not fingerprint or fingerprint not in state.store.fingerprints or len(tokens) == 0:
         return TierTokens()
-    tenant = state.store.tenant_for(user)
-    split = state.store.residency(FingerprintId(fingerprint), tenant, tokens)
+    tenant = state.store.identity.tenant_for(user)
+    split = state.store.kv.residency(FingerprintId(fingerprint), tenant, tokens)
     return TierTokens(**{t.value: split.get(t.value, 0) for t in Tier})
 
 

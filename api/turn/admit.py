@@ -28,7 +28,7 @@ def take_slot(state: AppState, engine: ChatEngine) -> Slot:
 
 async def admitted_epoch(state: AppState, user: str) -> int:
     """The user's erasure epoch as a turn is admitted, before it reads or writes anything."""
-    return await asyncio.to_thread(state.store.epoch_of, user)
+    return await asyncio.to_thread(state.store.identity.epoch_of, user)
 
 
 class HoldingSlot(Response):

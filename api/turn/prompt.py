@@ -36,10 +36,11 @@ async def prepare(state: AppState, engine: ChatEngine, turn: Turn) -> Prepared:
     sampling = engine.sampling_for(validated, max_tokens)
     store = state.store
     if turn.epoch is not None:  # the turn's own tenant: an erasure since retired it
-        tenant, salt = store.tenant_at(turn.user, turn.epoch), store.cache_salt(turn.user, turn.epoch)
+        tenant = store.identity.tenant_at(turn.user, turn.epoch)
+        salt = store.identity.cache_salt(turn.user, turn.epoch)
     else:
-        tenant = store.tenant_for(turn.user)
-        salt = await asyncio.to_thread(store.cache_salt, turn.user)
+        tenant = store.identity.tenant_for(turn.user)
+        salt = await asyncio.to_thread(store.identity.cache_salt, turn.user)
     return Prepared(prompt_ids, sampling, tenant, salt)
 
 

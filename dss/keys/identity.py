@@ -157,6 +157,8 @@ class Identity:
         return sorted(found)
 
     def epoch_of(self, user: str) -> int:
+        """The user's erasure epoch now: what a request is admitted under. Its writes pass it on
+        (`epoch=`) and are refused with `UserErased` once the user was erased since."""
         subject = self.subject_hash(user)
         with self._lock:
             epoch = self._epochs.get(subject)
@@ -244,6 +246,20 @@ class Identity:
         return hashlib.blake2b(
             b"dss-subject\x00" + user.encode(), key=self._secret[:32], digest_size=20
         ).hexdigest()
+
+    def receipt_subjects(self, user: str) -> set[str]:
+        """What the user's erasure receipts may name: every tenant the user had (and, for receipts
+        written before tenants had epochs, the subject hash)."""
+        subjects = {*self.tenants_of(user), self.subject_hash(user)}
+        if self.legacy:
+            subjects.add(self.legacy_subject_hash(user))
+        return subjects
+
+    def cache_salt(self, user: str, epoch: int | None = None) -> str:
+        """The engine prefix-cache salt of `user` (in `epoch`; default: the current one): the
+        tenant, which moves with each erasure of the user (vLLM's own cache keeps an erased
+        user's blocks until they age out; a re-created user must not hit them)."""
+        return str(self.tenant_for(user) if epoch is None else self.tenant_at(user, epoch))
 
     def seal(self, label: str, *fields: str) -> str:
         """An HMAC-SHA256 (hex) of `fields` under the server secret, for records the database

@@ -72,9 +72,8 @@ from dss.types import PUBLIC_TENANT, TenantId, Tier
 log = logging.getLogger("dss.erasure")
 _SETTLE_S = 30.0
 
-_append_lock = threading.Lock()
 # Arbitrary constant naming the advisory lock that serialises appends to the receipt chain
-# across the servers of a fleet (the in-process lock above only covers one process).
+# across the servers of a fleet and the threads of each (see `_append_receipt`).
 _CHAIN_LOCK_KEY = 0x44535302
 # The first key of the two-key advisory locks that serialise erasures of one user across the
 # fleet (the second: 32 bits of the user's subject hash). PostgreSQL keeps two-key locks apart
@@ -178,6 +177,7 @@ class Eraser:
         membership: Membership | None = None,
         ack_timeout_s: float = 5.0,
         on_tenant_erased: OnTenantErased | None = None,
+        on_user_erased: Callable[[str], None] | None = None,
     ) -> None:
         self._sf = session_factory
         self._db = db
@@ -191,8 +191,14 @@ class Eraser:
         self._membership = membership
         self._ack_timeout_s = ack_timeout_s
         self._on_tenant_erased = on_tenant_erased
+        self._on_user_erased = on_user_erased  # after a local erasure (retention forgets the user)
         self._wal = WalScrubber(db)
         self._one_per_user = _OneErasurePerUser()
+
+    def holds_user(self, user: str) -> bool:
+        """Whether anything of `user` is stored: a session, a stored response, or a data key of
+        its tenant (KV it wrote). API keys are the API's (`ApiKeys.holds_user`)."""
+        return self._versions.holds_user(user) or self._keyring.holds_key(self._identity.tenant_for(user))
 
     def erase_user(self, user: str) -> ErasureReceipt:
         """Erase `user` everywhere; the returned receipt counts this server's copies and, in a
@@ -212,6 +218,7 @@ class Eraser:
         The remote tier's keys of the tenant are deleted after the commit (`counts["remote_keys"]`,
         or "unavailable" when Redis does not answer): whatever is left there is unreadable, since
         the tenant's data key is destroyed in the transaction, and `verify` reports it."""
+        self._kv.ensure_open()
         subject = self._identity.subject_hash(user)
         with self._one_per_user.holding(subject), self._sf() as s:
             if s.get_bind().dialect.name == "postgresql":
@@ -281,6 +288,8 @@ class Eraser:
                     "erasure %s: no acknowledgement in time from %s", rid, ", ".join(fleet.unanswered)
                 )
         scrubbed = self._wal.scrub()
+        if self._on_user_erased is not None:
+            self._on_user_erased(user)
         return ErasureReceipt(rid, seq, erased_at, tenant, out, prev, entry, scrubbed, fleet)
 
     def _detach_tenants(self, tenants: list[TenantId]) -> tuple[dict[Tier, tuple[int, int]], list[PageEntry]]:
@@ -448,28 +457,29 @@ def _delete_rows(
 def _append_receipt(
     s: Session, rid: str, erased_at: datetime, subject: str, counts: dict[str, Any]
 ) -> tuple[int, str, str]:
-    with _append_lock:  # one chain: receipts of two erasures in this process never interleave
-        if s.get_bind().dialect.name == "postgresql":
-            # ... nor of two servers: held until the transaction ends (SQLite has one writer).
-            s.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _CHAIN_LOCK_KEY})
-        last = s.execute(
-            select(m.ErasureReceiptRow).order_by(m.ErasureReceiptRow.seq.desc()).limit(1)
-        ).scalar()
-        seq = (last.seq + 1) if last else 1
-        prev = last.entry_hash if last else GENESIS
-        entry = entry_hash(prev, rid, seq, erased_at, subject, counts)
-        s.add(
-            m.ErasureReceiptRow(
-                id=rid,
-                seq=seq,
-                erased_at=erased_at,
-                subject=subject,
-                counts=counts,
-                prev_hash=prev,
-                entry_hash=entry,
-            )
+    # One chain: two erasures' receipts never interleave, serialised by the database rather
+    # than by a Python lock (no lock of this process is held across the queries below). On
+    # PostgreSQL, by an advisory lock held until the transaction ends (threads and servers alike);
+    # on SQLite, by its one write lock, which the caller's transaction already holds (its first
+    # write, the epoch row's, came before) and keeps until it commits.
+    if s.get_bind().dialect.name == "postgresql":
+        s.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _CHAIN_LOCK_KEY})
+    last = s.execute(select(m.ErasureReceiptRow).order_by(m.ErasureReceiptRow.seq.desc()).limit(1)).scalar()
+    seq = (last.seq + 1) if last else 1
+    prev = last.entry_hash if last else GENESIS
+    entry = entry_hash(prev, rid, seq, erased_at, subject, counts)
+    s.add(
+        m.ErasureReceiptRow(
+            id=rid,
+            seq=seq,
+            erased_at=erased_at,
+            subject=subject,
+            counts=counts,
+            prev_hash=prev,
+            entry_hash=entry,
         )
-        s.flush()
+    )
+    s.flush()
     return seq, prev, entry
 
 

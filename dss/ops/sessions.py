@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 
 import numpy as np
 
@@ -26,6 +27,35 @@ from dss.pages.manager import TieredPages
 from dss.types import FingerprintId, Namespace, PageHash
 
 log = logging.getLogger("dss.sessions")
+
+
+class Sessions:
+    """Session deletion over the parts that hold a session: `delete(user, sid)`.
+    `on_deleted(user, sid)` runs after it (retention forgets the session's hints)."""
+
+    def __init__(
+        self,
+        versions: VersionStore,
+        identity: Identity,
+        fingerprints: FingerprintRegistry,
+        index: PrefixIndex,
+        pages: TieredPages,
+        on_deleted: Callable[[str, str], None] = lambda _user, _sid: None,
+    ) -> None:
+        self._versions = versions
+        self._identity = identity
+        self._fingerprints = fingerprints
+        self._index = index
+        self._pages = pages
+        self._on_deleted = on_deleted
+
+    def delete(self, user: str, sid: str) -> int:
+        """Delete a session and the cached pages only it used; returns the pages dropped."""
+        dropped = delete_session(
+            self._versions, self._identity, self._fingerprints, self._index, self._pages, user, sid
+        )
+        self._on_deleted(user, sid)
+        return dropped
 
 
 def delete_session(

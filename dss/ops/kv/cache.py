@@ -25,73 +25,35 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from dss.config import StoreConfig
-from dss.errors import InvalidInput, LimitExceeded, PageShapeMismatch, StorageError, TierUnavailable
+from dss.errors import (
+    InvalidInput,
+    LimitExceeded,
+    PageShapeMismatch,
+    StorageError,
+    StoreClosed,
+)
 from dss.index.fingerprints import FingerprintRegistry
 from dss.index.hashing import ROOT_PARENT, chain_hashes
 from dss.index.prefix_index import IndexMatch, PrefixIndex
 from dss.index.tails import tail_hash
 from dss.namespace import make_namespace, public_namespace
+from dss.ops.kv.matching import MatchInfo, match_info, with_partial
+from dss.ops.kv.records import Lease, PendingSave
+from dss.ops.kv.remote import index_adopted, remote_pages_after
 from dss.ops.writeback import DiskWriter
 from dss.pages.manager import TieredPages
 from dss.pages.meta import PageMeta
-from dss.pages.table import Held
 from dss.tokens import as_tokens
-from dss.types import PUBLIC_TENANT, FingerprintId, Namespace, PageHash, TenantId, Tier
+from dss.types import PUBLIC_TENANT, FingerprintId, PageHash, TenantId, Tier
 from dss.wire import LoadPlan, PageSlot, SavePlan, SlotRef
 
 log = logging.getLogger("dss.kv")
 
 _ERASE_WAIT_S = 30.0
-
-
-@dataclass(frozen=True, slots=True)
-class MatchInfo:
-    n_tokens: int
-    pages: tuple[PageHash, ...]  # whole pages, then the page the match ends inside, if any
-    public_tokens: int
-    partial_tokens: int = 0  # tokens used of the last page when the match ends inside it (0: none)
-
-    def page_tokens(self, block_size: int) -> list[int]:
-        """Tokens used of each page of the match."""
-        sizes = [block_size] * len(self.pages)
-        if self.partial_tokens and sizes:
-            sizes[-1] = self.partial_tokens
-        return sizes
-
-
-@dataclass
-class _Lease:
-    held: list[Held]  # every page pinned by the lease (from page 0)
-    plan_pages: tuple[PageSlot, ...]
-    futures: dict[int, Future[SlotRef | None]]
-    shards: int = 1  # engine ranks that each copy their shard and release (`release(..., shard)`)
-    released: set[int] = field(default_factory=set)
-    created: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class _PendingSave:
-    fingerprint: FingerprintId
-    namespace: Namespace
-    tokens: np.ndarray
-    hashes: list[PageHash]
-    namespaces: list[Namespace]
-    slots: dict[int, SlotRef]
-    shards: int = 1  # engine ranks that each copy their shard and report (commit or abort)
-    # Each rank's report: the page indexes it copied (an abort copied none). The save is
-    # published, or freed, only when every rank reported: until then a rank may still be
-    # writing into the slots, which must not be reused.
-    reports: dict[int, frozenset[int]] = field(default_factory=dict)
-    created: float = field(default_factory=time.monotonic)
-    # Set while an erasure zeroes the slots (guarded by KVCache._lock): a commit or abort that
-    # arrives meanwhile only marks `reported`, and the eraser frees the slots when it is done.
-    scrubbing: bool = False
-    reported: bool = False
 
 
 class KVCache:
@@ -110,19 +72,26 @@ class KVCache:
         self.pages = pages
         self._lock = threading.Lock()
         self._quiet = threading.Condition(self._lock)  # notified when a tenant's save finishes
-        self._leases: dict[str, _Lease] = {}
-        self._saves: dict[str, _PendingSave] = {}
+        self._leases: dict[str, Lease] = {}
+        self._saves: dict[str, PendingSave] = {}
         self._erasing: dict[TenantId, int] = {}  # erasures of each tenant running now
         self._active: dict[TenantId, int] = {}  # saves of each tenant being published now
         self._pins: dict[FingerprintId, list[np.ndarray]] = {}
         self._loader = ThreadPoolExecutor(max_workers=config.loader_threads, thread_name_prefix="dss-loader")
         write_through = config.write_through and (pages.disk is not None or pages.remote is not None)
         self.writer = DiskWriter(pages, self.forget) if write_through else None
+        self._closed = False
 
     def close(self) -> None:
+        self._closed = True
         self._loader.shutdown(wait=True, cancel_futures=True)
         if self.writer is not None:
             self.writer.close()
+
+    def ensure_open(self) -> None:
+        """`StoreClosed` once `close` ran: what a match, load, save or erasure meets then."""
+        if self._closed:
+            raise StoreClosed("the store is closed")
 
     # ------------------------------------------------------------------ matching
     def _tokens(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -140,18 +109,24 @@ class KVCache:
         included: whole pages, then the page (a tail page, or a whole one) the rest of `tokens`
         shares the most leading tokens with. Pages that left every tier end the match. `touch`:
         counts as a use of those pages (their recency)."""
+        self.ensure_open()
+        return self._match(fid, tenant, tokens, touch)
+
+    def _match(
+        self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray, touch: bool = True
+    ) -> MatchInfo:
         bs = self.fingerprints.get(fid).block_size
         m = self.index.match(fid, tenant, self._tokens(tokens), touch=touch)
-        pages = _with_partial(m)
+        pages = with_partial(m)
         n_ok = self.pages.table.present_prefix(pages)
-        return _match_info(m, n_ok, bs)
+        return match_info(m, n_ok, bs)
 
     def residency(
         self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray
     ) -> dict[str, int]:
         """Tokens of `tokens` whose KV each tier holds now. A page on two tiers (host and its
         write-through copy on disk) counts in both."""
-        m = self.match(fid, tenant, tokens)
+        m = self._match(fid, tenant, tokens)
         bs = self.fingerprints.get(fid).block_size
         out = {t.value: 0 for t in Tier}
         for h, n in zip(m.pages, m.page_tokens(bs), strict=True):
@@ -172,7 +147,7 @@ class KVCache:
             if fid not in self.fingerprints:
                 continue
             fp = self.fingerprints.get(fid)
-            info = self.match(fid, tenant, tokens, touch=False)
+            info = self._match(fid, tenant, tokens, touch=False)
             for h in info.pages[info.public_tokens // fp.block_size :]:
                 if h not in seen:
                     seen.add(h)
@@ -198,6 +173,7 @@ class KVCache:
     ) -> LoadPlan | None:
         """Match and pin the pages after `start_token` (a multiple of the block size). Pages only
         on disk are promoted into the host arena by loader threads (the plan is then async)."""
+        self.ensure_open()
         bs = self.fingerprints.get(fid).block_size
         if start_token % bs:
             raise InvalidInput(f"start_token {start_token} is not a multiple of the block size {bs}")
@@ -207,7 +183,7 @@ class KVCache:
         m = self.index.match(fid, tenant, query)
         if self.pages.remote is not None and self._adopt_remote(fid, tenant, query, m):
             m = self.index.match(fid, tenant, query)
-        pages = _with_partial(m)
+        pages = with_partial(m)
         first = start_token // bs
         if len(pages) <= first:
             return None
@@ -215,7 +191,7 @@ class KVCache:
         if len(held) <= first:
             self.pages.unlease(held)
             return None
-        sizes = _match_info(m, len(held), bs).page_tokens(bs)
+        sizes = match_info(m, len(held), bs).page_tokens(bs)
         futures: dict[int, Future[SlotRef | None]] = {}
         tier_tokens = {t.value: 0 for t in Tier}
         plan_pages: list[PageSlot] = []
@@ -230,7 +206,7 @@ class KVCache:
         load_id = uuid.uuid4().hex
         shards = self.fingerprints.get(fid).shards
         with self._lock:
-            self._leases[load_id] = _Lease(held, tuple(plan_pages), futures, shards)
+            self._leases[load_id] = Lease(held, tuple(plan_pages), futures, shards)
         n_tokens = sum(sizes[first:])
         return LoadPlan(load_id, n_tokens, start_token, tuple(plan_pages), bool(futures), tier_tokens)
 
@@ -246,81 +222,24 @@ class KVCache:
             self.forget(gone)
 
     def _adopt_remote(self, fid: FingerprintId, tenant: TenantId, tokens: np.ndarray, m: IndexMatch) -> bool:
-        """Extend a local match with the pages the remote tier holds: the chained hashes of the
-        query's next whole pages, then its candidate tail pages, each asked in one pipelined round
-        trip. Pages found enter the page table (as remote-only, promoted by the load) and the index.
+        """Extend a local match with the pages the remote tier holds (`remote_pages_after`).
+        Pages found enter the page table (as remote-only, promoted by the load) and the index.
         Returns whether any did. Redis unavailable: nothing found, nothing raised."""
         remote = self.pages.remote  # an unavailable one fails fast (and is tried again later)
         if remote is None or self._is_retired(tenant):
             return False
         fp = self.fingerprints.get(fid)
-        bs = fp.block_size
-        start = len(m.pages)
-        n_whole = len(tokens) // bs
-        if start * bs >= len(tokens):
-            return False
         own_ns = make_namespace(fid, tenant)
-        parent = m.pages[-1] if start else ROOT_PARENT
-        try:
-            wanted = chain_hashes(own_ns.id, tokens[: n_whole * bs], bs, parent=parent, start_page=start)
-            found = 0
-            for ok in remote.exists(wanted):
-                if not ok:
-                    break
-                found += 1
-            new = wanted[:found]
-            end = (start + found) * bs
-            tail_parent = new[-1] if new else parent
-            rest = tokens[end : end + bs - 1]
-            tail_k = 0
-            if len(rest):
-                candidates = [tail_hash(own_ns.id, tail_parent, rest[:k]) for k in range(1, len(rest) + 1)]
-                present = remote.exists(candidates)
-                tail_k = max((k + 1 for k, ok in enumerate(present) if ok), default=0)  # the longest
-                if tail_k:
-                    new.append(candidates[tail_k - 1])
-        except TierUnavailable:
-            return False
-        if not new:
+        find = remote_pages_after(remote, fp, own_ns, tokens, m)
+        if find is None:
             return False
         # Counted like a save: an erasure of the tenant that began meanwhile refuses it, and one
         # that begins now waits until these pages are in the table and the index (then drops them).
         with self._tenant_save(tenant) as allowed:
             if not allowed:
                 return False
-            self._insert_adopted(fid, own_ns, tokens, list(m.pages), new, start, end + tail_k)
+            index_adopted(self.pages, self.index, fp, fid, own_ns, tokens, list(m.pages), find)
         return True
-
-    def _insert_adopted(
-        self,
-        fid: FingerprintId,
-        own_ns: Namespace,
-        tokens: np.ndarray,
-        matched: list[PageHash],
-        new: list[PageHash],
-        start: int,
-        n_tokens: int,
-    ) -> None:
-        fp = self.fingerprints.get(fid)
-        bs = fp.block_size
-        path = matched + new
-        for i in range(start, len(path)):
-            lo = i * bs
-            hi = min(lo + bs, n_tokens)
-            meta = PageMeta(
-                hash=path[i],
-                namespace=own_ns.id,
-                tenant=own_ns.tenant,
-                fingerprint=fid,
-                parent=path[i - 1] if i else ROOT_PARENT,
-                index=i,
-                nbytes=fp.page_nbytes,
-                tokens=tokens[lo:hi].copy(),
-            )
-            self.pages.add_remote_resident(meta)
-        pushed_out = self.index.insert(own_ns, bs, tokens[:n_tokens], path)
-        if pushed_out:
-            self.pages.drop(pushed_out)
 
     def wait_loaded(
         self, load_id: str, timeout_s: float = 30.0, release: bool = False, shard: int | None = None
@@ -392,6 +311,7 @@ class KVCache:
         """Reserve host slots for the pages of `tokens[: n_pages * block_size]` that the store
         lacks. `with_tail`: the tokens after those pages, when fewer than a page, are saved too,
         as a tail page (the engine copies their whole block; its first tokens are valid)."""
+        self.ensure_open()
         self._expire_stale()
         fp = self.fingerprints.get(fid)
         bs = fp.block_size
@@ -426,7 +346,7 @@ class KVCache:
                 raise
             finally:
                 self.forget(gone)
-            pending = _PendingSave(fid, own_ns, arr, hashes, namespaces, slots, fp.shards)
+            pending = PendingSave(fid, own_ns, arr, hashes, namespaces, slots, fp.shards)
             if slots:
                 with self._lock:
                     self._saves[save_id] = pending
@@ -449,7 +369,7 @@ class KVCache:
                 return 0
             return self._publish(pending, done)
 
-    def _publish(self, pending: _PendingSave, done: set[int]) -> int:
+    def _publish(self, pending: PendingSave, done: set[int]) -> int:
         fp = self.fingerprints.get(pending.fingerprint)
         bs = fp.block_size
         # Pages must be contiguous from 0 to be reachable: stop at the first missing one.
@@ -494,7 +414,7 @@ class KVCache:
 
     def _take_save(
         self, save_id: str, shard: int | None, written: frozenset[int]
-    ) -> tuple[_PendingSave | None, set[int]]:
+    ) -> tuple[PendingSave | None, set[int]]:
         """Record a rank's report. Once every rank reported (or `shard` is None), the pending
         save is the caller's to publish or free, with the pages every rank copied; None while
         ranks are missing, if unknown, or if an erasure is zeroing its slots (the eraser then
@@ -516,11 +436,11 @@ class KVCache:
         reports = list(pending.reports.values()) if shard is not None else [frozenset()]
         return pending, set(frozenset.intersection(*reports))
 
-    def _free(self, pending: _PendingSave) -> None:
+    def _free(self, pending: PendingSave) -> None:
         for ref in pending.slots.values():
             self.pages.release_host(ref)
 
-    def _link(self, pending: _PendingSave) -> None:
+    def _link(self, pending: PendingSave) -> None:
         """Index a saved sequence in its namespace (its leading public pages included)."""
         n = self.pages.table.present_prefix(pending.hashes)
         if n == 0:
@@ -610,14 +530,14 @@ class KVCache:
             old = self._pins.get(fid, [])
             self._pins[fid] = list(token_lists)
         for tokens in old:
-            self.pages.set_pinned(self.match(fid, PUBLIC_TENANT, tokens).pages, False)
+            self.pages.set_pinned(self._match(fid, PUBLIC_TENANT, tokens).pages, False)
         self._apply_pins(fid)
 
     def _apply_pins(self, fid: FingerprintId) -> None:
         with self._lock:
             token_lists = list(self._pins.get(fid, []))
         for tokens in token_lists:
-            self.pages.set_pinned(self.match(fid, PUBLIC_TENANT, tokens).pages, True)
+            self.pages.set_pinned(self._match(fid, PUBLIC_TENANT, tokens).pages, True)
 
     # ------------------------------------------------------------------ in-process convenience
     def put_sequence(
@@ -669,16 +589,3 @@ class KVCache:
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"leases": len(self._leases), "pending_saves": len(self._saves)}
-
-
-def _with_partial(m: IndexMatch) -> tuple[PageHash, ...]:
-    return (*m.pages, m.partial) if m.partial is not None else m.pages
-
-
-def _match_info(m: IndexMatch, n_ok: int, block_size: int) -> MatchInfo:
-    """The match cut to its first `n_ok` pages (those still in the page table)."""
-    n_full = min(n_ok, len(m.pages))
-    used = m.partial_tokens if m.partial is not None and n_ok > len(m.pages) else 0
-    pages = (*m.pages[:n_full], m.partial) if used and m.partial is not None else m.pages[:n_full]
-    public = min(m.public_pages, n_full) * block_size
-    return MatchInfo(n_full * block_size + used, tuple(pages), public, used)
