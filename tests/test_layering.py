@@ -47,6 +47,7 @@ API_MAY_IMPORT = (
     "dss.store",
     "dss.errors",
     "dss.types",
+    "dss.tokens",
     "dss.inputs",
     "dss.wire",
     "dss.jsonlimits",

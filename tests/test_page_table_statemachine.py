@@ -82,7 +82,7 @@ class PagesMachine(RuleBasedStateMachine):
         # Examples share one database; a server id of their own keeps their rows apart.
         rows = PageRows(self.factory, DEFAULT_CODEC, uuid.uuid4().hex[:16])
         self.pages = TieredPages(
-            PageTable(), self.host, self.disk, None, make_policy("lru"), rows, lambda _tenant: KEY
+            PageTable(), self.host, self.disk, make_policy("lru"), rows, lambda _tenant: KEY
         )
         self.model: dict[PageHash, bytes] = {}
         self.puts = 0
