@@ -50,7 +50,7 @@ _LATENCY_BUCKETS = (
 class Metrics:
     def __init__(self) -> None:
         # `_created` series double the output and no dashboard of ours reads them (process-wide).
-        disable_created_metrics()
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.http_requests = Counter(

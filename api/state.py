@@ -57,7 +57,7 @@ class Startup:
     def reason(self) -> str:
         if self.phase is Phase.FAILED:
             return f"start-up failed: {self.error}"
-        return self.phase.value
+        return str(self.phase.value)
 
 
 class TenantAborter:

@@ -20,7 +20,7 @@ that undoes it leaves an orphan too). No lock here: each call is its own short t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from sqlalchemy import CursorResult, delete, select, update
@@ -36,6 +36,9 @@ from dss.pages.meta import PageMeta
 from dss.tokens import TOKEN_DTYPE, as_tokens
 from dss.types import FingerprintId, NamespaceId, PageHash, TenantId
 
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
 _CHUNK = 500
 
 KeyOf = Callable[[TenantId], bytes | None]
@@ -50,9 +53,7 @@ def seal_tokens(meta: PageMeta, data_key: bytes) -> bytes:
     return crypto.encrypt(data_key, as_tokens(meta.tokens).tobytes(), _tokens_aad(meta.tenant, meta.hash))
 
 
-def open_tokens(
-    sealed: bytes, tenant: TenantId, page: PageHash, data_key: bytes | crypto.AESGCM
-) -> np.ndarray:
+def open_tokens(sealed: bytes, tenant: TenantId, page: PageHash, data_key: bytes | AESGCM) -> np.ndarray:
     """Raises `CorruptPage` when the value does not open under the key (moved, damaged, wrong key)."""
     plain = crypto.decrypt(data_key, sealed, _tokens_aad(tenant, page))
     if len(plain) % TOKEN_DTYPE.itemsize:
@@ -119,7 +120,7 @@ class PageRows:
             rows = list(s.execute(select(PageRow).where(PageRow.server == self.server)).scalars())
         ok: list[tuple[PageMeta, int]] = []
         unusable: list[PageHash] = []
-        ciphers: dict[TenantId, crypto.AESGCM | None] = {}
+        ciphers: dict[TenantId, AESGCM | None] = {}
         for r in rows:
             h, tenant = PageHash(bytes(r.hash)), TenantId(r.tenant)
             if tenant not in ciphers:
