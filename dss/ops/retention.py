@@ -158,7 +158,7 @@ class SessionRetention:
         # refresh first, with how many pages each holds (bounded by `_MAX_ORPHAN_ONLY_PAGES`).
         self._orphan_only: OrderedDict[SessionKey, int] = OrderedDict()
         self._orphan_only_pages = 0
-        self._erased: dict[str, float] = {}  # user -> monotonic time of the erasure, oldest first
+        self._erased: dict[UserId, float] = {}  # user -> monotonic time of the erasure, oldest first
         self._warming: set[PageHash] = set()
         self._resolving = 0
         self._counts = {"warmed_pages": 0, "warm_skipped_pages": 0, "idle_demotions": 0, "demoted_pages": 0}
