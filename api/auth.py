@@ -175,7 +175,7 @@ class ApiKeys:
             self._any = None
         return bool(n)
 
-    def holds_user(self, user: str) -> bool:
+    def holds_user(self, user: UserId) -> bool:
         """Whether any key, active or revoked, was made for `user`."""
         with transaction(self._sf) as db:
             return db.scalar(select(ApiKeyRow.id).where(ApiKeyRow.user_id == user).limit(1)) is not None

@@ -18,6 +18,7 @@ from api.state import AppState, Phase, Startup
 from dss.errors import InvalidInput
 from dss.inputs import check_text, check_user_id
 from dss.store import Store
+from dss.types import SessionId
 
 if TYPE_CHECKING:
     from api.llm.chat_engine import ChatEngine
@@ -210,14 +211,14 @@ SessionHeaderDep = Annotated[
 ]
 
 
-def session_id_of(body_value: str | None, header: str | None) -> str | None:
+def session_id_of(body_value: str | None, header: str | None) -> SessionId | None:
     """The request's session: the body's `session_id`, else the `X-DSS-Session` header (both
     validated alike, by the schema and the header's pattern); the same value in both is fine,
     two different ones are a `SessionIdConflict`."""
     if header is None or body_value == header:
-        return body_value
+        return SessionId(body_value) if body_value is not None else None
     if body_value is None:
-        return header
+        return SessionId(header)
     raise SessionIdConflict(
         f"the {SESSION_HEADER} header and the body's session_id name different sessions; send one, "
         "or the same in both"

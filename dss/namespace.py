@@ -108,7 +108,7 @@ class ModelFingerprint:
         return cls(**json.loads(text))
 
 
-def tenant_for_user(server_secret: bytes, user: UserId | str, epoch: int = 0) -> TenantId:
+def tenant_for_user(server_secret: bytes, user: UserId, epoch: int = 0) -> TenantId:
     """The per-user cache salt: an HMAC under the server secret, so it cannot be guessed or chosen.
     `epoch` counts the user's erasures: a re-created user gets a tenant nothing was ever stored
     under. Fields are length-prefixed (`dss.derive`), so no user id names another's tenant."""
@@ -117,7 +117,7 @@ def tenant_for_user(server_secret: bytes, user: UserId | str, epoch: int = 0) ->
     return TenantId(hmac_sha256(server_secret, "dss/tenant/v2", str(user), epoch).hex()[:32])
 
 
-def legacy_tenant_for_user(server_secret: bytes, user: UserId | str, epoch: int = 0) -> TenantId:
+def legacy_tenant_for_user(server_secret: bytes, user: UserId, epoch: int = 0) -> TenantId:
     """The first derivation (`"dss-tenant\\0" + user + "\\0epoch\\0" + n`): ambiguous, never used
     for new data. Only to recognise what a store upgraded from it recorded: its receipts name
     tenants of this form (`dss.keys.upgrade`)."""

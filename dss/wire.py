@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dss.derive import hmac_sha256
-from dss.types import PageHash, TenantId, Tier
+from dss.types import PageHash, SessionId, TenantId, Tier
 
 KV_TRANSFER_PARAMS = "kv_transfer_params"
 
@@ -133,7 +133,7 @@ class SessionTag:
     """
 
     tenant: TenantId
-    session_id: str
+    session_id: SessionId
 
     def _mac(self, key: bytes) -> str:
         return hmac_sha256(key, "dss/session-tag/v3", self.tenant, self.session_id).hex()
@@ -154,7 +154,7 @@ class SessionTag:
         tenant, session_id = params.get("tenant"), params.get("session_id")
         if not isinstance(tenant, str) or not tenant or not isinstance(session_id, str) or not session_id:
             return None
-        tag = cls(TenantId(tenant), session_id)
+        tag = cls(TenantId(tenant), SessionId(session_id))
         sig = params.get("sig")
         if not isinstance(sig, str) or not hmac.compare_digest(sig, tag._mac(key)):
             return None
@@ -177,7 +177,7 @@ class TurnReport:
     calls for this request that failed or missed their deadline (each one was a cache miss).
     """
 
-    session_id: str
+    session_id: SessionId
     fingerprint: str | None
     engine_cached_tokens: int = 0
     loaded_from: dict[str, int] = field(default_factory=dict)
@@ -215,7 +215,7 @@ class TurnReport:
             return None
         fingerprint = params.get("fingerprint")
         return cls(
-            session_id=str(params["session_id"]),
+            session_id=SessionId(str(params["session_id"])),
             fingerprint=fingerprint if isinstance(fingerprint, str) else None,
             engine_cached_tokens=_count(params.get("engine_cached_tokens")),
             loaded_from=_tier_counts(params.get("loaded_from")),

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from api.errors import BadRequest, EngineOverloaded, EngineUnavailable
 from api.llm.sampling import Sampling
 from dss.errors import ErasedDuringGeneration
-from dss.types import FingerprintId, TenantId
+from dss.types import FingerprintId, SessionId, TenantId
 from dss.wire import SessionTag, TurnReport
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ async def generate(
     *,
     tenant: TenantId,
     cache_salt: str,
-    session_id: str | None,
+    session_id: SessionId | None,
     arrived: float,
     persist: bool = True,
 ) -> AsyncGenerator[Delta | Finished, None]:
@@ -82,7 +82,7 @@ async def generate(
 
     # The connector acts only on requests that name a session; a plain chat gets a one-off
     # id so that it is still cached in (and served from) the user's namespace.
-    sid = session_id if session_id is not None else f"anon-{uuid.uuid4().hex}"
+    sid = session_id if session_id is not None else SessionId(f"anon-{uuid.uuid4().hex}")
     params = sampling.params.clone()
     params.output_kind = RequestOutputKind.DELTA
     params.extra_args = SessionTag(tenant, sid).extra_args(engine.session_tag_key) if persist else None

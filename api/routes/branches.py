@@ -8,6 +8,7 @@ from api.deps import PrincipalDep, StateDep
 from api.errors import error_responses
 from api.shapes.schemas import BranchCreate, BranchOut, ListResponse
 from dss.dialogue.versions import BranchInfo
+from dss.types import SessionId
 
 router = APIRouter(tags=["branches"])
 
@@ -27,7 +28,9 @@ async def create_branch(
 ) -> BranchOut:
     versions = state.store.versions
     return _out(
-        await state.short_db_op(versions.branch, principal.user, session_id, body.from_version, body.name)
+        await state.short_db_op(
+            versions.branch, principal.user, SessionId(session_id), body.from_version, body.name
+        )
     )
 
 
@@ -37,7 +40,7 @@ async def create_branch(
     responses=error_responses(401, 404),
 )
 def list_branches(session_id: str, state: StateDep, principal: PrincipalDep) -> ListResponse[BranchOut]:
-    data = [_out(b) for b in state.store.versions.list_branches(principal.user, session_id)]
+    data = [_out(b) for b in state.store.versions.list_branches(principal.user, SessionId(session_id))]
     return ListResponse[BranchOut](
         data=data,
         has_more=False,

@@ -15,7 +15,7 @@ from api.llm.generation import Finished, generate
 from api.shapes.schemas import Deleted, ListResponse, PrefixCreate, PrefixOut
 from api.state import AppState
 from dss.ops.prefixes import PrefixInfo
-from dss.types import PUBLIC_TENANT
+from dss.types import PUBLIC_TENANT, SessionId
 
 router = APIRouter(tags=["prefixes"])
 
@@ -43,7 +43,7 @@ async def _warm(state: AppState, engine: ChatEngine, tokens: list[int], prefix_i
             one_token,
             tenant=PUBLIC_TENANT,
             cache_salt=PUBLIC_TENANT,
-            session_id=prefix_id,
+            session_id=SessionId(prefix_id),
             arrived=time.perf_counter(),
         ):
             if isinstance(ev, Finished):

@@ -31,13 +31,14 @@ from api.turn.target import message_turn
 from dss.dialogue.versions import SessionInfo
 from dss.errors import ModelNotFound, SessionNotFound
 from dss.ops.retention import KEEP
+from dss.types import SessionId, UserId
 
 router = APIRouter(tags=["sessions"])
 
 SidPath = Annotated[str, "session id"]
 
 
-def stored_bytes(state: AppState, user: str, session_id: str) -> int:
+def stored_bytes(state: AppState, user: UserId, session_id: SessionId) -> int:
     """The KV bytes stored for the session's versions (`KVCache.stored_bytes`); 0 for a session
     deleted meanwhile (a listing does not fail for it). The versions' token ids are read a few at
     a time (`iter_tokens`): a session's whole history is never held at once."""
@@ -95,7 +96,9 @@ def list_sessions(
     after: Annotated[str | None, Query(max_length=128)] = None,
 ) -> ListResponse[SessionOut]:
     limit = min(limit, state.settings.limits.max_list_limit)
-    rows, has_more = state.store.versions.list_sessions(principal.user, limit=limit, after=after)
+    rows, has_more = state.store.versions.list_sessions(
+        principal.user, limit=limit, after=SessionId(after) if after is not None else None
+    )
     data = [session_out(s, stored_bytes(state, principal.user, s.id)) for s in rows]
     return ListResponse[SessionOut](
         data=data,
@@ -107,8 +110,9 @@ def list_sessions(
 
 @router.get("/v1/sessions/{session_id}", response_model=SessionOut, responses=error_responses(401, 404))
 def get_session(session_id: str, state: StateDep, principal: PrincipalDep) -> SessionOut:
-    s = state.store.versions.get_session(principal.user, session_id)
-    return session_out(s, stored_bytes(state, principal.user, session_id))
+    sid = SessionId(session_id)
+    s = state.store.versions.get_session(principal.user, sid)
+    return session_out(s, stored_bytes(state, principal.user, sid))
 
 
 @router.patch(
@@ -120,13 +124,14 @@ def patch_session(
     """Set the session's KV retention hint and/or idle TTL (fields left out stay as they are).
     `409 pinned_cap_exceeded` when pinning would go over the pinned caps."""
     given = body.model_fields_set
+    sid = SessionId(session_id)
     s = state.store.retention.set_hint(
         principal.user,
-        session_id,
+        sid,
         kv_retention=body.kv_retention if body.kv_retention is not None else KEEP,
         kv_idle_ttl_s=body.kv_idle_ttl_s if "kv_idle_ttl_s" in given else KEEP,
     )
-    return session_out(s, stored_bytes(state, principal.user, session_id))
+    return session_out(s, stored_bytes(state, principal.user, sid))
 
 
 @router.post(
@@ -145,7 +150,7 @@ def warm_session(
     `main`); answers at once with what is being warmed and where its tokens are now."""
     target = body if body is not None else WarmRequest()
     plan = state.store.retention.warm(
-        principal.user, session_id, version=target.version, branch=target.branch
+        principal.user, SessionId(session_id), version=target.version, branch=target.branch
     )
     return WarmOut(
         session_id=plan.session_id,
@@ -162,7 +167,7 @@ def warm_session(
 @router.delete("/v1/sessions/{session_id}", response_model=Deleted, responses=error_responses(401, 404))
 def delete_session(session_id: str, state: StateDep, principal: PrincipalDep) -> Deleted:
     """Delete the session, its branches and versions (see docs/privacy.md for its cached pages)."""
-    state.store.sessions.delete(principal.user, session_id)
+    state.store.sessions.delete(principal.user, SessionId(session_id))
     return Deleted(id=session_id, object="session.deleted")
 
 
@@ -200,6 +205,14 @@ async def post_message(
     check_fields(fields, own=(), honoured=HONOURED_CHAT - {"messages"}, refused=_MESSAGE_REFUSED)
 
     resolve = partial(
-        message_turn, state, who.user, session_id, body.branch, body.version, body.text(), body, fields
+        message_turn,
+        state,
+        who.user,
+        SessionId(session_id),
+        body.branch,
+        body.version,
+        body.text(),
+        body,
+        fields,
     )
     return await serve_turn(state, engine, request, who.user, bool(body.stream), resolve, ChatReply())

@@ -102,10 +102,10 @@ async def erase_user(user_id: str, state: StateDep, principal: PrincipalDep) -> 
     if not principal.is_admin and principal.user != user_id:
         raise Forbidden("only an admin key or the user themself may erase a user")
     check_rate(state, principal)
-    user_id = await asyncio.to_thread(erasable_user, store, state.keys, user_id)
+    user = await asyncio.to_thread(erasable_user, store, state.keys, user_id)
     if state.engine is not None:
-        await state.engine.abort_tenant(store.identity.tenant_for(user_id))
-    receipt = await asyncio.to_thread(store.eraser.erase_user, user_id)
+        await state.engine.abort_tenant(store.identity.tenant_for(user))
+    receipt = await asyncio.to_thread(store.eraser.erase_user, user)
     if state.engine is not None:
         await state.engine.abort_tenant(TenantId(receipt.subject))
     state.metrics.erasures.inc()

@@ -12,12 +12,12 @@ from api.errors import error_responses
 from api.shapes.schemas import BranchOut, ListResponse, RollbackRequest, TierTokens, VersionDetail, VersionOut
 from api.state import AppState
 from dss.dialogue.versions import VersionSummary
-from dss.types import FingerprintId, Tier
+from dss.types import FingerprintId, SessionId, Tier, UserId
 
 router = APIRouter(tags=["versions"])
 
 
-def _resident(state: AppState, user: str, fingerprint: str | None, tokens: np.ndarray) -> TierTokens:
+def _resident(state: AppState, user: UserId, fingerprint: str | None, tokens: np.ndarray) -> TierTokens:
     """Tokens of the version whose KV sits in each tier now (nothing for an unknown model)."""
     if not fingerprint or fingerprint not in state.store.fingerprints or len(tokens) == 0:
         return TierTokens()
@@ -55,11 +55,11 @@ def list_versions(
     cap = state.settings.limits.max_list_limit
     limit = min(limit if limit is not None else cap, cap)
     start = after if after is not None else 0
-    user = principal.user
-    rows, has_more = state.store.versions.version_page(user, session_id, limit=limit, after=start)
+    user, sid = principal.user, SessionId(session_id)
+    rows, has_more = state.store.versions.version_page(user, sid, limit=limit, after=start)
     resident: dict[int, TierTokens] = {}
     if rows:
-        for v in state.store.versions.iter_tokens(user, session_id, after=start, through=rows[-1].number):
+        for v in state.store.versions.iter_tokens(user, sid, after=start, through=rows[-1].number):
             resident[v.number] = _resident(state, user, v.fingerprint, v.tokens)
     data = [_out(v, resident.get(v.number, TierTokens())) for v in rows]
     return ListResponse[VersionOut](data=data, has_more=has_more)
@@ -71,7 +71,7 @@ def list_versions(
     responses=error_responses(400, 401, 404),
 )
 def get_version(session_id: str, number: int, state: StateDep, principal: PrincipalDep) -> VersionDetail:
-    v = state.store.versions.get_version(principal.user, session_id, number)
+    v = state.store.versions.get_version(principal.user, SessionId(session_id), number)
     resident = _resident(state, principal.user, v.fingerprint, v.tokens)
     return VersionDetail(**_out(v, resident).model_dump(), messages=v.messages)
 
@@ -88,7 +88,7 @@ async def rollback(
     b = await state.short_db_op(
         state.store.versions.rollback,
         principal.user,
-        session_id,
+        SessionId(session_id),
         body.branch,
         body.to_version,
         expected_head=body.expected_head,

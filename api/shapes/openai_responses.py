@@ -36,6 +36,7 @@ from dss.dialogue.response_store import ResponseRecord, new_response_id
 from dss.dialogue.turn_commits import Committed, add_response
 from dss.errors import DSSError
 from dss.jsonlimits import JsonLimits, check_items, check_json
+from dss.types import SessionId, UserId
 
 RESPONSE_ID_PATTERN = r"^resp_[0-9a-f]{48}$"
 _MAX_METADATA_KEYS = 16
@@ -261,12 +262,12 @@ def response_body(record: ResponseRecord) -> dict[str, Any]:
 
 def _record(
     plan: ResponsePlan,
-    user: str,
+    user: UserId,
     engine: ChatEngine,
     prep: Prepared,
     ans: Answer,
     committed: Committed | None,
-    session_id: str | None,
+    session_id: SessionId | None,
 ) -> ResponseRecord:
     fin = ans.fin
     complete = fin.finish_reason != "length"
@@ -279,7 +280,7 @@ def _record(
     return ResponseRecord(
         id=plan.id,
         user=user,
-        session_id=session_id or "",
+        session_id=session_id or SessionId(""),
         version=committed.version.number if committed is not None else 0,
         previous_response_id=body.previous_response_id,
         # When it was committed: an erasure's verification dates what it finds by this.
@@ -372,7 +373,7 @@ async def _stream(run: TurnRun, reply: ResponseReply) -> AsyncIterator[str]:
     pending = ResponseRecord(
         id=plan.id,
         user=turn.user,
-        session_id="",
+        session_id=SessionId(""),
         version=0,
         previous_response_id=plan.body.previous_response_id,
         created_at=plan.created_at,

@@ -13,6 +13,8 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from dss.types import SessionId
+
 T = TypeVar("T")
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
@@ -261,7 +263,7 @@ class ChatCompletion(BaseModel):
     usage: Usage
     service_tier: str | None = None
     system_fingerprint: str | None = Field(default=None, description="the model fingerprint DSS stores under")
-    session_id: str | None = None
+    session_id: SessionId | None = None
     state_version: int | None = None
     parent_version: int | None = None
     branch: str | None = None
@@ -287,7 +289,7 @@ MAX_IDLE_TTL_S = 30 * 24 * 3600  # dss.dialogue.versions.MAX_IDLE_TTL_S
 
 
 class SessionOut(BaseModel):
-    id: str
+    id: SessionId
     object: Literal["session"] = "session"
     created_at: datetime
     updated_at: datetime
@@ -337,7 +339,7 @@ class WarmRequest(_Request):
 
 class WarmOut(BaseModel):
     object: Literal["session.warm"] = "session.warm"
-    session_id: str
+    session_id: SessionId
     version: int = Field(description="the version warmed; 0 when the branch has none")
     pages: int = Field(description="its stored pages")
     tokens: int = Field(description="tokens of those pages")

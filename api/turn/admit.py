@@ -16,6 +16,7 @@ from api.errors import EngineOverloaded
 from api.llm.chat_engine import ChatEngine
 from api.llm.slots import Slot
 from api.state import AppState
+from dss.types import UserId
 
 
 def take_slot(state: AppState, engine: ChatEngine) -> Slot:
@@ -26,7 +27,7 @@ def take_slot(state: AppState, engine: ChatEngine) -> Slot:
         raise
 
 
-async def admitted_epoch(state: AppState, user: str) -> int:
+async def admitted_epoch(state: AppState, user: UserId) -> int:
     """The user's erasure epoch as a turn is admitted, before it reads or writes anything."""
     return await asyncio.to_thread(state.store.identity.epoch_of, user)
 

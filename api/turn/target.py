@@ -12,7 +12,7 @@ from api.shapes.schemas import GenerationParams
 from api.state import AppState
 from api.turn.types import Turn
 from dss.dialogue.turn_commits import chat_target, message_target, response_target
-from dss.types import UserId
+from dss.types import SessionId, UserId
 
 
 async def chat_turn(
@@ -21,7 +21,7 @@ async def chat_turn(
     messages: list[dict[str, Any]],
     params: GenerationParams,
     fields: Mapping[str, Any],
-    session_id: str | None,
+    session_id: SessionId | None,
     state_version: int | None,
     epoch: int,
 ) -> Turn:
@@ -38,7 +38,7 @@ async def chat_turn(
 async def message_turn(
     state: AppState,
     user: UserId,
-    session_id: str,
+    session_id: SessionId,
     branch: str | None,
     version: int | None,
     text: str,

@@ -14,9 +14,10 @@ from sqlalchemy.orm import Session
 from dss.config import Quotas
 from dss.db.models import SessionRow, VersionRow
 from dss.errors import QuotaExceeded
+from dss.types import UserId
 
 
-def check_session_quota(db: Session, user: str, quotas: Quotas) -> None:
+def check_session_quota(db: Session, user: UserId, quotas: Quotas) -> None:
     if not quotas.max_sessions:
         return
     n = db.scalar(select(func.count()).select_from(SessionRow).where(SessionRow.user_id == user)) or 0
@@ -27,7 +28,7 @@ def check_session_quota(db: Session, user: str, quotas: Quotas) -> None:
         )
 
 
-def check_commit_quota(db: Session, user: str, quotas: Quotas, adding_bytes: int) -> None:
+def check_commit_quota(db: Session, user: UserId, quotas: Quotas, adding_bytes: int) -> None:
     if not (quotas.max_versions or quotas.max_stored_bytes):
         return
     n, stored = db.execute(

@@ -59,6 +59,7 @@ from dss.errors import (
     VersionNotFound,
 )
 from dss.jsonlimits import JsonLimits, check_items, check_json
+from dss.types import SessionId, UserId
 
 RESPONSE_ID_PREFIX = "resp_"
 _ID_RE = re.compile(r"resp_[0-9a-f]{48}")
@@ -81,8 +82,8 @@ def new_response_id() -> str:
 @dataclass(frozen=True, slots=True)
 class ResponseRecord:
     id: str  # "resp_" + 48 hex chars, made by new_response_id()
-    user: str
-    session_id: str  # the session holding the chain (one session per chain root)
+    user: UserId
+    session_id: SessionId  # the session holding the chain (one session per chain root)
     version: int  # the version committed for this response (prompt + output tokens, messages)
     previous_response_id: str | None
     created_at: datetime  # timezone-aware UTC
@@ -125,8 +126,8 @@ def _aware(ts: datetime) -> datetime:
 def _record(row: ResponseRow) -> ResponseRecord:
     return ResponseRecord(
         id=row.id,
-        user=row.user_id,
-        session_id=row.session_id,
+        user=UserId(row.user_id),
+        session_id=SessionId(row.session_id),
         version=row.version,
         previous_response_id=row.previous_response_id,
         created_at=_aware(row.created_at),
@@ -257,14 +258,14 @@ class ResponseStore:
                     raise ResponseExists(f"response id {record.id!r} is already in use") from exc
             raise VersionNotFound(f"version {record.version} not found in session {sid!r}") from exc
 
-    def delete(self, user: str, response_id: str, cascade: bool = False) -> Deleted:
+    def delete(self, user: UserId, response_id: str, cascade: bool = False) -> Deleted:
         """Delete a response as the module docstring says: a leaf with its version; one with
         descendants only with `cascade` (then with all of them and its version subtree, in one
         transaction), else `ResponseHasDescendants` and nothing deleted."""
         with transaction(self._factory) as db:
             self._versions.hold_user(db, user)  # erasures of the user first or after, never between
             row = self._row(db, user, response_id)
-            sid = row.session_id
+            sid = SessionId(row.session_id)
             # Held before the subtree is read: no commit or delete of the session gets in between.
             self._versions.hold_session(user, sid, db)
             row = self._row(db, user, response_id)  # still there now that nobody else can write
@@ -277,11 +278,11 @@ class ResponseStore:
             return Deleted(response_ids=[response_id, *found.response_ids], versions=versions)
 
     # --- reads ---------------------------------------------------------------------------------
-    def get(self, user: str, response_id: str) -> ResponseRecord:
+    def get(self, user: UserId, response_id: str) -> ResponseRecord:
         with transaction(self._factory) as db:
             return _record(self._row(db, user, response_id))
 
-    def chain(self, user: str, response_id: str) -> list[ResponseRecord]:
+    def chain(self, user: UserId, response_id: str) -> list[ResponseRecord]:
         """The response and those it continues, root first and this one last, in one recursive
         query along `previous_response_id`."""
         with transaction(self._factory) as db:
@@ -305,7 +306,7 @@ class ResponseStore:
             # Versions grow along a chain (each one's ancestor is the previous), so by version is root first.
             return sorted((_record(rows[i]) for i in ids), key=lambda rec: rec.version)
 
-    def descendants(self, user: str, response_id: str) -> Descendants:
+    def descendants(self, user: UserId, response_id: str) -> Descendants:
         """The responses and versions that continue from this response (see the module docstring)."""
         with transaction(self._factory) as db:
             return self._descendants(db, self._row(db, user, response_id))
@@ -363,7 +364,7 @@ class ResponseStore:
 
     # --- internals -----------------------------------------------------------------------------
     @staticmethod
-    def _row(db: Session, user: str, response_id: str) -> ResponseRow:
+    def _row(db: Session, user: UserId, response_id: str) -> ResponseRow:
         if not isinstance(response_id, str) or _ID_RE.fullmatch(response_id) is None:
             raise _not_found(response_id)
         row = db.scalar(select(ResponseRow).where(ResponseRow.user_id == user, ResponseRow.id == response_id))
@@ -372,7 +373,7 @@ class ResponseStore:
         return row
 
     def _descendants(self, db: Session, row: ResponseRow) -> Descendants:
-        subtree = self._versions.subtree(row.user_id, row.session_id, row.version, db)
+        subtree = self._versions.subtree(UserId(row.user_id), SessionId(row.session_id), row.version, db)
         held: list[tuple[int, Any, str]] = []
         for i in range(0, len(subtree), _IN_CHUNK):
             held.extend(

@@ -29,7 +29,7 @@ from dss.errors import (
     StaleHead,
     StateVersionMismatch,
 )
-from dss.types import SessionId
+from dss.types import SessionId, UserId
 
 _MAX_FORK_NAMES = 64
 _MAX_COMMIT_TRIES = 4
@@ -92,15 +92,17 @@ def branch_at(session: SessionInfo, version: int | None) -> str | None:
     return None
 
 
-def open_session(versions: VersionStore, user: str, sid: str, epoch: int | None = None) -> SessionInfo:
+def open_session(
+    versions: VersionStore, user: UserId, sid: SessionId, epoch: int | None = None
+) -> SessionInfo:
     """The user's session, created on first use (ids are per user: another user's do not matter)."""
     return versions.ensure_session(user, sid, epoch=epoch)[0]
 
 
 def chat_target(
     versions: VersionStore,
-    user: str,
-    sid: str,
+    user: UserId,
+    sid: SessionId,
     messages: Sequence[Mapping[str, Any]],
     state_version: int | None,
     epoch: int | None = None,
@@ -124,7 +126,7 @@ def chat_target(
 
 
 def message_target(
-    versions: VersionStore, user: str, sid: str, branch: str | None, version: int | None
+    versions: VersionStore, user: UserId, sid: SessionId, branch: str | None, version: int | None
 ) -> tuple[TurnTarget, list[dict[str, Any]]]:
     """Where a stateful `/messages` turn attaches, and the dialogue it continues."""
     session = versions.get_session(user, sid)
@@ -153,7 +155,7 @@ class ResponseTurn:
 def response_dialogue(
     versions: VersionStore,
     responses: ResponseStore,
-    user: str,
+    user: UserId,
     previous_response_id: str | None,
     instructions: str | None,
     new_messages: Sequence[Mapping[str, Any]],
@@ -178,7 +180,7 @@ def response_dialogue(
 def response_target(
     versions: VersionStore,
     responses: ResponseStore,
-    user: str,
+    user: UserId,
     previous_response_id: str | None,
     instructions: str | None,
     new_messages: Sequence[Mapping[str, Any]],
@@ -206,7 +208,7 @@ def response_target(
 
 def commit_alternatives(
     versions: VersionStore,
-    user: str,
+    user: UserId,
     target: TurnTarget,
     choices: Sequence[tuple[np.ndarray, Sequence[Mapping[str, Any]]]],
     fingerprint: str | None,
@@ -233,7 +235,7 @@ def commit_alternatives(
     return done
 
 
-def forget_version(versions: VersionStore, user: str, sid: str, number: int) -> bool:
+def forget_version(versions: VersionStore, user: UserId, sid: SessionId, number: int) -> bool:
     """Delete a version this turn committed but cannot stand by, if nothing was built on it yet."""
     try:
         if versions.subtree(user, sid, number) != [number]:
@@ -258,7 +260,7 @@ def add_response(
 
 def commit_turn(
     versions: VersionStore,
-    user: str,
+    user: UserId,
     target: TurnTarget,
     tokens: np.ndarray,
     messages: Sequence[Mapping[str, Any]],
@@ -292,7 +294,7 @@ def commit_turn(
     raise StaleHead(f"session {target.session_id!r} kept moving under the commit; retry the request")
 
 
-def _fork(versions: VersionStore, user: str, target: TurnTarget, epoch: int | None) -> str:
+def _fork(versions: VersionStore, user: UserId, target: TurnTarget, epoch: int | None) -> str:
     stem = f"fork-v{target.parent}" if target.parent is not None else "fork-root"
     for i in range(_MAX_FORK_NAMES):
         name = stem if i == 0 else f"{stem}-{i + 1}"

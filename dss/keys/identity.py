@@ -26,7 +26,7 @@ from dss.derive import keyed_blake2b, rpc_authkey
 from dss.errors import UserErased, WrongMasterKey
 from dss.keys.crypto import KeyManager, env_master_key_set, finish_rotation
 from dss.namespace import legacy_tenant_for_user, tenant_for_user
-from dss.types import TenantId
+from dss.types import TenantId, UserId
 
 log = logging.getLogger("dss.keys")
 
@@ -127,14 +127,14 @@ class Identity:
         )
         return cls(keys.unwrap(bytes.fromhex(wrapped), SERVER_SECRET_AAD), sf, legacy=legacy)
 
-    def tenant_for(self, user: str) -> TenantId:
+    def tenant_for(self, user: UserId) -> TenantId:
         return tenant_for_user(self._secret, user, self.epoch_of(user))
 
-    def tenant_at(self, user: str, epoch: int) -> TenantId:
+    def tenant_at(self, user: UserId, epoch: int) -> TenantId:
         """The user's tenant in erasure epoch `epoch` (a request's, fixed when it was admitted)."""
         return tenant_for_user(self._secret, user, epoch)
 
-    def tenants_of(self, user: str, through: int | None = None) -> list[TenantId]:
+    def tenants_of(self, user: UserId, through: int | None = None) -> list[TenantId]:
         """Every tenant the user had (up to epoch `through`; default: the current one), the current
         one last (receipts name the erased ones); in a store upgraded from the first derivation,
         also the tenants of that form (first)."""
@@ -142,7 +142,7 @@ class Identity:
         legacy = [legacy_tenant_for_user(self._secret, user, e) for e in epochs] if self.legacy else []
         return [*legacy, *(tenant_for_user(self._secret, user, e) for e in epochs)]
 
-    def users_having(self, tenant: TenantId, users: Iterable[str]) -> list[str]:
+    def users_having(self, tenant: TenantId, users: Iterable[UserId]) -> list[UserId]:
         """Which of `users` ever had `tenant` (one tenant per erasure epoch, as `tenants_of`). The
         epochs come from one query, not one per user: a verification over 20,000 users spent 13 s
         reading them one by one."""
@@ -156,7 +156,7 @@ class Identity:
                 found.append(user)
         return sorted(found)
 
-    def epoch_of(self, user: str) -> int:
+    def epoch_of(self, user: UserId) -> int:
         """The user's erasure epoch now: what a request is admitted under. Its writes pass it on
         (`epoch=`) and are refused with `UserErased` once the user was erased since."""
         subject = self.subject_hash(user)
@@ -173,14 +173,14 @@ class Identity:
                 self._epochs[subject] = epoch
         return epoch
 
-    def stored_epoch_in(self, session: Session, user: str) -> int:
+    def stored_epoch_in(self, session: Session, user: UserId) -> int:
         """The user's epoch as the database has it now (not the cache), without a row lock."""
         stored = session.scalar(
             select(ErasureEpoch.epoch).where(ErasureEpoch.subject == self.subject_hash(user))
         )
         return int(stored) if stored is not None else 0
 
-    def fence_in(self, session: Session, user: str, admitted: int | None) -> int:
+    def fence_in(self, session: Session, user: UserId, admitted: int | None) -> int:
         """The write fence (see the class docstring), before the first write of a transaction that
         writes rows of `user`: holds the user's epoch row shared until the transaction ends and
         returns the epoch. `UserErased` when `admitted` (the epoch the request was admitted
@@ -191,7 +191,7 @@ class Identity:
             raise UserErased("the user was erased while this request was in flight; nothing of it was kept")
         return epoch
 
-    def next_epoch_in(self, session: Session, user: str, expected: int | None = None) -> int:
+    def next_epoch_in(self, session: Session, user: UserId, expected: int | None = None) -> int:
         """Before any other write or row lock of an erasure's transaction: lock the user's epoch
         row (racing writes of the user commit before, or wait and are refused after) and move the
         user to the next epoch (returned); the user has the new tenant once it commits.
@@ -209,7 +209,7 @@ class Identity:
         )
         return epoch + 1
 
-    def _lock_epoch_row(self, session: Session, user: str, exclusive: bool) -> int:
+    def _lock_epoch_row(self, session: Session, user: UserId, exclusive: bool) -> int:
         """Create the user's epoch row if missing, then read it under a row lock (shared or
         exclusive; on SQLite the upsert has taken the database write lock already)."""
         subject = self.subject_hash(user)
@@ -223,7 +223,7 @@ class Identity:
         q = select(ErasureEpoch.epoch).where(ErasureEpoch.subject == subject)
         return int(session.scalar(q.with_for_update(read=not exclusive)) or 0)
 
-    def forget(self, user: str) -> None:
+    def forget(self, user: UserId) -> None:
         with self._lock:
             self._epochs.pop(self.subject_hash(user), None)
             self._generation += 1
@@ -236,18 +236,18 @@ class Identity:
             self._epochs.clear()
             self._generation += 1
 
-    def subject_hash(self, user: str) -> str:
+    def subject_hash(self, user: UserId) -> str:
         """The salted hash of a user id (keys `erasure_epochs`; named receipts before epochs)."""
         return keyed_blake2b(self._secret[:32], "dss/subject/v2", user, digest_size=20).hex()
 
-    def legacy_subject_hash(self, user: str) -> str:
+    def legacy_subject_hash(self, user: UserId) -> str:
         """The first derivation's subject hash: what `erasure_epochs` and the oldest receipts
         were keyed by before the upgrade (`dss.keys.upgrade`)."""
         return hashlib.blake2b(
             b"dss-subject\x00" + user.encode(), key=self._secret[:32], digest_size=20
         ).hexdigest()
 
-    def receipt_subjects(self, user: str) -> set[str]:
+    def receipt_subjects(self, user: UserId) -> set[str]:
         """What the user's erasure receipts may name: every tenant the user had (and, for receipts
         written before tenants had epochs, the subject hash)."""
         subjects = {*self.tenants_of(user), self.subject_hash(user)}
@@ -255,7 +255,7 @@ class Identity:
             subjects.add(self.legacy_subject_hash(user))
         return subjects
 
-    def cache_salt(self, user: str, epoch: int | None = None) -> str:
+    def cache_salt(self, user: UserId, epoch: int | None = None) -> str:
         """The engine prefix-cache salt of `user` (in `epoch`; default: the current one): the
         tenant, which moves with each erasure of the user (vLLM's own cache keeps an erased
         user's blocks until they age out; a re-created user must not hit them)."""

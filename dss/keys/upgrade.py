@@ -44,7 +44,7 @@ from dss.db.models import (
     StoreMeta,
 )
 from dss.keys.identity import DERIVATION, DERIVATION_LEGACY_META, DERIVATION_META, Identity
-from dss.types import PUBLIC_TENANT
+from dss.types import PUBLIC_TENANT, UserId
 
 log = logging.getLogger("dss.keys")
 
@@ -88,9 +88,9 @@ def upgrade_derivation(sf: sessionmaker[Session], identity: Identity) -> Derivat
 
 
 def _rekey_epochs(s: Session, identity: Identity) -> int:
-    users: set[str] = set(s.execute(select(SessionRow.user_id).distinct()).scalars())
-    users |= set(s.execute(select(ResponseRow.user_id).distinct()).scalars())
-    users |= {u for u in s.execute(select(ApiKeyRow.user_id).distinct()).scalars() if u}
+    users: set[UserId] = {UserId(u) for u in s.execute(select(SessionRow.user_id).distinct()).scalars()}
+    users |= {UserId(u) for u in s.execute(select(ResponseRow.user_id).distinct()).scalars()}
+    users |= {UserId(u) for u in s.execute(select(ApiKeyRow.user_id).distinct()).scalars() if u}
     n = 0
     for user in sorted(users):
         old = s.get(ErasureEpoch, identity.legacy_subject_hash(user))

@@ -67,7 +67,7 @@ from dss.ops.receipt_chain import GENESIS, check_chain, entry_hash
 from dss.ops.wal_scrub import WalScrubber
 from dss.pages.manager import TieredPages
 from dss.pages.table import PageEntry
-from dss.types import PUBLIC_TENANT, TenantId, Tier
+from dss.types import PUBLIC_TENANT, TenantId, Tier, UserId
 
 log = logging.getLogger("dss.erasure")
 _SETTLE_S = 30.0
@@ -177,7 +177,7 @@ class Eraser:
         membership: Membership | None = None,
         ack_timeout_s: float = 5.0,
         on_tenant_erased: OnTenantErased | None = None,
-        on_user_erased: Callable[[str], None] | None = None,
+        on_user_erased: Callable[[UserId], None] | None = None,
     ) -> None:
         self._sf = session_factory
         self._db = db
@@ -195,12 +195,12 @@ class Eraser:
         self._wal = WalScrubber(db)
         self._one_per_user = _OneErasurePerUser()
 
-    def holds_user(self, user: str) -> bool:
+    def holds_user(self, user: UserId) -> bool:
         """Whether anything of `user` is stored: a session, a stored response, or a data key of
         its tenant (KV it wrote). API keys are the API's (`ApiKeys.holds_user`)."""
         return self._versions.holds_user(user) or self._keyring.holds_key(self._identity.tenant_for(user))
 
-    def erase_user(self, user: str) -> ErasureReceipt:
+    def erase_user(self, user: UserId) -> ErasureReceipt:
         """Erase `user` everywhere; the returned receipt counts this server's copies and, in a
         fleet, every other server's (those that acknowledged within `ack_timeout_s`).
 
@@ -431,7 +431,7 @@ def _never_erased(s: Session, tenants: list[TenantId]) -> list[TenantId]:
 
 def _delete_rows(
     s: Session,
-    user: str,
+    user: UserId,
     tenants: list[TenantId],
     versions: VersionStore,
     keyring: Keyring,
@@ -532,8 +532,8 @@ def verify(
     with sf() as s:
         # Rows keyed by a user id: those of every user the subject's tenant was ever the tenant
         # of, written before the erasure (after it, they belong to the user's next epoch).
-        users = set(s.execute(select(m.SessionRow.user_id).distinct()).scalars())
-        users |= set(s.execute(select(m.ResponseRow.user_id).distinct()).scalars())
+        users = {UserId(u) for u in s.execute(select(m.SessionRow.user_id).distinct()).scalars()}
+        users |= {UserId(u) for u in s.execute(select(m.ResponseRow.user_id).distinct()).scalars()}
         mine = identity.users_having(tenant, users)
         if mine:
             for what, table in (("session", m.SessionRow), ("stored response", m.ResponseRow)):

@@ -73,12 +73,12 @@ from dss.index.fingerprints import FingerprintRegistry
 from dss.ops.kv import KVCache
 from dss.pages.eviction import RetentionClass
 from dss.pages.manager import TieredPages
-from dss.types import PUBLIC_TENANT, FingerprintId, PageHash, TenantId, Tier
+from dss.types import PUBLIC_TENANT, FingerprintId, PageHash, SessionId, TenantId, Tier, UserId
 
 log = logging.getLogger("dss.retention")
 
 T = TypeVar("T")
-SessionKey = tuple[str, str]  # (user, session id)
+SessionKey = tuple[UserId, SessionId]  # (user, session id)
 
 _OVERLAP_S = 2.0  # the sweep re-reads sessions updated this long before its last read
 _MAX_PENDING_RESOLVES = 64  # `warm_version` calls waiting for their version to be read
@@ -101,7 +101,7 @@ class WarmPlan:
     """What a warm-up found and started: the version's pages, where their tokens are now (fastest
     copy, before the warm-up), and how many pages it queued for promotion from disk."""
 
-    session_id: str
+    session_id: SessionId
     version: int  # 0: the branch has no version (nothing to warm)
     pages: int
     tokens: int
@@ -138,7 +138,7 @@ class SessionRetention:
         self,
         config: RetentionConfig,
         versions: VersionStore,
-        tenant_for: Callable[[str], TenantId],
+        tenant_for: Callable[[UserId], TenantId],
         fingerprints: FingerprintRegistry,
         kv: KVCache,
         pages: TieredPages,
@@ -158,7 +158,7 @@ class SessionRetention:
         # refresh first, with how many pages each holds (bounded by `_MAX_ORPHAN_ONLY_PAGES`).
         self._orphan_only: OrderedDict[SessionKey, int] = OrderedDict()
         self._orphan_only_pages = 0
-        self._erased: dict[str, float] = {}  # user -> monotonic time of the erasure, oldest first
+        self._erased: dict[UserId, float] = {}  # user -> monotonic time of the erasure, oldest first
         self._warming: set[PageHash] = set()
         self._resolving = 0
         self._counts = {"warmed_pages": 0, "warm_skipped_pages": 0, "idle_demotions": 0, "demoted_pages": 0}
@@ -220,8 +220,8 @@ class SessionRetention:
     # ------------------------------------------------------------------ hints
     def set_hint(
         self,
-        user: str,
-        sid: str,
+        user: UserId,
+        sid: SessionId,
         kv_retention: str | Keep = KEEP,
         kv_idle_ttl_s: int | Keep | None = KEEP,
     ) -> SessionInfo:
@@ -231,7 +231,7 @@ class SessionRetention:
         return self._on_worker(self._set_hint, user, sid, kv_retention, kv_idle_ttl_s)
 
     def _set_hint(
-        self, user: str, sid: str, kv_retention: str | Keep, kv_idle_ttl_s: int | Keep | None
+        self, user: UserId, sid: SessionId, kv_retention: str | Keep, kv_idle_ttl_s: int | Keep | None
     ) -> SessionInfo:
         current = self._versions.get_session(user, sid)
         retention = current.kv_retention if isinstance(kv_retention, Keep) else kv_retention
@@ -245,7 +245,7 @@ class SessionRetention:
             self._demote((user, sid), tracked)
         return info
 
-    def _check_caps(self, user: str, sid: str, pages: _Pages) -> None:
+    def _check_caps(self, user: UserId, sid: SessionId, pages: _Pages) -> None:
         cap_all, cap_user = self._caps()
         with self._lock:
             others = {k: t for k, t in self._sessions.items() if t.retention == "pinned" and k != (user, sid)}
@@ -272,7 +272,7 @@ class SessionRetention:
         return int(host * self.config.pinned_fraction), int(host * self.config.pinned_user_fraction)
 
     # ------------------------------------------------------------------ classes
-    def _collect(self, user: str, sid: str, info: SessionInfo) -> _Pages:
+    def _collect(self, user: UserId, sid: SessionId, info: SessionInfo) -> _Pages:
         """The session's pages from its versions: those its branch heads' histories reach, and
         those only versions off every branch reach. Public prefix pages are left out.
 
@@ -338,7 +338,7 @@ class SessionRetention:
                 out.append((h, fp.page_nbytes, n))
         return out
 
-    def _refresh(self, user: str, sid: str, info: SessionInfo | None = None) -> _Tracked | None:
+    def _refresh(self, user: UserId, sid: SessionId, info: SessionInfo | None = None) -> _Tracked | None:
         """Re-read a session's pages and set their classes (on the worker). None when the
         session is gone (then it is forgotten)."""
         key = (user, sid)
@@ -456,11 +456,11 @@ class SessionRetention:
             out[h] = max(refs.values()) if refs else RetentionClass.NORMAL
         return out
 
-    def forget_session(self, user: str, sid: str) -> None:
+    def forget_session(self, user: UserId, sid: SessionId) -> None:
         """The session was deleted: drop it from the registry (its pages' classes follow)."""
         self._submit_quietly(self._forget, [(user, sid)])
 
-    def forget_user(self, user: str) -> None:
+    def forget_user(self, user: UserId) -> None:
         """The user was erased: drop their sessions from the registry. On the worker, after any
         reclassification in progress (one that read the user's sessions before the erasure); and
         from now on, for `_ERASED_MEMORY_S`, a warm-up or refresh that read the user's data
@@ -475,13 +475,13 @@ class SessionRetention:
                 del self._erased[u]
         self._submit_quietly(self._forget_user, user)
 
-    def _erased_since(self, user: str, started: float) -> bool:
+    def _erased_since(self, user: UserId, started: float) -> bool:
         """Caller holds the lock: whether data of `user` read from `started` on may be stale
         (the user was erased since, or the read is older than the erasures remembered)."""
         t = self._erased.get(user)
         return (t is not None and t >= started) or time.monotonic() - started > _ERASED_MEMORY_S
 
-    def _forget_user(self, user: str) -> None:
+    def _forget_user(self, user: UserId) -> None:
         with self._lock:
             keys = [k for k in {*self._sessions, *self._touched} if k[0] == user]
         self._forget(keys)
@@ -592,7 +592,9 @@ class SessionRetention:
         return self.sweep_now()
 
     # ------------------------------------------------------------------ warm-up
-    def warm(self, user: str, sid: str, *, version: int | None = None, branch: str | None = None) -> WarmPlan:
+    def warm(
+        self, user: UserId, sid: SessionId, *, version: int | None = None, branch: str | None = None
+    ) -> WarmPlan:
         """Start promoting a version's disk pages into the host tier and return at once with what
         was found and queued. `version`, else `branch`'s head (default `main`). Raises
         `SessionNotFound`, `VersionNotFound`, `BranchNotFound`."""
@@ -621,7 +623,7 @@ class SessionRetention:
         tokens = sum(n for _, _, n in pages)
         return WarmPlan(sid, number, len(pages), tokens, resident, len(queued), warming, already, skipped)
 
-    def warm_version(self, user: str, sid: str, version: int) -> None:
+    def warm_version(self, user: UserId, sid: SessionId, version: int) -> None:
         """Warm a version's pages in the background, without waiting for anything (the session
         turn's hook, called when a turn arrives, before it is rendered). Never raises; a version
         that does not exist warms nothing; beyond a bounded backlog the call does nothing."""
@@ -637,7 +639,7 @@ class SessionRetention:
             with self._lock:
                 self._resolving -= 1
 
-    def _warm_quietly(self, user: str, sid: str, version: int) -> None:
+    def _warm_quietly(self, user: UserId, sid: SessionId, version: int) -> None:
         try:
             self.warm(user, sid, version=version)
         except Exception as exc:

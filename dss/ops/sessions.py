@@ -24,7 +24,7 @@ from dss.index.prefix_index import PrefixIndex
 from dss.keys.identity import Identity
 from dss.namespace import make_namespace
 from dss.pages.manager import TieredPages
-from dss.types import FingerprintId, Namespace, PageHash
+from dss.types import FingerprintId, Namespace, PageHash, SessionId, UserId
 
 log = logging.getLogger("dss.sessions")
 
@@ -40,7 +40,7 @@ class Sessions:
         fingerprints: FingerprintRegistry,
         index: PrefixIndex,
         pages: TieredPages,
-        on_deleted: Callable[[str, str], None] = lambda _user, _sid: None,
+        on_deleted: Callable[[UserId, SessionId], None] = lambda _user, _sid: None,
     ) -> None:
         self._versions = versions
         self._identity = identity
@@ -49,7 +49,7 @@ class Sessions:
         self._pages = pages
         self._on_deleted = on_deleted
 
-    def delete(self, user: str, sid: str) -> int:
+    def delete(self, user: UserId, sid: SessionId) -> int:
         """Delete a session and the cached pages only it used; returns the pages dropped."""
         dropped = delete_session(
             self._versions, self._identity, self._fingerprints, self._index, self._pages, user, sid
@@ -64,8 +64,8 @@ def delete_session(
     fingerprints: FingerprintRegistry,
     index: PrefixIndex,
     pages: TieredPages,
-    user: str,
-    sid: str,
+    user: UserId,
+    sid: SessionId,
 ) -> int:
     """Delete session `sid` of `user` and its exclusive pages; returns the pages dropped."""
     drop: dict[FingerprintId, list[np.ndarray]] = defaultdict(list)
@@ -91,7 +91,7 @@ def delete_session(
 def _kept_pages(
     versions: VersionStore,
     index: PrefixIndex,
-    user: str,
+    user: UserId,
     spaces: dict[FingerprintId, Namespace],
     doomed: dict[FingerprintId, frozenset[PageHash]],
 ) -> dict[FingerprintId, set[PageHash]]:

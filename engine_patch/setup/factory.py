@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dss.types import TenantId
+from dss.types import SessionId, TenantId
 from dss.wire import SessionTag, tag_key
 from engine_patch.connector.dss_connector import CONNECTOR_MODULE, CONNECTOR_NAME
 from engine_patch.setup.engine_args import THREADS_BIND_ENV, check_engine_args, check_parallel_layout
@@ -252,4 +252,4 @@ def build_async_engine(
 def session_params(authkey: bytes, tenant: str, session_id: str) -> dict[str, Any]:
     """`SamplingParams(extra_args=session_params(...))`: what the connector reads per request
     (`dss.wire.SessionTag`, the one place that builds it), signed with the store's RPC authkey."""
-    return SessionTag(TenantId(tenant), session_id).extra_args(tag_key(authkey))
+    return SessionTag(TenantId(tenant), SessionId(session_id)).extra_args(tag_key(authkey))

@@ -17,6 +17,7 @@ from dss.errors import (
     VersionNotFound,
 )
 from dss.tokens import TOKEN_DTYPE
+from dss.types import SessionId
 
 INT32_MAX = np.iinfo(np.int32).max
 EMPTY_TOKENS = np.zeros(0, dtype=TOKEN_DTYPE)
@@ -95,7 +96,7 @@ def check_retention(kv_retention: str, kv_idle_ttl_s: int | None) -> None:
 MAX_NUMBER = int(INT32_MAX)  # INTEGER columns: a larger number cannot name a stored version
 
 
-def check_number(number: int, sid: str) -> None:
+def check_number(number: int, sid: SessionId) -> None:
     """A version number no database column can hold names no version (not a database error)."""
     if not 0 <= number <= MAX_NUMBER:
         raise VersionNotFound(f"version {number} not found in session {sid!r}")

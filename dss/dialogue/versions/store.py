@@ -114,7 +114,7 @@ class WriteFence(Protocol):
     raises `UserErased` when `admitted` (the erasure epoch the request was admitted under; None:
     any) is no longer the user's. Returns the user's epoch."""
 
-    def fence_in(self, session: Session, user: str, admitted: int | None) -> int: ...
+    def fence_in(self, session: Session, user: UserId, admitted: int | None) -> int: ...
 
 
 class _LostRace(StaleHead):
@@ -141,7 +141,7 @@ class VersionStore:
         self._json_limits = json_limits if json_limits is not None else JsonLimits()
         self._fence = fence
 
-    def hold_user(self, db: Session, user: str, epoch: int | None = None) -> None:
+    def hold_user(self, db: Session, user: UserId, epoch: int | None = None) -> None:
         """The write fence (`WriteFence`), before the first write (or row lock) of a transaction
         that writes rows of `user`: an erasure of the user then runs entirely before or entirely
         after the writes, and `UserErased` when `epoch` (the one the request was admitted under;
@@ -152,8 +152,8 @@ class VersionStore:
     # --- sessions ------------------------------------------------------------------------------
     def create_session(
         self,
-        user: str,
-        session_id: str | None = None,
+        user: UserId,
+        session_id: SessionId | None = None,
         system_prompt: str | None = None,
         metadata: Mapping[str, Any] | None = None,
         *,
@@ -164,7 +164,9 @@ class VersionStore:
         erasure epoch the request was admitted under (`UserErased` when the user was erased
         since; see `hold_user`)."""
         check_stored_user_id(user)  # a user made before ids lost '/' keeps creating sessions
-        sid = check_session_id(session_id) if session_id is not None else f"sess_{uuid.uuid4().hex}"
+        sid = (
+            check_session_id(session_id) if session_id is not None else SessionId(f"sess_{uuid.uuid4().hex}")
+        )
         if system_prompt is not None and len(system_prompt) > MAX_SYSTEM_PROMPT_CHARS:
             raise LimitExceeded(f"system prompt longer than {MAX_SYSTEM_PROMPT_CHARS} characters")
         meta = dict(metadata) if metadata is not None else None
@@ -197,15 +199,15 @@ class VersionStore:
         except IntegrityError as exc:
             raise SessionExists(f"session id {sid!r} is already in use") from exc
 
-    def get_session(self, user: str, sid: str) -> SessionInfo:
+    def get_session(self, user: UserId, sid: SessionId) -> SessionInfo:
         with transaction(self._factory) as db:
             row = self._owned(db, user, sid)
             return session_info(row, self._branch_rows(db, user, sid), self._json_limits)
 
     def ensure_session(
         self,
-        user: str,
-        sid: str,
+        user: UserId,
+        sid: SessionId,
         system_prompt: str | None = None,
         metadata: Mapping[str, Any] | None = None,
         *,
@@ -227,7 +229,7 @@ class VersionStore:
             return self.get_session(user, sid), False
 
     def list_sessions(
-        self, user: str, limit: int = 20, after: str | None = None
+        self, user: UserId, limit: int = 20, after: SessionId | None = None
     ) -> tuple[list[SessionInfo], bool]:
         """The user's sessions ordered by (created_at, id), `limit` at a time after session `after`."""
         if not 1 <= limit <= MAX_LIST_LIMIT:
@@ -256,7 +258,9 @@ class VersionStore:
                     by_session[b.session_id].append(b)
             return [session_info(r, by_session[r.id], self._json_limits) for r in rows], has_more
 
-    def set_retention(self, user: str, sid: str, kv_retention: str, kv_idle_ttl_s: int | None) -> SessionInfo:
+    def set_retention(
+        self, user: UserId, sid: SessionId, kv_retention: str, kv_idle_ttl_s: int | None
+    ) -> SessionInfo:
         """Set the session's KV retention hint and idle TTL (None: none). `InvalidInput` for a hint
         outside KV_RETENTIONS or a TTL outside [MIN_IDLE_TTL_S, MAX_IDLE_TTL_S]."""
         check_retention(kv_retention, kv_idle_ttl_s)
@@ -288,7 +292,7 @@ class VersionStore:
                 for u, sid, r, ttl, ts in db.execute(q).tuples()
             ]
 
-    def version_tokens(self, user: str, sid: str, numbers: Iterable[int]) -> dict[int, np.ndarray]:
+    def version_tokens(self, user: UserId, sid: SessionId, numbers: Iterable[int]) -> dict[int, np.ndarray]:
         """The token ids of these versions of the session (for the retention sweeper: no messages
         are read or rebuilt); numbers it does not have are left out."""
         want = sorted(set(numbers))
@@ -305,8 +309,8 @@ class VersionStore:
 
     def iter_tokens(
         self,
-        user: str,
-        sid: str | None = None,
+        user: UserId,
+        sid: SessionId | None = None,
         *,
         fingerprints: Iterable[str] | None = None,
         after: int = 0,
@@ -345,7 +349,7 @@ class VersionStore:
         return (v for v in walk if v is not None)
 
     def _token_chunks(
-        self, user: str, sid: str | None, q: Select[Any] | None, last: tuple[str, int]
+        self, user: UserId, sid: SessionId | None, q: Select[Any] | None, last: tuple[str, int]
     ) -> Iterator[VersionTokens | None]:
         """None first (once the session is checked), then the versions. A walk dropped before its
         end is closed by the garbage collector, which ends its transaction."""
@@ -367,7 +371,7 @@ class VersionStore:
                 last = (chunk[-1].session_id, chunk[-1].number)
                 del chunk, r  # this chunk's bodies go before the next one is read
 
-    def delete_session(self, user: str, sid: str) -> int:
+    def delete_session(self, user: UserId, sid: SessionId) -> int:
         """Delete the session with its branches, versions and stored responses; return the number
         of versions deleted."""
         with transaction(self._factory) as db:
@@ -378,8 +382,8 @@ class VersionStore:
     # --- commits, rollbacks, branches ----------------------------------------------------------
     def commit(
         self,
-        user: str,
-        sid: str,
+        user: UserId,
+        sid: SessionId,
         *,
         tokens: Sequence[int] | np.ndarray,
         messages: Sequence[Mapping[str, Any]],
@@ -417,8 +421,8 @@ class VersionStore:
 
     def _try_commit(
         self,
-        user: str,
-        sid: str,
+        user: UserId,
+        sid: SessionId,
         branch: str,
         want: int | None,
         body: bytes,
@@ -488,8 +492,8 @@ class VersionStore:
 
     def rollback(
         self,
-        user: str,
-        sid: str,
+        user: UserId,
+        sid: SessionId,
         branch: str,
         to_version: int,
         expected_head: int | None = None,
@@ -526,7 +530,7 @@ class VersionStore:
         raise StaleHead(f"rollback of {sid!r}/{branch!r} lost {MAX_COMMIT_ATTEMPTS} races in a row")
 
     def branch(
-        self, user: str, sid: str, from_version: int, name: str, *, epoch: int | None = None
+        self, user: UserId, sid: SessionId, from_version: int, name: str, *, epoch: int | None = None
     ) -> BranchInfo:
         """A new branch `name` whose head is the existing version `from_version`
         (`EMPTY_HEAD`, 0: a branch with no versions yet, for a fork of a session's first turn).
@@ -560,24 +564,24 @@ class VersionStore:
             raise BranchExists(f"branch {name!r} already exists") from exc
 
     # --- reads ---------------------------------------------------------------------------------
-    def list_branches(self, user: str, sid: str) -> list[BranchInfo]:
+    def list_branches(self, user: UserId, sid: SessionId) -> list[BranchInfo]:
         with transaction(self._factory) as db:
             self._owned(db, user, sid)
             return [branch_info(b) for b in self._branch_rows(db, user, sid)]
 
-    def get_branch(self, user: str, sid: str, name: str) -> BranchInfo:
+    def get_branch(self, user: UserId, sid: SessionId, name: str) -> BranchInfo:
         with transaction(self._factory) as db:
             self._owned(db, user, sid)
             return branch_info(self._branch_row(db, user, sid, name))
 
     @overload
     def list_versions(
-        self, user: str, sid: str, with_body: Literal[False] = False
+        self, user: UserId, sid: SessionId, with_body: Literal[False] = False
     ) -> list[VersionSummary]: ...
     @overload
-    def list_versions(self, user: str, sid: str, with_body: Literal[True]) -> list[VersionInfo]: ...
+    def list_versions(self, user: UserId, sid: SessionId, with_body: Literal[True]) -> list[VersionInfo]: ...
     def list_versions(
-        self, user: str, sid: str, with_body: bool = False
+        self, user: UserId, sid: SessionId, with_body: bool = False
     ) -> list[VersionSummary] | list[VersionInfo]:
         """Every version of the session by number, including ones no branch points at any more."""
         with transaction(self._factory) as db:
@@ -596,7 +600,7 @@ class VersionStore:
             return [version_summary(r) for r in db.execute(q2)]
 
     def version_page(
-        self, user: str, sid: str, limit: int = 20, after: int = 0
+        self, user: UserId, sid: SessionId, limit: int = 20, after: int = 0
     ) -> tuple[list[VersionSummary], bool]:
         """The session's versions by number, `limit` at a time after number `after` (a cursor that
         names a deleted version, or none, still works: numbers only grow); whether more follow."""
@@ -615,11 +619,15 @@ class VersionStore:
 
     @overload
     def get_version(
-        self, user: str, sid: str, number: int, with_body: Literal[True] = True
+        self, user: UserId, sid: SessionId, number: int, with_body: Literal[True] = True
     ) -> VersionInfo: ...
     @overload
-    def get_version(self, user: str, sid: str, number: int, with_body: Literal[False]) -> VersionSummary: ...
-    def get_version(self, user: str, sid: str, number: int, with_body: bool = True) -> VersionSummary:
+    def get_version(
+        self, user: UserId, sid: SessionId, number: int, with_body: Literal[False]
+    ) -> VersionSummary: ...
+    def get_version(
+        self, user: UserId, sid: SessionId, number: int, with_body: bool = True
+    ) -> VersionSummary:
         check_number(number, sid)
         with transaction(self._factory) as db:
             self._owned(db, user, sid)
@@ -631,7 +639,7 @@ class VersionStore:
                 raise VersionNotFound(f"version {number} not found in session {sid!r}")
             return version_summary(r)
 
-    def ancestors(self, user: str, sid: str, number: int) -> list[int]:
+    def ancestors(self, user: UserId, sid: SessionId, number: int) -> list[int]:
         """Version `number` and its ancestors back to the root, `number` first."""
         with transaction(self._factory) as db:
             self._owned(db, user, sid)
@@ -640,7 +648,7 @@ class VersionStore:
                 raise VersionNotFound(f"version {number} not found in session {sid!r}")
             return ancestors_of(parents, number)
 
-    def lineage(self, user: str, sid: str, number: int, db: Session | None = None) -> list[int]:
+    def lineage(self, user: UserId, sid: SessionId, number: int, db: Session | None = None) -> list[int]:
         """`ancestors` inside the caller's transaction (`db`): `number` first, back to the root.
         `VersionNotFound` when the user has no such version, also when the session is missing."""
         if db is None:
@@ -652,7 +660,7 @@ class VersionStore:
             raise VersionNotFound(f"version {number} not found in session {sid!r}")
         return ancestors_of(parents, number)
 
-    def subtree(self, user: str, sid: str, number: int, db: Session | None = None) -> list[int]:
+    def subtree(self, user: UserId, sid: SessionId, number: int, db: Session | None = None) -> list[int]:
         """Version `number` and every version descending from it, by number (`number` first:
         children have larger numbers). `VersionNotFound` when the user has no such version."""
         if db is None:
@@ -664,7 +672,7 @@ class VersionStore:
             raise VersionNotFound(f"version {number} not found in session {sid!r}")
         return descendants_of(parents, number)
 
-    def hold_session(self, user: str, sid: str, db: Session) -> None:
+    def hold_session(self, user: UserId, sid: SessionId, db: Session) -> None:
         """Take the session's write lock in the caller's transaction, so that what it reads next
         stays true until it commits: an UPDATE of the session row (its `updated_at`), which on
         PostgreSQL locks the row that every commit also updates, and on SQLite takes the database
@@ -678,7 +686,9 @@ class VersionStore:
         if moved != 1:
             raise SessionNotFound(f"session {sid!r} not found")
 
-    def delete_subtree(self, user: str, sid: str, number: int, db: Session | None = None) -> list[int]:
+    def delete_subtree(
+        self, user: UserId, sid: SessionId, number: int, db: Session | None = None
+    ) -> list[int]:
         """Delete version `number` and every version descending from it, with the stored responses
         that hold any of them; return the deleted numbers, ascending (`number` first).
 
@@ -726,7 +736,7 @@ class VersionStore:
         return doomed
 
     def find_deepest_prefix_version(
-        self, user: str, sid: str, messages: Sequence[Mapping[str, Any]]
+        self, user: UserId, sid: SessionId, messages: Sequence[Mapping[str, Any]]
     ) -> VersionInfo | None:
         """The version with the most messages whose messages are a prefix of (or equal to) `messages`.
 
@@ -761,7 +771,7 @@ class VersionStore:
             return self._full_version(db, user, sid, best[0])
 
     # --- erasure -------------------------------------------------------------------------------
-    def holds_user(self, user: str) -> bool:
+    def holds_user(self, user: UserId) -> bool:
         """Whether `user` has a session or a stored response."""
         with self._factory() as db:
             for table in (SessionRow, ResponseRow):
@@ -769,7 +779,7 @@ class VersionStore:
                     return True
         return False
 
-    def delete_user_sessions(self, user: str, db: Session | None = None) -> dict[str, int]:
+    def delete_user_sessions(self, user: UserId, db: Session | None = None) -> dict[str, int]:
         """Delete every session of `user`; counts of deleted sessions, versions, branches and
         stored responses.
 
@@ -788,14 +798,14 @@ class VersionStore:
 
     # --- internals -----------------------------------------------------------------------------
     @staticmethod
-    def _owned(db: Session, user: str, sid: str) -> SessionRow:
+    def _owned(db: Session, user: UserId, sid: SessionId) -> SessionRow:
         row = db.scalar(select(SessionRow).where(SessionRow.user_id == user, SessionRow.id == sid))
         if row is None:
             raise SessionNotFound(f"session {sid!r} not found")
         return row
 
     @staticmethod
-    def _full_version(db: Session, user: str, sid: str, number: int) -> VersionInfo:
+    def _full_version(db: Session, user: UserId, sid: SessionId, number: int) -> VersionInfo:
         """Version `number` with its whole message list, rebuilt from its chain of stored deltas
         in one recursive query (it stops at the first ancestor that stores a whole list)."""
         row = db.scalar(select(VersionRow).where(*_version_key(user, sid), VersionRow.number == number))
@@ -819,7 +829,7 @@ class VersionStore:
         return full_version(row, rebuild([*rows, (row.messages_base, row.messages)]))
 
     @staticmethod
-    def _branch_rows(db: Session, user: str, sid: str) -> list[BranchRow]:
+    def _branch_rows(db: Session, user: UserId, sid: SessionId) -> list[BranchRow]:
         q = (
             select(BranchRow)
             .where(BranchRow.user_id == user, BranchRow.session_id == sid)
@@ -830,16 +840,16 @@ class VersionStore:
     @overload
     @staticmethod
     def _branch_row(
-        db: Session, user: str, sid: str, name: str, missing_ok: Literal[False] = False
+        db: Session, user: UserId, sid: SessionId, name: str, missing_ok: Literal[False] = False
     ) -> BranchRow: ...
     @overload
     @staticmethod
     def _branch_row(
-        db: Session, user: str, sid: str, name: str, missing_ok: Literal[True]
+        db: Session, user: UserId, sid: SessionId, name: str, missing_ok: Literal[True]
     ) -> BranchRow | None: ...
     @staticmethod
     def _branch_row(
-        db: Session, user: str, sid: str, name: str, missing_ok: bool = False
+        db: Session, user: UserId, sid: SessionId, name: str, missing_ok: bool = False
     ) -> BranchRow | None:
         row = db.scalar(
             select(BranchRow).where(
@@ -851,12 +861,12 @@ class VersionStore:
         return row
 
     @staticmethod
-    def _parents(db: Session, user: str, sid: str) -> dict[int, int | None]:
+    def _parents(db: Session, user: UserId, sid: SessionId) -> dict[int, int | None]:
         q = select(VersionRow.number, VersionRow.parent).where(*_version_key(user, sid))
         return {number: parent for number, parent in db.execute(q).tuples()}
 
     @staticmethod
-    def _move_head(db: Session, user: str, sid: str, branch: str, old: int, new: int) -> None:
+    def _move_head(db: Session, user: UserId, sid: SessionId, branch: str, old: int, new: int) -> None:
         """Compare-and-set of a branch head; `_LostRace` when another writer moved it first."""
         moved = _rowcount(
             db,
@@ -873,7 +883,7 @@ class VersionStore:
             raise _LostRace
 
     @staticmethod
-    def _touch(db: Session, user: str, sid: str) -> None:
+    def _touch(db: Session, user: UserId, sid: SessionId) -> None:
         db.execute(
             update(SessionRow)
             .where(SessionRow.user_id == user, SessionRow.id == sid)
@@ -882,7 +892,7 @@ class VersionStore:
         )
 
     @staticmethod
-    def _delete_where(db: Session, user: str, sid: str | None = None) -> dict[str, int]:
+    def _delete_where(db: Session, user: UserId, sid: SessionId | None = None) -> dict[str, int]:
         """Delete session `sid` of `user` (every session of the user when None).
 
         Children go first and explicitly, which stays correct where foreign-key cascades are off.
@@ -899,7 +909,7 @@ class VersionStore:
         return {"sessions": sessions, "versions": versions, "branches": branches, "responses": responses}
 
 
-def _version_key(user: str, sid: str) -> tuple[Any, Any]:
+def _version_key(user: UserId, sid: SessionId) -> tuple[Any, Any]:
     return (VersionRow.user_id == user, VersionRow.session_id == sid)
 
 
