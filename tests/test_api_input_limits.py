@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
 from api.errors import BadRequest
+from api.llm.slots import GenerationSlots
 from dss.db.connect import transaction
 from dss.db.models import SessionRow
 from dss.dialogue.response_store import ResponseRecord, ResponseStore, new_response_id
@@ -154,20 +155,16 @@ def test_store_refuses_deep_tool_calls_and_response_parts_before_writing(
 
 # ------------------------------------------------------------------- the generating routes (items 9, 10)
 class _NoEngine:
-    """Stands in for the engine: admits, but a request that gets as far as vLLM's validation
-    fails the test (`reached_engine`): the limits are checked before it."""
+    """Stands in for the engine: admits (real slots), but a request that gets as far as vLLM's
+    validation fails the test (`reached_engine`): the limits are checked before it."""
 
     model_names = ("m",)
     model_name = "m"
 
-    class _Slot:
-        def release(self) -> None:
-            pass
+    def __init__(self) -> None:
+        self.slots = GenerationSlots(8, 1)
 
-    def admit(self) -> _NoEngine._Slot:
-        return self._Slot()
-
-    def sampling(self, *_: Any, **__: Any) -> Any:
+    def validate(self, *_: Any, **__: Any) -> Any:
         raise BadRequest("the request reached the engine", code="reached_engine")
 
 

@@ -1,8 +1,8 @@
 """The limits table on a turn: every 400 names the field and the limit.
 
-Checked once per turn, by the pipeline, on the whole dialogue the prompt renders (for a stateful
-or Responses turn: the stored one and the new input) with the request's own fields, after the
-target is resolved and before anything is rendered or generated.
+Checked once per turn, by the turn's resolver (`api.turn.target`), on the whole dialogue the
+prompt renders (for a stateful or Responses turn: the stored one and the new input) with the
+request's own fields, before anything is written, rendered or generated.
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ from api.state import AppState
 from api.turn.admit import HoldingSlot, admitted_epoch, take_slot
 from api.turn.commit import commit
 from api.turn.generate import answer, generate_all, streamed
-from api.turn.limits import check_limits
 from api.turn.prompt import prepare
 from api.turn.types import Answer, Prepared, Turn
 from dss.dialogue.turn_commits import Committed
@@ -90,14 +89,13 @@ async def serve_turn(
     resolve: Resolve,
     reply: Reply,
 ) -> Any:
-    """Admit the request, resolve its turn, check its limits, and answer it: JSON, stopped if
+    """Admit the request, resolve its turn (which checks its limits), and answer it: JSON, stopped if
     the client leaves first; or a stream that holds the slot to its end."""
     slot = take_slot(state, engine)
     response: Response | None = None
     try:
         epoch = await admitted_epoch(state, user)
         turn = await resolve(epoch)
-        check_limits(state.settings.limits, turn.params, turn.messages, turn.fields)
         if not stream:
             return await stop_if_client_leaves(
                 request, state, _answer_whole(state, engine, turn, request, reply)

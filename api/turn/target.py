@@ -1,6 +1,12 @@
 """Resolve a turn's target: the session, the version it extends and its branch, and the whole
 dialogue its prompt renders. One resolver per way of asking, each reading the store in a worker
-thread under the epoch the turn was admitted with (`dss.dialogue.turn_commits` holds the rules)."""
+thread under the epoch the turn was admitted with (`dss.dialogue.turn_commits` holds the rules).
+
+Each resolver checks the limits table (`api.turn.limits`) once, on the whole dialogue, as soon as
+it knows it and before anything is written: a chat turn's request is its whole dialogue, and
+resolving it may open its session, so it is checked first; a stateful or Responses turn's
+dialogue is the stored one plus the new input, known only after reading (which writes nothing).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from typing import Any
 
 from api.shapes.schemas import GenerationParams
 from api.state import AppState
+from api.turn.limits import check_limits
 from api.turn.types import Turn
 from dss.dialogue.turn_commits import chat_target, message_target, response_target
 from dss.types import SessionId, UserId
@@ -27,6 +34,7 @@ async def chat_turn(
 ) -> Turn:
     """A Chat Completions turn: the client sends the whole dialogue; with a session, the turn
     attaches where that dialogue's history was stored (or forks where it was edited)."""
+    check_limits(state.settings.limits, params, messages, fields)
     target = None
     if session_id is not None:
         target = await asyncio.to_thread(
@@ -51,6 +59,7 @@ async def message_turn(
         message_target, state.store.versions, user, session_id, branch, version
     )
     messages = [*base, {"role": "user", "content": text}]
+    check_limits(state.settings.limits, params, messages, fields)
     return Turn(user, messages, params, target, fields, epoch=epoch)
 
 
@@ -78,4 +87,5 @@ async def response_turn(
         new,
         store,
     )
+    check_limits(state.settings.limits, params, planned.messages, fields)
     return Turn(user, planned.messages, params, planned.target, fields, persist=store, epoch=epoch)
