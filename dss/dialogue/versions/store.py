@@ -654,11 +654,7 @@ class VersionStore:
         if db is None:
             with transaction(self._factory) as own:
                 return self.lineage(user, sid, number, own)
-        check_number(number, sid)
-        parents = self._parents(db, user, sid)
-        if number not in parents:
-            raise VersionNotFound(f"version {number} not found in session {sid!r}")
-        return ancestors_of(parents, number)
+        return ancestors_of(self._parents_having(db, user, sid, number), number)
 
     def subtree(self, user: UserId, sid: SessionId, number: int, db: Session | None = None) -> list[int]:
         """Version `number` and every version descending from it, by number (`number` first:
@@ -666,11 +662,17 @@ class VersionStore:
         if db is None:
             with transaction(self._factory) as own:
                 return self.subtree(user, sid, number, own)
+        return descendants_of(self._parents_having(db, user, sid, number), number)
+
+    def _parents_having(
+        self, db: Session, user: UserId, sid: SessionId, number: int
+    ) -> dict[int, int | None]:
+        """The session's version → parent map, which must hold `number` (`VersionNotFound`)."""
         check_number(number, sid)
         parents = self._parents(db, user, sid)
         if number not in parents:
             raise VersionNotFound(f"version {number} not found in session {sid!r}")
-        return descendants_of(parents, number)
+        return parents
 
     def hold_session(self, user: UserId, sid: SessionId, db: Session) -> None:
         """Take the session's write lock in the caller's transaction, so that what it reads next
