@@ -522,3 +522,28 @@ def test_token_ids_are_walked_in_chunks_and_versions_listed_in_pages(store: Vers
         store.version_page(ALICE, "a", limit=0)
     with pytest.raises(SessionNotFound):
         store.version_page(BOB, "b")
+
+
+def test_the_facade_is_every_piece_method_under_its_own_name(store: VersionStore) -> None:
+    """`VersionStore` has no logic of its own: each public method of a piece is reachable through
+    it, under the same name, as that piece's method; no two pieces claim one name; `check` is the
+    facade's only method of its own."""
+    from dss.dialogue.versions.branches import Branches
+    from dss.dialogue.versions.commits import Commits
+    from dss.dialogue.versions.deletion import Deletions
+    from dss.dialogue.versions.fence import UserFence
+    from dss.dialogue.versions.reads import VersionReads
+    from dss.dialogue.versions.sessions import SessionCatalog
+    from dss.dialogue.versions.tokens import TokenReads
+    from dss.dialogue.versions.tree import VersionTree
+
+    pieces = (SessionCatalog, Commits, Branches, VersionReads, TokenReads, VersionTree, Deletions, UserFence)
+    names: list[str] = []
+    for piece in pieces:
+        for name, method in vars(piece).items():
+            if callable(method) and not name.startswith("_"):
+                assert getattr(store, name).__func__ is method, f"{piece.__name__}.{name}"
+                names.append(name)
+    assert len(names) == len(set(names))
+    public = {n for n in dir(store) if not n.startswith("_")}
+    assert public == {*names, "check"}

@@ -1,11 +1,14 @@
 """Versioned sessions: the durable dialogue state, with git-like branches (`VersionStore`).
 
-One job per module: `store` (`VersionStore`: sessions, commits, rollbacks, branches, reads,
-erasure of rows), `records` (the records its reads return, one builder each from its rows),
-`rules` (input rules and limits), `tree` (walking a session's version tree), `check` (the
-invariants over its tables).
+One job per module: `store` (`VersionStore`, the facade the rest of DSS uses, composed of the
+pieces below), `sessions` (`SessionCatalog`), `commits` (`Commits`), `branches` (`Branches`),
+`reads` (`VersionReads`), `tokens` (`TokenReads`), `tree` (`VersionTree` and walks of a parent
+map), `deletion` (`Deletions`), `fence` (`WriteFence`, `UserFence`), `rows` (row helpers the
+pieces share), `records` (the records its reads return, one builder each from its rows), `rules`
+(input rules and limits), `check` (the invariants over its tables).
 """
 
+from dss.dialogue.versions.fence import WriteFence
 from dss.dialogue.versions.records import (
     BranchInfo,
     RetentionHint,
@@ -14,6 +17,7 @@ from dss.dialogue.versions.records import (
     VersionSummary,
     VersionTokens,
 )
+from dss.dialogue.versions.rows import MAX_COMMIT_ATTEMPTS
 from dss.dialogue.versions.rules import (
     EMPTY_HEAD,
     KV_RETENTIONS,
@@ -27,7 +31,7 @@ from dss.dialogue.versions.rules import (
     MIN_IDLE_TTL_S,
     check_retention,
 )
-from dss.dialogue.versions.store import MAX_COMMIT_ATTEMPTS, VersionStore, WriteFence
+from dss.dialogue.versions.store import VersionStore
 
 __all__ = [
     "EMPTY_HEAD",

@@ -1,0 +1,128 @@
+"""Branches: naming a version, moving a head back, reading heads (`Branches`).
+
+A branch is a name whose `head_version` points into its session's version tree (`EMPTY_HEAD`, 0:
+no versions yet). A rollback moves a head back to an ancestor-or-self of where it is, with a
+compare-and-set (`move_head`): versions after it stay stored and listed, since another branch may
+still point at them. No branch is ever deleted here; a session's `main` always exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from dss.db.connect import transaction
+from dss.db.models import BranchRow, VersionRow, utcnow
+from dss.dialogue.versions.fence import UserFence
+from dss.dialogue.versions.records import BranchInfo, branch_info
+from dss.dialogue.versions.rows import (
+    MAX_COMMIT_ATTEMPTS,
+    LostRace,
+    branch_row,
+    branch_rows,
+    move_head,
+    owned_session,
+    parents_of,
+    touch,
+    version_key,
+)
+from dss.dialogue.versions.rules import EMPTY_HEAD, check_name, check_number
+from dss.dialogue.versions.tree import ancestors_of
+from dss.errors import BranchExists, NotAnAncestor, StaleHead, VersionNotFound
+from dss.types import SessionId, UserId
+
+
+class Branches:
+    """A session's branches: create one at a version, roll one back, read them."""
+
+    def __init__(self, session_factory: sessionmaker[Session], fence: UserFence) -> None:
+        self._factory = session_factory
+        self._fence = fence
+
+    def rollback(
+        self,
+        user: UserId,
+        sid: SessionId,
+        branch: str,
+        to_version: int,
+        expected_head: int | None = None,
+        *,
+        epoch: int | None = None,
+    ) -> BranchInfo:
+        """Move `branch`'s head back to `to_version`, an ancestor-or-self of the current head.
+
+        Versions after it stay stored and listed (another branch may still point at them).
+        `epoch`: as for `Commits.commit`.
+        """
+        for _ in range(MAX_COMMIT_ATTEMPTS):
+            try:
+                with transaction(self._factory) as db:
+                    self._fence.hold_user(db, user, epoch)
+                    owned_session(db, user, sid)
+                    brow = branch_row(db, user, sid, branch)
+                    head = brow.head_version
+                    if expected_head is not None and head != expected_head:
+                        raise StaleHead(f"branch {branch!r} head is {head}, expected {expected_head}")
+                    parents = parents_of(db, user, sid)
+                    if to_version not in parents:
+                        raise VersionNotFound(f"version {to_version} not found in session {sid!r}")
+                    if to_version not in ancestors_of(parents, head):
+                        raise NotAnAncestor(
+                            f"version {to_version} is not on the history of branch {branch!r}"
+                        )
+                    move_head(db, user, sid, branch, head, to_version)
+                    touch(db, user, sid)
+                    return replace(branch_info(brow), head_version=to_version)
+            except LostRace:
+                if expected_head is not None:
+                    raise StaleHead(f"branch {branch!r} head moved during the rollback") from None
+        raise StaleHead(f"rollback of {sid!r}/{branch!r} lost {MAX_COMMIT_ATTEMPTS} races in a row")
+
+    def branch(
+        self, user: UserId, sid: SessionId, from_version: int, name: str, *, epoch: int | None = None
+    ) -> BranchInfo:
+        """A new branch `name` whose head is the existing version `from_version`
+        (`EMPTY_HEAD`, 0: a branch with no versions yet, for a fork of a session's first turn).
+        `epoch`: as for `Commits.commit`."""
+        check_name("branch name", name)
+        check_number(from_version, sid)
+        try:
+            with transaction(self._factory) as db:
+                self._fence.hold_user(db, user, epoch)
+                owned_session(db, user, sid)
+                if from_version != EMPTY_HEAD:
+                    exists = db.scalar(
+                        select(VersionRow.number).where(
+                            *version_key(user, sid), VersionRow.number == from_version
+                        )
+                    )
+                    if exists is None:
+                        raise VersionNotFound(f"version {from_version} not found in session {sid!r}")
+                if branch_row(db, user, sid, name, missing_ok=True) is not None:
+                    raise BranchExists(f"branch {name!r} already exists")
+                row = BranchRow(
+                    user_id=user, session_id=sid, name=name, head_version=from_version, created_at=utcnow()
+                )
+                db.add(row)
+                db.flush()
+                touch(db, user, sid)
+                return branch_info(row)
+        except IntegrityError as exc:
+            # A concurrent writer created the same name (or deleted the session) in between:
+            # `SessionNotFound` for the latter.
+            with transaction(self._factory) as db:
+                owned_session(db, user, sid)
+            raise BranchExists(f"branch {name!r} already exists") from exc
+
+    def list_branches(self, user: UserId, sid: SessionId) -> list[BranchInfo]:
+        with transaction(self._factory) as db:
+            owned_session(db, user, sid)
+            return [branch_info(b) for b in branch_rows(db, user, sid)]
+
+    def get_branch(self, user: UserId, sid: SessionId, name: str) -> BranchInfo:
+        with transaction(self._factory) as db:
+            owned_session(db, user, sid)
+            return branch_info(branch_row(db, user, sid, name))

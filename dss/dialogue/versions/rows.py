@@ -1,0 +1,164 @@
+"""Row-level helpers that the version store's pieces share, each inside the caller's transaction.
+
+Every query names a session together with its user (`version_key`, `owned_session`): one user's
+ids say nothing about another's, and another user's session is `SessionNotFound`, exactly like a
+missing one. Bulk UPDATE/DELETE statements do not synchronise the ORM session (`rowcount`):
+what a transaction needs after one, it reads again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal, TypeVar, cast, overload
+
+from sqlalchemy import CursorResult, Delete, Update, and_, delete, select, update
+from sqlalchemy.orm import Session, aliased
+
+from dss.db.models import BranchRow, ResponseRow, SessionRow, VersionRow, utcnow
+from dss.dialogue.history import rebuild
+from dss.dialogue.versions.records import VersionInfo, full_version
+from dss.errors import BranchNotFound, SessionNotFound, StaleHead, VersionNotFound
+from dss.types import SessionId, UserId
+
+# Each retry means another writer committed in between; far more than that is a livelock.
+MAX_COMMIT_ATTEMPTS = 64
+# Bound parameters per IN (...) list; SQLite allows 32766 in all, PostgreSQL 65535.
+_IN_CHUNK = 500
+
+_T = TypeVar("_T")
+
+
+class LostRace(StaleHead):
+    """A compare-and-set missed: another writer got in between. Caught and retried internally;
+    a StaleHead so that even an escape would carry the right meaning."""
+
+
+def in_chunks(items: Sequence[_T]) -> Iterator[Sequence[_T]]:
+    """`items` in slices short enough for one IN (...) list."""
+    for start in range(0, len(items), _IN_CHUNK):
+        yield items[start : start + _IN_CHUNK]
+
+
+def version_key(user: UserId, sid: SessionId) -> tuple[Any, Any]:
+    return (VersionRow.user_id == user, VersionRow.session_id == sid)
+
+
+def rowcount(db: Session, stmt: Update | Delete) -> int:
+    """Rows matched by a bulk UPDATE/DELETE (the ORM session is not synchronised: rows are re-read)."""
+    result = db.execute(stmt.execution_options(synchronize_session=False))
+    return cast(CursorResult[Any], result).rowcount
+
+
+def owned_session(db: Session, user: UserId, sid: SessionId) -> SessionRow:
+    """The user's session row; `SessionNotFound` when the user has none of that id."""
+    row = db.scalar(select(SessionRow).where(SessionRow.user_id == user, SessionRow.id == sid))
+    if row is None:
+        raise SessionNotFound(f"session {sid!r} not found")
+    return row
+
+
+def load_version(db: Session, user: UserId, sid: SessionId, number: int) -> VersionInfo:
+    """Version `number` with its whole message list, rebuilt from its chain of stored deltas
+    in one recursive query (it stops at the first ancestor that stores a whole list)."""
+    row = db.scalar(select(VersionRow).where(*version_key(user, sid), VersionRow.number == number))
+    if row is None:
+        raise VersionNotFound(f"version {number} not found in session {sid!r}")
+    if row.messages_base == 0:
+        return full_version(row, list(row.messages))
+    v = aliased(VersionRow)
+    cols = (VersionRow.number, VersionRow.parent, VersionRow.messages_base, VersionRow.messages)
+    chain = (
+        select(*cols)
+        .where(*version_key(user, sid), VersionRow.number == row.parent)
+        .cte("chain", recursive=True)
+    )
+    chain = chain.union_all(
+        select(v.number, v.parent, v.messages_base, v.messages)
+        .join(chain, and_(v.number == chain.c.parent, chain.c.messages_base > 0))
+        .where(v.user_id == user, v.session_id == sid)
+    )
+    rows = db.execute(select(chain.c.messages_base, chain.c.messages).order_by(chain.c.number)).tuples()
+    return full_version(row, rebuild([*rows, (row.messages_base, row.messages)]))
+
+
+def branch_rows(db: Session, user: UserId, sid: SessionId) -> list[BranchRow]:
+    """The session's branches, oldest first."""
+    q = (
+        select(BranchRow)
+        .where(BranchRow.user_id == user, BranchRow.session_id == sid)
+        .order_by(BranchRow.created_at, BranchRow.name)
+    )
+    return list(db.scalars(q))
+
+
+@overload
+def branch_row(
+    db: Session, user: UserId, sid: SessionId, name: str, missing_ok: Literal[False] = False
+) -> BranchRow: ...
+@overload
+def branch_row(
+    db: Session, user: UserId, sid: SessionId, name: str, missing_ok: Literal[True]
+) -> BranchRow | None: ...
+def branch_row(
+    db: Session, user: UserId, sid: SessionId, name: str, missing_ok: bool = False
+) -> BranchRow | None:
+    """The session's branch `name`; `BranchNotFound` when missing, unless `missing_ok` (then None)."""
+    row = db.scalar(
+        select(BranchRow).where(
+            BranchRow.user_id == user, BranchRow.session_id == sid, BranchRow.name == name
+        )
+    )
+    if row is None and not missing_ok:
+        raise BranchNotFound(f"branch {name!r} not found in session {sid!r}")
+    return row
+
+
+def parents_of(db: Session, user: UserId, sid: SessionId) -> dict[int, int | None]:
+    """The session's version tree: each version's number → its parent's (None for a root)."""
+    q = select(VersionRow.number, VersionRow.parent).where(*version_key(user, sid))
+    return {number: parent for number, parent in db.execute(q).tuples()}
+
+
+def move_head(db: Session, user: UserId, sid: SessionId, branch: str, old: int, new: int) -> None:
+    """Compare-and-set of a branch head; `LostRace` when another writer moved it first."""
+    moved = rowcount(
+        db,
+        update(BranchRow)
+        .where(
+            BranchRow.user_id == user,
+            BranchRow.session_id == sid,
+            BranchRow.name == branch,
+            BranchRow.head_version == old,
+        )
+        .values(head_version=new),
+    )
+    if moved != 1:
+        raise LostRace
+
+
+def touch(db: Session, user: UserId, sid: SessionId) -> None:
+    """Mark the session as updated now."""
+    db.execute(
+        update(SessionRow)
+        .where(SessionRow.user_id == user, SessionRow.id == sid)
+        .values(updated_at=utcnow())
+        .execution_options(synchronize_session=False)
+    )
+
+
+def delete_sessions(db: Session, user: UserId, sid: SessionId | None = None) -> dict[str, int]:
+    """Delete session `sid` of `user` (every session of the user when None); counts of deleted
+    sessions, versions, branches and stored responses.
+
+    Children go first and explicitly, which stays correct where foreign-key cascades are off.
+    """
+
+    def scope(table: type[VersionRow] | type[BranchRow] | type[ResponseRow]) -> list[Any]:
+        return [table.user_id == user] + ([table.session_id == sid] if sid is not None else [])
+
+    responses = rowcount(db, delete(ResponseRow).where(*scope(ResponseRow)))
+    versions = rowcount(db, delete(VersionRow).where(*scope(VersionRow)))
+    branches = rowcount(db, delete(BranchRow).where(*scope(BranchRow)))
+    own = [SessionRow.user_id == user] + ([SessionRow.id == sid] if sid is not None else [])
+    sessions = rowcount(db, delete(SessionRow).where(*own))
+    return {"sessions": sessions, "versions": versions, "branches": branches, "responses": responses}
