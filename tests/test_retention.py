@@ -292,20 +292,6 @@ def test_warm_promotes_a_versions_disk_pages_to_host(store: Store) -> None:
     store.check()
 
 
-def test_warm_version_runs_in_the_background_and_warms_each_page_once(store: Store) -> None:
-    a = _tokens(1, 4)
-    turn(store, "alice", "trip", a)
-    store.retention.set_hint("alice", "trip", "evict")
-    for _ in range(5):
-        store.retention.warm_version("alice", "trip", 1)
-    store.retention.warm_version("alice", "nope", 1)  # unknown: nothing, no error
-    store.retention.warm_version("alice", "trip", 0)
-    assert store.retention.idle(10)
-    assert resident(store, "alice", a)["host"] == 16
-    assert store.stats()["retention"]["warmed_pages"] == 4  # each page promoted once
-    store.check()
-
-
 def test_warm_of_an_empty_branch_or_a_missing_version(store: Store) -> None:
     store.versions.create_session("alice", "empty")
     plan = store.retention.warm("alice", "empty")

@@ -17,7 +17,7 @@ into page retention classes (`dss.pages.eviction.RetentionClass`) and tier moves
   tier; bounded by `RetentionConfig.pinned_fraction` of the host tier for all users together and
   `pinned_user_fraction` per user (`PinnedCapExceeded` beyond; pages a pinned session grows past
   the cap later stay `NORMAL`).
-- warm-up (`warm`, `warm_version`): promote a version's disk pages into the host tier on a bounded
+- warm-up (`warm`): promote a version's disk pages into the host tier on a bounded
   executor, each page once however many warm-ups ask for it.
 
 Classes are refreshed for every session the database says was updated since the last sweep (a
@@ -81,7 +81,6 @@ T = TypeVar("T")
 SessionKey = tuple[UserId, SessionId]  # (user, session id)
 
 _OVERLAP_S = 2.0  # the sweep re-reads sessions updated this long before its last read
-_MAX_PENDING_RESOLVES = 64  # `warm_version` calls waiting for their version to be read
 _MAX_ORPHAN_ONLY_PAGES = 1 << 16  # orphan pages remembered for `normal` sessions without a TTL
 _ERASED_MEMORY_S = 600.0  # how long an erased user is remembered (late warm-ups/refreshes refused)
 _MAX_ERASED = 100_000  # erased users remembered at most (the oldest are dropped first)
@@ -160,7 +159,6 @@ class SessionRetention:
         self._orphan_only_pages = 0
         self._erased: dict[UserId, float] = {}  # user -> monotonic time of the erasure, oldest first
         self._warming: set[PageHash] = set()
-        self._resolving = 0
         self._counts = {"warmed_pages": 0, "warm_skipped_pages": 0, "idle_demotions": 0, "demoted_pages": 0}
         self._closed = False
         self._cursor: datetime | None = None  # the sweep's read position in `updated_at`
@@ -623,31 +621,6 @@ class SessionRetention:
         tokens = sum(n for _, _, n in pages)
         return WarmPlan(sid, number, len(pages), tokens, resident, len(queued), warming, already, skipped)
 
-    def warm_version(self, user: UserId, sid: SessionId, version: int) -> None:
-        """Warm a version's pages in the background, without waiting for anything (the session
-        turn's hook, called when a turn arrives, before it is rendered). Never raises; a version
-        that does not exist warms nothing; beyond a bounded backlog the call does nothing."""
-        if version <= 0:
-            return
-        with self._lock:
-            if self._closed or self._resolving >= _MAX_PENDING_RESOLVES:
-                return
-            self._resolving += 1
-        try:
-            self._warmers.submit(self._warm_quietly, user, sid, version)
-        except RuntimeError:
-            with self._lock:
-                self._resolving -= 1
-
-    def _warm_quietly(self, user: UserId, sid: SessionId, version: int) -> None:
-        try:
-            self.warm(user, sid, version=version)
-        except Exception as exc:
-            log.debug("warm-up of %r v%d skipped: %s", sid, version, exc)
-        finally:
-            with self._lock:
-                self._resolving -= 1
-
     def _touch(self, key: SessionKey, started: float) -> None:
         """Record a use of a tracked session (what its idle TTL counts from), read at `started`;
         nothing for an untracked one, or for a user erased since."""
@@ -703,7 +676,7 @@ class SessionRetention:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self._lock:
-                if not self._warming and not self._resolving:
+                if not self._warming:
                     return True
             time.sleep(0.01)
         return False
