@@ -292,20 +292,6 @@ def test_warm_promotes_a_versions_disk_pages_to_host(store: Store) -> None:
     store.check()
 
 
-def test_warm_version_runs_in_the_background_and_warms_each_page_once(store: Store) -> None:
-    a = _tokens(1, 4)
-    turn(store, "alice", "trip", a)
-    store.retention.set_hint("alice", "trip", "evict")
-    for _ in range(5):
-        store.retention.warm_version("alice", "trip", 1)
-    store.retention.warm_version("alice", "nope", 1)  # unknown: nothing, no error
-    store.retention.warm_version("alice", "trip", 0)
-    assert store.retention.idle(10)
-    assert resident(store, "alice", a)["host"] == 16
-    assert store.stats()["retention"]["warmed_pages"] == 4  # each page promoted once
-    store.check()
-
-
 def test_warm_of_an_empty_branch_or_a_missing_version(store: Store) -> None:
     store.versions.create_session("alice", "empty")
     plan = store.retention.warm("alice", "empty")
@@ -435,14 +421,14 @@ def test_a_hint_the_busy_worker_does_not_reach_is_withdrawn(tmp_path: Path) -> N
         a = _tokens(1, 2)
         turn(s, "alice", "trip", a)
         release = threading.Event()
-        blocker = s.retention._worker.submit(release.wait, 20)  # the worker busy with other work
+        blocker = s.retention.worker.submit(release.wait, 20)  # the worker busy with other work
         try:
             with pytest.raises(RetentionBusy):
                 s.retention.set_hint("alice", "trip", "evict")
         finally:
             release.set()
         blocker.result(10)
-        s.retention._worker.submit(lambda: None).result(10)  # whatever was queued has run
+        s.retention.worker.submit(lambda: None).result(10)  # whatever was queued has run
         assert s.versions.get_session("alice", "trip").kv_retention == "normal"  # told it failed: it did
         assert resident(s, "alice", a)["host"] == 8
     finally:
@@ -523,22 +509,22 @@ def test_the_registry_keeps_nothing_of_a_normal_session_but_its_orphans(tmp_path
         turn(s, "alice", "plain", _tokens(1, 3))
         s.retention.sweep()
         assert s.retention.stats()["tracked_sessions"] == 0  # its pages keep the default class
-        assert not s.retention._refs
+        assert s.retention.stats()["tracked_pages"] == 0
         v1 = _tokens(1000, 1)
         turn(s, "alice", "trip", v1)
         turn(s, "alice", "trip", np.concatenate([v1, _tokens(2000, 2)]))
         s.versions.rollback("alice", "trip", "main", 1)
         s.retention.sweep()
         assert s.retention.stats()["tracked_sessions"] == 1
-        assert len(s.retention._refs) == 2  # the two orphan pages, nothing else
+        assert s.retention.stats()["tracked_pages"] == 2  # the two orphan pages, nothing else
     finally:
         s.close()
 
 
 def test_orphans_of_normal_sessions_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import dss.ops.retention as retention_mod
+    import dss.ops.retention.registry as registry_mod
 
-    monkeypatch.setattr(retention_mod, "_MAX_ORPHAN_ONLY_PAGES", 3, raising=False)
+    monkeypatch.setattr(registry_mod, "_MAX_ORPHAN_ONLY_PAGES", 3)
     s = _store(tmp_path / "d")
     try:
         orphans = {}
@@ -565,14 +551,14 @@ def test_a_warm_up_racing_an_erasure_records_nothing_for_the_user(store: Store) 
     def then_erased(*args: Any, **kwargs: Any) -> Any:
         v = real(*args, **kwargs)  # read before the erasure ...
         store.eraser.erase_user("alice")
-        store.retention._worker.submit(lambda: None).result(10)  # ... forgotten before the touch
+        store.retention.worker.submit(lambda: None).result(10)  # ... forgotten before the touch
         return v
 
     store.versions.get_version = then_erased  # type: ignore[method-assign]
     store.retention.warm("alice", "trip", version=1)
     store.versions.get_version = real  # type: ignore[method-assign]
     assert store.retention.idle(10)
-    assert not store.retention._touched
+    assert store.retention.registry.last_use(("alice", "trip")) is None
     assert store.retention.stats()["tracked_sessions"] == 0
 
 

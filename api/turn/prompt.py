@@ -3,9 +3,10 @@ stored ids (`dss.dialogue.continuation`) or renders the whole dialogue, and `max
 against the context; then the tenant and its prefix-cache salt.
 
 Pages are warmed once, by the connector: it promotes the pages it loads when vLLM schedules the
-request (`engine_patch.connector`). The API no longer starts a second, background warm-up of the
-version here (`Retention.warm_version`): that re-read the version from the database in a worker
-thread and queued promotions of the same pages the connector's lookup promotes a moment later.
+request (`engine_patch.connector`). The API starts no second, background warm-up of the version
+here (the retention service's `warm_version` did, and is gone): that re-read the version from the
+database in a worker thread and queued promotions of the same pages the connector's lookup
+promotes a moment later.
 """
 
 from __future__ import annotations

@@ -65,8 +65,8 @@ from dss.keys.keyring import Keyring
 from dss.ops.kv import KVCache
 from dss.ops.receipt_chain import GENESIS, check_chain, entry_hash
 from dss.ops.wal_scrub import WalScrubber
-from dss.pages.manager import TieredPages
 from dss.pages.table import PageEntry
+from dss.pages.tiered import TieredPages
 from dss.types import PUBLIC_TENANT, TenantId, Tier, UserId
 
 log = logging.getLogger("dss.erasure")

@@ -23,8 +23,8 @@ from dss.index.fingerprints import FingerprintRegistry
 from dss.index.hashing import ROOT_PARENT
 from dss.index.prefix_index import PrefixIndex
 from dss.namespace import make_namespace
-from dss.pages.manager import TieredPages
 from dss.pages.meta import PageMeta
+from dss.pages.tiered import TieredPages
 from dss.pages.tiers.disk import DiskTier
 from dss.types import PageHash, TenantId
 

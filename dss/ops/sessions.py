@@ -23,7 +23,7 @@ from dss.index.fingerprints import FingerprintRegistry
 from dss.index.prefix_index import PrefixIndex
 from dss.keys.identity import Identity
 from dss.namespace import make_namespace
-from dss.pages.manager import TieredPages
+from dss.pages.tiered import TieredPages
 from dss.types import FingerprintId, Namespace, PageHash, SessionId, UserId
 
 log = logging.getLogger("dss.sessions")

@@ -45,8 +45,8 @@ from dss.ops.kv.matching import MatchInfo, match_info, with_partial
 from dss.ops.kv.records import Lease, PendingSave
 from dss.ops.kv.remote import index_adopted, remote_pages_after
 from dss.ops.writeback import DiskWriter
-from dss.pages.manager import TieredPages
 from dss.pages.meta import PageMeta
+from dss.pages.tiered import TieredPages
 from dss.tokens import as_tokens
 from dss.types import PUBLIC_TENANT, FingerprintId, PageHash, TenantId, Tier
 from dss.wire import LoadPlan, PageSlot, SavePlan, SlotRef

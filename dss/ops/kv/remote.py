@@ -13,8 +13,8 @@ from dss.index.hashing import ROOT_PARENT, chain_hashes
 from dss.index.prefix_index import IndexMatch, PrefixIndex
 from dss.index.tails import tail_hash
 from dss.namespace import ModelFingerprint
-from dss.pages.manager import TieredPages
 from dss.pages.meta import PageMeta
+from dss.pages.tiered import TieredPages
 from dss.pages.tiers.remote import RemoteTier
 from dss.types import FingerprintId, Namespace, PageHash
 
