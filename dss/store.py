@@ -85,9 +85,9 @@ class Store:
     host: HostTier
     disk: DiskTier | None
     remote: RemoteTier | None
-    kv: KVCache  # match, loads, saves, leases, residency, stored bytes
+    kv: KVCache  # match, loads, saves, leases, residency, stored KV
     prefixes: PublicPrefixes
-    sessions: Sessions  # session deletion
+    sessions: Sessions  # a session's stored KV and residency; session deletion
     eraser: Eraser  # erasure, receipts, verification, `holds_user`
     retention: SessionRetention
 
@@ -188,6 +188,7 @@ class Store:
             self.fingerprints,
             self.index,
             self.pages,
+            self.kv,
             on_deleted=self.retention.forget_session,
         )
         self.eraser = Eraser(

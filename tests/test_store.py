@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from dss.errors import StorageError, WrongMasterKey
+from dss.ops.kv import StoredKV
 from dss.types import PUBLIC_TENANT, FingerprintId, Tier
 from tests.store_helpers import SMALL_FP, open_store, pages_for
 
@@ -123,9 +124,9 @@ def test_a_new_data_directory_is_private_to_its_owner(tmp_path):
     assert any(p.suffix == ".page" for p in modes) and any(p.name == "dss.sqlite3" for p in modes)
 
 
-def test_stored_bytes_counts_each_own_page_once(tmp_path):
-    """A session's stored KV (`Store.stored_bytes`, the API's `stored_bytes`): the distinct pages
-    its versions' tokens match, public prefix pages and unknown models left out."""
+def test_stored_kv_counts_each_own_page_once(tmp_path):
+    """A tenant's stored KV (`KVCache.stored`, behind the API's `stored_bytes`): the distinct
+    pages its versions' tokens match, public prefix pages and unknown models left out."""
     store = open_store(tmp_path)
     fid = store.fingerprints.register(SMALL_FP)
     page = SMALL_FP.page_nbytes
@@ -138,11 +139,39 @@ def test_stored_bytes_counts_each_own_page_once(tmp_path):
     sibling = np.concatenate([v1, np.arange(40, 44, dtype=np.int32)])  # another child: + 1
     for tokens in (v1, v2, sibling):
         store.kv.put_sequence(fid, alice, tokens, pages_for(SMALL_FP, tokens))
-    assert store.kv.stored_bytes(alice, [(fid, v1)]) == 2 * page
-    assert store.kv.stored_bytes(alice, [(fid, v1), (fid, v2), (fid, sibling)]) == 4 * page  # shared once
-    assert (
-        store.kv.stored_bytes(store.identity.tenant_for("bob"), [(fid, v2)]) == 0
-    )  # the public pages are no one's
-    assert store.kv.stored_bytes(alice, [(FingerprintId("unknown"), v2)]) == 0
-    assert store.kv.stored_bytes(alice, []) == 0
+    assert store.kv.stored(alice, [(fid, v1)]) == StoredKV(2, 2 * page)
+    shared_once = StoredKV(4, 4 * page)
+    assert store.kv.stored(alice, [(fid, v1), (fid, v2), (fid, sibling)]) == shared_once
+    bob = store.identity.tenant_for("bob")
+    assert store.kv.stored(bob, [(fid, v2)]) == StoredKV(0, 0)  # the public pages are no one's
+    assert store.kv.stored(alice, [(FingerprintId("unknown"), v2)]) == StoredKV(0, 0)
+    assert store.kv.stored(alice, []) == StoredKV(0, 0)
+    store.close()
+
+
+def test_a_session_stores_its_users_own_pages_of_its_versions(tmp_path):
+    """`Sessions.stored` (the API's `stored_bytes`) and `Sessions.resident` answer for a
+    session's versions: the user's own pages once, the public prefix left out, nothing for a
+    session that is not the user's or was deleted, every tier 0 for an unknown model."""
+    store = open_store(tmp_path)
+    fid = store.fingerprints.register(SMALL_FP)
+    page = SMALL_FP.page_nbytes
+    system = np.arange(500, 508, dtype=np.int32)  # two public pages
+    store.kv.put_sequence(fid, PUBLIC_TENANT, system, pages_for(SMALL_FP, system))
+    v1 = np.concatenate([system, np.arange(1, 9, dtype=np.int32)])  # + 2 own pages
+    v2 = np.concatenate([v1, np.arange(9, 13, dtype=np.int32)])  # + 1 own page
+    store.versions.create_session("alice", "s")
+    for head, tokens in enumerate((v1, v2)):
+        store.kv.put_sequence(fid, store.identity.tenant_for("alice"), tokens, pages_for(SMALL_FP, tokens))
+        store.versions.commit(
+            "alice", "s", tokens=tokens, messages=[], branch="main", expected_head=head, fingerprint=fid
+        )
+    assert store.sessions.stored("alice", "s") == StoredKV(3, 3 * page)
+    assert store.sessions.stored("bob", "s") == StoredKV()  # not bob's session
+    assert store.sessions.resident_versions("alice", "s", 0, 2)[2]["host"] == len(v2)
+    assert set(store.sessions.resident_versions("alice", "s", 1, 2)) == {2}
+    assert store.sessions.resident("alice", "unknown", v2) == {t.value: 0 for t in Tier}
+    store.sessions.delete("alice", "s")
+    assert store.sessions.stored("alice", "s") == StoredKV()
+    store.check()
     store.close()

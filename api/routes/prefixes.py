@@ -50,12 +50,9 @@ async def _warm(state: AppState, engine: ChatEngine, tokens: list[int], prefix_i
                 break
     # The connector saves the pages once the request is done; wait for them (bounded).
     assert engine.fingerprint is not None
-    bs = state.store.fingerprints.get(engine.fingerprint).block_size
-    want = (len(tokens) // bs) * bs
     deadline = time.monotonic() + _WARM_WAIT_S
     while time.monotonic() < deadline:
-        m = await asyncio.to_thread(state.store.kv.match, engine.fingerprint, PUBLIC_TENANT, tokens)
-        if m.n_tokens >= want:
+        if await asyncio.to_thread(state.store.prefixes.warmed, engine.fingerprint, tokens):
             return
         await asyncio.sleep(0.05)
 

@@ -29,7 +29,7 @@ from api.state import AppState
 from api.turn.pipeline import serve_turn
 from api.turn.target import message_turn
 from dss.dialogue.versions import SessionInfo
-from dss.errors import ModelNotFound, SessionNotFound
+from dss.errors import ModelNotFound
 from dss.ops.retention import KEEP
 from dss.types import SessionId, UserId
 
@@ -39,15 +39,8 @@ SidPath = Annotated[str, "session id"]
 
 
 def stored_bytes(state: AppState, user: UserId, session_id: SessionId) -> int:
-    """The KV bytes stored for the session's versions (`KVCache.stored_bytes`); 0 for a session
-    deleted meanwhile (a listing does not fail for it). The versions' token ids are read a few at
-    a time (`iter_tokens`): a session's whole history is never held at once."""
-    try:
-        versions = state.store.versions.iter_tokens(user, session_id)
-    except SessionNotFound:
-        return 0
-    sequences = ((v.fingerprint, v.tokens) for v in versions if v.fingerprint is not None)
-    return state.store.kv.stored_bytes(state.store.identity.tenant_for(user), sequences)
+    """The bytes `stored_bytes` shows (`Sessions.stored`: 0 for a session deleted meanwhile)."""
+    return state.store.sessions.stored(user, session_id).nbytes
 
 
 def session_out(s: SessionInfo, stored: int) -> SessionOut:

@@ -12,18 +12,14 @@ from api.errors import error_responses
 from api.shapes.schemas import BranchOut, ListResponse, RollbackRequest, TierTokens, VersionDetail, VersionOut
 from api.state import AppState
 from dss.dialogue.versions import VersionSummary
-from dss.types import FingerprintId, SessionId, Tier, UserId
+from dss.types import SessionId, UserId
 
 router = APIRouter(tags=["versions"])
 
 
 def _resident(state: AppState, user: UserId, fingerprint: str | None, tokens: np.ndarray) -> TierTokens:
-    """Tokens of the version whose KV sits in each tier now (nothing for an unknown model)."""
-    if not fingerprint or fingerprint not in state.store.fingerprints or len(tokens) == 0:
-        return TierTokens()
-    tenant = state.store.identity.tenant_for(user)
-    split = state.store.kv.residency(FingerprintId(fingerprint), tenant, tokens)
-    return TierTokens(**{t.value: split.get(t.value, 0) for t in Tier})
+    """Tokens of the version whose KV sits in each tier now (`Sessions.resident`)."""
+    return TierTokens(**state.store.sessions.resident(user, fingerprint, tokens))
 
 
 def _out(v: VersionSummary, resident: TierTokens) -> VersionOut:
@@ -57,11 +53,8 @@ def list_versions(
     start = after if after is not None else 0
     user, sid = principal.user, SessionId(session_id)
     rows, has_more = state.store.versions.version_page(user, sid, limit=limit, after=start)
-    resident: dict[int, TierTokens] = {}
-    if rows:
-        for v in state.store.versions.iter_tokens(user, sid, after=start, through=rows[-1].number):
-            resident[v.number] = _resident(state, user, v.fingerprint, v.tokens)
-    data = [_out(v, resident.get(v.number, TierTokens())) for v in rows]
+    resident = state.store.sessions.resident_versions(user, sid, start, rows[-1].number) if rows else {}
+    data = [_out(v, TierTokens(**resident[v.number]) if v.number in resident else TierTokens()) for v in rows]
     return ListResponse[VersionOut](data=data, has_more=has_more)
 
 

@@ -112,6 +112,13 @@ class PublicPrefixes:
             s.delete(row)
         self._refresh_pins(fid)
 
+    def warmed(self, fid: FingerprintId, tokens: Sequence[int] | np.ndarray) -> bool:
+        """Whether the public namespace stores the whole pages of `tokens` (what warming a
+        prefix saves; the tokens after its last whole page are not waited for)."""
+        bs = self._fingerprints.get(fid).block_size
+        whole = len(tokens) // bs * bs
+        return self._kv.match(fid, PUBLIC_TENANT, tokens).n_tokens >= whole
+
     def _info(self, row: PublicPrefixRow) -> PrefixInfo:
         fid = FingerprintId(row.fingerprint)
         tokens = np.frombuffer(row.tokens, dtype="<i4")

@@ -1,37 +1,46 @@
-"""Deleting a session together with the cached KV pages only it used.
+"""A session's cached KV: what it stores (`stored`, `resident`), and deleting a session together
+with the cached KV pages only it used.
 
-The session's rows go first (one transaction); then its private pages that none of the user's
-other versions reach are cut from the index and dropped from every tier. Pages shared with
+What a session stores is its user's own pages that its versions' tokens reach, each page once at
+its uncompressed size (`KVCache.stored`); public-prefix pages are no one's. Reading it leaves the
+pages' recency alone, and a session deleted meanwhile stores nothing (a listing does not fail
+for it).
+
+Deleting: the session's rows go first (one transaction); then its private pages that none of the
+user's other versions reach are cut from the index and dropped from every tier. Pages shared with
 another session of the same user stay (they are that session's cache too), and public-prefix
 pages are never touched.
 
-Memory follows the deleted session, not the user's history: its versions' token ids are read
-(no messages), and the user's other versions are walked a few at a time (`iter_tokens`), each
-reduced at once to the pages it shares with the deleted paths.
+Memory follows the session, not the user's history: its versions' token ids are read (no
+messages) a few at a time (`iter_tokens`), and when deleting, the user's other versions are
+walked the same way, each reduced at once to the pages it shares with the deleted paths.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from dss.dialogue.versions import VersionStore
+from dss.errors import SessionNotFound
 from dss.index.fingerprints import FingerprintRegistry
 from dss.index.prefix_index import PrefixIndex
 from dss.keys.identity import Identity
 from dss.namespace import make_namespace
+from dss.ops.kv import KVCache, StoredKV
 from dss.pages.tiered import TieredPages
-from dss.types import FingerprintId, Namespace, PageHash, SessionId, UserId
+from dss.types import FingerprintId, Namespace, PageHash, SessionId, Tier, UserId
 
 log = logging.getLogger("dss.sessions")
 
 
 class Sessions:
-    """Session deletion over the parts that hold a session: `delete(user, sid)`.
-    `on_deleted(user, sid)` runs after it (retention forgets the session's hints)."""
+    """A session's cached KV over the parts that hold it: `stored`, `resident`,
+    `resident_versions`, and `delete(user, sid)`. `on_deleted(user, sid)` runs after a deletion
+    (retention forgets the session's hints)."""
 
     def __init__(
         self,
@@ -40,6 +49,7 @@ class Sessions:
         fingerprints: FingerprintRegistry,
         index: PrefixIndex,
         pages: TieredPages,
+        kv: KVCache,
         on_deleted: Callable[[UserId, SessionId], None] = lambda _user, _sid: None,
     ) -> None:
         self._versions = versions
@@ -47,7 +57,37 @@ class Sessions:
         self._fingerprints = fingerprints
         self._index = index
         self._pages = pages
+        self._kv = kv
         self._on_deleted = on_deleted
+
+    def stored(self, user: UserId, sid: SessionId) -> StoredKV:
+        """The KV the user's own pages hold for the session's versions (each page once); nothing
+        for a session that is not the user's (deleted since it was listed)."""
+        try:
+            versions = self._versions.iter_tokens(user, sid)
+        except SessionNotFound:
+            return StoredKV()
+        sequences = ((v.fingerprint, v.tokens) for v in versions if v.fingerprint is not None)
+        return self._kv.stored(self._identity.tenant_for(user), sequences)
+
+    def resident(
+        self, user: UserId, fingerprint: str | None, tokens: Sequence[int] | np.ndarray
+    ) -> dict[str, int]:
+        """Tokens of a version of the user whose KV each tier holds now (`KVCache.residency`);
+        every tier 0 for a version of a model this store does not know, or without tokens."""
+        if not fingerprint or fingerprint not in self._fingerprints or len(tokens) == 0:
+            return {t.value: 0 for t in Tier}
+        return self._kv.residency(FingerprintId(fingerprint), self._identity.tenant_for(user), tokens)
+
+    def resident_versions(
+        self, user: UserId, sid: SessionId, after: int, through: int
+    ) -> dict[int, dict[str, int]]:
+        """`resident` of each version of the session numbered in (`after`, `through`] that has
+        tokens, by number; the token ids are read a few versions at a time."""
+        return {
+            v.number: self.resident(user, v.fingerprint, v.tokens)
+            for v in self._versions.iter_tokens(user, sid, after=after, through=through)
+        }
 
     def delete(self, user: UserId, sid: SessionId) -> int:
         """Delete a session and the cached pages only it used; returns the pages dropped."""

@@ -1,12 +1,18 @@
 """KV loads and saves for engines: the prefix index and the tiered pages used together.
 
-- `cache`: `KVCache` (match, loads, saves, leases, erasure cooperation, pins);
+- `cache`: `KVCache`, the one surface callers use; it puts the parts below together;
+- `lookup`: `KVLookup` (match, residency, a tenant's stored KV as `StoredKV`, `forget`);
+- `loads`: `KVLoads` (loads, their leases, the loader threads, remote adoption);
+- `saves`: `KVSaves` (pending and published saves, the erasure's side of them);
+- `gate`: `TenantGate` (which tenants may save now, their saves in flight);
+- `pins`: `PublicPins` (public prefixes kept pinned);
 - `matching`: `MatchInfo`, what a match is;
 - `records`: a load's lease and a pending save;
 - `remote`: adopting pages of the fleet's remote tier into a local match.
 """
 
 from dss.ops.kv.cache import KVCache
+from dss.ops.kv.lookup import StoredKV
 from dss.ops.kv.matching import MatchInfo
 
-__all__ = ["KVCache", "MatchInfo"]
+__all__ = ["KVCache", "MatchInfo", "StoredKV"]

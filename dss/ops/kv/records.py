@@ -1,5 +1,5 @@
-"""The KV cache's records of work in flight: a load's lease and a pending save (guarded by
-`KVCache._lock`; nothing here locks)."""
+"""The KV cache's records of work in flight: a load's lease (guarded by `KVLoads._lock`) and a
+pending save (guarded by `KVSaves._lock`); nothing here locks."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class PendingSave:
     # writing into the slots, which must not be reused.
     reports: dict[int, frozenset[int]] = field(default_factory=dict)
     created: float = field(default_factory=time.monotonic)
-    # Set while an erasure zeroes the slots (guarded by KVCache._lock): a commit or abort that
+    # Set while an erasure zeroes the slots (guarded by KVSaves._lock): a commit or abort that
     # arrives meanwhile only marks `reported`, and the eraser frees the slots when it is done.
     scrubbing: bool = False
     reported: bool = False

@@ -1,0 +1,199 @@
+"""`KVLoads`: an engine's loads. `begin_load` matches and pins the pages (a `Lease`) and has
+loader threads promote the pages not in the host arena; `wait_loaded` hands out their host
+slots and validates the engine's copies; `release` unpins them once every engine rank copied.
+
+A page that no rank may trust comes back None: one not promoted in time, or one erased (its slot
+reused) between the pin and the copy. A lease whose engine never came back is released by
+`expire_stale`, so its pages can be evicted again.
+
+Lock: `KVLoads._lock` is a leaf around the leases. The index, the page table and the tiers are
+called with no lock held; the remote tier's pages are adopted inside `TenantGate.saving`, like a
+save of the tenant.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import numpy as np
+
+from dss.errors import InvalidInput
+from dss.index.fingerprints import FingerprintRegistry
+from dss.index.prefix_index import IndexMatch, PrefixIndex
+from dss.namespace import make_namespace
+from dss.ops.kv.gate import TenantGate
+from dss.ops.kv.lookup import KVLookup
+from dss.ops.kv.matching import match_info, with_partial
+from dss.ops.kv.records import Lease
+from dss.ops.kv.remote import index_adopted, remote_pages_after
+from dss.ops.writeback import DiskWriter
+from dss.pages.tiered import TieredPages
+from dss.types import FingerprintId, PageHash, TenantId, Tier
+from dss.wire import LoadPlan, PageSlot, SlotRef
+
+log = logging.getLogger("dss.kv")
+
+
+class KVLoads:
+    def __init__(
+        self,
+        fingerprints: FingerprintRegistry,
+        index: PrefixIndex,
+        pages: TieredPages,
+        lookup: KVLookup,
+        gate: TenantGate,
+        writer: DiskWriter | None,
+        loader_threads: int,
+    ) -> None:
+        self._fingerprints = fingerprints
+        self._index = index
+        self._pages = pages
+        self._lookup = lookup
+        self._gate = gate
+        self._writer = writer
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        self._loader = ThreadPoolExecutor(max_workers=loader_threads, thread_name_prefix="dss-loader")
+
+    def close(self) -> None:
+        self._loader.shutdown(wait=True, cancel_futures=True)
+
+    def begin_load(
+        self,
+        fid: FingerprintId,
+        tenant: TenantId,
+        tokens: Sequence[int] | np.ndarray,
+        start_token: int = 0,
+        max_tokens: int | None = None,
+    ) -> LoadPlan | None:
+        """Match and pin the pages after `start_token` (a multiple of the block size). Pages only
+        on disk are promoted into the host arena by loader threads (the plan is then async)."""
+        bs = self._fingerprints.get(fid).block_size
+        if start_token % bs:
+            raise InvalidInput(f"start_token {start_token} is not a multiple of the block size {bs}")
+        arr = self._lookup.tokens(tokens)
+        query = arr if max_tokens is None else arr[: max(0, max_tokens)]
+        m = self._index.match(fid, tenant, query)
+        if self._pages.remote is not None and self._adopt_remote(fid, tenant, query, m):
+            m = self._index.match(fid, tenant, query)
+        pages = with_partial(m)
+        first = start_token // bs
+        if len(pages) <= first:
+            return None
+        held = self._pages.lease_prefix(pages)
+        if len(held) <= first:
+            self._pages.unlease(held)
+            return None
+        sizes = match_info(m, len(held), bs).page_tokens(bs)
+        futures: dict[int, Future[SlotRef | None]] = {}
+        tier_tokens = {t.value: 0 for t in Tier}
+        plan_pages: list[PageSlot] = []
+        for i in range(first, len(held)):
+            ref = held[i].host_ref
+            tier = Tier.HOST
+            if ref is None:
+                tier = Tier.REMOTE if self._pages.tiers_of(held[i].hash) == {Tier.REMOTE} else Tier.DISK
+                futures[i] = self._loader.submit(self._promote, held[i].hash)
+            tier_tokens[tier.value] += sizes[i]
+            plan_pages.append(PageSlot(i, held[i].hash, ref, tier.value))
+        load_id = uuid.uuid4().hex
+        shards = self._fingerprints.get(fid).shards
+        with self._lock:
+            self._leases[load_id] = Lease(held, tuple(plan_pages), futures, shards)
+        n_tokens = sum(sizes[first:])
+        return LoadPlan(load_id, n_tokens, start_token, tuple(plan_pages), bool(futures), tier_tokens)
+
+    def _promote(self, page: PageHash) -> SlotRef | None:
+        gone: list[PageHash] = []
+        from_remote = self._pages.tiers_of(page) == {Tier.REMOTE}
+        try:
+            ref = self._pages.promote_to_host(page, gone)
+            if ref is not None and from_remote and self._writer is not None:
+                self._writer.enqueue(page)  # this server's disk keeps a copy too
+            return ref
+        finally:
+            self._lookup.forget(gone)
+
+    def _adopt_remote(self, fid: FingerprintId, tenant: TenantId, tokens: np.ndarray, m: IndexMatch) -> bool:
+        """Extend a local match with the pages the remote tier holds (`remote_pages_after`).
+        Pages found enter the page table (as remote-only, promoted by the load) and the index.
+        Returns whether any did. Redis unavailable: nothing found, nothing raised."""
+        remote = self._pages.remote  # an unavailable one fails fast (and is tried again later)
+        if remote is None or self._gate.is_retired(tenant):
+            return False
+        fp = self._fingerprints.get(fid)
+        own_ns = make_namespace(fid, tenant)
+        find = remote_pages_after(remote, fp, own_ns, tokens, m)
+        if find is None:
+            return False
+        # Counted like a save: an erasure of the tenant that began meanwhile refuses it, and one
+        # that begins now waits until these pages are in the table and the index (then drops them).
+        with self._gate.saving(tenant) as allowed:
+            if not allowed:
+                return False
+            index_adopted(self._pages, self._index, fp, fid, own_ns, tokens, list(m.pages), find)
+        return True
+
+    def wait_loaded(
+        self, load_id: str, timeout_s: float = 30.0, release: bool = False, shard: int | None = None
+    ) -> tuple[PageSlot | None, ...]:
+        """Every page of the plan with its host slot, or None where the page cannot be had (not
+        promoted in time, or erased since it was pinned). An engine calls it again with
+        `release=True` after copying: a copy that raced an erasure comes back None, never
+        trusted. `shard`: the engine rank releasing (see `release`)."""
+        with self._lock:
+            lease = self._leases.get(load_id)
+        if lease is None:
+            return ()
+        deadline = time.monotonic() + timeout_s
+        out: list[PageSlot | None] = []
+        for ps in lease.plan_pages:
+            ref = ps.slot
+            fut = lease.futures.get(ps.page_index)
+            if fut is not None:
+                try:
+                    ref = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                except FutureTimeout:
+                    ref = None
+            ok = ref is not None and self._pages.valid(lease.held[ps.page_index], ref)
+            out.append(PageSlot(ps.page_index, ps.hash, ref) if ok else None)
+        if release:
+            self.release(load_id, shard)
+        return tuple(out)
+
+    def release(self, load_id: str, shard: int | None = None) -> None:
+        """End a load's lease. Each rank of a parallel engine releases its own `shard` after its
+        copy; the pages stay pinned until every rank did. None releases it whole (the scheduler
+        dropping a plan no worker received)."""
+        with self._lock:
+            lease = self._leases.get(load_id)
+            if lease is None:
+                return
+            if shard is not None:
+                if not 0 <= shard < lease.shards:
+                    raise InvalidInput(f"shard {shard} of a load by {lease.shards} engine ranks")
+                lease.released.add(shard)
+                if len(lease.released) < lease.shards:
+                    return
+            del self._leases[load_id]
+        self._pages.unlease(lease.held)
+
+    def expire_stale(self, timeout_s: float) -> None:
+        """Release the leases older than `timeout_s` (their engine died mid-load): otherwise
+        their pages could never be evicted."""
+        limit = time.monotonic() - timeout_s
+        with self._lock:
+            stale = [k for k, v in self._leases.items() if v.created < limit]
+        for k in stale:
+            log.warning("releasing load %s: not released within %ss", k, timeout_s)
+            self.release(k)
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self._leases)
