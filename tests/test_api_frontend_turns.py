@@ -17,7 +17,9 @@ from api.auth import ApiKeys
 from api.keys.audit import ACTOR_CLI
 from api.keys.frontends import Frontends
 from dss.db.connect import make_engine, make_session_factory, sqlite_url_for
-from tests.api_server import ApiServer
+from tests.api_server import ApiServer, api_server
+
+__all__ = ["api_server"]  # the shared real-engine server (a fixture)
 
 pytestmark = pytest.mark.engine
 
@@ -47,10 +49,9 @@ def openai_client(server: ApiServer, key: str, headers: dict[str, str] | None = 
 
 
 def turn(client: Any, messages: list[dict[str, str]], **extra: Any) -> dict[str, Any]:
-    answer: dict[str, Any] = client.chat.completions.create(
-        model="default", messages=messages, **GREEDY, **extra
-    )
-    return answer if isinstance(answer, dict) else answer.model_dump()
+    answer: Any = client.chat.completions.create(model="default", messages=messages, **{**GREEDY, **extra})
+    dumped: dict[str, Any] = answer.model_dump()
+    return dumped
 
 
 def cached(answer: dict[str, Any]) -> int:
