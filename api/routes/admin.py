@@ -137,7 +137,9 @@ def list_audit(
     state: StateDep,
     _admin: AdminDep,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    before: Annotated[int | None, Query(ge=1, description="an entry id: only older entries")] = None,
+    before: Annotated[
+        int | None, Query(ge=1, le=2**31 - 1, description="an entry id: only older entries")
+    ] = None,
 ) -> ListResponse[AuditEntryOut]:
     """The audit trail of keys and frontends, newest first."""
     limit = min(limit, state.settings.limits.max_list_limit)
