@@ -28,6 +28,7 @@ from api.errors import UncachedModel, install_error_handlers
 from api.metrics import Metrics
 from api.middleware import AuthBeforeBody, BodyLimit, DevHostGuard, RequestMetrics, ServerIdHeader
 from api.routes import (
+    admin,
     branches,
     chat,
     console,
@@ -82,6 +83,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         versions,
         branches,
         users,
+        admin,
         prefixes,
         models,
         health,

@@ -7,6 +7,15 @@ as its user; an admin key may also erase users, manage public prefixes and read 
 Admin keys act as the user `admin`, a name no user key and no development-mode request may take:
 a user key made with `--user admin` would otherwise read and erase the admin's sessions.
 
+A frontend key (`--frontend NAME`) acts for the end users of a registered frontend
+(`api.keys.frontends`): each request names its end user (`api.end_users`), who is the DSS user
+`NAME/<end user>`. Authenticating a key gives a `Caller` (who holds the credentials); the
+`Principal` (whose sessions a request uses) is the caller itself, except on a frontend key,
+where it is the end user the request names.
+
+Every creation and revocation of a key is written to the audit trail (`api.keys.audit`) in the
+same transaction, with the actor that asked (an admin key's id, or `cli`).
+
 Development mode (`dss serve --dev`, loopback only) is a flag of the server, never a fallback:
 without it, a server with no key answers every request 401. In development mode a request with
 no DSS key (no bearer token, or one not starting with `dss-`, such as the placeholder the openai
@@ -24,14 +33,15 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from sqlalchemy import CursorResult, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from api.keys.audit import ACTOR_CLI, ACTOR_DEV, AuditAction, record
 from dss.db.connect import transaction
-from dss.db.models import ApiKeyRow
-from dss.errors import InvalidInput
+from dss.db.models import ApiKeyRow, FrontendRow
+from dss.errors import ApiKeyNotFound, FrontendNotFound, InvalidInput
 from dss.inputs import check_user_id
 from dss.types import UserId
 
@@ -39,17 +49,21 @@ log = logging.getLogger("dss.api.auth")
 
 KEY_PREFIX = "dss-"
 ADMIN_USER = UserId("admin")
+KeyKind = Literal["user", "admin", "frontend"]
 _ANY_KEY_TTL_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """Who is asking: the user whose sessions and cache namespace a request uses."""
+    """Who a request acts as: the user whose sessions and cache namespace it uses. On a frontend
+    key, the end user (`frontend/alice`), with the frontend's name and session header."""
 
     user: UserId
     is_admin: bool
     key_id: str | None  # None for a development-mode identity
     dev_mode: bool = False
+    frontend: str | None = None
+    session_header: str | None = None  # the frontend's header naming the session, if any
 
     def as_user(self, user: str) -> Principal:
         """Development mode only: act as another user named by the request."""
@@ -57,20 +71,58 @@ class Principal:
 
 
 @dataclass(frozen=True, slots=True)
+class FrontendAccess:
+    """What a frontend key trusts (`api.keys.frontends.Frontend`, as cached with the key)."""
+
+    name: str
+    user_headers: tuple[str, ...]
+    session_header: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who holds a request's credentials: a user or admin key (acting as `user`), development
+    mode's identity, or a frontend key (`user` None: it acts for the end user each request names)."""
+
+    user: UserId | None
+    is_admin: bool
+    key_id: str | None
+    dev_mode: bool = False
+    frontend: FrontendAccess | None = None
+
+    def as_principal(self) -> Principal:
+        """The principal of a key that acts as one user (not a frontend key's)."""
+        if self.user is None:
+            raise ValueError("a frontend key acts for the end user its request names")
+        return Principal(self.user, self.is_admin, self.key_id, self.dev_mode)
+
+    @property
+    def actor(self) -> str:
+        """How the audit trail names this caller."""
+        return self.key_id or ACTOR_DEV
+
+
+@dataclass(frozen=True, slots=True)
 class CreatedKey:
     id: str
     key: str  # the secret; shown once, never stored
-    user: UserId
+    user: UserId | None  # None for a frontend key
     is_admin: bool
+    frontend: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class KeyInfo:
     id: str
-    user: UserId
+    user: UserId | None  # None for a frontend key
     is_admin: bool
     created_at: datetime
     revoked_at: datetime | None
+    frontend: str | None = None
+
+    @property
+    def kind(self) -> KeyKind:
+        return "admin" if self.is_admin else "frontend" if self.frontend is not None else "user"
 
 
 def hash_key(key: str) -> str:
@@ -94,15 +146,28 @@ class ApiKeys:
         self._sf = session_factory
         self._ttl = cache_ttl_s
         self._lock = threading.Lock()
-        self._cache: dict[str, tuple[float, Principal]] = {}
+        self._cache: dict[str, tuple[float, Caller]] = {}
         self._any: tuple[float, bool] | None = None
 
-    def create(self, user: str | None = None, admin: bool = False) -> CreatedKey:
+    def create(
+        self,
+        user: str | None = None,
+        admin: bool = False,
+        frontend: str | None = None,
+        actor: str = ACTOR_CLI,
+    ) -> CreatedKey:
+        """A new key for `user`, an admin key, or a key of the registered `frontend`
+        (`FrontendNotFound` if it is not); audited as done by `actor`."""
+        owner: UserId | None
         if admin:
             # One admin identity: an admin key "for bob" would share bob's sessions with his keys.
-            if user is not None and user != ADMIN_USER:
-                raise InvalidInput(f"an admin key acts as the user {ADMIN_USER!r}; give no user for it")
+            if (user is not None and user != ADMIN_USER) or frontend is not None:
+                raise InvalidInput(f"an admin key acts as the user {ADMIN_USER!r}; give no user nor frontend")
             owner = ADMIN_USER
+        elif frontend is not None:
+            if user is not None:
+                raise InvalidInput("a frontend key acts for the end users its requests name; give no user")
+            owner = None
         elif user is None:
             raise InvalidInput("a user key needs a user id")
         else:
@@ -110,13 +175,21 @@ class ApiKeys:
         key = KEY_PREFIX + secrets.token_urlsafe(32)
         kid = "key_" + uuid.uuid4().hex[:16]
         with transaction(self._sf) as db:
-            db.add(ApiKeyRow(id=kid, key_hash=hash_key(key), user_id=owner, is_admin=admin))
+            if frontend is not None and db.get(FrontendRow, frontend) is None:
+                raise FrontendNotFound(f"no frontend {frontend!r}")
+            db.add(
+                ApiKeyRow(id=kid, key_hash=hash_key(key), user_id=owner, is_admin=admin, frontend=frontend)
+            )
+            kind = "admin" if admin else "frontend" if frontend is not None else "user"
+            record(
+                db, actor, AuditAction.KEY_CREATED, kid, {"kind": kind, "user": owner, "frontend": frontend}
+            )
         with self._lock:
             self._any = None
-        return CreatedKey(kid, key, owner, admin)
+        return CreatedKey(kid, key, owner, admin, frontend)
 
-    def cached(self, key: str) -> Principal | None:
-        """The principal of a key validated within the cache's lifetime, else None (then ask
+    def cached(self, key: str) -> Caller | None:
+        """The caller of a key validated within the cache's lifetime, else None (then ask
         `authenticate`). No I/O: the event loop may call it."""
         digest = hash_key(key)
         now = time.monotonic()
@@ -124,8 +197,9 @@ class ApiKeys:
             hit = self._cache.get(digest)
         return hit[1] if hit is not None and hit[0] > now else None
 
-    def authenticate(self, key: str) -> Principal | None:
-        """The principal of an active key, or None for an unknown or revoked one."""
+    def authenticate(self, key: str) -> Caller | None:
+        """The caller of an active key, or None for an unknown or revoked one (or a frontend
+        key whose frontend is gone)."""
         hit = self.cached(key)
         if hit is not None:
             return hit
@@ -137,16 +211,29 @@ class ApiKeys:
             )
             if row is None:
                 return None
-            principal = Principal(UserId(row.user_id or ADMIN_USER), bool(row.is_admin), row.id)
-        if principal.user == ADMIN_USER and not principal.is_admin:
+            if row.frontend is not None and not row.is_admin:
+                fe = db.get(FrontendRow, row.frontend)
+                if fe is None:
+                    log.warning("refusing frontend key %s: its frontend is not registered", row.id)
+                    return None
+                access = FrontendAccess(fe.name, tuple(fe.user_headers), fe.session_header)
+                caller = Caller(None, False, row.id, frontend=access)
+            else:
+                caller = Caller(UserId(row.user_id or ADMIN_USER), bool(row.is_admin), row.id)
+        if caller.user == ADMIN_USER and not caller.is_admin:
             # Made before the name was reserved: it would act on the admin's sessions.
-            log.warning("refusing user key %s: it names the reserved user %r", principal.key_id, ADMIN_USER)
+            log.warning("refusing user key %s: it names the reserved user %r", caller.key_id, ADMIN_USER)
             return None
         with self._lock:
             if len(self._cache) > 10_000:
                 self._cache.clear()
-            self._cache[digest] = (now + self._ttl, principal)
-        return principal
+            self._cache[digest] = (now + self._ttl, caller)
+        return caller
+
+    def forget_cached(self) -> None:
+        """Drop the validated keys: a frontend's headers changed (or a key was revoked)."""
+        with self._lock:
+            self._cache.clear()
 
     def any_active(self) -> bool:
         now = time.monotonic()
@@ -162,7 +249,8 @@ class ApiKeys:
             self._any = (now + _ANY_KEY_TTL_S, n > 0)
         return n > 0
 
-    def revoke(self, key_id: str) -> bool:
+    def revoke(self, key_id: str, actor: str = ACTOR_CLI) -> bool:
+        """Revoke an active key (audited); False when there is no active key `key_id`."""
         with transaction(self._sf) as db:
             result = db.execute(
                 update(ApiKeyRow)
@@ -170,6 +258,8 @@ class ApiKeys:
                 .values(revoked_at=datetime.now(UTC))
             )
             n = cast(CursorResult[Any], result).rowcount
+            if n:
+                record(db, actor, AuditAction.KEY_REVOKED, key_id, {})
         with self._lock:
             self._cache.clear()
             self._any = None
@@ -183,10 +273,19 @@ class ApiKeys:
     def list(self) -> list[KeyInfo]:
         with transaction(self._sf) as db:
             rows = db.scalars(select(ApiKeyRow).order_by(ApiKeyRow.created_at, ApiKeyRow.id))
-            return [
-                KeyInfo(r.id, UserId(r.user_id or ADMIN_USER), bool(r.is_admin), r.created_at, r.revoked_at)
-                for r in rows
-            ]
+            return [_key_info(r) for r in rows]
+
+    def get(self, key_id: str) -> KeyInfo:
+        with transaction(self._sf) as db:
+            row = db.get(ApiKeyRow, key_id)
+            if row is None:
+                raise ApiKeyNotFound(f"no API key {key_id!r}")
+            return _key_info(row)
+
+
+def _key_info(r: ApiKeyRow) -> KeyInfo:
+    user = None if r.frontend is not None and not r.is_admin else UserId(r.user_id or ADMIN_USER)
+    return KeyInfo(r.id, user, bool(r.is_admin), r.created_at, r.revoked_at, r.frontend)
 
 
 def bearer_token(authorization: str | None) -> str | None:

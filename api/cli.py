@@ -1,5 +1,5 @@
-"""The `dss` command: `serve`, `keys create|list|revoke|rotate-master`, `users erase|verify`,
-`model pull`.
+"""The `dss` command: `serve`, `keys create|list|revoke|rotate-master` (`keys create --frontend`
+registers a frontend too), `users erase|verify`, `model pull`.
 
 Flags override the `DSS_*` environment (see `api.settings`). `keys` works on the database
 directly (it does not need the server, and may run while the server runs), except
@@ -250,43 +250,97 @@ def keys_create(
     admin: Annotated[
         bool, typer.Option("--admin", help="May erase users, manage prefixes, read metrics")
     ] = False,
+    frontend: Annotated[
+        str | None,
+        typer.Option(
+            help="A key of this frontend (registered if it is not): it acts for the end users each "
+            "request names, as the users FRONTEND/<end user> (docs/frontends.md)"
+        ),
+    ] = None,
+    user_header: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--user-header",
+            help="With --frontend: a header the frontend's keys trust to name the end user, e.g. "
+            "X-OpenWebUI-User-Id (repeatable; replaces the frontend's list)",
+        ),
+    ] = None,
+    session_header: Annotated[
+        str | None,
+        typer.Option(
+            "--session-header",
+            help="With --frontend: a header that names the session, e.g. X-OpenWebUI-Chat-Id",
+        ),
+    ] = None,
     data_dir: DataDirOpt = None,
     db_url: DbUrlOpt = None,
 ) -> None:
     """Create an API key and print it (once)."""
     from api.auth import ApiKeys
+    from api.keys.audit import ACTOR_CLI
+    from api.keys.frontends import KEEP, Frontends
     from dss.db.connect import make_engine, make_session_factory, upgrade_to_head
-    from dss.errors import InvalidInput
+    from dss.errors import DSSError
 
-    if user is None and not admin:
-        raise typer.BadParameter("give --user NAME, or --admin")
+    if sum((user is not None, admin, frontend is not None)) != 1:
+        raise typer.BadParameter("give one of --user NAME, --admin, --frontend NAME")
+    if frontend is None and (user_header or session_header):
+        raise typer.BadParameter("--user-header and --session-header go with --frontend")
     url = _db_url(data_dir, db_url)
     upgrade_to_head(url)
     engine = make_engine(url)
     try:
-        created = ApiKeys(make_session_factory(engine)).create(user, admin=admin)
-    except InvalidInput as exc:
+        sf = make_session_factory(engine)
+        if frontend is not None:
+            frontends = Frontends(sf)
+            if frontends.find(frontend) is None:
+                frontends.create(frontend, user_header or [], session_header, ACTOR_CLI)
+                typer.echo(f"registered frontend {frontend!r}", err=True)
+            elif user_header is not None or session_header is not None:
+                frontends.update(
+                    frontend,
+                    ACTOR_CLI,
+                    user_headers=user_header if user_header is not None else KEEP,
+                    session_header=session_header if session_header is not None else KEEP,
+                )
+                typer.echo(f"updated the headers of frontend {frontend!r}", err=True)
+        created = ApiKeys(sf).create(user, admin=admin, frontend=frontend)
+    except DSSError as exc:  # a name or header off its rule, a frontend name stored data uses
         raise typer.BadParameter(str(exc)) from None
     finally:
         engine.dispose()
-    kind = "admin key" if created.is_admin else "key"
-    typer.echo(f"created {kind} {created.id} for user {created.user!r}; it is shown only now:", err=True)
+    if created.frontend is not None:
+        typer.echo(
+            f"created frontend key {created.id} for frontend {created.frontend!r}; it is shown only now:",
+            err=True,
+        )
+    else:
+        kind = "admin key" if created.is_admin else "key"
+        typer.echo(f"created {kind} {created.id} for user {created.user!r}; it is shown only now:", err=True)
     typer.echo(created.key)
 
 
 @keys_app.command("list")
 def keys_list(data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
-    """List keys (ids and owners; never the secrets)."""
+    """List keys (ids, owners, kinds; never the secrets) and the registered frontends."""
     from api.auth import ApiKeys
+    from api.keys.frontends import Frontends
     from dss.db.connect import make_engine, make_session_factory, upgrade_to_head
 
     url = _db_url(data_dir, db_url)
     upgrade_to_head(url)
     engine = make_engine(url)
     try:
-        for k in ApiKeys(make_session_factory(engine)).list():
+        sf = make_session_factory(engine)
+        for k in ApiKeys(sf).list():
             state = f"revoked {k.revoked_at:%Y-%m-%d}" if k.revoked_at else "active"
-            typer.echo(f"{k.id}\t{k.user}\t{'admin' if k.is_admin else 'user'}\t{state}")
+            owner = f"frontend:{k.frontend}" if k.frontend is not None else k.user
+            typer.echo(f"{k.id}\t{owner}\t{k.kind}\t{state}")
+        for f in Frontends(sf).list():
+            headers = ",".join(f.user_headers) or "-"
+            typer.echo(
+                f"frontend\t{f.name}\tuser headers: {headers}\tsession header: {f.session_header or '-'}"
+            )
     finally:
         engine.dispose()
 

@@ -1,31 +1,41 @@
-"""FastAPI dependencies as `Annotated` aliases: the server state, the caller, the engine."""
+"""FastAPI dependencies as `Annotated` aliases: the server state, the caller and who it acts as,
+the engine, the session a request names."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Header, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.datastructures import Headers
 from starlette.types import Scope
 
-from api.auth import KEY_PREFIX, Principal, bearer_token, check_user_name
-from api.errors import EngineUnavailable, Forbidden, ServerStarting, SessionIdConflict, Unauthorized
+from api.auth import KEY_PREFIX, Caller, Principal, bearer_token, check_user_name
+from api.end_users import BODY_SAFETY_IDENTIFIER, BODY_USER, end_user_principal
+from api.errors import (
+    BadRequest,
+    EngineUnavailable,
+    Forbidden,
+    ServerStarting,
+    SessionIdConflict,
+    Unauthorized,
+)
+from api.headers import SESSION_HEADER, USER_HEADER, VLLM_SESSION_HEADER
 from api.shapes.schemas import NAME_PATTERN
 from api.state import AppState, Phase, Startup
-from dss.errors import InvalidInput
-from dss.inputs import check_text, check_user_id
+from dss.errors import InvalidInput, InvalidSessionId
+from dss.inputs import check_session_id, check_text, check_user_id
 from dss.store import Store
 from dss.types import SessionId
 
 if TYPE_CHECKING:
     from api.llm.chat_engine import ChatEngine
 
-DEV_USER_HEADER = "X-DSS-User"
-# The session id as a header, for a router that hashes on it (a body is costly to parse there).
-SESSION_HEADER = "X-DSS-Session"
+DEV_USER_HEADER = USER_HEADER
 
 _bearer = HTTPBearer(auto_error=False, description="An API key made by `dss keys create`")
 
@@ -97,35 +107,48 @@ async def get_store(state: StateDep) -> Store:
 StoreDep = Annotated[Store, Depends(get_store)]
 
 
-# Where `authenticate_before_body` leaves the principal it found, for `get_principal`.
-_PRINCIPAL_KEY = "dss_principal"
+# Where `authenticate_before_body` leaves the caller it found, for `get_caller`.
+_CALLER_KEY = "dss_caller"
 
 
-async def get_principal(
+async def get_caller(
     request: Request,
     state: StateDep,
     _scheme: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],  # for the OpenAPI schema
-) -> Principal:
-    """The caller: the one `authenticate_before_body` found (a request with a body), else from
-    the headers here, the same way."""
-    early = getattr(request.state, _PRINCIPAL_KEY, None)
-    if isinstance(early, Principal):
+) -> Caller:
+    """Who holds the request's credentials: the caller `authenticate_before_body` found (a
+    request with a body), else from the headers here, the same way."""
+    early = getattr(request.state, _CALLER_KEY, None)
+    if isinstance(early, Caller):
         return early
     return await _authenticate(state, request)
+
+
+CallerDep = Annotated[Caller, Depends(get_caller)]
+
+
+async def get_principal(request: Request, caller: CallerDep) -> Principal:
+    """Who the request acts as, on a route that acts for a user and reads no body field naming
+    one: the caller's user, or on a frontend key the end user its headers name (`api.end_users`;
+    400 `end_user_required` when they name none)."""
+    if caller.frontend is not None:
+        return end_user_principal(caller, request.headers)
+    return caller.as_principal()
 
 
 async def authenticate_before_body(scope: Scope) -> None:
     """`Unauthorized` (or `ServerStarting`) for a request whose headers do not authenticate it,
     decided before any of its body is read (`api.middleware.AuthBeforeBody`): FastAPI reads and
     parses a body before the route's dependencies run, so without this an unauthenticated client
-    could make the event loop parse megabytes of JSON per request. The principal found is kept
-    in the request's state for `get_principal`."""
+    could make the event loop parse megabytes of JSON per request. The caller found is kept in
+    the request's state for `get_caller`; a frontend key's end user is resolved later, by the
+    route (it may come from the body)."""
     request = Request(scope)  # headers only: nothing here receives the body
-    principal = await _authenticate(await get_state(request), request)
-    setattr(request.state, _PRINCIPAL_KEY, principal)
+    caller = await _authenticate(await get_state(request), request)
+    setattr(request.state, _CALLER_KEY, caller)
 
 
-async def _authenticate(state: AppState, request: Request) -> Principal:
+async def _authenticate(state: AppState, request: Request) -> Caller:
     """A key validated within the cache's lifetime is answered here on the event loop (a hash
     and a dictionary look-up); anything that may read the database runs in a thread."""
     token = bearer_token(request.headers.get("authorization"))
@@ -133,10 +156,10 @@ async def _authenticate(state: AppState, request: Request) -> Principal:
         hit = state.keys.cached(token)
         if hit is not None:
             return hit
-    return await run_in_threadpool(_principal, state, token, request.headers.get(DEV_USER_HEADER))
+    return await run_in_threadpool(_caller, state, token, request.headers.get(USER_HEADER))
 
 
-def _principal(state: AppState, token: str | None, dev_user: str | None) -> Principal:
+def _caller(state: AppState, token: str | None, dev_user: str | None) -> Caller:
     if state.dev_mode and (token is None or not token.startswith(KEY_PREFIX)):
         # No DSS key: the openai client always sends some api_key, so a placeholder ("dev", an
         # OPENAI_API_KEY) means "no key" here. A `dss-` token is checked below: a typo or a
@@ -144,42 +167,51 @@ def _principal(state: AppState, token: str | None, dev_user: str | None) -> Prin
         user = dev_user or state.settings.auth.dev_default_user
         check_user_id(user)  # malformed: a 400 (`InvalidUserId`) that names the rule
         try:
-            return Principal(check_user_name(user), is_admin=True, key_id=None, dev_mode=True)
+            return Caller(check_user_name(user), is_admin=True, key_id=None, dev_mode=True)
         except InvalidInput as exc:  # the admin's name: not an identity this caller may take
-            raise Unauthorized(f"{DEV_USER_HEADER}: {exc}") from None
+            raise Unauthorized(f"{USER_HEADER}: {exc}") from None
     if token is None:
         raise Unauthorized() if state.keys.any_active() else Unauthorized(NO_KEY_YET)
-    principal = state.keys.authenticate(token)
-    if principal is None:
+    caller = state.keys.authenticate(token)
+    if caller is None:
         if state.dev_mode:
             raise Unauthorized(
                 f"invalid or revoked API key (development mode checks {KEY_PREFIX} tokens; send none "
-                f"to act as the {DEV_USER_HEADER} user)"
+                f"to act as the {USER_HEADER} user)"
             )
         if not state.keys.any_active():
             raise Unauthorized(NO_KEY_YET)
         raise Unauthorized("invalid or revoked API key")
-    return principal
+    return caller
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 
-async def require_admin(principal: PrincipalDep) -> Principal:
-    if not principal.is_admin:
+async def require_admin(caller: CallerDep) -> Caller:
+    if not caller.is_admin:
         raise Forbidden("this needs an admin key")
-    return principal
+    return caller
 
 
-AdminDep = Annotated[Principal, Depends(require_admin)]
+AdminDep = Annotated[Caller, Depends(require_admin)]
 
 
-def acting_principal(request: Request, principal: Principal, body_user: str | None) -> Principal:
-    """In development mode a request's `user` field names the user (the header wins if both).
+def acting_principal(
+    request: Request, caller: Caller, body_user: str | None, safety_identifier: str | None = None
+) -> Principal:
+    """Who a request whose body may name a user acts as.
 
-    With API keys the `user` field is what OpenAI makes it: a free tag, never an identity.
+    A frontend key: the end user named by its headers or these body fields (`api.end_users`).
+    Development mode: the request's `user` field names the user (the header wins if both).
+    A user or admin key: its own user; the `user` field is then what OpenAI makes it, a free
+    tag, never an identity.
     """
-    if principal.dev_mode and body_user and DEV_USER_HEADER not in request.headers:
+    if caller.frontend is not None:
+        body = {BODY_USER: body_user, BODY_SAFETY_IDENTIFIER: safety_identifier}
+        return end_user_principal(caller, request.headers, body)
+    principal = caller.as_principal()
+    if principal.dev_mode and body_user and USER_HEADER not in request.headers:
         return principal.as_user(body_user)
     return principal
 
@@ -206,20 +238,62 @@ SessionHeaderDep = Annotated[
         alias=SESSION_HEADER,
         pattern=NAME_PATTERN,
         description="The session id, as the body's `session_id` (which wins when only it is given); a "
-        "router hashes on this header to keep a session on one server. Both given and different: 400.",
+        "router hashes on this header to keep a session on one server. Two sources that differ: 400.",
+    ),
+]
+VllmSessionHeaderDep = Annotated[
+    str | None,
+    Header(
+        alias=VLLM_SESSION_HEADER,
+        pattern=NAME_PATTERN,
+        description="vLLM's name for the session id header: the same as X-DSS-Session.",
     ),
 ]
 
 
-def session_id_of(body_value: str | None, header: str | None) -> SessionId | None:
-    """The request's session: the body's `session_id`, else the `X-DSS-Session` header (both
-    validated alike, by the schema and the header's pattern); the same value in both is fine,
-    two different ones are a `SessionIdConflict`."""
-    if header is None or body_value == header:
-        return SessionId(body_value) if body_value is not None else None
-    if body_value is None:
-        return SessionId(header)
-    raise SessionIdConflict(
-        f"the {SESSION_HEADER} header and the body's session_id name different sessions; send one, "
-        "or the same in both"
-    )
+@dataclass(frozen=True, slots=True)
+class SessionHeaders:
+    """The session ids a request's headers name, by header: DSS's and vLLM's (validated by
+    FastAPI, `param` the header), and the request's headers for a frontend's own."""
+
+    named: tuple[tuple[str, str], ...]
+    headers: Headers
+
+
+async def get_session_headers(
+    request: Request, dss: SessionHeaderDep = None, vllm: VllmSessionHeaderDep = None
+) -> SessionHeaders:
+    named = tuple((h, v) for h, v in ((SESSION_HEADER, dss), (VLLM_SESSION_HEADER, vllm)) if v is not None)
+    return SessionHeaders(named, request.headers)
+
+
+SessionHeadersDep = Annotated[SessionHeaders, Depends(get_session_headers)]
+
+
+def session_id_of(body_value: str | None, headers: SessionHeaders, principal: Principal) -> SessionId | None:
+    """The request's session: the body's `session_id`, the `X-DSS-Session` or `X-Session-ID`
+    header, or the frontend's session header (a frontend key's); each validated alike (a bad
+    header is a 400 whose `param` names it). Any two that differ are a `SessionIdConflict`."""
+    found: list[tuple[str, str]] = [("the body's session_id", body_value)] if body_value is not None else []
+    found += [(f"the {h} header", v) for h, v in headers.named]
+    if principal.session_header is not None:
+        value = headers.headers.get(principal.session_header)
+        if value is not None:
+            try:
+                check_session_id(value)
+            except InvalidSessionId as exc:
+                raise BadRequest(
+                    f"{principal.session_header}: {exc}",
+                    code="invalid_request",
+                    param=principal.session_header,
+                ) from None
+            found.append((f"the {principal.session_header} header", value))
+    if not found:
+        return None
+    (first, sid), *rest = found
+    for source, other in rest:
+        if other != sid:
+            raise SessionIdConflict(
+                f"{first} and {source} name different sessions; send one, or the same in each"
+            )
+    return SessionId(sid)

@@ -57,12 +57,29 @@ class BadRequest(ApiError):
 
 
 class SessionIdConflict(BadRequest):
-    """A request names its session twice, in the `X-DSS-Session` header (which a router hashes
-    on) and in the body's `session_id`, and the two differ: which one the turn belongs to, and
-    which server it was routed by, would be a guess."""
+    """A request names its session twice or more (the body's `session_id`, the `X-DSS-Session`
+    header a router hashes on, vLLM's `X-Session-ID`, a frontend's session header) and two of
+    them differ: which one the turn belongs to, and which server it was routed by, would be a
+    guess."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message, code="session_id_conflict", param="session_id")
+
+
+class EndUserRequired(BadRequest):
+    """A frontend key's request on a route that acts for a user names no end user: it is refused
+    rather than served as one user shared by all the frontend's people (`api.end_users`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="end_user_required", param="user")
+
+
+class EndUserConflict(BadRequest):
+    """A frontend key's request names two different end users (say a header and the body's
+    `user`): which person the turn belongs to would be a guess."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message, code="end_user_conflict", param=param)
 
 
 class Unauthorized(ApiError):

@@ -41,6 +41,14 @@ class ResponseNotFound(NotFoundError):
 
 
 # --- conflicts (HTTP 409) -----------------------------------------------------
+class ApiKeyNotFound(NotFoundError):
+    """An API key id names no key (`api.auth.ApiKeys`), or an active one where that is asked."""
+
+
+class FrontendNotFound(NotFoundError):
+    """A frontend name names no registered frontend (`api.keys.frontends`)."""
+
+
 class ConflictError(DSSError):
     """The request is well-formed but contradicts the current state."""
 
@@ -96,6 +104,15 @@ class ResponseHasDescendants(ConflictError):
 
 
 # --- quotas (HTTP 429) ---------------------------------------------------------
+class FrontendExists(ConflictError):
+    """A frontend of that name is registered already."""
+
+
+class FrontendNameTaken(ConflictError):
+    """Stored data already holds users named `<name>/...` (ids of an older version, which allowed
+    `/`): a frontend of that name would act as them."""
+
+
 class QuotaExceeded(DSSError):
     """A per-user quota (sessions, versions, stored bytes) would be exceeded; nothing was written."""
 

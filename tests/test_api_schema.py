@@ -26,7 +26,10 @@ REPO = Path(__file__).resolve().parents[1]
 MAX_EXAMPLES = os.environ.get("DSS_SCHEMA_EXAMPLES", "10")
 CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance"
 GENERATING = "create_chat_completion|post_message|create_prefix"
-ADMIN_ONLY = "create_prefix|delete_prefix|erase_user|metrics"
+ADMIN_ONLY = (
+    "create_prefix|delete_prefix|erase_user|metrics|list_users"
+    "|post_key|list_keys|revoke_key|post_frontend|list_frontends|patch_frontend|list_audit"
+)
 
 
 def schemathesis(server: ApiServer, key: str, cwd: Path, *args: str) -> str:

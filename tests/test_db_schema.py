@@ -24,7 +24,7 @@ from dss.db.models import Base, StoreMeta
 from dss.pages.meta import PageMeta
 from dss.types import FingerprintId, NamespaceId, PageHash, TenantId
 
-HEAD = "0008"
+HEAD = "0009_frontends"
 
 EXPECTED_TABLES = {
     "store_meta",
@@ -41,6 +41,8 @@ EXPECTED_TABLES = {
     "servers",
     "erasure_acks",
     "chain_checkpoints",
+    "frontends",
+    "admin_audit",
 }
 
 

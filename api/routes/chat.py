@@ -1,5 +1,6 @@
 """`POST /v1/chat/completions`: OpenAI-compatible chat, session-aware when `session_id` is given
-(in the body, or as the `X-DSS-Session` header a router hashes on).
+(in the body, or as the `X-DSS-Session` header a router hashes on, vLLM's `X-Session-ID`, or a
+frontend key's session header; `api.deps.session_id_of`).
 
 The request takes its generation slot on arrival, and a client that goes away stops its
 generation (`api.turn.pipeline`, shared with the stateful `/messages` route and Responses).
@@ -12,7 +13,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from api.deps import EngineDep, PrincipalDep, SessionHeaderDep, StateDep, acting_principal, session_id_of
+from api.deps import CallerDep, EngineDep, SessionHeadersDep, StateDep, acting_principal, session_id_of
 from api.errors import BadRequest, error_responses
 from api.shapes.chat_completion import ChatReply
 from api.shapes.openai_fields import check_fields
@@ -24,7 +25,7 @@ from dss.errors import ModelNotFound
 router = APIRouter(tags=["chat"])
 
 # DSS's own fields of a chat request; `messages` goes to vLLM as the stored (plain) messages.
-_CHAT_OWN = {"session_id", "state_version", "messages"}
+_CHAT_OWN = {"session_id", "state_version", "messages", "safety_identifier"}
 
 
 @router.post(
@@ -39,15 +40,15 @@ async def create_chat_completion(
     body: ChatCompletionRequest,
     request: Request,
     state: StateDep,
-    principal: PrincipalDep,
+    caller: CallerDep,
     engine: EngineDep,
-    session_header: SessionHeaderDep = None,
+    session_headers: SessionHeadersDep,
 ) -> Any:
     """Chat; with a session id, the turn is committed as a new version of that session."""
-    session_id = session_id_of(body.session_id, session_header)
+    who = acting_principal(request, caller, body.user, body.safety_identifier)
+    session_id = session_id_of(body.session_id, session_headers, who)
     if body.state_version is not None and session_id is None:
         raise BadRequest("state_version needs a session_id", code="invalid_request", param="state_version")
-    who = acting_principal(request, principal, body.user)
     if body.model and body.model not in engine.model_names:
         raise ModelNotFound(f"the model {body.model!r} does not exist on this server")
 

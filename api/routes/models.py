@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from api.deps import PrincipalDep, StateDep
+from api.deps import CallerDep, StateDep
 from api.errors import error_responses
 from api.shapes.schemas import ListResponse, ModelOut
 
@@ -12,7 +12,7 @@ router = APIRouter(tags=["models"])
 
 
 @router.get("/v1/models", response_model=ListResponse[ModelOut], responses=error_responses(401))
-def list_models(state: StateDep, _principal: PrincipalDep) -> ListResponse[ModelOut]:
+def list_models(state: StateDep, _caller: CallerDep) -> ListResponse[ModelOut]:
     engine = state.engine
     if engine is None:
         return ListResponse[ModelOut](data=[])

@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, status
 
-from api.deps import AdminDep, EngineDep, PrincipalDep, StateDep
+from api.deps import AdminDep, CallerDep, EngineDep, StateDep
 from api.errors import EngineUnavailable, error_responses
 from api.llm.chat_engine import ChatEngine
 from api.llm.generation import Finished, generate
@@ -91,7 +91,7 @@ async def create_prefix(
 
 
 @router.get("/v1/prefixes", response_model=ListResponse[PrefixOut], responses=error_responses(401))
-def list_prefixes(state: StateDep, _principal: PrincipalDep) -> ListResponse[PrefixOut]:
+def list_prefixes(state: StateDep, _caller: CallerDep) -> ListResponse[PrefixOut]:
     data = [_out(p) for p in state.store.prefixes.list()]
     return ListResponse[PrefixOut](
         data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
 
-from api.deps import EngineDep, PrincipalDep, StateDep, acting_principal
+from api.deps import CallerDep, EngineDep, PrincipalDep, StateDep, acting_principal
 from api.errors import error_responses
 from api.shapes.openai_responses import (
     ResponseCreate,
@@ -37,11 +37,11 @@ router = APIRouter(tags=["responses"])
     },
 )
 async def create_response(
-    body: ResponseCreate, request: Request, state: StateDep, principal: PrincipalDep, engine: EngineDep
+    body: ResponseCreate, request: Request, state: StateDep, caller: CallerDep, engine: EngineDep
 ) -> Any:
     """Answer `input`, continuing `previous_response_id` if given; stored as a version unless
     `store` is false."""
-    who = acting_principal(request, principal, body.user)
+    who = acting_principal(request, caller, body.user, body.safety_identifier)
     if body.model and body.model not in engine.model_names:
         raise ModelNotFound(f"the model {body.model!r} does not exist on this server")
     body.check_fields()

@@ -7,7 +7,15 @@ from typing import Annotated, Any, cast
 
 from fastapi import APIRouter, Body, Query, Request, status
 
-from api.deps import EngineDep, PrincipalDep, SessionHeaderDep, StateDep, acting_principal, session_id_of
+from api.deps import (
+    CallerDep,
+    EngineDep,
+    PrincipalDep,
+    SessionHeadersDep,
+    StateDep,
+    acting_principal,
+    session_id_of,
+)
 from api.errors import error_responses
 from api.shapes.chat_completion import ChatReply
 from api.shapes.openai_fields import HONOURED_CHAT, REFUSED, check_fields
@@ -67,9 +75,9 @@ def session_out(s: SessionInfo, stored: int) -> SessionOut:
     responses=error_responses(400, 401, 409, 413),
 )
 def create_session(
-    body: SessionCreate, state: StateDep, principal: PrincipalDep, session_header: SessionHeaderDep = None
+    body: SessionCreate, state: StateDep, principal: PrincipalDep, session_headers: SessionHeadersDep
 ) -> SessionOut:
-    session_id = session_id_of(body.session_id, session_header)
+    session_id = session_id_of(body.session_id, session_headers, principal)
     store = state.store
     s = store.versions.create_session(
         principal.user,
@@ -182,11 +190,11 @@ async def post_message(
     body: SessionMessageRequest,
     request: Request,
     state: StateDep,
-    principal: PrincipalDep,
+    caller: CallerDep,
     engine: EngineDep,
 ) -> Any:
     """Stateful mode: send only the new user message; the server continues the stored dialogue."""
-    who = acting_principal(request, principal, body.user)
+    who = acting_principal(request, caller, body.user)
     if (
         body.model_extra
         and "model" in body.model_extra

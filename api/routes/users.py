@@ -1,4 +1,5 @@
-"""Erasing a user (admin, or the user themself) and reading erasure receipts.
+"""Erasing a user (admin, the user's frontend, or the user themself), listing users (admin, or a
+frontend its own end users) and reading erasure receipts.
 
 Both answers carry a fresh verification of the receipt. A user's erasure checks (self-erasure,
 `GET /v1/erasures/{id}`) share one token bucket (`limits.erasure_checks_*`; 429 beyond it). Admin
@@ -14,17 +15,20 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from api.auth import ApiKeys, Principal
-from api.deps import PrincipalDep, StateDep
+from api.auth import ApiKeys, Caller, Principal
+from api.deps import CallerDep, PrincipalDep, StateDep
 from api.errors import Forbidden, RateLimited, error_responses
+from api.keys.frontends import end_user_id, end_user_prefix
 from api.shapes.schemas import (
     ErasureFleetOut,
     ErasureReceiptOut,
     ErasureReceiptSummary,
     ListResponse,
+    UserOut,
     VerificationOut,
 )
 from api.state import AppState
+from dss.dialogue.users import stored_users
 from dss.errors import InvalidUserId, ReceiptNotFound
 from dss.inputs import check_stored_user_id, check_user_id
 from dss.ops.erasure import ErasureReceipt, Verification
@@ -84,6 +88,17 @@ def erasable_user(store: Store, keys: ApiKeys, user: str) -> UserId:
         raise
 
 
+def _erasure_subject(store: Store, keys: ApiKeys, caller: Caller, user_id: str) -> tuple[UserId, Principal]:
+    """The user `DELETE /v1/users/{user_id}` erases, and whose erasure checks it counts: an admin
+    key names any user; a frontend key one of its own end users, by their end-user id (`alice`
+    of frontend `webui` is the user `webui/alice`); a user key only its own user. Reads the
+    database (`erasable_user`)."""
+    if caller.frontend is not None:
+        user = end_user_id(caller.frontend.name, user_id, "the user id in the path")
+        return user, Principal(user, False, caller.key_id, frontend=caller.frontend.name)
+    return erasable_user(store, keys, user_id), caller.as_principal()
+
+
 # `:path`: a user id made before ids lost `/` (`org/alice`) must still reach its erasure, whether
 # the client sends the slash encoded (`org%2Falice`, decoded before routing) or raw.
 @router.delete(
@@ -91,18 +106,20 @@ def erasable_user(store: Store, keys: ApiKeys, user: str) -> UserId:
     response_model=ErasureReceiptOut,
     responses=error_responses(400, 401, 403, 429),
 )
-async def erase_user(user_id: str, state: StateDep, principal: PrincipalDep) -> ErasureReceiptOut:
+async def erase_user(user_id: str, state: StateDep, caller: CallerDep) -> ErasureReceiptOut:
     """Erase everything the server holds of a user; the receipt is verified before it is returned.
     The user's generations still running are stopped first (none of them commits a version), and
     again once the erasure committed (those that started meanwhile); a turn of the user that was
     not generating then (being prepared, or committing) is refused at its commit instead.
 
-    An id outside today's alphabet is erased when the store holds it (`erasable_user`)."""
+    An admin key names any user (an id outside today's alphabet is erased when the store holds
+    it: `erasable_user`); a frontend key one of its end users, by the end-user id; a user key
+    itself."""
     store = state.store
-    if not principal.is_admin and principal.user != user_id:
-        raise Forbidden("only an admin key or the user themself may erase a user")
+    if caller.frontend is None and not caller.is_admin and caller.user != user_id:
+        raise Forbidden("only an admin key, the user's frontend or the user themself may erase a user")
+    user, principal = await asyncio.to_thread(_erasure_subject, store, state.keys, caller, user_id)
     check_rate(state, principal)
-    user = await asyncio.to_thread(erasable_user, store, state.keys, user_id)
     if state.engine is not None:
         await state.engine.abort_tenant(store.identity.tenant_for(user))
     receipt = await asyncio.to_thread(store.eraser.erase_user, user)
@@ -112,6 +129,23 @@ async def erase_user(user_id: str, state: StateDep, principal: PrincipalDep) -> 
     return await asyncio.to_thread(receipt_out, store, receipt)
 
 
+@router.get("/v1/users", response_model=ListResponse[UserOut], responses=error_responses(400, 401, 403))
+def list_users(
+    state: StateDep,
+    caller: CallerDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    after: Annotated[str | None, Query(max_length=256)] = None,
+) -> ListResponse[UserOut]:
+    """The users that hold sessions or stored responses, in id order: an admin key sees every
+    user; a frontend key its own end users, by their end-user ids (`after` is one of those too)."""
+    if caller.frontend is None and not caller.is_admin:
+        raise Forbidden("only an admin key or a frontend key may list users")
+    limit = min(limit, state.settings.limits.max_list_limit)
+    prefix = end_user_prefix(caller.frontend.name) if caller.frontend is not None else ""
+    ids, has_more = stored_users(state.store.sf, prefix, limit, prefix + after if after is not None else None)
+    return ListResponse[UserOut](data=[UserOut(id=u[len(prefix) :]) for u in ids], has_more=has_more)
+
+
 @router.get(
     "/v1/erasures",
     response_model=ListResponse[ErasureReceiptSummary],
@@ -119,12 +153,12 @@ async def erase_user(user_id: str, state: StateDep, principal: PrincipalDep) -> 
 )
 def list_erasures(
     state: StateDep,
-    principal: PrincipalDep,
+    caller: CallerDep,
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
     after: Annotated[str | None, Query(max_length=64)] = None,
 ) -> ListResponse[ErasureReceiptSummary]:
     """Every erasure receipt, newest first (admins only: the subjects are other users')."""
-    if not principal.is_admin:
+    if not caller.is_admin:
         raise Forbidden("only an admin key may list erasure receipts")
     limit = min(limit, state.settings.limits.max_list_limit)
     rows, has_more = state.store.eraser.list_receipts(limit, after)
@@ -139,7 +173,8 @@ def list_erasures(
     "/v1/erasures/{receipt_id}", response_model=ErasureReceiptOut, responses=error_responses(401, 404, 429)
 )
 def get_erasure(receipt_id: str, state: StateDep, principal: PrincipalDep) -> ErasureReceiptOut:
-    """The receipt with a fresh verification (admins: any; users: their own)."""
+    """The receipt with a fresh verification (admins: any; users: their own; a frontend key: its
+    end user's, named as on every user route, e.g. by `X-DSS-User`)."""
     store = state.store
     receipt = store.eraser.get_receipt(receipt_id)
     if not principal.is_admin and receipt.subject not in store.identity.receipt_subjects(principal.user):

@@ -106,7 +106,6 @@ REFUSED: Mapping[str, str] = {
     "functions": "deprecated: use tools",
     "function_call": "deprecated: use tool_choice",
     "verbosity": "not served",
-    "safety_identifier": "not served",
     "prompt_cache_key": "use session_id: every turn of a session is cached",
 }
 

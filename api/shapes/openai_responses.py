@@ -56,6 +56,7 @@ RESPONSES_HONOURED: frozenset[str] = frozenset(
         "top_p",
         "metadata",
         "user",
+        "safety_identifier",
         "text",
     }
 )
@@ -73,7 +74,6 @@ RESPONSES_REFUSED: Mapping[str, str] = {
     "service_tier": "this server has one tier",
     "prompt_cache_key": "every stored response is cached with its chain",
     "prompt_cache_retention": "retention is set per session (PATCH /v1/sessions/{id})",
-    "safety_identifier": "not served",
     "stream_options": "not served",
     "parallel_tool_calls": "tools are not served on /v1/responses",
 }
@@ -138,6 +138,8 @@ class ResponseCreate(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     metadata: dict[str, str] | None = None
     user: str | None = Field(default=None, max_length=256)
+    # OpenAI's stable id of the end user; on a frontend key it may name the end user (`api.end_users`).
+    safety_identifier: str | None = Field(default=None, max_length=256)
     text: TextConfig | None = None
 
     @field_validator("metadata")

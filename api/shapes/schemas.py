@@ -179,6 +179,8 @@ class ChatCompletionRequest(GenerationParams):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     user: str | None = Field(default=None, max_length=256)
+    # OpenAI's stable id of the end user; on a frontend key it may name the end user (`api.end_users`).
+    safety_identifier: str | None = Field(default=None, max_length=256)
     # Or the X-DSS-Session header (`api.deps.session_id_of`); `state_version` needs one of them.
     session_id: str | None = Field(default=None, pattern=NAME_PATTERN)
     state_version: int | None = Field(default=None, ge=1, le=2**31 - 1)
@@ -397,6 +399,13 @@ class ErasureFleetOut(BaseModel):
         description="servers alive at the erasure that have not acknowledged it (yet): down or slow; "
         "each catches up when it is back, and verification lists it until then"
     )
+
+
+class UserOut(BaseModel):
+    """A user the store holds sessions or responses of; on a frontend key, its end-user id."""
+
+    object: Literal["user"] = "user"
+    id: str
 
 
 class ErasureReceiptSummary(BaseModel):

@@ -38,6 +38,8 @@ HASH_LEN = 32
 NAMESPACE_LEN = 16
 CHECKSUM_LEN = 16
 ID_LEN = 128
+FRONTEND_NAME_LEN = 64
+HEADER_NAME_LEN = 128
 
 
 def utcnow() -> datetime:
@@ -264,6 +266,9 @@ class ChainCheckpointRow(Base):
 
 
 class ApiKeyRow(Base):
+    """An API key (its SHA-256 only): a user key (`user_id`), an admin key (`is_admin`), or a
+    frontend key (`frontend`, no `user_id`), which acts for the frontend's end users."""
+
     __tablename__ = "api_keys"
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -272,6 +277,33 @@ class ApiKeyRow(Base):
     is_admin: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
     created_at: Mapped[datetime] = _timestamp()
     revoked_at: Mapped[datetime | None] = _timestamp(nullable=True)
+    frontend: Mapped[str | None] = mapped_column(String(FRONTEND_NAME_LEN), nullable=True)
+
+
+class FrontendRow(Base):
+    """A registered frontend (`api.keys.frontends`): the request headers its keys trust to name
+    the end user (`user_headers`, a JSON list of names) and, optionally, the session."""
+
+    __tablename__ = "frontends"
+
+    name: Mapped[str] = mapped_column(String(FRONTEND_NAME_LEN), primary_key=True)
+    user_headers: Mapped[list[str]] = mapped_column(JSON, nullable=False)
+    session_header: Mapped[str | None] = mapped_column(String(HEADER_NAME_LEN), nullable=True)
+    created_at: Mapped[datetime] = _timestamp()
+    created_by: Mapped[str] = mapped_column(String(64), nullable=False)
+
+
+class AdminAuditRow(Base):
+    """Append-only: who (a key id, or `cli`) did what to keys and frontends, and when."""
+
+    __tablename__ = "admin_audit"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = _timestamp()
+    actor: Mapped[str] = mapped_column(String(64), nullable=False)
+    action: Mapped[str] = mapped_column(String(32), nullable=False)
+    subject: Mapped[str] = mapped_column(String(128), nullable=False)
+    detail: Mapped[dict[str, Any]] = mapped_column(JSON, nullable=False)
 
 
 class ServerRow(Base):

@@ -1,0 +1,80 @@
+"""Which end user a frontend key's request acts for.
+
+A frontend key (`api.keys.frontends`) acts for the frontend's end users; each request names its
+own. The sources, in this order: the `X-DSS-User` header, the frontend's trusted headers (its
+`user_headers`, in their order), the body's `user`, then its `safety_identifier` (the body's
+fields only on routes whose body has them: they are read after the body, the headers before).
+
+Rules: every source present must name the same end user, else `EndUserConflict` naming two that
+differ; none present on a route that acts for a user is `EndUserRequired`, whose message names
+what to send. The request is refused rather than served as one user shared by all the
+frontend's people: that user would pool everyone into one cache namespace, one quota and one
+erasure. A blank value counts as absent. The end user must be a user id (`InvalidUserId` naming
+its source otherwise); end user `alice` of frontend `webui` is the DSS user `webui/alice`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from api.auth import Caller, FrontendAccess, Principal
+from api.errors import EndUserConflict, EndUserRequired
+from api.headers import USER_HEADER
+from api.keys.frontends import end_user_id
+
+BODY_USER = "user"
+BODY_SAFETY_IDENTIFIER = "safety_identifier"
+
+
+def end_user_principal(
+    caller: Caller,
+    headers: Mapping[str, str],
+    body: Mapping[str, str | None] | None = None,
+) -> Principal:
+    """The principal a frontend key's request acts for. `body` holds the route's body fields
+    that may name the end user (`user`, `safety_identifier`); None on a route without them."""
+    frontend = caller.frontend
+    assert frontend is not None, "a frontend key's caller"
+    found = _sources(frontend, headers, body or {})
+    if not found:
+        raise EndUserRequired(_required_message(frontend, body is not None))
+    (_, first, end_user), *rest = found
+    for param, source, other in rest:
+        if other != end_user:
+            raise EndUserConflict(
+                f"{first} and {source} name different end users; send one, or the same in each",
+                param=param,
+            )
+    return Principal(
+        end_user_id(frontend.name, end_user, first),
+        is_admin=False,
+        key_id=caller.key_id,
+        frontend=frontend.name,
+        session_header=frontend.session_header,
+    )
+
+
+def _sources(
+    frontend: FrontendAccess, headers: Mapping[str, str], body: Mapping[str, str | None]
+) -> list[tuple[str, str, str]]:
+    """(param, how a message names it, value) of each source present, in the order above."""
+    found: list[tuple[str, str, str]] = []
+    for name in (USER_HEADER, *frontend.user_headers):
+        value = headers.get(name)
+        if value is not None and value.strip():
+            found.append((name, f"the {name} header", value))
+    for field in (BODY_USER, BODY_SAFETY_IDENTIFIER):
+        value = body.get(field)
+        if value is not None and value.strip():
+            found.append((field, f"the body's {field}", value))
+    return found
+
+
+def _required_message(frontend: FrontendAccess, body_read: bool) -> str:
+    ways = [f"the {h} header" for h in (USER_HEADER, *frontend.user_headers)]
+    if body_read:
+        ways += [f"the body's `{BODY_USER}` (or `{BODY_SAFETY_IDENTIFIER}`) field"]
+    return (
+        f"this key acts for the end users of the frontend {frontend.name!r}: name the end user in "
+        + ", or ".join(ways)
+    )

@@ -1,0 +1,195 @@
+"""Registered frontends: a chat frontend (Open WebUI, LibreChat, a company's own) whose keys act
+for its end users.
+
+A frontend has a name and the request headers its keys trust: `user_headers` name the end user
+(besides `X-DSS-User`, always trusted), `session_header` the session (besides `X-DSS-Session`
+and `X-Session-ID`). End user `alice` of frontend `webui` is the DSS user `webui/alice`
+(`end_user_id`): an ordinary user of the store with its own sessions, tenant, cache salt,
+quotas and receipts, unreachable from any other key: new plain user ids may not hold `/`
+(`dss.inputs.check_user_id`), and a frontend is not registered under a name that stored data
+already uses as `<name>/...` (ids of an older version, which allowed `/`).
+
+Invariants: a name is one of the user-id alphabet (no `/`), at most `FRONTEND_NAME_MAX`
+characters; header names are HTTP tokens, neither DSS's own (`api.headers`) nor reserved, and
+no header is both a user and the session header. Every change is audited in its transaction.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Final
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from api.headers import DSS_HEADERS, RESERVED_HEADERS
+from api.keys.audit import AuditAction, record
+from dss.db.connect import transaction
+from dss.db.models import ApiKeyRow, FrontendRow
+from dss.dialogue.users import holds_users_under
+from dss.errors import FrontendExists, FrontendNameTaken, FrontendNotFound, InvalidInput, InvalidUserId
+from dss.inputs import MAX_USER_ID_CHARS, USER_ID_RULE, check_user_id
+from dss.types import UserId
+
+FRONTEND_NAME_MAX = 64
+HEADER_NAME_MAX = 128
+MAX_USER_HEADERS = 8
+SEPARATOR = "/"
+_TOKEN = re.compile(rf"[!#$%&'*+.^_`|~0-9A-Za-z-]{{1,{HEADER_NAME_MAX}}}")
+
+
+class _Keep:
+    """`update`'s marker for a field left as it is."""
+
+
+KEEP: Final = _Keep()
+
+
+@dataclass(frozen=True, slots=True)
+class Frontend:
+    name: str
+    user_headers: tuple[str, ...]
+    session_header: str | None
+    created_at: datetime
+    created_by: str
+
+
+def check_frontend_name(name: str) -> str:
+    """`name` if a frontend may take it: a user id (no `/`, no control character), not too long."""
+    check_user_id(name)
+    if len(name) > FRONTEND_NAME_MAX:
+        raise InvalidInput(f"a frontend name is at most {FRONTEND_NAME_MAX} characters; got {len(name)}")
+    return name
+
+
+def check_header_name(name: str, field: str) -> str:
+    if _TOKEN.fullmatch(name) is None:
+        raise InvalidInput(
+            f"{field}: {name[:200]!r} is not an HTTP header name (1-{HEADER_NAME_MAX} token characters)"
+        )
+    if name.lower() in DSS_HEADERS:
+        raise InvalidInput(
+            f"{field}: {name} is read by DSS itself on every frontend key; name another header"
+        )
+    if name.lower() in RESERVED_HEADERS:
+        raise InvalidInput(f"{field}: {name} carries credentials or framing, never a user or a session")
+    return name
+
+
+def check_headers(
+    user_headers: Sequence[str], session_header: str | None
+) -> tuple[tuple[str, ...], str | None]:
+    """The header settings of a frontend, checked (`InvalidInput` naming the field)."""
+    if len(user_headers) > MAX_USER_HEADERS:
+        raise InvalidInput(f"user_headers: at most {MAX_USER_HEADERS} headers")
+    users = tuple(check_header_name(h, "user_headers") for h in user_headers)
+    if len({h.lower() for h in users}) != len(users):
+        raise InvalidInput("user_headers: a header is named twice")
+    if session_header is not None:
+        check_header_name(session_header, "session_header")
+        if session_header.lower() in {h.lower() for h in users}:
+            raise InvalidInput(f"session_header: {session_header} is one of the user_headers")
+    return users, session_header
+
+
+def end_user_id(frontend: str, end_user: str, source: str) -> UserId:
+    """The DSS user of `frontend`'s end user `end_user` (`<frontend>/<end user>`), or
+    `InvalidUserId` naming `source` (the header or field it came from)."""
+    try:
+        check_user_id(end_user)
+    except InvalidUserId as exc:
+        raise InvalidUserId(f"{source}: {exc}") from None
+    user = f"{frontend}{SEPARATOR}{end_user}"
+    if len(user) > MAX_USER_ID_CHARS:
+        room = MAX_USER_ID_CHARS - len(frontend) - 1
+        raise InvalidUserId(f"{source}: {USER_ID_RULE}; an end user of {frontend!r} has at most {room}")
+    return UserId(user)
+
+
+def end_user_prefix(frontend: str) -> str:
+    """What every DSS user id of `frontend`'s end users starts with."""
+    return frontend + SEPARATOR
+
+
+class Frontends:
+    """The `frontends` table."""
+
+    def __init__(self, session_factory: sessionmaker[Session]) -> None:
+        self._sf = session_factory
+
+    def find(self, name: str) -> Frontend | None:
+        with transaction(self._sf) as db:
+            row = db.get(FrontendRow, name)
+            return _frontend(row) if row is not None else None
+
+    def get(self, name: str) -> Frontend:
+        found = self.find(name)
+        if found is None:
+            raise FrontendNotFound(f"no frontend {name!r}")
+        return found
+
+    def list(self) -> list[Frontend]:
+        with transaction(self._sf) as db:
+            return [_frontend(r) for r in db.scalars(select(FrontendRow).order_by(FrontendRow.name))]
+
+    def create(
+        self, name: str, user_headers: Sequence[str], session_header: str | None, actor: str
+    ) -> Frontend:
+        """Register a frontend; `FrontendExists` if the name is registered, `FrontendNameTaken`
+        if stored data holds users named `<name>/...`."""
+        check_frontend_name(name)
+        users, session = check_headers(user_headers, session_header)
+        prefix = end_user_prefix(name)
+        if holds_users_under(self._sf, prefix) or self._keys_under(prefix):
+            raise FrontendNameTaken(
+                f"stored data holds users named {prefix}... (made by an older version): a frontend "
+                f"{name!r} would act as them; choose another name, or erase those users first"
+            )
+        try:
+            with transaction(self._sf) as db:
+                if db.get(FrontendRow, name) is not None:
+                    raise FrontendExists(f"a frontend {name!r} is registered already")
+                db.add(
+                    FrontendRow(name=name, user_headers=list(users), session_header=session, created_by=actor)
+                )
+                detail = {"user_headers": list(users), "session_header": session}
+                record(db, actor, AuditAction.FRONTEND_CREATED, name, detail)
+        except IntegrityError:  # created meanwhile by another caller
+            raise FrontendExists(f"a frontend {name!r} is registered already") from None
+        return self.get(name)
+
+    def update(
+        self,
+        name: str,
+        actor: str,
+        user_headers: Sequence[str] | _Keep = KEEP,
+        session_header: str | _Keep | None = KEEP,
+    ) -> Frontend:
+        """Change a frontend's trusted headers (fields left `KEEP` stay); audited when anything
+        changes. Keys of the frontend see the change within their cache's lifetime."""
+        with transaction(self._sf) as db:
+            row = db.get(FrontendRow, name)
+            if row is None:
+                raise FrontendNotFound(f"no frontend {name!r}")
+            users = tuple(row.user_headers) if isinstance(user_headers, _Keep) else tuple(user_headers)
+            session = row.session_header if isinstance(session_header, _Keep) else session_header
+            users, session = check_headers(users, session)
+            if (list(users), session) != (list(row.user_headers), row.session_header):
+                before = {"user_headers": list(row.user_headers), "session_header": row.session_header}
+                row.user_headers, row.session_header = list(users), session
+                after = {"user_headers": list(users), "session_header": session}
+                record(db, actor, AuditAction.FRONTEND_CHANGED, name, {"before": before, "after": after})
+            return _frontend(row)
+
+    def _keys_under(self, prefix: str) -> bool:
+        starts = func.substr(ApiKeyRow.user_id, 1, len(prefix)) == prefix
+        with transaction(self._sf) as db:
+            return db.scalar(select(ApiKeyRow.id).where(starts).limit(1)) is not None
+
+
+def _frontend(row: FrontendRow) -> Frontend:
+    return Frontend(row.name, tuple(row.user_headers), row.session_header, row.created_at, row.created_by)

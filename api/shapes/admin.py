@@ -1,0 +1,69 @@
+"""The wire shapes of the admin API (`api.routes.admin`): keys, frontends and the audit trail."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+
+class KeyCreate(BaseModel):
+    """Exactly one of: `user` (a user key), `admin: true` (an admin key), `frontend` (a key of
+    that frontend, registered with no trusted header if it is not yet)."""
+
+    user: str | None = Field(default=None, max_length=256)
+    admin: bool = False
+    frontend: str | None = Field(default=None, max_length=256)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> KeyCreate:
+        if sum((self.user is not None, self.admin, self.frontend is not None)) != 1:
+            raise ValueError('give exactly one of "user", "admin": true, "frontend"')
+        return self
+
+
+class KeyOut(BaseModel):
+    object: Literal["api_key"] = "api_key"
+    id: str
+    kind: Literal["user", "admin", "frontend"]
+    user: str | None = Field(description="the user a user or admin key acts as; null for a frontend key")
+    frontend: str | None
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class KeyCreatedOut(KeyOut):
+    key: str = Field(description="the secret: shown only in this answer, stored only as its SHA-256")
+
+
+class FrontendCreate(BaseModel):
+    name: str = Field(max_length=256)
+    user_headers: list[str] = Field(default_factory=list, max_length=64)
+    session_header: str | None = Field(default=None, max_length=256)
+
+
+class FrontendPatch(BaseModel):
+    """The fields to change; a field left out stays (`session_header: null` removes it)."""
+
+    user_headers: list[str] | None = Field(default=None, max_length=64)
+    session_header: str | None = Field(default=None, max_length=256)
+
+
+class FrontendOut(BaseModel):
+    object: Literal["frontend"] = "frontend"
+    name: str
+    user_headers: list[str]
+    session_header: str | None
+    created_at: datetime
+    created_by: str
+
+
+class AuditEntryOut(BaseModel):
+    object: Literal["audit_entry"] = "audit_entry"
+    id: str
+    at: datetime
+    actor: str = Field(description="an admin key's id, `cli` (the `dss keys` command) or `dev`")
+    action: str = Field(description="key.created, key.revoked, frontend.created or frontend.changed")
+    subject: str = Field(description="a key id or a frontend name")
+    detail: dict[str, Any]
