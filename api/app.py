@@ -31,6 +31,7 @@ from api.routes import (
     branches,
     chat,
     console,
+    conversations,
     health,
     models,
     prefixes,
@@ -78,6 +79,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (
         chat,
         responses,
+        conversations,
         sessions,
         versions,
         branches,

@@ -271,6 +271,19 @@ class VersionStore:
             db.flush()
             return session_info(row, self._branch_rows(db, user, sid), self._json_limits)
 
+    def set_metadata(self, user: UserId, sid: SessionId, metadata: Mapping[str, Any] | None) -> SessionInfo:
+        """Replace the session's metadata (None: none), under the limits `create_session` applies."""
+        meta = dict(metadata) if metadata is not None else None
+        if meta is not None and check_json("metadata", meta, self._json_limits) > MAX_METADATA_BYTES:
+            raise LimitExceeded(f"metadata over {MAX_METADATA_BYTES} bytes of JSON", field="metadata")
+        with transaction(self._factory) as db:
+            self.hold_user(db, user)
+            row = self._owned(db, user, sid)
+            row.meta = meta
+            row.updated_at = utcnow()
+            db.flush()
+            return session_info(row, self._branch_rows(db, user, sid), self._json_limits)
+
     def retention_hints(
         self, *, updated_after: datetime | None = None, hinted_only: bool = False, limit: int = MAX_LIST_LIMIT
     ) -> list[RetentionHint]:
@@ -738,12 +751,19 @@ class VersionStore:
         return doomed
 
     def find_deepest_prefix_version(
-        self, user: UserId, sid: SessionId, messages: Sequence[Mapping[str, Any]]
+        self,
+        user: UserId,
+        sid: SessionId,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        holding_tokens: bool = False,
     ) -> VersionInfo | None:
         """The version with the most messages whose messages are a prefix of (or equal to) `messages`.
 
         Among equally deep matches, a version that is some branch's head wins, then the lowest
         number. Returns None when no version matches (a new turn then starts from scratch).
+        `holding_tokens`: only versions that store token ids (a turn can continue from those; a
+        version of messages only, such as a conversation's added items, has none).
         One indexed lookup of the prefix digests; no version's messages are read but the answer's.
         """
         want = prefix_digests(normalised(messages))
@@ -752,11 +772,12 @@ class VersionStore:
             candidates: list[tuple[int, int]] = []
             for chunk_start in range(0, len(want), _IN_CHUNK):
                 chunk = want[chunk_start : chunk_start + _IN_CHUNK]
-                for number, depth, digest in db.execute(
-                    select(VersionRow.number, VersionRow.n_messages, VersionRow.digest).where(
-                        *_version_key(user, sid), VersionRow.digest.in_(chunk)
-                    )
-                ).tuples():
+                q = select(VersionRow.number, VersionRow.n_messages, VersionRow.digest).where(
+                    *_version_key(user, sid), VersionRow.digest.in_(chunk)
+                )
+                if holding_tokens:
+                    q = q.where(VersionRow.n_tokens > 0)
+                for number, depth, digest in db.execute(q).tuples():
                     # The digest covers the whole stored list, so it must be that prefix's.
                     if depth < len(want) and want[depth] == digest:
                         candidates.append((number, depth))
