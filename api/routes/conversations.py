@@ -94,7 +94,7 @@ def list_items(
     return item_list(page.items, page.has_more)
 
 
-@router.post("/v1/conversations/{conversation_id}/items", responses=error_responses(400, 401, 404, 409))
+@router.post("/v1/conversations/{conversation_id}/items", responses=error_responses(400, 401, 404, 409, 429))
 def add_items(
     conversation_id: str,
     body: ItemsCreate,
@@ -122,7 +122,7 @@ def get_item(
 
 
 @router.delete(
-    "/v1/conversations/{conversation_id}/items/{item_id}", responses=error_responses(401, 404, 409)
+    "/v1/conversations/{conversation_id}/items/{item_id}", responses=error_responses(401, 404, 409, 429)
 )
 def delete_item(
     conversation_id: str, item_id: str, state: StateDep, principal: PrincipalDep

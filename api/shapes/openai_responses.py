@@ -4,7 +4,9 @@ A stored response is a version of a session (`dss.dialogue.response_store`): one
 `previous_response_id` continues a response's version, and continuing an older one than the
 newest forks a branch. So responses survive restarts, their KV cache is served from the store on
 the next turn, and they are erased with their user. `store: false` answers without keeping
-anything: no version, no record (`GET` then answers 404).
+anything: no version, no record (`GET` then answers 404). With `conversation` (exclusive with
+`previous_response_id`), the response is the next version of that conversation's `main`
+(`dss.dialogue.conversations`).
 
 The response object follows OpenAI's (`created_at` is a Unix time there, as in OpenAI's API);
 DSS adds `dss`: the session, version and branch the response became, and where its prompt's KV
