@@ -38,7 +38,7 @@ def say(client: Any, conversation: str, text: str, **extra: Any) -> Any:
 def texts(client: Any, conversation: str) -> list[tuple[str, str, str]]:
     """Every item, oldest first, as (id, role, text), read page by page (two items a page)."""
     page = client.conversations.items.list(conversation, order="asc", limit=2)
-    return [(i.id, i.role, i.content[0].text) for i in page.auto_paging_iter()]
+    return [(i.id, i.role, i.content[0].text) for i in page]  # every page, `after` the last id
 
 
 def test_a_conversation_and_its_items(api_server: ApiServer) -> None:
