@@ -32,6 +32,7 @@ from api.routes import (
     branches,
     chat,
     console,
+    conversations,
     health,
     models,
     prefixes,
@@ -79,6 +80,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (
         chat,
         responses,
+        conversations,
         sessions,
         versions,
         branches,

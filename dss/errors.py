@@ -40,6 +40,15 @@ class ResponseNotFound(NotFoundError):
     """A stored Responses API response does not exist (or is another user's)."""
 
 
+class ConversationNotFound(NotFoundError):
+    """A conversation (a session, `dss.dialogue.conversations`) does not exist (or is another
+    user's)."""
+
+
+class ConversationItemNotFound(NotFoundError):
+    """A conversation holds no item of that id."""
+
+
 # --- conflicts (HTTP 409) -----------------------------------------------------
 class ApiKeyNotFound(NotFoundError):
     """An API key id names no key (`api.auth.ApiKeys`), or an active one where that is asked."""

@@ -5,6 +5,7 @@ with one job and its own leaf lock (see each module and the "Locks" section of d
 
 - `versions` (`dss.dialogue.versions`): sessions, versions, branches, in the metadata database;
 - `responses` (`dss.dialogue.response_store`): stored Responses API responses, each holding a version;
+- `conversations` (`dss.dialogue.conversations`): the Conversations API's view of sessions;
 - `index` (`dss.index.prefix_index`): a radix trie per namespace (model fingerprint + tenant);
 - `pages` (`dss.pages.tiered` over `dss.pages.table`): the page table and the tiers;
 - `kv` (`dss.ops.kv`): matches, loads, saves and leases for engines, with the disk writer;
@@ -33,6 +34,7 @@ from sqlalchemy import Engine, orm
 
 from dss.config import StoreConfig
 from dss.db.connect import is_sqlite_file, make_engine, make_session_factory, upgrade_to_head
+from dss.dialogue.conversations import Conversations
 from dss.dialogue.response_store import ResponseStore
 from dss.dialogue.versions import VersionStore
 from dss.errors import DataDirInUse
@@ -77,6 +79,7 @@ class Store:
     keys: KeyManager
     versions: VersionStore
     responses: ResponseStore
+    conversations: Conversations
     identity: Identity  # tenants, erasure epochs, receipt subjects, engine cache salts
     keyring: Keyring
     fingerprints: FingerprintRegistry
@@ -147,6 +150,7 @@ class Store:
             self.sf, self.config.quotas, self.config.json_limits, fence=self.identity
         )
         self.responses = ResponseStore(self.sf, self.versions, self.config.json_limits)
+        self.conversations = Conversations(self.versions)
         self.keyring = Keyring(self.keys, self.sf)
         self.fingerprints = FingerprintRegistry(self.sf)
 

@@ -2,9 +2,11 @@
 before survives, and its next turn is served from the store (the host arena and the engine's own
 cache died with the process).
 
-One restart of the shared server (an engine start, ~35 s on 2 cores) serves both scenarios: a
-session's next turn read from the disk tier, and a Responses API chain with a fork whose responses
-survive and whose branches both continue from their stored KV.
+One restart of the shared server (an engine start, ~35 s on 2 cores) serves every scenario: a
+session's next turn read from the disk tier, a Responses API chain with a fork whose responses
+survive and whose branches both continue from their stored KV, and a conversation (Conversations
+API) whose items keep their ids and whose next response is served from the store
+(tests/test_api_conversations.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import httpx
 import pytest
 
 from tests.api_server import ApiServer, api_server
+from tests.test_api_conversations import conversation_after, conversation_before
 from tests.test_api_responses import ask, dss
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -112,9 +115,11 @@ def test_sessions_and_response_chains_continue_from_the_store_after_a_restart(ap
     with api_server.client("rs-jo") as client:
         session_before(client)
     chain = chain_before(api_server.openai("resp-ann"))
+    conversation = conversation_before(api_server.openai("conv-rs"))
 
     api_server.restart()  # graceful: the store flushes write-through and closes
 
     with api_server.client("rs-jo") as client:
         session_after(client)  # first: its turn must find the new engine's cache empty
     chain_after(api_server.openai("resp-ann"), chain)
+    conversation_after(api_server.openai("conv-rs"), conversation)

@@ -1,7 +1,8 @@
 """The OpenAI Responses API: create, retrieve, delete, list a response's input items.
 
 Each stored response is a version (`api.shapes.openai_responses`, `dss.dialogue.response_store`): durable,
-branchable (`previous_response_id` naming an older response forks), erased with its user.
+branchable (`previous_response_id` naming an older response forks), erased with its user. A
+response with `conversation` is a version on that conversation's `main` (`api.routes.conversations`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from api.shapes.openai_responses import (
     stored_items,
 )
 from api.shapes.schemas import GenerationParams
-from api.turn.pipeline import serve_turn
-from api.turn.target import response_turn
+from api.turn.pipeline import Resolve, serve_turn
+from api.turn.target import conversation_turn, response_turn
+from dss.dialogue.conversations import item_message
 from dss.errors import ModelNotFound
 
 router = APIRouter(tags=["responses"])
@@ -39,8 +41,9 @@ router = APIRouter(tags=["responses"])
 async def create_response(
     body: ResponseCreate, request: Request, state: StateDep, caller: CallerDep, engine: EngineDep
 ) -> Any:
-    """Answer `input`, continuing `previous_response_id` if given; stored as a version unless
-    `store` is false."""
+    """Answer `input`, continuing `previous_response_id` or `conversation` if given (not both);
+    stored as a version unless `store` is false (a response in a conversation always is, and its
+    input and output items join the conversation)."""
     who = acting_principal(request, caller, body.user, body.safety_identifier)
     if body.model and body.model not in engine.model_names:
         raise ModelNotFound(f"the model {body.model!r} does not exist on this server")
@@ -51,18 +54,32 @@ async def create_response(
     params = GenerationParams(max_tokens=body.max_output_tokens, stream=body.stream)
     fields = body.sampling_fields()
 
-    new = item_messages(items)
-    resolve = partial(
-        response_turn,
-        state,
-        who.user,
-        body.previous_response_id,
-        body.instructions,
-        new,
-        body.store,
-        params,
-        fields,
-    )
+    resolve: Resolve
+    conversation = body.conversation_id
+    if conversation is not None:
+        resolve = partial(
+            conversation_turn,
+            state,
+            who.user,
+            conversation,
+            body.instructions,
+            [item_message(i) for i in plan.input_items],
+            plan.item_id,
+            params,
+            fields,
+        )
+    else:
+        resolve = partial(
+            response_turn,
+            state,
+            who.user,
+            body.previous_response_id,
+            body.instructions,
+            item_messages(items),
+            body.store,
+            params,
+            fields,
+        )
     return await serve_turn(state, engine, request, who.user, body.stream, resolve, ResponseReply(plan))
 
 

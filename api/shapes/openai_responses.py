@@ -4,7 +4,9 @@ A stored response is a version of a session (`dss.dialogue.response_store`): one
 `previous_response_id` continues a response's version, and continuing an older one than the
 newest forks a branch. So responses survive restarts, their KV cache is served from the store on
 the next turn, and they are erased with their user. `store: false` answers without keeping
-anything: no version, no record (`GET` then answers 404).
+anything: no version, no record (`GET` then answers 404). With `conversation` (exclusive with
+`previous_response_id`), the response is the next version of that conversation's `main`
+(`dss.dialogue.conversations`).
 
 The response object follows OpenAI's (`created_at` is a Unix time there, as in OpenAI's API);
 DSS adds `dss`: the session, version and branch the response became, and where its prompt's KV
@@ -24,7 +26,7 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from api.errors import ApiError, response_for
+from api.errors import ApiError, BadRequest, response_for
 from api.llm.chat_engine import ChatEngine
 from api.llm.generation import Finished
 from api.shapes.openai_fields import check_fields
@@ -49,6 +51,7 @@ RESPONSES_HONOURED: frozenset[str] = frozenset(
         "input",
         "instructions",
         "previous_response_id",
+        "conversation",
         "store",
         "stream",
         "max_output_tokens",
@@ -68,7 +71,6 @@ RESPONSES_REFUSED: Mapping[str, str] = {
     "top_logprobs": "log-probabilities are served on /v1/chat/completions",
     "reasoning": "the model does not reason",
     "background": "responses are answered in the foreground",
-    "conversation": "chain responses with previous_response_id",
     "prompt": "prompt templates are not served",
     "truncation": "a prompt is never truncated: a dialogue's history is its state",
     "service_tier": "this server has one tier",
@@ -121,6 +123,10 @@ class TextConfig(_Strict):
     verbosity: Literal["medium"] | None = None  # the only one a plain model gives
 
 
+class ConversationRef(_Strict):
+    id: str = Field(max_length=128)
+
+
 class ResponseCreate(BaseModel):
     """`POST /v1/responses`. Fields OpenAI defines but this server does not serve are refused with
     a 400 naming them (unless at their no-op value); unknown fields likewise."""
@@ -131,6 +137,8 @@ class ResponseCreate(BaseModel):
     input: str | list[InputMessage]
     instructions: str | None = None
     previous_response_id: str | None = Field(default=None, pattern=RESPONSE_ID_PATTERN)
+    # The conversation the response belongs to (`api.routes.conversations`): its id, or `{"id"}`.
+    conversation: str | ConversationRef | None = Field(default=None)
     store: bool = True
     stream: bool = False
     max_output_tokens: int | None = Field(default=None, ge=1)
@@ -145,16 +153,34 @@ class ResponseCreate(BaseModel):
     @field_validator("metadata")
     @classmethod
     def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        if v is not None:
-            if len(v) > _MAX_METADATA_KEYS:
-                raise ValueError(f"metadata holds at most {_MAX_METADATA_KEYS} keys")
-            if any(len(k) > 64 or len(x) > 512 for k, x in v.items()):
-                raise ValueError("metadata keys are at most 64 characters, values at most 512")
-        return v
+        return check_metadata(v)
+
+    @property
+    def conversation_id(self) -> SessionId | None:
+        c = self.conversation
+        return SessionId(c if isinstance(c, str) else c.id) if c is not None else None
 
     def check_fields(self) -> None:
+        """Refuse (400) what is not served, and `conversation` with what contradicts it: with
+        `previous_response_id` (mutually exclusive, as in OpenAI's API) or with `store: false` (a
+        response in a conversation is stored in it)."""
         extras = dict(self.model_extra or {})
         check_fields(extras, own=(), honoured=RESPONSES_HONOURED, refused=RESPONSES_REFUSED, no_op=_NO_OP)
+        if self.conversation is None:
+            return
+        if self.previous_response_id is not None:
+            raise BadRequest(
+                "Mutually exclusive parameters: Ensure you are only providing one of: "
+                "'previous_response_id' or 'conversation'.",
+                code="mutually_exclusive_parameters",
+                param="conversation",
+            )
+        if not self.store:
+            raise BadRequest(
+                "a response in a conversation is stored in it: `store: false` cannot be used with "
+                "`conversation`",
+                param="store",
+            )
 
     def items(self) -> list[InputMessage]:
         if isinstance(self.input, str):
@@ -181,6 +207,16 @@ class ResponseCreate(BaseModel):
     def text_config(self) -> dict[str, Any]:
         fmt = self.text.format if self.text is not None and self.text.format is not None else TextFormat()
         return {"format": fmt.model_dump(by_alias=True, exclude_none=True)}
+
+
+def check_metadata(v: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's rule on `metadata`: at most 16 keys of 64 characters, values of 512."""
+    if v is not None:
+        if len(v) > _MAX_METADATA_KEYS:
+            raise ValueError(f"metadata holds at most {_MAX_METADATA_KEYS} keys")
+        if any(len(k) > 64 or len(x) > 512 for k, x in v.items()):
+            raise ValueError("metadata keys are at most 64 characters, values at most 512")
+    return v
 
 
 def stored_items(items: Sequence[InputMessage]) -> list[dict[str, Any]]:
@@ -247,6 +283,7 @@ def response_body(record: ResponseRecord) -> dict[str, Any]:
         "output": record.output,
         "parallel_tool_calls": False,
         "previous_response_id": record.previous_response_id,
+        "conversation": p.get("conversation"),
         "reasoning": {"effort": None, "summary": None},
         "store": p.get("store", True),
         "temperature": p.get("temperature"),
@@ -309,9 +346,15 @@ def _record(
             "text": body.text_config(),
             "incomplete_details": None if complete else {"reason": "max_output_tokens"},
             "completed_at": int(time.time()),
+            "conversation": _conversation(body),
             "dss": dss,
         },
     )
+
+
+def _conversation(body: ResponseCreate) -> dict[str, str] | None:
+    cid = body.conversation_id
+    return {"id": cid} if cid is not None else None
 
 
 def _output_message(text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
@@ -385,7 +428,12 @@ async def _stream(run: TurnRun, reply: ResponseReply) -> AsyncIterator[str]:
         input_items=plan.input_items,
         output=[],
         usage={},
-        params={"store": plan.body.store, "text": plan.body.text_config(), "metadata": plan.body.metadata},
+        params={
+            "store": plan.body.store,
+            "text": plan.body.text_config(),
+            "metadata": plan.body.metadata,
+            "conversation": _conversation(plan.body),
+        },
     )
     item_id = plan.item_id
     where = {"item_id": item_id, "output_index": 0, "content_index": 0}

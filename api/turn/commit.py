@@ -46,7 +46,7 @@ async def commit(
     choices = [
         (
             np.asarray([*prep.prompt_ids, *a.fin.output_ids], dtype=TOKEN_DTYPE),
-            [*turn.messages, a.stored_message],
+            [*turn.messages, a.stored_as(turn.answer_item_id)],
         )
         for a in answers
     ]

@@ -89,3 +89,26 @@ async def response_turn(
     )
     check_limits(state.settings.limits, params, planned.messages, fields)
     return Turn(user, planned.messages, params, planned.target, fields, persist=store, epoch=epoch)
+
+
+async def conversation_turn(
+    state: AppState,
+    user: UserId,
+    conversation_id: SessionId,
+    instructions: str | None,
+    new: list[dict[str, Any]],
+    answer_item_id: str,
+    params: GenerationParams,
+    fields: Mapping[str, Any],
+    epoch: int,
+) -> Turn:
+    """A Responses turn in a conversation (`dss.dialogue.conversations`): the instructions, the
+    conversation's items, then the new input items (each message keeps its item id, and the
+    answer is stored under `answer_item_id`); committed on the conversation's `main`."""
+    planned = await asyncio.to_thread(
+        state.store.conversations.turn, user, conversation_id, instructions, new
+    )
+    check_limits(state.settings.limits, params, planned.messages, fields)
+    return Turn(
+        user, planned.messages, params, planned.target, fields, epoch=epoch, answer_item_id=answer_item_id
+    )

@@ -29,6 +29,9 @@ class Turn:
     # every write it makes is refused (`UserErased`) once the user was erased since, however
     # far the turn got (prepared, generating, committing). None: whatever the epoch is then.
     epoch: int | None = None
+    # The id its answer is stored with (a conversation's output item: `dss.dialogue.conversations`
+    # keeps each item's id in its message). None: the answer is stored without one.
+    answer_item_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,3 +58,7 @@ class Answer:
         if self.tool_calls:
             msg["tool_calls"] = self.tool_calls
         return msg
+
+    def stored_as(self, item_id: str | None) -> dict[str, Any]:
+        """`stored_message`, with the item id it is stored under when it has one."""
+        return self.stored_message if item_id is None else {**self.stored_message, "id": item_id}

@@ -41,7 +41,9 @@ class TurnTarget:
     parent: int | None  # the version the turn extends; None = a first turn (a root version)
     branch: str | None  # the branch to commit on; None = fork a new branch at `parent`
     fork_on_race: bool  # if the branch head moves meanwhile: fork (True) or answer 409 (False)
-    # The parent version itself: its stored token ids are the start of the turn's prompt.
+    # The version whose stored token ids start the turn's prompt: the parent itself, or (in a
+    # conversation, whose added items are versions of messages only) the deepest version holding
+    # ids whose messages start the turn's dialogue.
     base: VersionInfo | None = field(default=None, compare=False, repr=False)
     # The session does not exist yet (a new response chain): the first commit creates it, so a
     # turn that fails before its commit leaves no empty session behind.

@@ -101,12 +101,19 @@ class VersionReads:
             return version_summary(r)
 
     def find_deepest_prefix_version(
-        self, user: UserId, sid: SessionId, messages: Sequence[Mapping[str, Any]]
+        self,
+        user: UserId,
+        sid: SessionId,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        holding_tokens: bool = False,
     ) -> VersionInfo | None:
         """The version with the most messages whose messages are a prefix of (or equal to) `messages`.
 
         Among equally deep matches, a version that is some branch's head wins, then the lowest
         number. Returns None when no version matches (a new turn then starts from scratch).
+        `holding_tokens`: only versions that store token ids (a turn can continue from those; a
+        version of messages only, such as a conversation's added items, has none).
         One indexed lookup of the prefix digests; no version's messages are read but the answer's.
         """
         want = prefix_digests(normalised(messages))
@@ -114,11 +121,12 @@ class VersionReads:
             owned_session(db, user, sid)
             candidates: list[tuple[int, int]] = []
             for chunk in in_chunks(want):
-                for number, depth, digest in db.execute(
-                    select(VersionRow.number, VersionRow.n_messages, VersionRow.digest).where(
-                        *version_key(user, sid), VersionRow.digest.in_(chunk)
-                    )
-                ).tuples():
+                q = select(VersionRow.number, VersionRow.n_messages, VersionRow.digest).where(
+                    *version_key(user, sid), VersionRow.digest.in_(chunk)
+                )
+                if holding_tokens:
+                    q = q.where(VersionRow.n_tokens > 0)
+                for number, depth, digest in db.execute(q).tuples():
                     # The digest covers the whole stored list, so it must be that prefix's.
                     if depth < len(want) and want[depth] == digest:
                         candidates.append((number, depth))

@@ -174,6 +174,19 @@ class SessionCatalog:
             db.flush()
             return session_info(row, branch_rows(db, user, sid), self._json_limits)
 
+    def set_metadata(self, user: UserId, sid: SessionId, metadata: Mapping[str, Any] | None) -> SessionInfo:
+        """Replace the session's metadata (None: none), under the limits `create_session` applies."""
+        meta = dict(metadata) if metadata is not None else None
+        if meta is not None and check_json("metadata", meta, self._json_limits) > MAX_METADATA_BYTES:
+            raise LimitExceeded(f"metadata over {MAX_METADATA_BYTES} bytes of JSON", field="metadata")
+        with transaction(self._factory) as db:
+            self._fence.hold_user(db, user)
+            row = owned_session(db, user, sid)
+            row.meta = meta
+            row.updated_at = utcnow()
+            db.flush()
+            return session_info(row, branch_rows(db, user, sid), self._json_limits)
+
     def retention_hints(
         self, *, updated_after: datetime | None = None, hinted_only: bool = False, limit: int = MAX_LIST_LIMIT
     ) -> list[RetentionHint]:

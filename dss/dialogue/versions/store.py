@@ -69,6 +69,7 @@ class VersionStore:
         self.ensure_session = sessions.ensure_session
         self.list_sessions = sessions.list_sessions
         self.set_retention = sessions.set_retention
+        self.set_metadata = sessions.set_metadata
         self.retention_hints = sessions.retention_hints
 
         self.commit = Commits(session_factory, quotas, json_limits, user_fence).commit
