@@ -66,6 +66,20 @@ class SessionIdConflict(BadRequest):
         super().__init__(message, code="session_id_conflict", param="session_id")
 
 
+class SessionHeaderOnResponses(BadRequest):
+    """`X-DSS-Session` or `X-Session-ID` on `POST /v1/responses`: a response continues the
+    dialogue that `previous_response_id` or `conversation` names, never a Chat Completions
+    session; ignoring the header would leave a client believing its turns share one session."""
+
+    def __init__(self, header: str) -> None:
+        super().__init__(
+            f"the {header} header names a Chat Completions session; a response continues "
+            "previous_response_id or a conversation (send one of those, and no session header)",
+            code="session_header_not_supported",
+            param=header,
+        )
+
+
 class EndUserRequired(BadRequest):
     """A frontend key's request on a route that acts for a user names no end user: it is refused
     rather than served as one user shared by all the frontend's people (`api.end_users`)."""

@@ -107,6 +107,11 @@ def test_stream_input_items_store_false_and_refused_fields(api_server: ApiServer
         r = h.post("/v1/responses", json={"input": "x", "max_output_tokens": 2, **extra})
         assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text
         assert r.json()["error"]["param"] == next(iter(extra))
+    # A session header names a Chat Completions session: refused, not dropped in silence.
+    for header in ("X-DSS-Session", "X-Session-ID"):
+        r = h.post("/v1/responses", json={"input": "x", "max_output_tokens": 2}, headers={header: "s1"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "session_header_not_supported", r.text
+        assert r.json()["error"]["param"] == header
     r = h.post("/v1/responses", json={"input": "x", "previous_response_id": "resp_" + "0" * 48})
     assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
 

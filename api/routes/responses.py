@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
 
-from api.deps import CallerDep, EngineDep, PrincipalDep, StateDep, acting_principal
-from api.errors import error_responses
+from api.deps import CallerDep, EngineDep, PrincipalDep, SessionHeadersDep, StateDep, acting_principal
+from api.errors import SessionHeaderOnResponses, error_responses
 from api.shapes.openai_responses import (
     ResponseCreate,
     ResponsePlan,
@@ -39,12 +39,21 @@ router = APIRouter(tags=["responses"])
     },
 )
 async def create_response(
-    body: ResponseCreate, request: Request, state: StateDep, caller: CallerDep, engine: EngineDep
+    body: ResponseCreate,
+    request: Request,
+    state: StateDep,
+    caller: CallerDep,
+    engine: EngineDep,
+    session_headers: SessionHeadersDep,
 ) -> Any:
     """Answer `input`, continuing `previous_response_id` or `conversation` if given (not both);
     stored as a version unless `store` is false (a response in a conversation always is, and its
     input and output items join the conversation)."""
     who = acting_principal(request, caller, body.user, body.safety_identifier)
+    if session_headers.named:
+        # A response's dialogue is its `previous_response_id` chain or its `conversation`; a
+        # session header here would otherwise be dropped without a word.
+        raise SessionHeaderOnResponses(session_headers.named[0][0])
     if body.model and body.model not in engine.model_names:
         raise ModelNotFound(f"the model {body.model!r} does not exist on this server")
     body.check_fields()
