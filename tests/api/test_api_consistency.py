@@ -26,10 +26,10 @@ from api.state import AppState
 from dss import errors as e
 from dss.dialogue.turn_commits import chat_target
 from dss.dialogue.versions import VersionStore
+from tests.api.test_api_unit import DEV, settings_for, started
+from tests.paths import REPO
 from tests.store_helpers import SMALL_FP
-from tests.test_api_unit import DEV, settings_for, started
 
-REPO = Path(__file__).resolve().parents[1]
 ISO_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|\+00:00)$")
 
 

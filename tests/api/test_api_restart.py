@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.api.test_api_responses import ask, dss
 from tests.api_server import ApiServer, api_server
-from tests.test_api_responses import ask, dss
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 __all__ = ["api_server"]

@@ -17,11 +17,11 @@ import httpx
 import pytest
 
 from tests.api_server import ApiServer, api_server
+from tests.paths import REPO
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 __all__ = ["api_server"]
 
-REPO = Path(__file__).resolve().parents[1]
 
 MAX_EXAMPLES = os.environ.get("DSS_SCHEMA_EXAMPLES", "10")
 CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance"

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from tests.api_server import ApiServer, api_server, chat, user_msg
+from tests.paths import REPO
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -28,7 +29,7 @@ __all__ = ["api_server"]
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 WAIT_S = 60.0  # a turn on the CPU engine under load, streamed
-ARTIFACTS = Path(os.environ.get("DSS_TEST_ARTIFACTS") or Path(__file__).parent / "artifacts")
+ARTIFACTS = Path(os.environ.get("DSS_TEST_ARTIFACTS") or REPO / "tests" / "artifacts")
 
 
 def _browser_or_skip() -> None:

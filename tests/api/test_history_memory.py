@@ -20,8 +20,8 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from dss.store import Store
+from tests.api.test_api_unit import DEV, as_user, settings_for, started, state_of
 from tests.store_helpers import SMALL_FP, open_store, pages_for
-from tests.test_api_unit import DEV, as_user, settings_for, started, state_of
 
 T = TypeVar("T")
 BS = SMALL_FP.block_size

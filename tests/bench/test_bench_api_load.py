@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import importlib
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from tests.paths import BENCH
 
 
 def api_load() -> ModuleType:

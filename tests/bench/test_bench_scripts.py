@@ -3,7 +3,7 @@
 The store, trie and API benchmarks without an engine run here as `python bench/X.py --smoke`
 (tiny sizes, seconds), as a person runs them; each must exit 0 and end with a `RESULT key=value
 ...` line that parses. The engine benchmarks' smoke modes share one engine in
-tests/test_bench_smoke.py; the model matrix's smoke rows are tests/test_model_matrix.py.
+tests/bench/test_bench_smoke.py; the model matrix's smoke rows are tests/engine_patch/test_model_matrix.py.
 `test_every_bench_is_smoked` fails when a script is in none of these lists: a new benchmark
 brings its smoke mode, or says here why it cannot have one in the suite.
 """
@@ -16,12 +16,10 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-BENCH = REPO / "bench"
+from tests.paths import BENCH, REPO
 
 # Scripts whose `--smoke` run takes seconds and needs no engine (measured on 2 busy cores: 1-35 s each).
 SMOKED_HERE = (
@@ -36,7 +34,7 @@ SMOKED_HERE = (
     "trie",
     "verify",
 )
-# Engine benchmarks whose smoke modes run in tests/test_bench_smoke.py (one shared engine).
+# Engine benchmarks whose smoke modes run in tests/bench/test_bench_smoke.py (one shared engine).
 SMOKED_WITH_ONE_ENGINE = (
     "engine_exactness",
     "engine_hot",
@@ -44,20 +42,20 @@ SMOKED_WITH_ONE_ENGINE = (
     "engine_rollback",
     "swa_capacity",
 )
-SMOKED_ELSEWHERE = {"model_matrix": "tests/test_model_matrix.py runs its SMOKE_ROWS"}
+SMOKED_ELSEWHERE = {"model_matrix": "tests/engine_patch/test_model_matrix.py runs its SMOKE_ROWS"}
 # Benchmarks that start several engines or servers of their own: minutes even at their smallest,
 # more than the suite's budget on 2 cores. What the suite runs of each instead:
 NOT_IN_THE_SUITE = {
-    "api_load": "a server under load for a minute; tests/test_bench_api_load.py runs its reporting",
+    "api_load": "a server under load for a minute; tests/bench/test_bench_api_load.py runs its reporting",
     "block_size": "one engine per block size (4 engine starts)",
-    "cluster": "two servers, PostgreSQL and Redis; tests/test_cluster.py runs its scenarios",
+    "cluster": "two servers, PostgreSQL and Redis; tests/deploy/test_cluster.py runs its scenarios",
     "engine_multiround": "three or four differently configured engines at once",
     "peers": "four servers (vLLM's, LMCache's) one after another",
     "reuse": "a server and several multi-turn sessions (`--quick`: 2 x 3 turns)",
     "schemathesis_stateful": "a fuzzing campaign against a served engine",
     "served_dtype": "one engine per dtype (3 engine starts)",
     "turn_path": "an in-process app with its own engine start; run by hand to count a turn's modules",
-    "soak": "minutes of traffic with kills; tests/test_soak.py runs 40 s of it (bench/_soak_*.py)",
+    "soak": "minutes of traffic with kills; tests/bench/test_soak.py runs 40 s of it (bench/_soak_*.py)",
     "warm": "a server and multi-turn sessions",
 }
 
@@ -88,9 +86,9 @@ def test_every_bench_is_smoked() -> None:
     assert scripts == set(listed), (
         f"not listed: {sorted(scripts - set(listed))}; listed but gone: {sorted(set(listed) - scripts)}"
     )
-    smoke_test = (REPO / "tests" / "test_bench_smoke.py").read_text()
+    smoke_test = (REPO / "tests" / "bench" / "test_bench_smoke.py").read_text()
     for name in SMOKED_WITH_ONE_ENGINE:
-        assert f'bench("{name}")' in smoke_test, f"{name} is not run in tests/test_bench_smoke.py"
+        assert f'bench("{name}")' in smoke_test, f"{name} is not run in tests/bench/test_bench_smoke.py"
 
 
 @pytest.mark.slow

@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+from tests.paths import BENCH
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
 def bench(name: str) -> ModuleType:

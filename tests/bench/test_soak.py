@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 from tests.api_server import model_dir
+from tests.paths import REPO
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[1]
 RESULT_KEYS = ["requests", "hangs", "errors_5xx", "lost_versions", "corrupt_served", "remnants", "restarts"]
 MUST_BE_ZERO = ("hangs", "errors_5xx", "lost_versions", "corrupt_served", "remnants")
 DETAIL_ZERO = ("unexpected", "restart_failures", "remnants_at_erasure", "pre_erasure_kept", "leftovers")

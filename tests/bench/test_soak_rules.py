@@ -9,12 +9,13 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from tests.paths import BENCH
+
+sys.path.insert(0, str(BENCH))
 import soak
 
 

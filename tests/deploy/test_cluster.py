@@ -2,7 +2,7 @@
 database, one Redis page tier and one master key, each with its own data directory: a session
 started on A continues on B with its KV from Redis, concurrent turns from both on one head lose
 no version, an erasure on A leaves nothing on B, in Redis or in the database, and after `kill -9`
-of A its sessions continue on B. (Routing through HAProxy: tests/test_router.py.)
+of A its sessions continue on B. (Routing through HAProxy: tests/deploy/test_router.py.)
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import pytest
 from sqlalchemy import func, select
 
 from tests.api_server import ApiServer, chat, model_dir, user_msg
-from tests.test_tier_remote import REDIS_URL, _redis_answers
+from tests.dss.pages.test_tier_remote import REDIS_URL, _redis_answers
 
 pytestmark = pytest.mark.skipif(not _redis_answers(REDIS_URL), reason=f"no Redis answers at {REDIS_URL}")
 
@@ -241,7 +241,7 @@ def test_kill_9_of_a_mid_conversation_continues_on_b(cluster: Cluster) -> None:
     # Its engine processes end with it (engine_patch.connector.orphan_guard), not holding memory and cores.
     _, left = psutil.wait_procs(engine, timeout=15)
     assert not left, f"A's engine processes outlived it: {left}"
-    # (The module's last test: A stays down. Its catch-up after a restart: tests/test_fleet.py.)
+    # (The module's last test: A stays down. Its catch-up after a restart: tests/dss/fleet/test_fleet.py.)
     with cluster.client(cluster.b, "cl-di") as on_b:
         r = turn(on_b, "long", history, "Name a nut.")
         assert r["state_version"] == 4 and r["parent_version"] == 3  # nothing acknowledged was lost

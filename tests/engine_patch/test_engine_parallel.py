@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from engine_helpers import Engine, open_store
-from tiny_models import make_tiny_model
 
 from dss.store import Store
+from tests.engine_helpers import Engine, open_store
+from tests.tiny_models import make_tiny_model
 
 TINY = "qwen2-h64-gqa2"  # 2 KV heads: one per rank
 PAGE = 128  # the CPU backend's default block size

@@ -12,8 +12,7 @@ import pytest
 
 from engine_patch.connector.fingerprint import READY_MARKER
 from engine_patch.setup.model import NOT_PREPARED, default_model_dir, find_model, resolve_model
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.paths import REPO
 
 
 def fake_model(folder: Path, ready: bool = True) -> Path:
@@ -84,12 +83,16 @@ def bench_model_dir() -> Path:
 OWN_WAY = re.compile(
     r"environ(?:\.get\(|\[)\s*[\"']DSS_MODEL_DIR|\.dss-ready|/\s*[\"']SmolLM2-135M-Instruct|models/SmolLM2"
 )
-OWN_WAY_ALLOWED = {"tests/test_model_finder.py", "tests/engine_helpers.py", "tests/test_model_pull.py"}
+OWN_WAY_ALLOWED = {
+    "tests/engine_patch/test_model_finder.py",
+    "tests/engine_helpers.py",
+    "tests/engine_patch/test_model_pull.py",
+}
 
 
 def test_no_bench_or_test_finds_the_model_its_own_way() -> None:
     offenders = []
-    for path in sorted([*REPO.glob("bench/*.py"), *REPO.glob("tests/*.py"), *REPO.glob("deploy/**/*.py")]):
+    for path in sorted([*REPO.glob("bench/*.py"), *REPO.glob("tests/**/*.py"), *REPO.glob("deploy/**/*.py")]):
         rel = path.relative_to(REPO).as_posix()
         if rel in OWN_WAY_ALLOWED:
             continue

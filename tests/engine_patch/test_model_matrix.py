@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -23,8 +22,7 @@ import torch
 from dss.namespace import LATENT_KV_LAYOUT, LATENT_ROWS_ISA, ModelFingerprint
 from engine_patch.connector.copy import KVBlocks, Run
 from engine_patch.connector.layouts import layout_for
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from tests.paths import BENCH
 
 
 def matrix() -> ModuleType:

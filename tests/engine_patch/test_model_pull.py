@@ -35,8 +35,7 @@ from engine_patch.setup.model import (
 )
 from engine_patch.setup.sanity import DEFAULT_MIN_CORRECT, SANITY_SET, Question, score
 from tests.engine_helpers import model_path
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.paths import REPO
 
 pytestmark = pytest.mark.slow
 engine = pytest.mark.engine

@@ -2,7 +2,7 @@
 
 A stand-in for the engine core: a `multiprocessing` (spawn) child that starts the guard, spawned
 by a parent process that the test kills with SIGKILL. The real engine is checked in
-tests/test_cluster.py (`kill -9` of a server leaves none of its engine processes).
+tests/deploy/test_cluster.py (`kill -9` of a server leaves none of its engine processes).
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import time
 from pathlib import Path
 
 from engine_patch.connector.orphan_guard import guard_against_orphaning
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.paths import REPO
 
 PARENT = """
 import multiprocessing, sys, time

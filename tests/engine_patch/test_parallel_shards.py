@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from store_helpers import SMALL_FP, open_store
 
 from dss.errors import InvalidInput
 from dss.namespace import ModelFingerprint
@@ -24,6 +23,7 @@ from dss.store import Store
 from dss.types import TenantId
 from engine_patch.connector.copy import ArenaViews, KVBlocks, runs
 from engine_patch.connector.layouts import VLLM_AXES, KVLayout
+from tests.store_helpers import SMALL_FP, open_store
 
 L, NB, H, BS, HD = 4, 12, 4, 8, 16
 CPU = KVLayout(VLLM_AXES, NB, packed=True)  # the CPU backend's blocks: bytes as they are

@@ -39,8 +39,9 @@ from dss.store import Store
 from dss.types import PageHash
 from dss.wire import SlotRef
 from engine_patch.connector.copy import ArenaViews
+from tests.dss.pages.test_tier_disk import bf16_page, make_meta
+from tests.paths import REPO
 from tests.store_helpers import SMALL_FP, open_store, pages_for
-from tests.test_tier_disk import bf16_page, make_meta
 
 SLOT = 4096
 MiB = 1 << 20
@@ -323,7 +324,7 @@ def test_running_out_of_shared_memory_is_an_error_never_a_sigbus(small_shm: Path
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=REPO,
     )
     assert done.returncode == 0, f"the process died (signal {-done.returncode}): {done.stderr[-2000:]}"
     assert done.stdout.startswith("REFUSED") and "DSS_STORE__HOST_CAPACITY_BYTES" in done.stdout

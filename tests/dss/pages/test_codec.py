@@ -20,11 +20,12 @@ from dss.pages.codec import (
     codec_by_id,
     make_codec,
 )
+from tests.paths import REPO
 
 # shared/ sits beside the checkout (../shared); /work/shared is where our machines keep it
 KV_SAMPLE = (
     next(
-        (p for p in (Path(__file__).resolve().parents[2] / "shared", Path("/work/shared")) if p.exists()),
+        (p for p in (REPO.parent / "shared", Path("/work/shared")) if p.exists()),
         Path("/work/shared"),
     )
     / "data"

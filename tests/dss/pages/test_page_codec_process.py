@@ -17,7 +17,7 @@ from dss.pages.codec import make_codec
 from dss.pages.encoder import PageCodecProcess
 from dss.pages.tiers.disk import DiskTier
 from dss.pages.tiers.host import HostTier
-from tests.test_tier_disk import bf16_page, make_meta
+from tests.dss.pages.test_tier_disk import bf16_page, make_meta
 
 KEY = bytes(range(32))
 
