@@ -28,16 +28,16 @@ $(STAMP):
 install: $(STAMP)
 
 # `make model` verifies the model through vLLM (an engine start); `make test` leaves that to
-# tests/test_model_pull.py, which asks the same sanity set.
+# tests/engine_patch/test_model_pull.py, which asks the same sanity set.
 PULL_ARGS ?=
 model: install
 	$(BIN)/dss model pull --data-dir $(DSS_CACHE) $(PULL_ARGS)
 
-# The router of `make cluster` and tests/test_router.py: installed with apt-get when missing (as root);
+# The router of `make cluster` and tests/deploy/test_router.py: installed with apt-get when missing (as root);
 # otherwise a warning, and the router tests skip.
 haproxy: install
 	@$(BIN)/python -c "from deploy.cluster import ensure_haproxy; ensure_haproxy()" \
-		|| echo "warning: no haproxy; tests/test_router.py will skip (apt-get install haproxy)"
+		|| echo "warning: no haproxy; tests/deploy/test_router.py will skip (apt-get install haproxy)"
 
 lint: install
 	$(BIN)/ruff check dss engine_patch api tests bench deploy

@@ -115,7 +115,7 @@ def print_result(**values: float | int) -> None:
 
 
 def smoke_flag(argv: Sequence[str] | None = None) -> bool:
-    """`--smoke`: tiny sizes, so the test suite can run the benchmark (tests/test_bench_smoke.py)."""
+    """`--smoke`: tiny sizes, so the test suite can run the benchmark (tests/bench/test_bench_smoke.py)."""
     args = list(sys.argv[1:] if argv is None else argv)
     unknown = [a for a in args if a != "--smoke"]
     if unknown:

@@ -11,7 +11,7 @@ server by its id. The launcher waits until every `/readyz` answers, prints how t
 Ctrl-C or SIGTERM stops everything it started: each child runs in its own process group, and the
 whole group is signalled (a server's engine processes included), so nothing is left behind.
 
-The functions below are what tests/test_router.py starts a cluster with, so the test exercises
+The functions below are what tests/deploy/test_router.py starts a cluster with, so the test exercises
 the configuration shipped here.
 """
 

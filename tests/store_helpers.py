@@ -56,7 +56,7 @@ def open_store(data_dir: Path, **overrides: object) -> Store:
 
 
 # ---------------------------------------------------------------------------- concurrency stress
-# Shared by tests/test_store_stress.py and bench/store_concurrency.py (one copy of the logic).
+# Shared by tests/dss/test_store_stress.py and bench/store_concurrency.py (one copy of the logic).
 
 STRESS_USERS = 4
 STRESS_HOST_PAGES = 16  # 4 workers x at most 3 pages in flight each: no CapacityError is legitimate

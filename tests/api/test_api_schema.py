@@ -1,0 +1,115 @@
+"""schemathesis against the real server's `/openapi.json`: no 5xx, responses match the schema.
+
+Bounded: the coverage phase (boundary values) on every operation that does not generate, then a
+few fuzzed cases per operation as a user key, then the admin-only operations as an admin key.
+About a minute on two cores. Then the stateful phase with erasures racing it (below).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.api_server import ApiServer, api_server
+from tests.paths import REPO
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+__all__ = ["api_server"]
+
+
+MAX_EXAMPLES = os.environ.get("DSS_SCHEMA_EXAMPLES", "10")
+CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance"
+GENERATING = "create_chat_completion|post_message|create_prefix"
+ADMIN_ONLY = (
+    "create_prefix|delete_prefix|erase_user|metrics|list_users"
+    "|post_key|list_keys|revoke_key|post_frontend|list_frontends|patch_frontend|list_audit"
+)
+
+
+def schemathesis(server: ApiServer, key: str, cwd: Path, *args: str) -> str:
+    cmd = [
+        str(Path(sys.executable).with_name("schemathesis")), "run", f"{server.base_url}/openapi.json",
+        "--header", f"Authorization: Bearer {key}",
+        "--checks", CHECKS,
+        "--workers", "1",  # two workers race inside hypothesis (its lambda-source lookup asserts)
+        "--seed", "20250101",
+        "--no-shrink",
+        "--generation-database", "none",
+        "--request-timeout", "120",
+        "--no-color",
+        *args,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=cwd)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-8000:]
+    assert " passed" in out
+    return out
+
+
+def test_openapi_schema_coverage_and_fuzzing(api_server: ApiServer, tmp_path: Path) -> None:
+    user_key = api_server.key("st-fuzz")
+    schemathesis(
+        api_server, user_key, tmp_path, "--phases", "coverage", "--exclude-operation-id-regex", GENERATING
+    )
+    out = schemathesis(api_server, user_key, tmp_path, "--phases", "fuzzing", "--max-examples", MAX_EXAMPLES)
+    spec = httpx.get(api_server.base_url + "/openapi.json", timeout=30).json()
+    n_operations = sum(len(methods) for methods in spec["paths"].values())
+    assert f"{n_operations} passed" in out or f"Tested: {n_operations}" in out, out[-3000:]
+    schemathesis(
+        api_server,
+        api_server.admin_key,
+        tmp_path,
+        "--phases", "fuzzing",
+        "--max-examples", "5",
+        "--include-operation-id-regex", ADMIN_ONLY,
+    )  # fmt: skip
+
+
+def test_openapi_stateful_with_erasures_racing(api_server: ApiServer, tmp_path: Path) -> None:
+    """The stateful phase over the links of `bench/schemathesis_stateful.py` (sessions, turns,
+    versions, branches, responses, hints, warm-ups) as a user whom a thread erases every couple of
+    seconds: no 5xx and documented answers only, whatever the erasures take between two steps;
+    every racing erasure answers a receipt without remnants, and so does each one re-read at the
+    end. Bounded: a few scenarios of a few steps (about half a minute on two cores)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import schemathesis_stateful as st
+
+    user = "st-race"
+    key = api_server.key(user)
+    schema = httpx.get(api_server.base_url + "/openapi.json", timeout=30).json()
+    assert st.add_links(schema) >= 40
+    schema_path = tmp_path / "openapi-with-links.json"
+    schema_path.write_text(json.dumps(schema))
+    (tmp_path / "schemathesis.toml").write_text("[phases.stateful]\nmax-steps = 4\n")
+    racer = st.EraseRacer(api_server.base_url, api_server.admin_key, user, period=2.0, deadline=120.0)
+    racer.start()
+    try:
+        rc, out = st.run_schemathesis(
+            schema_path,
+            api_server.base_url,
+            key,
+            tmp_path,
+            tmp_path / "report.json",
+            "--phases", "stateful",
+            "--max-examples", os.environ.get("DSS_SCHEMA_RACE_EXAMPLES", "3"),
+            "--seed", "20250102",
+            "--exclude-operation-id-regex", ADMIN_ONLY,
+            timeout=400,
+            checks=st.RACE_CHECKS,
+        )  # fmt: skip
+    finally:
+        racer.stop.set()
+        racer.join(150)
+    remnants = racer.reverify()
+    assert rc == 0, out[-8000:]
+    assert racer.counts["erasures"] >= 1, (racer.counts, out[-3000:])
+    assert {k: racer.counts[k] for k in ("errors_5xx", "hangs", "other")} == dict.fromkeys(
+        ("errors_5xx", "hangs", "other"), 0
+    ), racer.findings
+    assert (racer.remnants_at_erasure, remnants) == (0, 0), racer.findings

@@ -1,0 +1,1 @@
+"""Tests of `bench/`: every benchmark's smoke mode and reporting, and the short soak."""

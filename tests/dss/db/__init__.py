@@ -1,0 +1,1 @@
+"""Tests of `dss.db`: the schema and its migrations."""

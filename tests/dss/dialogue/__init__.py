@@ -1,0 +1,1 @@
+"""Tests of `dss.dialogue`: versions, turn commits, stored responses, quotas, continuation."""

@@ -1,0 +1,1 @@
+"""Tests of `dss.fleet`: several servers on one database."""

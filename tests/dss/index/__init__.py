@@ -1,0 +1,1 @@
+"""Tests of `dss.index` (the token trie, prefix index, tail pages)."""

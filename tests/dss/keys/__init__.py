@@ -1,0 +1,1 @@
+"""Tests of `dss.keys`: crypto, master rotation, identities and their derivation."""

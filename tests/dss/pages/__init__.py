@@ -1,0 +1,1 @@
+"""Tests of `dss.pages`: codecs, page files, the page table, eviction and the tiers."""

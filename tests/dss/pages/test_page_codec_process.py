@@ -1,0 +1,87 @@
+"""The page codec helper process: page files it writes and reads are the disk tier's own format,
+failures come back typed, and a helper that dies is replaced (or the work runs in-process)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dss.errors import CorruptPage, PageMissing, TierUnavailable
+from dss.pages.codec import make_codec
+from dss.pages.encoder import PageCodecProcess
+from dss.pages.tiers.disk import DiskTier
+from dss.pages.tiers.host import HostTier
+from tests.dss.pages.test_tier_disk import bf16_page, make_meta
+
+KEY = bytes(range(32))
+
+
+@pytest.fixture
+def parts(tmp_path: Path) -> Iterator[tuple[PageCodecProcess, HostTier, DiskTier]]:
+    codec = PageCodecProcess("zstd-byteplane")
+    host = HostTier(1 << 20, directory=tmp_path / "shm", pin_memory=False)
+    disk = DiskTier(tmp_path / "pages", 1 << 24, make_codec("zstd-byteplane"), fsync=True)
+    try:
+        yield codec, host, disk
+    finally:
+        codec.close()
+        host.close()
+
+
+def test_helper_files_are_the_disk_tiers_format(parts: tuple[PageCodecProcess, HostTier, DiskTier]) -> None:
+    codec, host, disk = parts
+    raw = bf16_page(1)
+    meta = make_meta(1, raw)
+    meta.checksum = b""
+    src = host.reserve(len(raw))
+    host.slot_array(src)[:] = np.frombuffer(raw, dtype=np.uint8)
+    tmp = disk.temp_path(meta.hash)
+    size = codec.encode_to_file(meta, src, KEY, tmp, fsync=True)
+    assert meta.checksum  # set from the helper's answer
+    assert disk.adopt(meta, tmp, size) == size and disk.contains(meta.hash)
+    _, _, back = disk.read(meta.hash, KEY)  # read here: the same format
+    assert bytes(back) == raw
+    dst = host.reserve(len(raw))
+    codec.decode_file(disk.path_of(meta.hash), meta.hash, KEY, dst)  # decoded in the helper
+    assert host.slot_array(dst).tobytes() == raw
+
+
+def test_helper_failures_are_typed(parts: tuple[PageCodecProcess, HostTier, DiskTier]) -> None:
+    codec, host, disk = parts
+    raw = bf16_page(2)
+    meta = make_meta(2, raw)
+    disk.write(meta, raw, KEY)
+    dst = host.reserve(len(raw))
+    with pytest.raises(CorruptPage):  # another key: authentication fails
+        codec.decode_file(disk.path_of(meta.hash), meta.hash, bytes(32), dst)
+    with pytest.raises(PageMissing):
+        codec.decode_file(disk.path_of(meta.hash).with_name("gone.page"), meta.hash, KEY, dst)
+    changed = make_meta(2, raw)
+    changed.checksum = b"\x01" * 16  # an xxh3-128 that the slot's bytes do not match
+    src = host.reserve(len(raw))
+    host.slot_array(src)[:] = np.frombuffer(raw, dtype=np.uint8)
+    with pytest.raises(CorruptPage):
+        codec.encode_to_file(changed, src, KEY, disk.temp_path(meta.hash), fsync=False)
+
+
+def test_a_helper_that_dies_is_replaced(parts: tuple[PageCodecProcess, HostTier, DiskTier]) -> None:
+    codec, host, disk = parts
+    raw = bf16_page(3)
+    meta = make_meta(3, raw)
+    disk.write(meta, raw, KEY)
+    dst = host.reserve(len(raw))
+    codec.decode_file(disk.path_of(meta.hash), meta.hash, KEY, dst)  # starts a helper
+    helpers = [p.pid for p in multiprocessing.active_children() if p.pid is not None]
+    assert helpers  # the codec's helpers are this process's only children here
+    for pid in helpers:  # as a crash would
+        os.kill(pid, signal.SIGKILL)
+    with pytest.raises(TierUnavailable):
+        codec.decode_file(disk.path_of(meta.hash), meta.hash, KEY, dst)
+    codec.decode_file(disk.path_of(meta.hash), meta.hash, KEY, dst)  # a new helper serves
+    assert host.slot_array(dst).tobytes() == raw

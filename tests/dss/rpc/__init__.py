@@ -1,0 +1,1 @@
+"""Tests of `dss.rpc`: the store RPC."""
