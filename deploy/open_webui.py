@@ -130,6 +130,8 @@ def open_webui_env(
             # These settings on every start (else the first start's are kept in its database).
             "ENABLE_PERSISTENT_CONFIG": "false",
             "DEFAULT_USER_ROLE": "user",  # a signup may chat at once (else it waits as "pending")
+            # DSS's model for every user (else a connection's models are the admins' alone).
+            "BYPASS_MODEL_ACCESS_CONTROL": "true",
             # DSS is the one model server.
             "ENABLE_OLLAMA_API": "false",
             "ENABLE_OPENAI_API": "true",

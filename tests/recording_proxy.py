@@ -68,7 +68,7 @@ class Exchange:
                 continue
             chunk = json.loads(line[len("data: ") :])
             for key in ("session_id", "state_version", "parent_version", "branch", "id"):
-                if chunk.get(key) is not None:
+                if key in chunk:
                     folded[key] = chunk[key]
             if chunk.get("usage"):
                 folded["usage"] = chunk["usage"]

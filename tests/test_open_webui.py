@@ -360,7 +360,13 @@ def _wait(d: Any, cond: Callable[[Any], Any], what: str, timeout: float = 120.0)
     try:
         return WebDriverWait(d, timeout, poll_frequency=0.2).until(cond)
     except Exception:
-        raise AssertionError(f"timed out waiting for {what}; page: {d.current_url}") from None
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        shot = ARTIFACTS / "open_webui_timeout.png"
+        d.save_screenshot(str(shot))
+        text = d.execute_script("return document.body.innerText")[-1500:]
+        raise AssertionError(
+            f"timed out waiting for {what}; page {d.current_url} (screenshot {shot}):\n{text}"
+        ) from None
 
 
 def _css(d: Any, selector: str) -> list[Any]:
