@@ -61,6 +61,19 @@ class DssFrontend:
     api_key: str  # Open WebUI's OPENAI_API_KEY ("" in development mode: none is sent)
     user_header: str
     chat_header: str
+    frontend: str | None = None  # with frontend keys: end user U is the DSS user FRONTEND/U
+
+    def dss_users(self) -> set[str] | None:
+        """The DSS users holding sessions (an admin's `GET /v1/users`); None in development mode."""
+        if self.frontend is None:
+            return None
+        r = httpx.get(
+            f"{self.server.base_url}/v1/users",
+            params={"limit": 1000},
+            headers=self.server.headers("admin", True),
+        )
+        assert r.status_code == 200, r.text
+        return {u["id"] for u in r.json()["data"]}
 
     def as_end_user(self, owui_user_id: str) -> httpx.Client:
         headers = {self.user_header: owui_user_id}
@@ -94,7 +107,7 @@ def dss() -> Iterator[DssFrontend]:
             ],
             cwd=REPO, env=server.env(), capture_output=True, text=True, timeout=120, check=True,
         )  # fmt: skip
-        yield DssFrontend(server, created.stdout.strip().splitlines()[-1], USER_HEADER, CHAT_HEADER)
+        yield DssFrontend(server, created.stdout.strip().splitlines()[-1], USER_HEADER, CHAT_HEADER, FRONTEND)
         return
     model = model_dir()
     if model is None:
@@ -455,12 +468,19 @@ def test_two_people_chat_regenerate_edit_and_one_is_erased(
         assert set(_sessions(as_bob)) == {chat_b}
         bob_before = _versions(as_bob, chat_b)
 
+    held = dss.dss_users()
+    if held is not None:  # each person is a DSS user of the frontend's: webui/<Open WebUI user id>
+        assert {f"{FRONTEND}/{alice.user_id}", f"{FRONTEND}/{bob.user_id}"} <= held
+
     # Alice asks to be forgotten: the frontend erases her; Bob keeps everything.
     erased = dss.erase(alice.user_id)
     assert erased.status_code == 200, erased.text
     assert erased.json()["verification"]["remnants"] == 0
     with dss.as_end_user(alice.user_id) as as_alice:
         assert _sessions(as_alice) == {}
+    held = dss.dss_users()
+    if held is not None:
+        assert f"{FRONTEND}/{alice.user_id}" not in held and f"{FRONTEND}/{bob.user_id}" in held
     with dss.as_end_user(bob.user_id) as as_bob:
         assert set(_sessions(as_bob)) == {chat_b}
         assert {n: v["n_tokens"] for n, v in _versions(as_bob, chat_b).items()} == {
