@@ -20,44 +20,22 @@ import httpx
 import pytest
 
 from tests.api_server import ApiServer, api_server, chat, user_msg
+from tests.browser import headless_chrome, require_browser
 from tests.paths import REPO
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 __all__ = ["api_server"]
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
 WAIT_S = 60.0  # a turn on the CPU engine under load, streamed
 ARTIFACTS = Path(os.environ.get("DSS_TEST_ARTIFACTS") or REPO / "tests" / "artifacts")
 
 
-def _browser_or_skip() -> None:
-    missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.exists()]
-    if missing:
-        reason = f"{', '.join(missing)} missing (apt-get install -y chromium chromium-driver)"
-        if os.environ.get("CI"):
-            pytest.fail(f"the console tests need a browser in CI: {reason}")
-        pytest.skip(reason)
-
-
 @pytest.fixture(scope="module")
 def driver() -> Iterator[Any]:
-    _browser_or_skip()
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = str(CHROMIUM)
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
-        opts.add_argument(arg)
-    opts.add_argument("--window-size=1400,1000")
-    d = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=opts)
-    d.set_page_load_timeout(30)
-    try:
+    require_browser("the console tests")
+    with headless_chrome(page_load_timeout_s=30) as d:
         yield d
-    finally:
-        d.quit()
 
 
 # ---------------------------------------------------------------------------------- helpers

@@ -33,12 +33,11 @@ import pytest
 
 from deploy.open_webui import ensure_open_webui, open_webui_env
 from tests.api_server import REPO, ApiServer, free_port, get_server
+from tests.browser import headless_chrome, require_browser
 from tests.recording_proxy import Exchange, RecordingProxy
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.frontend]
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
 ARTIFACTS = Path(os.environ.get("DSS_TEST_ARTIFACTS") or REPO / "tests" / "artifacts")
 START_TIMEOUT_S = 300.0  # Open WebUI's first start runs its ~100 migrations; slower on a busy machine
 TURN_TIMEOUT_S = 600.0  # a streamed turn on the CPU engine (minutes on a machine under load)
@@ -103,7 +102,7 @@ class OpenWebUI:
 
 @pytest.fixture(scope="module")
 def open_webui(dss: DssFrontend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenWebUI]:
-    _browser_or_skip()
+    require_browser("the Open WebUI test")
     root = tmp_path_factory.mktemp("open-webui")
     began = time.monotonic()
     exe = ensure_open_webui(log=root / "install.log")
@@ -193,31 +192,10 @@ def _save_requests(proxy: RecordingProxy) -> None:
 
 
 # ------------------------------------------------------------------------------ the browser
-def _browser_or_skip() -> None:
-    missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.exists()]
-    if missing:
-        reason = f"{', '.join(missing)} missing (apt-get install -y chromium chromium-driver)"
-        if os.environ.get("CI"):
-            pytest.fail(f"the Open WebUI test needs a browser in CI: {reason}")
-        pytest.skip(reason)
-
-
 @pytest.fixture(scope="module")
 def driver(open_webui: OpenWebUI) -> Iterator[Any]:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = str(CHROMIUM)
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
-        opts.add_argument(arg)
-    opts.add_argument("--window-size=1400,1000")
-    d = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=opts)
-    d.set_page_load_timeout(120)
-    try:
+    with headless_chrome(page_load_timeout_s=120) as d:
         yield d
-    finally:
-        d.quit()
 
 
 class Person:
