@@ -64,8 +64,8 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _soak_server
-import soak  # the server and key helpers of the soak
+from _procs import free_port
+from _soak.server import MIB, Server, create_key, try_create_key, use_server_root
 
 CHECKS = ",".join(
     [
@@ -367,7 +367,7 @@ if os.environ.get("SCHEMATHESIS_HOOKS") == HOOKS_MODULE:
     _register_checks()
 
 
-class FuzzServer(soak.Server):
+class FuzzServer(Server):
     db_url: str | None = None  # default: SQLite in the data directory
 
     def env(self) -> dict[str, str]:
@@ -379,7 +379,7 @@ class FuzzServer(soak.Server):
                 # A fuzzer's max_tokens must not keep the CPU engine busy for minutes.
                 "DSS_LIMITS__MAX_OUTPUT_TOKENS": "16",
                 "DSS_LIMITS__DEFAULT_MAX_TOKENS": "4",
-                "DSS_STORE__HOST_CAPACITY_BYTES": str(256 * soak.MIB),
+                "DSS_STORE__HOST_CAPACITY_BYTES": str(256 * MIB),
                 "DSS_STORE__DISK_CAPACITY_BYTES": str(2 << 30),
                 "DSS_STORE__FSYNC": "false",
             }
@@ -581,23 +581,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--race-erase-every-s", type=float, default=3.0, help="mean period of the racing erasures")
     args = p.parse_args(argv)
     if args.server_root is not None:
-        _soak_server.use_server_root(args.server_root)
+        use_server_root(args.server_root)
     out = args.out or Path(tempfile.mkdtemp(prefix="dss-schemathesis-"))
     out.mkdir(parents=True, exist_ok=True)
     data_dir = out / "data"
     if data_dir.exists() and any(data_dir.iterdir()):
         raise SystemExit(f"{data_dir} is not empty")
     data_dir.mkdir(parents=True, exist_ok=True)
-    admin_key = soak.create_key(data_dir, None, args.db_url)
-    user_key = soak.create_key(data_dir, "st-fuzz", args.db_url)
+    admin_key = create_key(data_dir, None, args.db_url)
+    user_key = create_key(data_dir, "st-fuzz", args.db_url)
     race_user = "st-race"
-    race_key = soak.create_key(data_dir, race_user, args.db_url)
+    race_key = create_key(data_dir, race_user, args.db_url)
     odd_user = "probe@org/user"  # issue 19, item 1: erasable if `dss keys create` accepts it
-    odd = _soak_server.try_create_key(data_dir, odd_user, args.db_url) is not None
+    odd = try_create_key(data_dir, odd_user, args.db_url) is not None
     probe_findings: list[dict[str, Any]] = []
     racer: EraseRacer | None = None
     remnants = 0
-    server = FuzzServer(data_dir, args.port or soak.free_port(), out / "server.log", admin_key)
+    server = FuzzServer(data_dir, args.port or free_port(), out / "server.log", admin_key)
     server.db_url = args.db_url
     t0 = time.monotonic()
     try:
