@@ -36,7 +36,7 @@ model: install
 # The router of `make cluster` and tests/deploy/test_router.py: installed with apt-get when missing (as root);
 # otherwise a warning, and the router tests skip.
 haproxy: install
-	@$(BIN)/python -c "from deploy.cluster import ensure_haproxy; ensure_haproxy()" \
+	@$(BIN)/python -c "from deploy.haproxy import ensure_haproxy; ensure_haproxy()" \
 		|| echo "warning: no haproxy; tests/deploy/test_router.py will skip (apt-get install haproxy)"
 
 lint: install

@@ -1,5 +1,5 @@
 """Starting servers, for the benchmarks and the tests alike (tests/api_server.py,
-tests/vllm_openai_server.py and bench/_soak_server.py build on it): the prepared model, a free
+tests/vllm_openai_server.py and bench/_soak/server.py build on it): the prepared model, a free
 loopback port, the `dss serve` command line, and a child that dies with the process that started
 it."""
 

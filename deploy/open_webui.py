@@ -3,7 +3,7 @@ settings that make it one DSS frontend (docs/frontends.md, "Open WebUI", explain
 
     .venv/bin/python deploy/open_webui.py --dss-url http://127.0.0.1:8000 --api-key dss-... [--port 8080]
 
-installs Open WebUI on first use and serves it. tests/test_open_webui.py starts it with the same
+installs Open WebUI on first use and serves it. tests/api/test_open_webui.py starts it with the same
 `ensure_open_webui` and `open_webui_env`, so the test exercises the configuration shipped here.
 
 The environment lives outside the checkout, beside the prepared model

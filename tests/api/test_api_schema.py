@@ -72,25 +72,27 @@ def test_openapi_schema_coverage_and_fuzzing(api_server: ApiServer, tmp_path: Pa
 
 
 def test_openapi_stateful_with_erasures_racing(api_server: ApiServer, tmp_path: Path) -> None:
-    """The stateful phase over the links of `bench/schemathesis_stateful.py` (sessions, turns,
-    versions, branches, responses, hints, warm-ups) as a user whom a thread erases every couple of
-    seconds: no 5xx and documented answers only, whatever the erasures take between two steps;
-    every racing erasure answers a receipt without remnants, and so does each one re-read at the
-    end. Bounded: a few scenarios of a few steps (about half a minute on two cores)."""
+    """The stateful phase over the links of `bench/schemathesis_stateful.py` (`bench/_fuzz/`:
+    sessions, turns, versions, branches, responses, hints, warm-ups) as a user whom a thread erases
+    every couple of seconds: no 5xx and documented answers only, whatever the erasures take between
+    two steps; every racing erasure answers a receipt without remnants, and so does each one re-read
+    at the end. Bounded: a few scenarios of a few steps (about half a minute on two cores)."""
     sys.path.insert(0, str(REPO / "bench"))
-    import schemathesis_stateful as st
+    from _fuzz.links import add_links
+    from _fuzz.race import EraseRacer
+    from _fuzz.runs import RACE_CHECKS, run_schemathesis
 
     user = "st-race"
     key = api_server.key(user)
     schema = httpx.get(api_server.base_url + "/openapi.json", timeout=30).json()
-    assert st.add_links(schema) >= 40
+    assert add_links(schema) >= 40
     schema_path = tmp_path / "openapi-with-links.json"
     schema_path.write_text(json.dumps(schema))
     (tmp_path / "schemathesis.toml").write_text("[phases.stateful]\nmax-steps = 4\n")
-    racer = st.EraseRacer(api_server.base_url, api_server.admin_key, user, period=2.0, deadline=120.0)
+    racer = EraseRacer(api_server.base_url, api_server.admin_key, user, period=2.0, deadline=120.0)
     racer.start()
     try:
-        rc, out = st.run_schemathesis(
+        rc, out = run_schemathesis(
             schema_path,
             api_server.base_url,
             key,
@@ -101,7 +103,7 @@ def test_openapi_stateful_with_erasures_racing(api_server: ApiServer, tmp_path: 
             "--seed", "20250102",
             "--exclude-operation-id-regex", ADMIN_ONLY,
             timeout=400,
-            checks=st.RACE_CHECKS,
+            checks=RACE_CHECKS,
         )  # fmt: skip
     finally:
         racer.stop.set()

@@ -55,7 +55,7 @@ NOT_IN_THE_SUITE = {
     "schemathesis_stateful": "a fuzzing campaign against a served engine",
     "served_dtype": "one engine per dtype (3 engine starts)",
     "turn_path": "an in-process app with its own engine start; run by hand to count a turn's modules",
-    "soak": "minutes of traffic with kills; tests/bench/test_soak.py runs 40 s of it (bench/_soak_*.py)",
+    "soak": "minutes of traffic with kills; tests/bench/test_soak.py runs 40 s of it (bench/_soak/)",
     "warm": "a server and multi-turn sessions",
 }
 

@@ -18,7 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deploy.cluster import Cluster, ClusterError, ServerSpec, ensure_haproxy
+from deploy.haproxy import ensure_haproxy
+from deploy.launcher import Cluster
+from deploy.spec import ClusterError, ServerSpec
 from tests.api_server import free_port
 
 CHECK_INTERVAL_MS = 500

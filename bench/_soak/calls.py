@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 if TYPE_CHECKING:
-    from soak import Controller
+    from .controller import Controller
 
 # What a request of a user whose erasure raced it may answer: the session, version or response
 # is gone (404), the generation was stopped or its commit refused (409), gone for good (410).
@@ -137,7 +137,7 @@ class Caller:
     """A thread of requests with a client deadline each, classified into counts and events.
 
     A 4xx answer (404, 409, 410) to a user whose erasure began after the caller last caught up
-    with that user's erasures (`n0`: `Controller.erasures_started` when the request was sent) is
+    with that user's erasures (`n0`: `ErasureLog.started` when the request was sent) is
     the erasure winning a race, not an error: `erased_4xx`, and the request's outcome is left to
     the next re-read (`Ambiguous`)."""
 
@@ -160,16 +160,17 @@ class Caller:
 
     def raced(self) -> bool:
         """An erasure of this caller's user began after it last caught up (maybe during the request)."""
-        return bool(self.user) and self.ctl.erasures_started(self.user) > self.n0
+        return bool(self.user) and self.ctl.erasures.started(self.user) > self.n0
 
-    def _begin(self) -> tuple[int, float]:
+    def start_request(self) -> tuple[int, float]:
+        """A request about to be sent: counted, its send time kept; (the kill generation, the time)."""
         self.n0 = self.seen_erasures()
         t0 = time.monotonic()
         self.last_q = t0
         self.rec.count("requests")
         return self.gate.gen, t0
 
-    def _outcome(self, kind: str, gen0: int, t0: float, exc: BaseException, timeout: bool) -> Ambiguous:
+    def no_answer(self, kind: str, gen0: int, t0: float, exc: BaseException, timeout: bool) -> Ambiguous:
         """Classify a request that got no answer."""
         took = time.monotonic() - t0
         if self.gate.down or self.gate.gen != gen0:
@@ -183,7 +184,7 @@ class Caller:
             self.rec.event("connection_error", user=self.user, op=kind, error=repr(exc))
         return Ambiguous(f"{kind}: {exc!r}")
 
-    def _check_time(self, kind: str, t0: float) -> None:
+    def check_time(self, kind: str, t0: float) -> None:
         took = time.monotonic() - t0
         self.rec.latency(kind, took)
         if took > self.ctl.deadline_s:
@@ -193,9 +194,11 @@ class Caller:
     def on_erased_answer(self) -> None:
         """A request lost a race with an erasure of this user (the client re-reads its state)."""
 
-    def _status(
+    def check_status(
         self, kind: str, status: int, body: str, expect: tuple[int, ...], race_ok: bool = True
     ) -> None:
+        """Classify an answer's status: none of `expect` raises `Ambiguous` after counting it as a
+        5xx, an erasure winning a race (`erased_4xx`) or `unexpected`."""
         if status in expect:
             return
         if status >= 500:
@@ -235,16 +238,16 @@ class Caller:
         race_ok: bool = True,
     ) -> httpx.Response:
         """`race_ok=False`: a request whose 4xx no racing erasure can explain (an erasure itself)."""
-        gen0, t0 = self._begin()
+        gen0, t0 = self.start_request()
         try:
             r = (client or self.http).request(method, path, json=body)
         except httpx.TimeoutException as exc:
-            raise self._outcome(kind, gen0, t0, exc, timeout=True) from None
+            raise self.no_answer(kind, gen0, t0, exc, timeout=True) from None
         except httpx.TransportError as exc:
-            raise self._outcome(kind, gen0, t0, exc, timeout=False) from None
+            raise self.no_answer(kind, gen0, t0, exc, timeout=False) from None
         self.last_status = r.status_code
-        self._check_time(kind, t0)
-        self._status(kind, r.status_code, r.text, expect, race_ok)
+        self.check_time(kind, t0)
+        self.check_status(kind, r.status_code, r.text, expect, race_ok)
         return r
 
     http: httpx.Client
@@ -252,21 +255,21 @@ class Caller:
     def openai_call(self, kind: str, fn: Callable[[], Any]) -> Any:
         import openai
 
-        gen0, t0 = self._begin()
+        gen0, t0 = self.start_request()
         try:
             out = fn()
         except (openai.APITimeoutError, httpx.TimeoutException) as exc:  # httpx's: inside a stream
-            raise self._outcome(kind, gen0, t0, exc, timeout=True) from None
+            raise self.no_answer(kind, gen0, t0, exc, timeout=True) from None
         except httpx.TransportError as exc:
-            raise self._outcome(kind, gen0, t0, exc, timeout=False) from None
+            raise self.no_answer(kind, gen0, t0, exc, timeout=False) from None
         except openai.APIConnectionError as exc:
-            raise self._outcome(kind, gen0, t0, exc, timeout=False) from None
+            raise self.no_answer(kind, gen0, t0, exc, timeout=False) from None
         except openai.APIStatusError as exc:
-            self._status(kind, exc.status_code, exc.response.text, ())
-            raise  # unreachable: _status raised
+            self.check_status(kind, exc.status_code, exc.response.text, ())
+            raise  # unreachable: check_status raised
         except openai.APIError as exc:  # an error event inside a stream
             raise self._stream_error(kind, gen0, exc.body or repr(exc)) from None
-        self._check_time(kind, t0)
+        self.check_time(kind, t0)
         return out
 
     def stream_request(
@@ -274,7 +277,7 @@ class Caller:
     ) -> tuple[str, dict[str, Any]]:
         """POST a streamed request; (the text of its deltas, the last event `final` accepts).
         Chat streams end with `[DONE]`, Responses streams with `response.completed`."""
-        gen0, t0 = self._begin()
+        gen0, t0 = self.start_request()
         parts: list[str] = []
         fields: dict[str, Any] = {}
         done = False
@@ -282,7 +285,7 @@ class Caller:
             with self.http.stream("POST", path, json=body) as resp:
                 if resp.status_code != 200:
                     resp.read()
-                    self._status(kind, resp.status_code, resp.text, (200,))
+                    self.check_status(kind, resp.status_code, resp.text, (200,))
                 for ev in sse(resp):
                     if ev == "[DONE]":
                         done = True
@@ -300,12 +303,12 @@ class Caller:
                     for ch in ev.get("choices") or []:
                         parts.append((ch.get("delta") or {}).get("content") or "")
         except httpx.TimeoutException as exc:
-            raise self._outcome(kind, gen0, t0, exc, timeout=True) from None
+            raise self.no_answer(kind, gen0, t0, exc, timeout=True) from None
         except httpx.TransportError as exc:
-            raise self._outcome(kind, gen0, t0, exc, timeout=False) from None
-        self._check_time(kind, t0)
+            raise self.no_answer(kind, gen0, t0, exc, timeout=False) from None
+        self.check_time(kind, t0)
         if not done:
-            raise self._outcome(kind, gen0, t0, RuntimeError("stream ended without its end"), timeout=False)
+            raise self.no_answer(kind, gen0, t0, RuntimeError("stream ended without its end"), timeout=False)
         return "".join(parts), fields
 
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for _procs
 from _procs import die_hard_with_parent, model_dir, serve_command
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # The code the server runs: the checkout, or (`--server-root`) another copy of it, e.g. a
 # `git archive` of a commit, imported first through PYTHONPATH (the venv's editable install of the
 # checkout comes after it on the import path). Set with `use_server_root`.
