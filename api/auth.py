@@ -40,7 +40,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.keys.audit import ACTOR_CLI, ACTOR_DEV, AuditAction, record
 from dss.db.connect import transaction
-from dss.db.models import ApiKeyRow, FrontendRow
+from dss.db.models import ApiKeyRow, FrontendRow, aware
 from dss.errors import ApiKeyNotFound, FrontendNotFound, InvalidInput
 from dss.inputs import check_user_id
 from dss.types import UserId
@@ -285,7 +285,8 @@ class ApiKeys:
 
 def _key_info(r: ApiKeyRow) -> KeyInfo:
     user = None if r.frontend is not None and not r.is_admin else UserId(r.user_id or ADMIN_USER)
-    return KeyInfo(r.id, user, bool(r.is_admin), r.created_at, r.revoked_at, r.frontend)
+    revoked = aware(r.revoked_at) if r.revoked_at is not None else None
+    return KeyInfo(r.id, user, bool(r.is_admin), aware(r.created_at), revoked, r.frontend)
 
 
 def bearer_token(authorization: str | None) -> str | None:

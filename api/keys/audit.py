@@ -18,7 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.db.connect import transaction
-from dss.db.models import AdminAuditRow
+from dss.db.models import AdminAuditRow, aware
 
 ACTOR_CLI = "cli"
 ACTOR_DEV = "dev"
@@ -60,7 +60,7 @@ class AuditTrail:
             query = query.where(AdminAuditRow.id < before)
         with transaction(self._sf) as db:
             rows = [
-                AuditEntry(r.id, r.at, r.actor, AuditAction(r.action), r.subject, dict(r.detail))
+                AuditEntry(r.id, aware(r.at), r.actor, AuditAction(r.action), r.subject, dict(r.detail))
                 for r in db.scalars(query)
             ]
         return rows[:limit], len(rows) > limit

@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.headers import DSS_HEADERS, RESERVED_HEADERS
 from api.keys.audit import AuditAction, record
 from dss.db.connect import transaction
-from dss.db.models import ApiKeyRow, FrontendRow
+from dss.db.models import ApiKeyRow, FrontendRow, aware
 from dss.dialogue.users import holds_users_under
 from dss.errors import FrontendExists, FrontendNameTaken, FrontendNotFound, InvalidInput, InvalidUserId
 from dss.inputs import MAX_USER_ID_CHARS, USER_ID_RULE, check_user_id
@@ -192,4 +192,5 @@ class Frontends:
 
 
 def _frontend(row: FrontendRow) -> Frontend:
-    return Frontend(row.name, tuple(row.user_headers), row.session_header, row.created_at, row.created_by)
+    created = aware(row.created_at)
+    return Frontend(row.name, tuple(row.user_headers), row.session_header, created, row.created_by)

@@ -42,6 +42,13 @@ FRONTEND_NAME_LEN = 64
 HEADER_NAME_LEN = 128
 
 
+def aware(ts: datetime) -> datetime:
+    """A timestamp read back from a row, in UTC: SQLite hands back naive datetimes (every
+    timestamp is stored in UTC), and a naive one would leave the API's `date-time` without its
+    offset."""
+    return ts if ts.tzinfo is not None else ts.replace(tzinfo=UTC)
+
+
 def utcnow() -> datetime:
     """Client-side timestamp default: microsecond resolution on every backend.
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import numpy as np
 
-from dss.db.models import BranchRow, SessionRow, VersionRow
+from dss.db.models import BranchRow, SessionRow, VersionRow, aware
 from dss.dialogue.versions.rules import EMPTY_HEAD, EMPTY_TOKENS
 from dss.errors import (
     BranchNotFound,
@@ -91,11 +91,6 @@ class RetentionHint:
     kv_retention: str
     kv_idle_ttl_s: int | None
     updated_at: datetime
-
-
-def aware(ts: datetime) -> datetime:
-    # SQLite hands back naive datetimes; everything is stored in UTC.
-    return ts if ts.tzinfo is not None else ts.replace(tzinfo=UTC)
 
 
 def branch_info(row: BranchRow) -> BranchInfo:

@@ -19,10 +19,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from dss.config import Quotas
 from dss.db.connect import transaction
-from dss.db.models import BranchRow, SessionRow, utcnow
+from dss.db.models import BranchRow, SessionRow, aware, utcnow
 from dss.dialogue.quotas import check_session_quota
 from dss.dialogue.versions.fence import UserFence
-from dss.dialogue.versions.records import RetentionHint, SessionInfo, aware, session_info
+from dss.dialogue.versions.records import RetentionHint, SessionInfo, session_info
 from dss.dialogue.versions.rows import branch_rows, owned_session
 from dss.dialogue.versions.rules import (
     EMPTY_HEAD,
