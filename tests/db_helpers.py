@@ -12,6 +12,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from dss.db import transaction
 from dss.db.models import BranchRow, ResponseRow, SessionRow, VersionRow
 
+# The newest migration (migrations/versions/): tests that upgrade to the head compare with it.
+HEAD_REVISION = "0009_frontends"
+
 
 def _count(db: Session, user: str) -> dict[str, int]:
     def count(table: type[SessionRow] | type[VersionRow] | type[BranchRow] | type[ResponseRow]) -> int:

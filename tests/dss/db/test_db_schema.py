@@ -23,8 +23,9 @@ from dss.db.connect import (
 from dss.db.models import Base, StoreMeta
 from dss.pages.meta import PageMeta
 from dss.types import FingerprintId, NamespaceId, PageHash, TenantId
+from tests.db_helpers import HEAD_REVISION
 
-HEAD = "0009_frontends"
+HEAD = HEAD_REVISION
 
 EXPECTED_TABLES = {
     "store_meta",

@@ -38,7 +38,7 @@ from dss.errors import (
     VersionNotFound,
 )
 from dss.store import Store
-from tests.db_helpers import count_user_rows
+from tests.db_helpers import HEAD_REVISION, count_user_rows
 from tests.store_helpers import open_store, seed_one_version
 
 ALICE = "alice"
@@ -492,7 +492,7 @@ def test_0005_upgrades_a_0004_database_with_data_in_it(db_url: str) -> None:
     try:
         seed_one_version(engine)
         upgrade_to_head(db_url)
-        assert current_revision(db_url) == "0008"  # the head
+        assert current_revision(db_url) == HEAD_REVISION
         with engine.connect() as conn:
             ctx = MigrationContext.configure(conn, opts={"compare_type": True})
             assert list(compare_metadata(ctx, Base.metadata)) == []

@@ -21,6 +21,7 @@ from dss.ops.retention import KEEP
 from dss.pages.eviction import RetentionClass
 from dss.store import Store
 from dss.types import FingerprintId, PageHash, Tier
+from tests.db_helpers import HEAD_REVISION
 from tests.store_helpers import SMALL_FP, open_store, pages_for, seed_one_version
 
 BS = SMALL_FP.block_size
@@ -341,7 +342,7 @@ def test_0004_upgrades_a_0003_database_with_data_in_it(db_url: str) -> None:
     try:
         seed_one_version(engine)
         upgrade_to_head(db_url)
-        assert current_revision(db_url) == "0008"  # the head
+        assert current_revision(db_url) == HEAD_REVISION
         vs = VersionStore(make_session_factory(engine))
         got = vs.get_session("alice", "trip")
         assert (got.kv_retention, got.kv_idle_ttl_s, got.version_count) == ("normal", None, 1)
