@@ -164,13 +164,20 @@ def open_webui_env(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dss-url", required=True, help="`dss serve`'s base URL (without /v1)")
-    parser.add_argument("--api-key", required=True, help="a DSS frontend key (`dss keys create --frontend`)")
+    parser.add_argument("--dss-url", help="`dss serve`'s base URL (without /v1)")
+    parser.add_argument("--api-key", help="a DSS frontend key (`dss keys create --frontend`)")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--data-dir", type=Path, default=Path.home() / ".local/share/dss/open-webui")
     parser.add_argument("--home", type=Path, default=None, help="where its environment lives")
+    parser.add_argument(
+        "--install-only", action="store_true", help="install its environment (if missing) and exit"
+    )
     args = parser.parse_args(argv)
     exe = ensure_open_webui(args.home)
+    if args.install_only:
+        return 0
+    if not args.dss_url or not args.api_key:
+        parser.error("--dss-url and --api-key are needed to serve")
     args.data_dir.mkdir(parents=True, exist_ok=True)
     secret = args.data_dir / "secret.key"
     if not secret.exists():
