@@ -396,9 +396,12 @@ def test_two_people_chat_regenerate_edit_and_one_is_erased(
     for name in ("t2", "regen", "edit"):
         assert answers[name]["parent_version"] == v1, (name, answers[name])
     assert len({answers[n]["branch"] for n in ("t2", "regen", "edit")}) == 3
-    assert _cached(t1) == 0
+    # Every later turn reuses at least turn 1's prompt (its last token is always recomputed). A
+    # first turn reuses nothing of the person's own, but may be served a public prefix that
+    # another module of the shared server registered, so its own count is not asserted.
+    t1_prompt = t1.answer()["usage"]["prompt_tokens"]
     for e in (t2, regen, edit):
-        assert _cached(e) > 0, e.answer().get("usage")
+        assert _cached(e) >= t1_prompt - 1, (t1_prompt, e.answer().get("usage"))
     with dss.as_end_user(alice.user_id) as as_alice:
         assert set(_sessions(as_alice)) == {chat_a}
         versions = _versions(as_alice, chat_a)
