@@ -124,15 +124,17 @@ def message_item(message: Mapping[str, Any], item_id: str) -> dict[str, Any]:
 
 
 def _item_ids(messages: Sequence[Mapping[str, Any]]) -> list[str | None]:
-    """Each stored message's item id (None: the instructions, which are not an item)."""
-    digests = prefix_digests(messages)
+    """Each stored message's item id (None: the instructions, which are not an item). An id-less
+    message's is derived from the items up to it, the instructions left out: a response's
+    instructions, added or changed, do not move the ids of the items before it."""
+    digests = iter(prefix_digests([m for m in messages if not m.get(INSTRUCTIONS_KEY)])[1:])
     out: list[str | None] = []
-    for i, m in enumerate(messages):
+    for m in messages:
         if m.get(INSTRUCTIONS_KEY):
             out.append(None)
         else:
-            given = m.get("id")
-            out.append(given if isinstance(given, str) else derived_item_id(digests[i + 1]))
+            given, digest = m.get("id"), next(digests)
+            out.append(given if isinstance(given, str) else derived_item_id(digest))
     return out
 
 

@@ -122,3 +122,13 @@ def test_a_message_without_an_id_reads_with_a_stable_derived_one() -> None:
     ids = [i["id"] for i in dialogue_items(messages)]
     assert ids == [i["id"] for i in dialogue_items([dict(m) for m in messages])]
     assert all(i.startswith("msg_") for i in ids) and len(set(ids)) == 2
+
+
+def test_a_response_s_instructions_leave_the_derived_ids_of_earlier_items_alone() -> None:
+    # Messages stored through the sessions API carry no item id; a response in the conversation
+    # then leads the dialogue with its instructions, which are not an item and must not move them.
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    before = [i["id"] for i in dialogue_items(messages)]
+    for instructions in ("Be brief.", "Be thorough."):
+        lead = {"role": "system", "content": instructions, INSTRUCTIONS_KEY: True}
+        assert [i["id"] for i in dialogue_items([lead, *messages])] == before
