@@ -56,13 +56,12 @@ _ANY_KEY_TTL_S = 2.0
 @dataclass(frozen=True, slots=True)
 class Principal:
     """Who a request acts as: the user whose sessions and cache namespace it uses. On a frontend
-    key, the end user (`frontend/alice`), with the frontend's name and session header."""
+    key, the end user (`frontend/alice`), with the frontend's session header."""
 
     user: UserId
     is_admin: bool
     key_id: str | None  # None for a development-mode identity
     dev_mode: bool = False
-    frontend: str | None = None
     session_header: str | None = None  # the frontend's header naming the session, if any
 
     def as_user(self, user: str) -> Principal:
@@ -147,6 +146,10 @@ class ApiKeys:
         self._ttl = cache_ttl_s
         self._lock = threading.Lock()
         self._cache: dict[str, tuple[float, Caller]] = {}
+        # Bumped by every `forget_cached`: a caller read from the database before it is not
+        # cached, so a revocation or a frontend's new headers cannot be undone by a look-up
+        # that was in flight while they were committed.
+        self._generation = 0
         self._any: tuple[float, bool] | None = None
 
     def create(
@@ -205,6 +208,8 @@ class ApiKeys:
             return hit
         digest = hash_key(key)
         now = time.monotonic()
+        with self._lock:
+            generation = self._generation
         with transaction(self._sf) as db:
             row = db.scalar(
                 select(ApiKeyRow).where(ApiKeyRow.key_hash == digest, ApiKeyRow.revoked_at.is_(None))
@@ -225,15 +230,17 @@ class ApiKeys:
             log.warning("refusing user key %s: it names the reserved user %r", caller.key_id, ADMIN_USER)
             return None
         with self._lock:
-            if len(self._cache) > 10_000:
-                self._cache.clear()
-            self._cache[digest] = (now + self._ttl, caller)
+            if self._generation == generation:
+                if len(self._cache) > 10_000:
+                    self._cache.clear()
+                self._cache[digest] = (now + self._ttl, caller)
         return caller
 
     def forget_cached(self) -> None:
         """Drop the validated keys: a frontend's headers changed (or a key was revoked)."""
         with self._lock:
             self._cache.clear()
+            self._generation += 1
 
     def any_active(self) -> bool:
         now = time.monotonic()
@@ -260,8 +267,8 @@ class ApiKeys:
             n = cast(CursorResult[Any], result).rowcount
             if n:
                 record(db, actor, AuditAction.KEY_REVOKED, key_id, {})
+        self.forget_cached()
         with self._lock:
-            self._cache.clear()
             self._any = None
         return bool(n)
 

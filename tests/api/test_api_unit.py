@@ -6,6 +6,7 @@ from __future__ import annotations
 import sqlite3
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
+from api import auth
 from api.app import StartupRefused, create_app
 from api.auth import KEY_PREFIX, ApiKeys, bearer_token, hash_key
 from api.cli import main as cli
@@ -178,6 +180,35 @@ def test_keys_are_stored_hashed_and_can_be_revoked(tmp_path: Path) -> None:
         and bearer_token("Basic abc") is None
         and bearer_token(None) is None
     )
+
+
+def test_a_key_revoked_during_its_look_up_is_not_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A look-up that read the key before a revocation committed must not cache it afterwards:
+    # the revoked key would then be accepted for the cache's whole lifetime.
+    url = sqlite_url_for(tmp_path)
+    upgrade_to_head(url)
+    engine = make_engine(url)
+    try:
+        keys = ApiKeys(make_session_factory(engine), cache_ttl_s=60)
+        created = keys.create("alice")
+        real, armed = auth.transaction, [True]
+
+        @contextmanager
+        def revoked_after_the_read(sf: Any) -> Iterator[Any]:
+            with real(sf) as db:
+                yield db
+            if armed[0]:
+                armed[0] = False
+                keys.revoke(created.id)
+
+        monkeypatch.setattr(auth, "transaction", revoked_after_the_read)
+        assert keys.authenticate(created.key) is not None  # began before the revocation
+        assert keys.cached(created.key) is None
+        assert keys.authenticate(created.key) is None
+    finally:
+        engine.dispose()
 
 
 def test_cli_creates_keys(tmp_path: Path) -> None:
