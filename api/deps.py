@@ -35,8 +35,6 @@ from dss.types import SessionId
 if TYPE_CHECKING:
     from api.llm.chat_engine import ChatEngine
 
-DEV_USER_HEADER = USER_HEADER
-
 _bearer = HTTPBearer(auto_error=False, description="An API key made by `dss keys create`")
 
 

@@ -49,7 +49,6 @@ def end_user_principal(
         end_user_id(frontend.name, end_user, first),
         is_admin=False,
         key_id=caller.key_id,
-        frontend=frontend.name,
         session_header=frontend.session_header,
     )
 

@@ -180,9 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--dss-url and --api-key are needed to serve")
     args.data_dir.mkdir(parents=True, exist_ok=True)
     secret = args.data_dir / "secret.key"
-    if not secret.exists():
-        secret.write_text(os.urandom(24).hex())
-        secret.chmod(0o600)
+    if not secret.exists():  # private from its first byte (a chmod after writing leaves a window)
+        with os.fdopen(os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(os.urandom(24).hex())
     env = open_webui_env(
         dss_url=args.dss_url,
         api_key=args.api_key,

@@ -49,7 +49,6 @@ class ConversationItemNotFound(NotFoundError):
     """A conversation holds no item of that id."""
 
 
-# --- conflicts (HTTP 409) -----------------------------------------------------
 class ApiKeyNotFound(NotFoundError):
     """An API key id names no key (`api.auth.ApiKeys`), or an active one where that is asked."""
 
@@ -58,6 +57,7 @@ class FrontendNotFound(NotFoundError):
     """A frontend name names no registered frontend (`api.keys.frontends`)."""
 
 
+# --- conflicts (HTTP 409) -----------------------------------------------------
 class ConflictError(DSSError):
     """The request is well-formed but contradicts the current state."""
 
@@ -112,7 +112,6 @@ class ResponseHasDescendants(ConflictError):
         self.versions = versions
 
 
-# --- quotas (HTTP 429) ---------------------------------------------------------
 class FrontendExists(ConflictError):
     """A frontend of that name is registered already."""
 
@@ -122,6 +121,7 @@ class FrontendNameTaken(ConflictError):
     `/`): a frontend of that name would act as them."""
 
 
+# --- quotas (HTTP 429) ---------------------------------------------------------
 class QuotaExceeded(DSSError):
     """A per-user quota (sessions, versions, stored bytes) would be exceeded; nothing was written."""
 

@@ -33,10 +33,19 @@ import pytest
 
 from bench._procs import die_with_parent, free_port, serve_command
 from engine_patch.setup.model import find_model
+from tests.paths import REPO
 
-__all__ = ["REPO", "Answer", "ApiServer", "die_with_parent", "free_port", "model_dir", "serve_command"]
+__all__ = [
+    "REPO",
+    "Answer",
+    "ApiServer",
+    "cached_tokens",
+    "die_with_parent",
+    "free_port",
+    "model_dir",
+    "serve_command",
+]
 
-REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
 # Small enough that a fuzzer's max_tokens cannot keep the CPU engine busy for minutes.
@@ -281,6 +290,12 @@ def api_server() -> Iterator[ApiServer]:
 @pytest.fixture(scope="session")
 def small_api_server() -> Iterator[ApiServer]:
     yield get_server("small")
+
+
+def cached_tokens(answer: dict[str, Any]) -> int:
+    """An answer's `cached_tokens` (0 when its usage has no details: a stream without usage)."""
+    details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
 
 
 def chat(client: httpx.Client, messages: list[dict[str, str]], **extra: Any) -> dict[str, Any]:

@@ -70,8 +70,7 @@ def keys_create(
         sf = make_session_factory(engine)
         if frontend is not None:
             frontends = Frontends(sf)
-            if frontends.find(frontend) is None:
-                frontends.create(frontend, user_header or [], session_header, ACTOR_CLI)
+            if frontends.ensure(frontend, ACTOR_CLI, user_header or [], session_header):
                 typer.echo(f"registered frontend {frontend!r}", err=True)
             elif user_header is not None or session_header is not None:
                 frontends.update(

@@ -29,14 +29,14 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.headers import DSS_HEADERS, RESERVED_HEADERS
 from api.keys.audit import AuditAction, record
 from dss.db.connect import transaction
-from dss.db.models import ApiKeyRow, FrontendRow, aware
+from dss.db.models import FRONTEND_NAME_LEN, HEADER_NAME_LEN, ApiKeyRow, FrontendRow, aware
 from dss.dialogue.users import holds_users_under
 from dss.errors import FrontendExists, FrontendNameTaken, FrontendNotFound, InvalidInput, InvalidUserId
 from dss.inputs import MAX_USER_ID_CHARS, USER_ID_RULE, check_user_id
 from dss.types import UserId
 
-FRONTEND_NAME_MAX = 64
-HEADER_NAME_MAX = 128
+FRONTEND_NAME_MAX = FRONTEND_NAME_LEN  # the columns' widths
+HEADER_NAME_MAX = HEADER_NAME_LEN
 MAX_USER_HEADERS = 8
 SEPARATOR = "/"
 _TOKEN = re.compile(rf"[!#$%&'*+.^_`|~0-9A-Za-z-]{{1,{HEADER_NAME_MAX}}}")
@@ -161,6 +161,19 @@ class Frontends:
         except IntegrityError:  # created meanwhile by another caller
             raise FrontendExists(f"a frontend {name!r} is registered already") from None
         return self.get(name)
+
+    def ensure(
+        self, name: str, actor: str, user_headers: Sequence[str] = (), session_header: str | None = None
+    ) -> bool:
+        """Register `name` (as `create`) unless it is registered; whether this call registered
+        it. A registration by another caller in between counts as registered, not as a conflict."""
+        if self.find(name) is not None:
+            return False
+        try:
+            self.create(name, user_headers, session_header, actor)
+        except FrontendExists:
+            return False
+        return True
 
     def update(
         self,

@@ -57,8 +57,8 @@ def create_key(
     keys: ApiKeys, frontends: Frontends, body: KeyCreate, actor: str
 ) -> tuple[CreatedKey, KeyInfo]:
     """The new key (a frontend key's frontend registered first if it is not), and its listing."""
-    if body.frontend is not None and frontends.find(body.frontend) is None:
-        frontends.create(body.frontend, (), None, actor)
+    if body.frontend is not None:
+        frontends.ensure(body.frontend, actor)
     created = keys.create(body.user, admin=body.admin, frontend=body.frontend, actor=actor)
     return created, keys.get(created.id)
 

@@ -42,7 +42,6 @@ class Verifier:
             if key in self.lost_keys:
                 return
             self.lost_keys.add(key)
-        client.ledger.pop((e.sid, e.number), None)
         self.rec.count("lost_versions")
         self.rec.event(
             "lost_version",

@@ -138,7 +138,7 @@ class Verification:
 
 
 def _receipt(row: m.ErasureReceiptRow, fleet: FleetReport | None = None) -> ErasureReceipt:
-    erased = row.erased_at if row.erased_at.tzinfo else row.erased_at.replace(tzinfo=UTC)
+    erased = m.aware(row.erased_at)
     counts = dict(row.counts)
     if fleet is not None:
         # Deleted after the commit by the erasing server, so not in the hashed entry: it is in

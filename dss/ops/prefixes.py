@@ -7,14 +7,14 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 
 import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.db.connect import transaction
-from dss.db.models import PublicPrefixRow
+from dss.db.models import PublicPrefixRow, aware
 from dss.errors import InvalidInput, PrefixNotFound
 from dss.index.fingerprints import FingerprintRegistry
 from dss.jsonlimits import JsonLimits, check_items
@@ -123,8 +123,7 @@ class PublicPrefixes:
         fid = FingerprintId(row.fingerprint)
         tokens = np.frombuffer(row.tokens, dtype="<i4")
         cached = self._kv.match(fid, PUBLIC_TENANT, tokens).n_tokens if fid in self._fingerprints else 0
-        # SQLite hands back naive datetimes; everything is stored in UTC.
-        created = row.created_at if row.created_at.tzinfo is not None else row.created_at.replace(tzinfo=UTC)
+        created = aware(row.created_at)
         return PrefixInfo(row.id, fid, row.n_tokens, bool(row.pinned), row.text, created, cached)
 
     def _refresh_pins(self, fid: FingerprintId) -> None:

@@ -32,7 +32,7 @@ from dss.keys.identity import Identity
 from dss.namespace import make_namespace
 from dss.ops.kv import KVCache, StoredKV
 from dss.pages.tiered import TieredPages
-from dss.types import FingerprintId, Namespace, PageHash, SessionId, Tier, UserId
+from dss.types import FingerprintId, Namespace, PageHash, SessionId, TenantId, Tier, UserId
 
 log = logging.getLogger("dss.sessions")
 
@@ -75,19 +75,25 @@ class Sessions:
     ) -> dict[str, int]:
         """Tokens of a version of the user whose KV each tier holds now (`KVCache.residency`);
         every tier 0 for a version of a model this store does not know, or without tokens."""
-        if not fingerprint or fingerprint not in self._fingerprints or len(tokens) == 0:
-            return {t.value: 0 for t in Tier}
-        return self._kv.residency(FingerprintId(fingerprint), self._identity.tenant_for(user), tokens)
+        return self._resident(self._identity.tenant_for(user), fingerprint, tokens)
 
     def resident_versions(
         self, user: UserId, sid: SessionId, after: int, through: int
     ) -> dict[int, dict[str, int]]:
         """`resident` of each version of the session numbered in (`after`, `through`] that has
         tokens, by number; the token ids are read a few versions at a time."""
+        tenant = self._identity.tenant_for(user)  # once, not per version
         return {
-            v.number: self.resident(user, v.fingerprint, v.tokens)
+            v.number: self._resident(tenant, v.fingerprint, v.tokens)
             for v in self._versions.iter_tokens(user, sid, after=after, through=through)
         }
+
+    def _resident(
+        self, tenant: TenantId, fingerprint: str | None, tokens: Sequence[int] | np.ndarray
+    ) -> dict[str, int]:
+        if not fingerprint or fingerprint not in self._fingerprints or len(tokens) == 0:
+            return {t.value: 0 for t in Tier}
+        return self._kv.residency(FingerprintId(fingerprint), tenant, tokens)
 
     def delete(self, user: UserId, sid: SessionId) -> int:
         """Delete a session and the cached pages only it used; returns the pages dropped."""

@@ -17,7 +17,7 @@ from api.auth import ApiKeys
 from api.keys.audit import ACTOR_CLI
 from api.keys.frontends import Frontends
 from dss.db.connect import make_engine, make_session_factory, sqlite_url_for
-from tests.api_server import ApiServer, api_server
+from tests.api_server import ApiServer, api_server, cached_tokens
 
 __all__ = ["api_server"]  # the shared real-engine server (a fixture)
 
@@ -54,11 +54,6 @@ def turn(client: Any, messages: list[dict[str, str]], **extra: Any) -> dict[str,
     return dumped
 
 
-def cached(answer: dict[str, Any]) -> int:
-    details = answer["usage"].get("prompt_tokens_details") or {}
-    return int(details.get("cached_tokens") or 0)
-
-
 def versions(server: ApiServer, key: str, headers: dict[str, str], sid: str) -> dict[int, dict[str, Any]]:
     r = httpx.get(
         f"{server.base_url}/v1/sessions/{sid}/versions",
@@ -85,16 +80,16 @@ def test_open_webui_regenerate_and_edit_fork_with_the_prefix_from_cache(api_serv
     u2 = {"role": "user", "content": "And one that is yellow?"}
     second = turn(client, [system, u1, a1, u2])
     assert (second["state_version"], second["branch"]) == (2, "main")
-    assert cached(second) > 0
+    assert cached_tokens(second) > 0
 
     regenerated = turn(client, [system, u1, a1, u2], temperature=1.0, seed=7)  # a new answer, same history
     assert regenerated["state_version"] == 3 and regenerated["branch"] not in ("main", None)
-    assert cached(regenerated) > 0
+    assert cached_tokens(regenerated) > 0
 
     u2_edited = {"role": "user", "content": "And one that is green?"}
     edited = turn(client, [system, u1, a1, u2_edited])
     assert edited["state_version"] == 4 and edited["branch"] not in ("main", regenerated["branch"])
-    assert cached(edited) > 0
+    assert cached_tokens(edited) > 0
 
     u1_edited = {"role": "user", "content": "Name a fruit that is blue."}
     edited_first = turn(client, [system, u1_edited])
@@ -112,7 +107,7 @@ def test_open_webui_regenerate_and_edit_fork_with_the_prefix_from_cache(api_serv
     # Another tenant, another cache salt: alice's stored turn would have served all of the
     # prompt but its last token. (Its first tokens, the template's header, may come from a public
     # prefix that another module of the shared server registered.)
-    assert cached(theirs) < theirs["usage"]["prompt_tokens"] - 1 == first["usage"]["prompt_tokens"] - 1
+    assert cached_tokens(theirs) < theirs["usage"]["prompt_tokens"] - 1 == first["usage"]["prompt_tokens"] - 1
 
 
 def test_librechats_user_field_and_safety_identifier_name_the_end_user(api_server: ApiServer) -> None:
@@ -170,4 +165,4 @@ def test_vllms_session_header_names_a_chats_session(api_server: ApiServer) -> No
     q2 = [*q1, {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
           {"role": "user", "content": "Another?"}]  # fmt: skip
     second = turn(client, q2)
-    assert (second["state_version"], second["branch"]) == (2, "main") and cached(second) > 0
+    assert (second["state_version"], second["branch"]) == (2, "main") and cached_tokens(second) > 0

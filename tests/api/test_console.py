@@ -13,7 +13,6 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,14 +20,13 @@ import pytest
 
 from tests.api_server import ApiServer, api_server, chat, user_msg
 from tests.browser import headless_chrome, require_browser
-from tests.paths import REPO
+from tests.paths import ARTIFACTS
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 __all__ = ["api_server"]
 
 WAIT_S = 60.0  # a turn on the CPU engine under load, streamed
-ARTIFACTS = Path(os.environ.get("DSS_TEST_ARTIFACTS") or REPO / "tests" / "artifacts")
 
 
 @pytest.fixture(scope="module")

@@ -32,13 +32,13 @@ import httpx
 import pytest
 
 from deploy.open_webui import ensure_open_webui, open_webui_env
-from tests.api_server import REPO, ApiServer, free_port, get_server
+from tests.api_server import ApiServer, cached_tokens, free_port, get_server
 from tests.browser import headless_chrome, require_browser
+from tests.paths import ARTIFACTS, REPO
 from tests.recording_proxy import Exchange, RecordingProxy
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.frontend]
 
-ARTIFACTS = Path(os.environ.get("DSS_TEST_ARTIFACTS") or REPO / "tests" / "artifacts")
 START_TIMEOUT_S = 300.0  # Open WebUI's first start runs its ~100 migrations; slower on a busy machine
 TURN_TIMEOUT_S = 600.0  # a streamed turn on the CPU engine (minutes on a machine under load)
 FRONTEND = "webui"
@@ -342,11 +342,6 @@ def _roles(e: Exchange) -> list[str]:
     return [m["role"] for m in e.json()["messages"]]
 
 
-def _cached(e: Exchange) -> int:
-    usage = e.answer().get("usage") or {}
-    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-
-
 def _versions(c: httpx.Client, sid: str) -> dict[int, dict[str, Any]]:
     r = c.get(f"/v1/sessions/{sid}/versions")
     assert r.status_code == 200, r.text
@@ -401,7 +396,7 @@ def test_two_people_chat_regenerate_edit_and_one_is_erased(
     # another module of the shared server registered, so its own count is not asserted.
     t1_prompt = t1.answer()["usage"]["prompt_tokens"]
     for e in (t2, regen, edit):
-        assert _cached(e) >= t1_prompt - 1, (t1_prompt, e.answer().get("usage"))
+        assert cached_tokens(e.answer()) >= t1_prompt - 1, (t1_prompt, e.answer().get("usage"))
     with dss.as_end_user(alice.user_id) as as_alice:
         assert set(_sessions(as_alice)) == {chat_a}
         versions = _versions(as_alice, chat_a)

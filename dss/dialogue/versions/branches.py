@@ -25,12 +25,11 @@ from dss.dialogue.versions.rows import (
     branch_rows,
     move_head,
     owned_session,
-    parents_of,
     touch,
     version_key,
 )
 from dss.dialogue.versions.rules import EMPTY_HEAD, check_name, check_number
-from dss.dialogue.versions.tree import ancestors_of
+from dss.dialogue.versions.tree import ancestors_of, parents_having
 from dss.errors import BranchExists, NotAnAncestor, StaleHead, VersionNotFound
 from dss.types import SessionId, UserId
 
@@ -66,9 +65,7 @@ class Branches:
                     head = brow.head_version
                     if expected_head is not None and head != expected_head:
                         raise StaleHead(f"branch {branch!r} head is {head}, expected {expected_head}")
-                    parents = parents_of(db, user, sid)
-                    if to_version not in parents:
-                        raise VersionNotFound(f"version {to_version} not found in session {sid!r}")
+                    parents = parents_having(db, user, sid, to_version)
                     if to_version not in ancestors_of(parents, head):
                         raise NotAnAncestor(
                             f"version {to_version} is not on the history of branch {branch!r}"

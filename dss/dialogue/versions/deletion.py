@@ -23,13 +23,12 @@ from dss.dialogue.versions.rows import (
     delete_sessions,
     in_chunks,
     owned_session,
-    parents_of,
     rowcount,
     version_key,
 )
 from dss.dialogue.versions.rules import EMPTY_HEAD, check_number
-from dss.dialogue.versions.tree import descendants_of
-from dss.errors import SessionNotFound, VersionNotFound
+from dss.dialogue.versions.tree import descendants_of, parents_having
+from dss.errors import SessionNotFound
 from dss.types import SessionId, UserId
 
 
@@ -81,9 +80,7 @@ class Deletions:
         check_number(number, sid)  # before anything is locked or written
         self._fence.hold_user(db, user)
         self.hold_session(user, sid, db)
-        parents = parents_of(db, user, sid)
-        if number not in parents:
-            raise VersionNotFound(f"version {number} not found in session {sid!r}")
+        parents = parents_having(db, user, sid, number)
         doomed = descendants_of(parents, number)
         parent = parents[number]
         new_head = parent if parent is not None else EMPTY_HEAD

@@ -72,9 +72,7 @@ class SessionCatalog:
         )
         if system_prompt is not None and len(system_prompt) > MAX_SYSTEM_PROMPT_CHARS:
             raise LimitExceeded(f"system prompt longer than {MAX_SYSTEM_PROMPT_CHARS} characters")
-        meta = dict(metadata) if metadata is not None else None
-        if meta is not None and check_json("metadata", meta, self._json_limits) > MAX_METADATA_BYTES:
-            raise LimitExceeded(f"metadata over {MAX_METADATA_BYTES} bytes of JSON", field="metadata")
+        meta = self._checked_metadata(metadata)
         try:
             with transaction(self._factory) as db:
                 check_session_quota(db, user, self._quotas)
@@ -174,11 +172,16 @@ class SessionCatalog:
             db.flush()
             return session_info(row, branch_rows(db, user, sid), self._json_limits)
 
-    def set_metadata(self, user: UserId, sid: SessionId, metadata: Mapping[str, Any] | None) -> SessionInfo:
-        """Replace the session's metadata (None: none), under the limits `create_session` applies."""
+    def _checked_metadata(self, metadata: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """A copy of the metadata to store, refused (`LimitExceeded`) over its size limit."""
         meta = dict(metadata) if metadata is not None else None
         if meta is not None and check_json("metadata", meta, self._json_limits) > MAX_METADATA_BYTES:
             raise LimitExceeded(f"metadata over {MAX_METADATA_BYTES} bytes of JSON", field="metadata")
+        return meta
+
+    def set_metadata(self, user: UserId, sid: SessionId, metadata: Mapping[str, Any] | None) -> SessionInfo:
+        """Replace the session's metadata (None: none), under the limits `create_session` applies."""
+        meta = self._checked_metadata(metadata)
         with transaction(self._factory) as db:
             self._fence.hold_user(db, user)
             row = owned_session(db, user, sid)

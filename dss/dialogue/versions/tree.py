@@ -57,11 +57,8 @@ class VersionTree:
     def ancestors(self, user: UserId, sid: SessionId, number: int) -> list[int]:
         """Version `number` and its ancestors back to the root, `number` first."""
         with transaction(self._factory) as db:
-            owned_session(db, user, sid)
-            parents = parents_of(db, user, sid)
-            if number not in parents:
-                raise VersionNotFound(f"version {number} not found in session {sid!r}")
-            return ancestors_of(parents, number)
+            owned_session(db, user, sid)  # a missing session is SessionNotFound here
+            return self.lineage(user, sid, number, db)
 
     def lineage(self, user: UserId, sid: SessionId, number: int, db: Session | None = None) -> list[int]:
         """`ancestors` inside the caller's transaction (`db`): `number` first, back to the root.
