@@ -20,7 +20,7 @@ from sqlalchemy import select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
-from dss.db.meta import meta_get, meta_set
+from dss.db.meta import meta_get, meta_set_default
 from dss.db.models import ErasureEpoch
 from dss.derive import keyed_blake2b, rpc_authkey
 from dss.errors import UserErased, WrongMasterKey
@@ -63,7 +63,8 @@ def load_master_key(sf: sessionmaker[Session], key_file: Path, create_if_missing
             "generated a new master key at %s: back it up; without it the disk tier is unreadable", key_file
         )
     if verifier is None:
-        meta_set(sf, MASTER_VERIFIER_META, keys.make_verifier().hex())
+        stored = meta_set_default(sf, MASTER_VERIFIER_META, keys.make_verifier().hex())
+        _check(keys, stored)  # another server opening the new store first: its key must be ours
     return keys
 
 
@@ -118,9 +119,13 @@ class Identity:
         wrapped = meta_get(sf, SERVER_SECRET_META)
         if wrapped is None:
             secret = secrets.token_bytes(32)
-            meta_set(sf, DERIVATION_META, DERIVATION)  # first: a new store never needs the upgrade
-            meta_set(sf, SERVER_SECRET_META, keys.wrap(secret, SERVER_SECRET_AAD).hex())
-            return cls(secret, sf)
+            mine = keys.wrap(secret, SERVER_SECRET_AAD).hex()
+            meta_set_default(sf, DERIVATION_META, DERIVATION)  # first: a new store never needs the upgrade
+            # Every server of a store must derive tenants from one secret: when another server
+            # opening the same new store stored its secret first, that one is the store's.
+            wrapped = meta_set_default(sf, SERVER_SECRET_META, mine)
+            if wrapped == mine:
+                return cls(secret, sf)
         # Not upgraded yet (`dss.keys.upgrade` runs next), or upgraded with old receipts to honour.
         legacy = (
             meta_get(sf, DERIVATION_META) != DERIVATION or meta_get(sf, DERIVATION_LEGACY_META) is not None
