@@ -76,6 +76,8 @@ class FrontendAccess:
     name: str
     user_headers: tuple[str, ...]
     session_header: str | None
+    lead_updates: str | None = None  # None: the server's setting
+    volatile_patterns: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +223,13 @@ class ApiKeys:
                 if fe is None:
                     log.warning("refusing frontend key %s: its frontend is not registered", row.id)
                     return None
-                access = FrontendAccess(fe.name, tuple(fe.user_headers), fe.session_header)
+                access = FrontendAccess(
+                    fe.name,
+                    tuple(fe.user_headers),
+                    fe.session_header,
+                    fe.lead_updates,
+                    tuple(fe.volatile_patterns or ()),
+                )
                 caller = Caller(None, False, row.id, frontend=access)
             else:
                 caller = Caller(UserId(row.user_id or ADMIN_USER), bool(row.is_admin), row.id)

@@ -91,6 +91,28 @@ class Metrics:
             "dss_kv_caching_enabled", "1 when the engine's KV cache is stored by DSS, else 0", registry=r
         )
         self.erasures = Counter("dss_erasures_total", "Users erased", registry=r)
+        # Lead updates (docs/frontends.md, "Volatile system prompts"): turns whose system prompt
+        # changed, served from the stored version or not (and why), and the update's tokens.
+        self.lead_turns = Counter(
+            "dss_lead_update_turns_total",
+            "Turns whose lead (system prompt, instructions) changed, by outcome",
+            ["outcome"],
+            registry=r,
+        )
+        self.lead_update_tokens = Counter(
+            "dss_lead_update_tokens_total", "Tokens of the updates stated after stored histories", registry=r
+        )
+        self.lead_gate_checks = Counter(
+            "dss_lead_gate_checks_total",
+            "Quality-gate shadow checks of lead updates, by first-token agreement",
+            ["agrees"],
+            registry=r,
+        )
+        self.lead_gate_tripped = Gauge(
+            "dss_lead_gate_tripped",
+            "Frontends whose lead updates the quality gate turned off",
+            registry=r,
+        )
         self.store_errors = Counter(
             "dss_connector_store_errors_total",
             "Connector store calls that failed or missed their deadline (each a cache miss)",
@@ -107,6 +129,11 @@ class Metrics:
         for tier, n in loaded_from.items():
             if n > 0 and tier in HIT_SOURCES:
                 self.tokens_hit.labels(tier).inc(n)
+
+    def observe_lead(self, served: bool, reason: str | None, update_tokens: int) -> None:
+        self.lead_turns.labels("served" if served else (reason or "not_served")).inc()
+        if served:
+            self.lead_update_tokens.inc(update_tokens)
 
     def watch_store(self, stats: Callable[[], dict[str, Any]]) -> Collector:
         collector = _StoreCollector(stats)

@@ -267,6 +267,27 @@ class AuthSettings(BaseModel):
     key_cache_ttl_s: float = Field(default=10.0, ge=0)
 
 
+class LeadSettings(BaseModel):
+    """Lead updates (docs/frontends.md, "Volatile system prompts"): `DSS_LEAD__UPDATES=volatile`.
+
+    `updates` holds for development mode and user keys; a frontend's own setting holds for its
+    keys; a request's `lead_updates` (or `X-DSS-Lead-Updates`) overrides both. The quality gate
+    shadow-checks `gate_sample` of the turns served this way (when a generation slot is free),
+    and turns the feature off for a frontend whose first-token agreement with the exact prompt
+    falls below `gate_min_agreement`, or whose mean first-token distance (total variation) rises
+    above `gate_max_distance`, over its last `gate_window` checks (at least `gate_min_checks`)."""
+
+    updates: Literal["off", "volatile", "any"] = "off"
+    volatile_patterns: list[str] = Field(default_factory=list, max_length=16)
+    placement: Literal["system", "note"] = "note"
+    gate_sample: float = Field(default=0.1, ge=0.0, le=1.0)
+    gate_tokens: int = Field(default=4, ge=1, le=32)
+    gate_window: int = Field(default=50, ge=1, le=10_000)
+    gate_min_checks: int = Field(default=8, ge=1, le=10_000)
+    gate_min_agreement: float = Field(default=0.5, ge=0.0, le=1.0)
+    gate_max_distance: float = Field(default=0.6, ge=0.0, le=1.0)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="DSS_",
@@ -280,6 +301,7 @@ class Settings(BaseSettings):
     engine: EngineGroup = EngineGroup()
     limits: LimitsSettings = LimitsSettings()
     auth: AuthSettings = AuthSettings()
+    lead: LeadSettings = LeadSettings()
 
     def store_config(self) -> StoreConfig:
         """The store's configuration: the store group, with the JSON limits of the limits table

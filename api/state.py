@@ -15,6 +15,7 @@ from api.auth import ApiKeys
 from api.metrics import Metrics
 from api.ratelimit import TokenBuckets
 from api.settings import Settings
+from dss.dialogue.lead.gate import QualityGate
 from dss.store import Store
 from dss.types import TenantId
 
@@ -89,10 +90,16 @@ class AppState:
     short_db: ThreadPoolExecutor = field(default_factory=_short_db_pool)
     # Per-user buckets for erasure checks (`api.routes.users`), sized by the limits table.
     erasure_checks: TokenBuckets = field(init=False)
+    # The quality gate of lead updates (`dss.dialogue.lead.gate`), per frontend, in memory.
+    lead_gate: QualityGate = field(init=False)
 
     def __post_init__(self) -> None:
         limits = self.settings.limits
         self.erasure_checks = TokenBuckets(limits.erasure_checks_per_minute, limits.erasure_checks_burst)
+        lead = self.settings.lead
+        self.lead_gate = QualityGate(
+            lead.gate_window, lead.gate_min_checks, lead.gate_min_agreement, lead.gate_max_distance
+        )
 
     async def short_db_op(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """`fn(*args, **kwargs)` on the short-operation threads: one trip from the event loop."""

@@ -49,6 +49,22 @@ def keys_create(
             help="With --frontend: a header that names the session, e.g. X-OpenWebUI-Chat-Id",
         ),
     ] = None,
+    lead_updates: Annotated[
+        str | None,
+        typer.Option(
+            "--lead-updates",
+            help="With --frontend: off, volatile or any — turns whose system prompt changed still "
+            "extend their version (docs/frontends.md, 'Volatile system prompts')",
+        ),
+    ] = None,
+    volatile_pattern: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--volatile-pattern",
+            help="With --frontend: a regular expression naming one of its own volatile values "
+            "(repeatable; replaces the frontend's list)",
+        ),
+    ] = None,
     data_dir: DataDirOpt = None,
     db_url: DbUrlOpt = None,
 ) -> None:
@@ -61,8 +77,10 @@ def keys_create(
 
     if sum((user is not None, admin, frontend is not None)) != 1:
         raise typer.BadParameter("give one of --user NAME, --admin, --frontend NAME")
-    if frontend is None and (user_header or session_header):
-        raise typer.BadParameter("--user-header and --session-header go with --frontend")
+    if frontend is None and (user_header or session_header or lead_updates or volatile_pattern):
+        raise typer.BadParameter(
+            "--user-header, --session-header, --lead-updates and --volatile-pattern go with --frontend"
+        )
     url = _db_url(data_dir, db_url)
     upgrade_to_head(url)
     engine = make_engine(url)
@@ -80,6 +98,14 @@ def keys_create(
                     session_header=session_header if session_header is not None else KEEP,
                 )
                 typer.echo(f"updated the headers of frontend {frontend!r}", err=True)
+            if lead_updates is not None or volatile_pattern is not None:
+                frontends.update(
+                    frontend,
+                    ACTOR_CLI,
+                    lead_updates=lead_updates if lead_updates is not None else KEEP,
+                    volatile_patterns=volatile_pattern if volatile_pattern is not None else KEEP,
+                )
+                typer.echo(f"set the lead updates of frontend {frontend!r}", err=True)
         created = ApiKeys(sf).create(user, admin=admin, frontend=frontend)
     except DSSError as exc:  # a name or header off its rule, a frontend name stored data uses
         raise typer.BadParameter(str(exc)) from None
@@ -116,6 +142,7 @@ def keys_list(data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
             headers = ",".join(f.user_headers) or "-"
             typer.echo(
                 f"frontend\t{f.name}\tuser headers: {headers}\tsession header: {f.session_header or '-'}"
+                f"\tlead updates: {f.lead_updates or 'server'}"
             )
     finally:
         engine.dispose()

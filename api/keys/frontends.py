@@ -30,6 +30,8 @@ from api.headers import DSS_HEADERS, RESERVED_HEADERS
 from api.keys.audit import AuditAction, record
 from dss.db.connect import transaction
 from dss.db.models import FRONTEND_NAME_LEN, HEADER_NAME_LEN, ApiKeyRow, FrontendRow, aware
+from dss.dialogue.lead.policy import check_mode
+from dss.dialogue.lead.volatile import check_patterns
 from dss.dialogue.users import holds_users_under
 from dss.errors import FrontendExists, FrontendNameTaken, FrontendNotFound, InvalidInput, InvalidUserId
 from dss.inputs import MAX_USER_ID_CHARS, USER_ID_RULE, check_user_id
@@ -56,6 +58,9 @@ class Frontend:
     session_header: str | None
     created_at: datetime
     created_by: str
+    # Lead updates for its keys' turns (`dss.dialogue.lead.policy`); None: the server's setting.
+    lead_updates: str | None = None
+    volatile_patterns: tuple[str, ...] = ()
 
 
 def check_frontend_name(name: str) -> str:
@@ -137,12 +142,19 @@ class Frontends:
             return [_frontend(r) for r in db.scalars(select(FrontendRow).order_by(FrontendRow.name))]
 
     def create(
-        self, name: str, user_headers: Sequence[str], session_header: str | None, actor: str
+        self,
+        name: str,
+        user_headers: Sequence[str],
+        session_header: str | None,
+        actor: str,
+        lead_updates: str | None = None,
+        volatile_patterns: Sequence[str] = (),
     ) -> Frontend:
         """Register a frontend; `FrontendExists` if the name is registered, `FrontendNameTaken`
         if stored data holds users named `<name>/...`."""
         check_frontend_name(name)
         users, session = check_headers(user_headers, session_header)
+        lead, patterns = check_lead_settings(lead_updates, volatile_patterns)
         prefix = end_user_prefix(name)
         if holds_users_under(self._sf, prefix) or self._keys_under(prefix):
             raise FrontendNameTaken(
@@ -154,9 +166,21 @@ class Frontends:
                 if db.get(FrontendRow, name) is not None:
                     raise FrontendExists(f"a frontend {name!r} is registered already")
                 db.add(
-                    FrontendRow(name=name, user_headers=list(users), session_header=session, created_by=actor)
+                    FrontendRow(
+                        name=name,
+                        user_headers=list(users),
+                        session_header=session,
+                        created_by=actor,
+                        lead_updates=lead,
+                        volatile_patterns=patterns or None,
+                    )
                 )
-                detail = {"user_headers": list(users), "session_header": session}
+                detail = {
+                    "user_headers": list(users),
+                    "session_header": session,
+                    "lead_updates": lead,
+                    "volatile_patterns": patterns,
+                }
                 record(db, actor, AuditAction.FRONTEND_CREATED, name, detail)
         except IntegrityError:  # created meanwhile by another caller
             raise FrontendExists(f"a frontend {name!r} is registered already") from None
@@ -181,21 +205,31 @@ class Frontends:
         actor: str,
         user_headers: Sequence[str] | _Keep = KEEP,
         session_header: str | _Keep | None = KEEP,
+        lead_updates: str | _Keep | None = KEEP,
+        volatile_patterns: Sequence[str] | _Keep = KEEP,
     ) -> Frontend:
-        """Change a frontend's trusted headers (fields left `KEEP` stay); audited when anything
-        changes. Keys of the frontend see the change within their cache's lifetime."""
+        """Change a frontend's trusted headers and lead-update settings (fields left `KEEP`
+        stay); audited when anything changes. Keys of the frontend see the change within their
+        cache's lifetime."""
         with transaction(self._sf) as db:
             row = db.get(FrontendRow, name)
             if row is None:
                 raise FrontendNotFound(f"no frontend {name!r}")
+            was = _settings(row)
             users = tuple(row.user_headers) if isinstance(user_headers, _Keep) else tuple(user_headers)
             session = row.session_header if isinstance(session_header, _Keep) else session_header
             users, session = check_headers(users, session)
-            if (list(users), session) != (list(row.user_headers), row.session_header):
-                before = {"user_headers": list(row.user_headers), "session_header": row.session_header}
-                row.user_headers, row.session_header = list(users), session
-                after = {"user_headers": list(users), "session_header": session}
-                record(db, actor, AuditAction.FRONTEND_CHANGED, name, {"before": before, "after": after})
+            lead, patterns = check_lead_settings(
+                row.lead_updates if isinstance(lead_updates, _Keep) else lead_updates,
+                list(row.volatile_patterns or ())
+                if isinstance(volatile_patterns, _Keep)
+                else volatile_patterns,
+            )
+            row.user_headers, row.session_header = list(users), session
+            row.lead_updates, row.volatile_patterns = lead, patterns or None
+            now = _settings(row)
+            if now != was:
+                record(db, actor, AuditAction.FRONTEND_CHANGED, name, {"before": was, "after": now})
             return _frontend(row)
 
     def _keys_under(self, prefix: str) -> bool:
@@ -206,4 +240,31 @@ class Frontends:
 
 def _frontend(row: FrontendRow) -> Frontend:
     created = aware(row.created_at)
-    return Frontend(row.name, tuple(row.user_headers), row.session_header, created, row.created_by)
+    return Frontend(
+        row.name,
+        tuple(row.user_headers),
+        row.session_header,
+        created,
+        row.created_by,
+        row.lead_updates,
+        tuple(row.volatile_patterns or ()),
+    )
+
+
+def _settings(row: FrontendRow) -> dict[str, object]:
+    return {
+        "user_headers": list(row.user_headers),
+        "session_header": row.session_header,
+        "lead_updates": row.lead_updates,
+        "volatile_patterns": list(row.volatile_patterns or ()),
+    }
+
+
+def check_lead_settings(
+    lead_updates: str | None, volatile_patterns: Sequence[str]
+) -> tuple[str | None, list[str]]:
+    """A frontend's lead-update mode (None: the server's) and patterns, checked (`InvalidInput`)."""
+    return (
+        None if lead_updates is None else check_mode(lead_updates),
+        check_patterns(list(volatile_patterns)),
+    )

@@ -1,5 +1,6 @@
 """Key administration over REST (admin keys only): API keys (the secret shown once), frontends
-and their trusted headers, and the audit trail of who changed which.
+and their trusted headers and lead-update settings, the audit trail of who changed which, and
+the lead-update quality gate's figures.
 
 Every change is audited in its own transaction (`api.keys.audit`), naming the admin key that
 asked (`dev` in development mode). A frontend key is refused here (403) like a user key.
@@ -8,6 +9,8 @@ asked (`dev` in development mode). A frontend key is refused here (403) like a u
 from __future__ import annotations
 
 import asyncio
+import logging
+from dataclasses import asdict
 from typing import Annotated
 
 from fastapi import APIRouter, Query, status
@@ -25,11 +28,13 @@ from api.shapes.admin import (
     KeyCreate,
     KeyCreatedOut,
     KeyOut,
+    LeadGateOut,
 )
 from api.shapes.schemas import ListResponse
 from dss.errors import ApiKeyNotFound
 
 router = APIRouter(tags=["admin"])
+log = logging.getLogger("dss.api.admin")
 
 
 def key_out(k: KeyInfo) -> KeyOut:
@@ -48,6 +53,8 @@ def frontend_out(f: Frontend) -> FrontendOut:
         name=f.name,
         user_headers=list(f.user_headers),
         session_header=f.session_header,
+        lead_updates=f.lead_updates,
+        volatile_patterns=list(f.volatile_patterns),
         created_at=f.created_at,
         created_by=f.created_by,
     )
@@ -100,7 +107,14 @@ def revoke_key(key_id: str, state: StateDep, admin: AdminDep) -> KeyOut:
 def post_frontend(body: FrontendCreate, state: StateDep, admin: AdminDep) -> FrontendOut:
     """Register a frontend: the headers its keys trust to name the end user and the session.
     409 when the name is registered, or stored data holds users named `<name>/...`."""
-    f = Frontends(state.store.sf).create(body.name, body.user_headers, body.session_header, admin.actor)
+    f = Frontends(state.store.sf).create(
+        body.name,
+        body.user_headers,
+        body.session_header,
+        admin.actor,
+        body.lead_updates,
+        body.volatile_patterns,
+    )
     return frontend_out(f)
 
 
@@ -117,7 +131,8 @@ def list_frontends(state: StateDep, _admin: AdminDep) -> ListResponse[FrontendOu
     "/v1/admin/frontends/{name}", response_model=FrontendOut, responses=error_responses(400, 401, 403, 404)
 )
 def patch_frontend(name: str, body: FrontendPatch, state: StateDep, admin: AdminDep) -> FrontendOut:
-    """Change a frontend's trusted headers (fields left out stay); its keys follow at once on
+    """Change a frontend's trusted headers or lead-update settings (fields left out stay;
+    `lead_updates: null` goes back to the server's setting); its keys follow at once on
     this server, on others within their key cache's lifetime."""
     given = body.model_fields_set
     f = Frontends(state.store.sf).update(
@@ -125,6 +140,8 @@ def patch_frontend(name: str, body: FrontendPatch, state: StateDep, admin: Admin
         admin.actor,
         user_headers=body.user_headers if body.user_headers is not None else KEEP,
         session_header=body.session_header if "session_header" in given else KEEP,
+        lead_updates=body.lead_updates if "lead_updates" in given else KEEP,
+        volatile_patterns=body.volatile_patterns if body.volatile_patterns is not None else KEEP,
     )
     state.keys.forget_cached()
     return frontend_out(f)
@@ -151,3 +168,25 @@ def list_audit(
         for e in entries
     ]
     return ListResponse[AuditEntryOut](data=data, has_more=has_more)
+
+
+@router.get(
+    "/v1/admin/lead-gate", response_model=ListResponse[LeadGateOut], responses=error_responses(401, 403)
+)
+def lead_gate(state: StateDep, _admin: AdminDep) -> ListResponse[LeadGateOut]:
+    """The lead-update quality gate's figures per frontend, on this server (docs/frontends.md)."""
+    data = [LeadGateOut(**asdict(f)) for f in state.lead_gate.figures()]
+    return ListResponse[LeadGateOut](data=data)
+
+
+@router.post(
+    "/v1/admin/lead-gate/{frontend}/reset", response_model=LeadGateOut, responses=error_responses(401, 403)
+)
+def reset_lead_gate(frontend: str, state: StateDep, admin: AdminDep) -> LeadGateOut:
+    """Re-arm a frontend's lead updates on this server, with fresh figures."""
+    was = state.lead_gate.reset(frontend)
+    if was:
+        state.metrics.lead_gate_tripped.dec()
+    log.warning("lead-update quality gate of %s re-armed by %s (was tripped: %s)", frontend, admin.actor, was)
+    return LeadGateOut(frontend=frontend, checks=0, first_token_agreement=None, prefix_agreement=None,
+                       mean_distance=None, tripped=False)  # fmt: skip

@@ -18,6 +18,7 @@ from api.errors import BadRequest, error_responses
 from api.shapes.chat_completion import ChatReply
 from api.shapes.openai_fields import check_fields
 from api.shapes.schemas import ChatCompletion, ChatCompletionRequest
+from api.turn.lead import policy_for, requested_mode
 from api.turn.pipeline import serve_turn
 from api.turn.target import chat_turn
 from dss.errors import ModelNotFound
@@ -25,7 +26,7 @@ from dss.errors import ModelNotFound
 router = APIRouter(tags=["chat"])
 
 # DSS's own fields of a chat request; `messages` goes to vLLM as the stored (plain) messages.
-_CHAT_OWN = {"session_id", "state_version", "messages", "safety_identifier"}
+_CHAT_OWN = {"session_id", "state_version", "messages", "safety_identifier", "lead_updates"}
 
 
 @router.post(
@@ -56,5 +57,10 @@ async def create_chat_completion(
     check_fields(fields, own=())
 
     messages = [m.plain() for m in body.messages]
-    resolve = partial(chat_turn, state, who.user, messages, body, fields, session_id, body.state_version)
+    lead = policy_for(
+        state.settings.lead, state.lead_gate, caller, requested_mode(body.lead_updates, request.headers)
+    )
+    resolve = partial(
+        chat_turn, state, who.user, messages, body, fields, session_id, body.state_version, lead
+    )
     return await serve_turn(state, engine, request, who.user, bool(body.stream), resolve, ChatReply())

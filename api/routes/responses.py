@@ -23,6 +23,7 @@ from api.shapes.openai_responses import (
     stored_items,
 )
 from api.shapes.schemas import GenerationParams
+from api.turn.lead import policy_for, requested_mode
 from api.turn.pipeline import Resolve, serve_turn
 from api.turn.target import conversation_turn, response_turn
 from dss.dialogue.conversations import item_message
@@ -88,6 +89,12 @@ async def create_response(
             body.store,
             params,
             fields,
+            policy_for(
+                state.settings.lead,
+                state.lead_gate,
+                caller,
+                requested_mode(body.lead_updates, request.headers),
+            ),
         )
     return await serve_turn(state, engine, request, who.user, body.stream, resolve, ResponseReply(plan))
 

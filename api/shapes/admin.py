@@ -37,10 +37,19 @@ class KeyCreatedOut(KeyOut):
     key: str = Field(description="the secret: shown only in this answer, stored only as its SHA-256")
 
 
+_LEAD = (
+    "lead updates for this frontend's keys (docs/frontends.md, 'Volatile system prompts'): off, "
+    "volatile or any; null: the server's setting"
+)
+_PATTERNS = "regular expressions naming this frontend's own volatile values (a user's name, a memory block)"
+
+
 class FrontendCreate(BaseModel):
     name: str = Field(max_length=256)
     user_headers: list[str] = Field(default_factory=list, max_length=64)
     session_header: str | None = Field(default=None, max_length=256)
+    lead_updates: str | None = Field(default=None, max_length=16, description=_LEAD)
+    volatile_patterns: list[str] = Field(default_factory=list, max_length=64, description=_PATTERNS)
 
 
 class FrontendPatch(BaseModel):
@@ -48,6 +57,8 @@ class FrontendPatch(BaseModel):
 
     user_headers: list[str] | None = Field(default=None, max_length=64)
     session_header: str | None = Field(default=None, max_length=256)
+    lead_updates: str | None = Field(default=None, max_length=16, description=_LEAD)
+    volatile_patterns: list[str] | None = Field(default=None, max_length=64, description=_PATTERNS)
 
 
 class FrontendOut(BaseModel):
@@ -55,6 +66,8 @@ class FrontendOut(BaseModel):
     name: str
     user_headers: list[str]
     session_header: str | None
+    lead_updates: str | None = Field(description=_LEAD)
+    volatile_patterns: list[str] = Field(description=_PATTERNS)
     created_at: datetime
     created_by: str
 
@@ -67,3 +80,17 @@ class AuditEntryOut(BaseModel):
     action: str = Field(description="key.created, key.revoked, frontend.created or frontend.changed")
     subject: str = Field(description="a key id or a frontend name")
     detail: dict[str, Any]
+
+
+class LeadGateOut(BaseModel):
+    """One frontend's lead-update quality figures on this server (`dss.dialogue.lead.gate`)."""
+
+    object: Literal["lead_gate"] = "lead_gate"
+    frontend: str = Field(description="a frontend's name, or (server) for development mode and user keys")
+    checks: int = Field(description="shadow checks in the rolling window")
+    first_token_agreement: float | None = Field(
+        description="share whose first token equals the exact prompt's"
+    )
+    prefix_agreement: float | None = Field(description="share whose first gate_tokens tokens all agree")
+    mean_distance: float | None = Field(description="mean total variation of the first token's distributions")
+    tripped: bool = Field(description="the gate turned this frontend's lead updates off")

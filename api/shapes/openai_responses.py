@@ -30,7 +30,7 @@ from api.errors import ApiError, BadRequest, response_for
 from api.llm.chat_engine import ChatEngine
 from api.llm.generation import Finished
 from api.shapes.openai_fields import check_fields
-from api.shapes.schemas import join_text
+from api.shapes.schemas import LeadUpdatesField, join_text
 from api.shapes.usage import dss_info
 from api.turn.pipeline import AfterCommit, TurnRun
 from api.turn.types import Answer, Prepared
@@ -149,6 +149,7 @@ class ResponseCreate(BaseModel):
     # OpenAI's stable id of the end user; on a frontend key it may name the end user (`api.end_users`).
     safety_identifier: str | None = Field(default=None, max_length=256)
     text: TextConfig | None = None
+    lead_updates: LeadUpdatesField = None
 
     @field_validator("metadata")
     @classmethod
@@ -314,6 +315,8 @@ def _record(
     n_prompt, n_out = len(prep.prompt_ids), len(fin.output_ids)
     info = dss_info(prep, [fin])
     dss: dict[str, Any] = {"cached_tokens": info.cached_tokens, "loaded_tokens": info.loaded_tokens}
+    if info.lead_update is not None:
+        dss["lead_update"] = info.lead_update.model_dump()
     if committed is not None:
         dss |= {"session_id": session_id, "version": committed.version.number, "branch": committed.branch}
     return ResponseRecord(

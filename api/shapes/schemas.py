@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any, Generic, Literal, Protocol, TypeVar
+from typing import Annotated, Any, Generic, Literal, Protocol, TypeAlias, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -175,6 +175,15 @@ class GenerationParams(_Request):
         return {k: v for k, v in self.model_dump(exclude_unset=True).items() if k not in exclude}
 
 
+LeadUpdatesField: TypeAlias = Annotated[
+    Literal["off", "volatile", "any"] | None,
+    Field(
+        description="this turn's lead updates (off, volatile, any), over the key's setting: a "
+        "system prompt that changed is stated after the stored history (docs/frontends.md)"
+    ),
+]
+
+
 class ChatCompletionRequest(GenerationParams):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
@@ -184,6 +193,7 @@ class ChatCompletionRequest(GenerationParams):
     # Or the X-DSS-Session header (`api.deps.session_id_of`); `state_version` needs one of them.
     session_id: str | None = Field(default=None, pattern=NAME_PATTERN)
     state_version: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    lead_updates: LeadUpdatesField = None
 
 
 class SessionMessageRequest(GenerationParams):
@@ -244,6 +254,20 @@ class TierTokens(BaseModel):
     remote: int = 0  # the fleet's shared tier (Redis), when configured
 
 
+class LeadUpdateInfo(BaseModel):
+    """A turn whose lead (system prompt, instructions) differs from the stored version's it
+    extends (docs/frontends.md, "Volatile system prompts")."""
+
+    served: bool = Field(description="the stored history's KV was kept and the change stated after it")
+    reason: str | None = Field(description="why not served: off, changed_beyond_volatile_values, ...")
+    kind: str | None = Field(description="volatile (only volatile values changed) or prompt")
+    changed: list[dict[str, str]] = Field(description="each changed volatile value: old and new")
+    placement: str | None = Field(description="system (a late system message) or note (in the user message)")
+    update: str | None = Field(description="the text the model was told after the history")
+    update_tokens: int = Field(description="the update's tokens")
+    reused_tokens: int = Field(description="stored history tokens the prompt continued from")
+
+
 class DssInfo(BaseModel):
     """Where the prompt's KV came from. `cached_tokens` = `engine_cached_tokens` + `loaded_tokens`."""
 
@@ -253,6 +277,9 @@ class DssInfo(BaseModel):
     loaded_from: TierTokens = Field(description="DSS-loaded tokens by the tier they were read from")
     resident: TierTokens = Field(
         description="prompt tokens the connector found in each DSS tier beyond the engine's cache"
+    )
+    lead_update: LeadUpdateInfo | None = Field(
+        default=None, description="present when the turn's lead differs from the stored version's"
     )
 
 

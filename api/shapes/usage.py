@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from api.llm.generation import Finished
-from api.shapes.schemas import DssInfo, PromptTokensDetails, TierTokens, Usage
+from api.shapes.schemas import DssInfo, LeadUpdateInfo, PromptTokensDetails, TierTokens, Usage
+from api.turn.lead import LeadReport
 from api.turn.types import Prepared
 
 
@@ -40,6 +41,22 @@ def dss_info(prep: Prepared, fins: Sequence[Finished]) -> DssInfo:
         loaded_tokens=loaded,
         loaded_from=_tiers(report.loaded_from if report else {}),
         resident=_tiers(report.found_in if report else {}),
+        lead_update=_lead(prep.lead),
+    )
+
+
+def _lead(lead: LeadReport | None) -> LeadUpdateInfo | None:
+    if lead is None:
+        return None
+    return LeadUpdateInfo(
+        served=lead.served,
+        reason=lead.reason,
+        kind=lead.kind,
+        changed=lead.changed,
+        placement=lead.placement,
+        update=lead.update,
+        update_tokens=lead.update_tokens,
+        reused_tokens=lead.reused_tokens,
     )
 
 

@@ -17,6 +17,7 @@ from api.llm.chat_engine import ChatEngine
 from api.llm.generation import Finished
 from api.shapes.usage import dss_info
 from api.state import AppState
+from api.turn.lead_gate import maybe_check
 from api.turn.types import Answer, Prepared, Turn
 from dss.dialogue.turn_commits import Committed, commit_alternatives
 from dss.tokens import TOKEN_DTYPE
@@ -53,7 +54,7 @@ async def commit(
 
     def commit_all() -> list[Committed]:
         done = commit_alternatives(
-            state.store.versions, turn.user, target, choices, engine.fingerprint, turn.epoch
+            state.store.versions, turn.user, target, choices, engine.fingerprint, turn.epoch, prep.seen
         )
         if then is not None:
             then(done)
@@ -68,6 +69,7 @@ async def commit(
         if task is not None:
             task.uncancel()
     state.metrics.commits.inc(len(committed))
+    maybe_check(state, engine, turn, prep)
     return list(committed)
 
 
@@ -75,6 +77,8 @@ def observe(state: AppState, prep: Prepared, fins: Sequence[Finished]) -> None:
     info = dss_info(prep, fins)
     m = state.metrics
     m.observe_prompt(len(prep.prompt_ids), info.engine_cached_tokens, info.loaded_from.model_dump())
+    if prep.lead is not None:
+        m.observe_lead(prep.lead.served, prep.lead.reason, prep.lead.update_tokens)
     m.completion_tokens.inc(sum(len(f.output_ids) for f in fins))
     ttfts = [f.ttft_s for f in fins if f.ttft_s is not None]
     if ttfts:

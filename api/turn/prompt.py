@@ -17,8 +17,8 @@ from typing import Any
 
 from api.llm.chat_engine import ChatEngine
 from api.state import AppState
+from api.turn.lead import PromptPlan, plan_prompt
 from api.turn.types import Prepared, Turn
-from dss.dialogue.continuation import extended_messages
 
 
 async def prepare(state: AppState, engine: ChatEngine, turn: Turn) -> Prepared:
@@ -30,7 +30,9 @@ async def prepare(state: AppState, engine: ChatEngine, turn: Turn) -> Prepared:
     # Validated first (a malformed tool must not reach the template); max_tokens is set below,
     # once the prompt's length is known, from this same validated request.
     validated = engine.validate(turn.messages, turn.fields)
-    prompt_ids = await asyncio.to_thread(prompt_for, engine, turn, validated.tools)
+    placement = state.settings.lead.placement
+    plan = await asyncio.to_thread(prompt_for, engine, turn, validated.tools, placement)
+    prompt_ids = plan.ids
     max_tokens = engine.check_length(
         len(prompt_ids), turn.params.requested_max_tokens, lim.default_max_tokens
     )
@@ -42,17 +44,14 @@ async def prepare(state: AppState, engine: ChatEngine, turn: Turn) -> Prepared:
     else:
         tenant = store.identity.tenant_for(turn.user)
         salt = await asyncio.to_thread(store.identity.cache_salt, turn.user)
-    return Prepared(prompt_ids, sampling, tenant, salt)
+    return Prepared(prompt_ids, sampling, tenant, salt, seen=plan.seen, lead=plan.lead)
 
 
-def prompt_for(engine: ChatEngine, turn: Turn, tools: Sequence[Mapping[str, Any]] = ()) -> list[int]:
-    """The turn's prompt token ids. A turn that extends a version continues from the version's
-    stored token ids (they are what the KV cache holds); its messages stay the record for
-    listings and clients. Other turns render the whole dialogue."""
-    base = turn.target.base if turn.target is not None else None
-    n = extended_messages(base, turn.messages, engine.fingerprint)
-    if base is not None and n is not None:
-        ids = engine.continue_from(base.tokens.tolist(), base.messages, turn.messages[n:], tools)
-        if ids is not None:
-            return ids
-    return engine.render(turn.messages, tools=tools)
+def prompt_for(
+    engine: ChatEngine, turn: Turn, tools: Sequence[Mapping[str, Any]] = (), placement: str = "note"
+) -> PromptPlan:
+    """The turn's prompt. A turn that extends a version continues from the version's stored
+    token ids (they are what the KV cache holds), as the model saw them, with a lead update when
+    its lead changed (`api.turn.lead`); its messages stay the record for listings and clients.
+    Other turns render the whole dialogue."""
+    return plan_prompt(engine, turn.target, turn.messages, tools, placement)

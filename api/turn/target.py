@@ -18,6 +18,7 @@ from api.shapes.schemas import GenerationParams
 from api.state import AppState
 from api.turn.limits import check_limits
 from api.turn.types import Turn
+from dss.dialogue.lead.policy import LeadPolicy
 from dss.dialogue.turn_commits import chat_target, message_target, response_target
 from dss.types import SessionId, UserId
 
@@ -30,15 +31,24 @@ async def chat_turn(
     fields: Mapping[str, Any],
     session_id: SessionId | None,
     state_version: int | None,
+    lead_policy: LeadPolicy,
     epoch: int,
 ) -> Turn:
     """A Chat Completions turn: the client sends the whole dialogue; with a session, the turn
-    attaches where that dialogue's history was stored (or forks where it was edited)."""
+    attaches where that dialogue's history was stored (or forks where it was edited; or, when
+    only its lead changed, extends that version: `api.turn.lead`)."""
     check_limits(state.settings.limits, params, messages, fields)
     target = None
     if session_id is not None:
         target = await asyncio.to_thread(
-            chat_target, state.store.versions, user, session_id, messages, state_version, epoch
+            chat_target,
+            state.store.versions,
+            user,
+            session_id,
+            messages,
+            state_version,
+            epoch,
+            lead_policy,
         )
     return Turn(user, messages, params, target, fields, epoch=epoch)
 
@@ -72,6 +82,7 @@ async def response_turn(
     store: bool,
     params: GenerationParams,
     fields: Mapping[str, Any],
+    lead_policy: LeadPolicy,
     epoch: int,
 ) -> Turn:
     """A Responses turn: the chain of `previous_response_id` (a session of its own), the
@@ -86,6 +97,7 @@ async def response_turn(
         instructions,
         new,
         store,
+        lead_policy,
     )
     check_limits(state.settings.limits, params, planned.messages, fields)
     return Turn(user, planned.messages, params, planned.target, fields, persist=store, epoch=epoch)

@@ -10,6 +10,7 @@ from typing import Any
 from api.llm.generation import Finished
 from api.llm.sampling import Sampling
 from api.shapes.schemas import GenerationParams
+from api.turn.lead import LeadReport
 from dss.dialogue.turn_commits import TurnTarget
 from dss.types import TenantId, UserId
 
@@ -41,6 +42,10 @@ class Prepared:
     tenant: TenantId
     salt: str
     completion_id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    # What the model saw of the committed messages where it differs (`dss.dialogue.lead.view`).
+    seen: dict[str, Any] | None = None
+    # The turn's lead changed: served as a lead update or not, and why (`api.turn.lead`).
+    lead: LeadReport | None = None
 
 
 @dataclass(frozen=True, slots=True)

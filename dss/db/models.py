@@ -169,6 +169,9 @@ class VersionRow(Base):
     # Bytes this row stores (tokens + its messages' JSON): what the stored-bytes quota counts.
     body_bytes: Mapped[int] = mapped_column(Integer, nullable=False)
     fingerprint: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # What the model saw where it differs from `messages` (a lead update was served): a
+    # `dss.dialogue.lead.view.ModelView` record; None: exactly `messages`.
+    seen: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class ResponseRow(Base):
@@ -298,6 +301,10 @@ class FrontendRow(Base):
     session_header: Mapped[str | None] = mapped_column(String(HEADER_NAME_LEN), nullable=True)
     created_at: Mapped[datetime] = _timestamp()
     created_by: Mapped[str] = mapped_column(String(64), nullable=False)
+    # Lead updates for its keys' turns (`dss.dialogue.lead.policy`): off, volatile or any; None:
+    # the server's setting. `volatile_patterns`: the operator's own volatile values (regexes).
+    lead_updates: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    volatile_patterns: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
 
 
 class AdminAuditRow(Base):

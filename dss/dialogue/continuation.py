@@ -22,17 +22,33 @@ from dss.types import FingerprintId
 
 
 def extended_messages(
-    base: VersionInfo | None, messages: Sequence[Mapping[str, Any]], fingerprint: FingerprintId | None
+    base: VersionInfo | None,
+    messages: Sequence[Mapping[str, Any]],
+    fingerprint: FingerprintId | None,
+    lead_updated: bool = False,
 ) -> int | None:
     """How many of `messages` are the stored version `base`'s own, when the turn continues from
     its stored ids: the version holds ids of the model serving now (same fingerprint), and the
-    turn's dialogue is the version's messages followed by new ones. None: render it whole."""
-    if base is None or not base.n_tokens or fingerprint is None or base.fingerprint != fingerprint:
+    turn's dialogue is the version's messages followed by new ones (`lead_updated`: all of them
+    but the first, the lead, which the turn states anew after them). None: render it whole."""
+    if not continuable(base, fingerprint):
         return None
+    assert base is not None
     n = len(base.messages)
-    if len(messages) > n and list(messages[:n]) == base.messages:
+    first = 1 if lead_updated else 0
+    if len(messages) > n and list(messages[first:n]) == base.messages[first:]:
         return n
     return None
+
+
+def continuable(base: VersionInfo | None, fingerprint: FingerprintId | None) -> bool:
+    """The version holds token ids of the model serving now."""
+    return (
+        base is not None
+        and bool(base.n_tokens)
+        and fingerprint is not None
+        and base.fingerprint == fingerprint
+    )
 
 
 def continuation_text(stored_text: str, before: str, after: str) -> str | None:

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from dss.dialogue.lead.match import drifted_base
+from dss.dialogue.lead.policy import LeadDrift, LeadPolicy, classify, has_lead
 from dss.dialogue.response_store import ResponseRecord, ResponseStore
 from dss.dialogue.versions import EMPTY_HEAD, MAIN_BRANCH, SessionInfo, VersionInfo, VersionStore
 from dss.errors import (
@@ -48,6 +50,10 @@ class TurnTarget:
     # The session does not exist yet (a new response chain): the first commit creates it, so a
     # turn that fails before its commit leaves no empty session behind.
     create_session: bool = False
+    # The turn's dialogue equals `base`'s but for its lead (system prompt, instructions): served
+    # as a lead update on `base` when `lead.served`, else rendered whole (and `lead.reason` says
+    # why); None when the lead did not change.
+    lead: LeadDrift | None = field(default=None, compare=False)
 
     @property
     def expected_head(self) -> int:
@@ -108,8 +114,11 @@ def chat_target(
     messages: Sequence[Mapping[str, Any]],
     state_version: int | None,
     epoch: int | None = None,
+    lead_policy: LeadPolicy | None = None,
 ) -> TurnTarget:
-    """Where a `/v1/chat/completions` turn with the full `messages` attaches."""
+    """Where a `/v1/chat/completions` turn with the full `messages` attaches: the deepest
+    version its messages extend; or, when a deeper one matches all but the lead, that one (the
+    turn is a lead update on it when `lead_policy` allows: `TurnTarget.lead`)."""
     session = open_session(versions, user, sid, epoch)
     if state_version is not None:
         base = versions.get_version(user, sid, state_version)
@@ -123,8 +132,19 @@ def chat_target(
             session.id, state_version, branch_at(session, state_version), fork_on_race=True, base=base
         )
     found = versions.find_deepest_prefix_version(user, sid, messages)
+    depth = len(found.messages) if found is not None else 0
+    lead = None
+    if has_lead(messages) and depth < len(messages) - 1:
+        drifted = drifted_base(versions, user, session, messages, depth)
+        if drifted is not None:
+            # Attached to the version it continues even when not served from it: the session's
+            # tree stays the conversation's, not a new root each time the lead moves.
+            found = drifted
+            lead = classify(lead_policy or LeadPolicy(), drifted.messages[0], messages[0])
     parent = found.number if found is not None else None
-    return TurnTarget(session.id, parent, branch_at(session, parent), fork_on_race=True, base=found)
+    return TurnTarget(
+        session.id, parent, branch_at(session, parent), fork_on_race=True, base=found, lead=lead
+    )
 
 
 def message_target(
@@ -187,11 +207,14 @@ def response_target(
     instructions: str | None,
     new_messages: Sequence[Mapping[str, Any]],
     store: bool = True,
+    lead_policy: LeadPolicy | None = None,
 ) -> ResponseTurn:
     """A response without `previous_response_id` starts a new chain: a new session (created by
     its commit) whose first version it becomes. One with it continues that response's version:
     on its branch when it is that branch's head, else on a new branch forked there (a fork of
-    the response tree). Unstored (`store` false), it only reads the dialogue it continues."""
+    the response tree). Unstored (`store` false), it only reads the dialogue it continues.
+    Instructions that differ from the previous response's are a lead update on its version when
+    `lead_policy` allows (`TurnTarget.lead`)."""
     messages, previous, base = response_dialogue(
         versions, responses, user, previous_response_id, instructions, new_messages
     )
@@ -202,8 +225,16 @@ def response_target(
         target = TurnTarget(sid, None, MAIN_BRANCH, fork_on_race=False, create_session=True)
         return ResponseTurn(target, messages, None)
     session = versions.get_session(user, previous.session_id)
+    lead = None
+    if has_lead(base.messages) and has_lead(messages) and base.messages[0] != messages[0]:
+        lead = classify(lead_policy or LeadPolicy(), base.messages[0], messages[0])
     target = TurnTarget(
-        session.id, previous.version, branch_at(session, previous.version), fork_on_race=True, base=base
+        session.id,
+        previous.version,
+        branch_at(session, previous.version),
+        fork_on_race=True,
+        base=base,
+        lead=lead,
     )
     return ResponseTurn(target, messages, previous)
 
@@ -215,8 +246,10 @@ def commit_alternatives(
     choices: Sequence[tuple[np.ndarray, Sequence[Mapping[str, Any]]]],
     fingerprint: str | None,
     epoch: int | None = None,
+    seen: Mapping[str, Any] | None = None,
 ) -> list[Committed]:
-    """Commit each choice of a turn (its tokens and messages) as a version: the first where the
+    """Commit each choice of a turn (its tokens and messages; `seen`, what the model saw where
+    it differs, the same for every choice) as a version: the first where the
     turn attaches, every other as a sibling on a branch of its own forked at the same parent.
 
     All or nothing: when a commit fails (a quota, a race lost for good), the versions committed
@@ -229,7 +262,7 @@ def commit_alternatives(
             where = (
                 target if i == 0 else replace(target, branch=None, fork_on_race=True, create_session=False)
             )
-            done.append(commit_turn(versions, user, where, tokens, messages, fingerprint, epoch))
+            done.append(commit_turn(versions, user, where, tokens, messages, fingerprint, epoch, seen))
     except BaseException:
         for c in reversed(done):
             forget_version(versions, user, target.session_id, c.version.number)
@@ -268,6 +301,7 @@ def commit_turn(
     messages: Sequence[Mapping[str, Any]],
     fingerprint: str | None,
     epoch: int | None = None,
+    seen: Mapping[str, Any] | None = None,
 ) -> Committed:
     """Commit the finished turn as a child of `target.parent`, forking a branch when needed
     (and creating the session first when the target says it does not exist yet)."""
@@ -287,6 +321,7 @@ def commit_turn(
                 expected_head=target.expected_head,
                 fingerprint=fingerprint,
                 epoch=epoch,
+                seen=seen,
             )
             return Committed(v, branch)
         except StaleHead:

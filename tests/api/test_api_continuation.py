@@ -80,7 +80,7 @@ def test_an_answer_whose_ids_do_not_round_trip_is_continued_from_its_ids(engine:
     stored = [*engine.render([Q1]), *generated]
     base = version(stored, [Q1, answer])
 
-    prompt = prompt_for(engine, turn(base, [Q1, answer, Q2]))
+    prompt = prompt_for(engine, turn(base, [Q1, answer, Q2])).ids
     rerendered = engine.render([Q1, answer, Q2])
     assert prompt[: len(stored)] == stored  # every stored token is reused as is
     first_diff = next(i for i, (a, b) in enumerate(zip(stored, rerendered, strict=False)) if a != b)
@@ -94,14 +94,14 @@ def test_where_ids_round_trip_the_continuation_equals_the_rendered_dialogue(engi
     answer = {"role": "assistant", "content": "Clarity, because it helps."}
     stored = [*engine.render([Q1]), *enc(engine, answer["content"]), eos(engine)]
     base = version(stored, [Q1, answer])
-    assert prompt_for(engine, turn(base, [Q1, answer, Q2])) == engine.render([Q1, answer, Q2])
+    assert prompt_for(engine, turn(base, [Q1, answer, Q2])).ids == engine.render([Q1, answer, Q2])
 
 
 def test_an_answer_cut_by_max_tokens_gets_the_end_token_the_template_writes(engine: ChatEngine) -> None:
     answer = {"role": "assistant", "content": "Clarity, bec"}
     stored = [*engine.render([Q1]), *enc(engine, "Clarity"), *enc(engine, ", bec")]  # no end token
     base = version(stored, [Q1, answer])
-    prompt = prompt_for(engine, turn(base, [Q1, answer, Q2]))
+    prompt = prompt_for(engine, turn(base, [Q1, answer, Q2])).ids
     assert prompt[: len(stored)] == stored and prompt[len(stored)] == eos(engine)
     assert engine.decode(prompt) == engine.render_text([Q1, answer, Q2])
 
@@ -111,7 +111,7 @@ def test_stored_ids_that_run_past_the_answer_text_fall_back_to_rendering(engine:
     answer = {"role": "assistant", "content": "The capital is "}
     stored = [*engine.render([Q1]), *enc(engine, "The capital is Paris"), eos(engine)]
     base = version(stored, [Q1, answer])
-    assert prompt_for(engine, turn(base, [Q1, answer, Q2])) == engine.render([Q1, answer, Q2])
+    assert prompt_for(engine, turn(base, [Q1, answer, Q2])).ids == engine.render([Q1, answer, Q2])
 
 
 def test_ids_of_another_model_are_never_continued(engine: ChatEngine) -> None:
@@ -119,7 +119,7 @@ def test_ids_of_another_model_are_never_continued(engine: ChatEngine) -> None:
     answer = {"role": "assistant", "content": "Paris"}
     stored = [*engine.render([Q1]), *generated]
     for other in (version(stored, [Q1, answer], "another-model"), version(stored, [Q1, answer], None)):
-        assert prompt_for(engine, turn(other, [Q1, answer, Q2])) == engine.render([Q1, answer, Q2])
+        assert prompt_for(engine, turn(other, [Q1, answer, Q2])).ids == engine.render([Q1, answer, Q2])
     no_base = replace(turn(version(stored, [Q1, answer]), [Q1, answer, Q2]).target, base=None)
     t = Turn(UserId("u"), [Q1, answer, Q2], ChatCompletionRequest(messages=[Q1]), no_base)  # type: ignore[list-item]
-    assert prompt_for(engine, t) == engine.render([Q1, answer, Q2])
+    assert prompt_for(engine, t).ids == engine.render([Q1, answer, Q2])

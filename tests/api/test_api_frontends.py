@@ -23,6 +23,7 @@ from api.cli import main as cli
 from dss.db.connect import current_revision, make_engine, make_session_factory, upgrade_to_head
 from dss.types import SessionId, UserId
 from tests.api.test_api_unit import settings_for, started, state_of
+from tests.db_helpers import HEAD_REVISION
 
 WEBUI_USER = "X-OpenWebUI-User-Id"
 WEBUI_CHAT = "X-OpenWebUI-Chat-Id"
@@ -384,7 +385,7 @@ def test_the_migration_keeps_older_keys_as_they_were(db_url: str) -> None:
             )
             conn.execute(text(insert), {"h": "0" * 64})
         upgrade_to_head(db_url)
-        assert current_revision(db_url) == "0009_frontends"
+        assert current_revision(db_url) == HEAD_REVISION
         keys = ApiKeys(make_session_factory(engine))
         (old,) = keys.list()
         assert (old.id, old.user, old.kind, old.frontend) == ("key_old", "ann", "user", None)

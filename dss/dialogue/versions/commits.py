@@ -36,7 +36,14 @@ from dss.dialogue.versions.rows import (
     rowcount,
     version_key,
 )
-from dss.dialogue.versions.rules import EMPTY_HEAD, MAIN_BRANCH, coerce_tokens, json_size, normalised
+from dss.dialogue.versions.rules import (
+    EMPTY_HEAD,
+    MAIN_BRANCH,
+    coerce_tokens,
+    json_size,
+    normalised,
+    normalised_record,
+)
 from dss.errors import InvalidInput, SessionNotFound, StaleHead
 from dss.jsonlimits import JsonLimits, check_items
 from dss.types import SessionId, UserId
@@ -69,13 +76,15 @@ class Commits:
         expected_head: int | None = None,
         fingerprint: str | None = None,
         epoch: int | None = None,
+        seen: Mapping[str, Any] | None = None,
     ) -> VersionInfo:
         """Append a version as the child of `branch`'s head and move the head to it.
 
         `parent` and `expected_head` both pin the head the caller built on (0 = empty branch):
         when the head is elsewhere, `StaleHead`. Without either, the commit goes on top of
         whatever the head is when it lands. `epoch`: the erasure epoch the turn was admitted
-        under (`UserErased` when the user was erased since; see `UserFence.hold_user`).
+        under (`UserErased` when the user was erased since; see `UserFence.hold_user`). `seen`:
+        what the model saw where it differs from `messages` (`dss.dialogue.lead.view`).
         """
         arr = coerce_tokens(tokens)
         check_items("messages", messages, self._json_limits)  # before anything walks them recursively
@@ -87,10 +96,11 @@ class Commits:
             raise InvalidInput(f"parent {parent} and expected_head {expected_head} disagree")
         want = pinned.pop() if pinned else None
         body = arr.tobytes()
+        seen_record = normalised_record(seen)
         for _ in range(MAX_COMMIT_ATTEMPTS):
             try:
                 return self._try_commit(
-                    user, sid, branch, want, body, int(arr.size), msgs, fingerprint, epoch
+                    user, sid, branch, want, body, int(arr.size), msgs, fingerprint, epoch, seen_record
                 )
             except LostRace:
                 continue
@@ -107,6 +117,7 @@ class Commits:
         msgs: list[dict[str, Any]],
         fingerprint: str | None,
         epoch: int | None,
+        seen: dict[str, Any] | None,
     ) -> VersionInfo:
         with transaction(self._factory) as db:
             try:
@@ -128,7 +139,7 @@ class Commits:
                     raise LostRace
                 base = (row[0], row[1])
             stored = stored_form(msgs, *(base if base is not None else (None, None)))
-            delta_bytes = json_size("messages", stored.delta)
+            delta_bytes = json_size("messages", stored.delta) + (json_size("seen", seen) if seen else 0)
             check_commit_quota(db, user, self._quotas, len(body) + delta_bytes)
             # The fence before the first write (on SQLite it takes the write lock, so the quota's
             # sum above did not hold it); what was read before is checked by the compare-and-sets.
@@ -162,6 +173,7 @@ class Commits:
                 digest=stored.digest,
                 body_bytes=len(body) + delta_bytes,
                 fingerprint=fingerprint,
+                seen=seen,
             )
             db.add(added)
             db.flush()

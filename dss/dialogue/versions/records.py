@@ -70,6 +70,8 @@ class VersionSummary:
 class VersionInfo(VersionSummary):
     tokens: np.ndarray  # int32, read-only
     messages: list[dict[str, Any]]
+    # What the model saw where it differs from `messages` (`dss.dialogue.lead.view`); None: the same.
+    seen: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,4 +149,4 @@ def version_summary(r: Any) -> VersionSummary:
 
 def full_version(r: VersionRow, messages: list[dict[str, Any]]) -> VersionInfo:
     tokens = np.frombuffer(r.tokens, dtype=TOKEN_DTYPE) if r.tokens else EMPTY_TOKENS
-    return VersionInfo(**summary_fields(r), tokens=tokens, messages=messages)
+    return VersionInfo(**summary_fields(r), tokens=tokens, messages=messages, seen=r.seen)

@@ -48,6 +48,17 @@ def json_size(kind: str, value: object) -> int:
         raise InvalidInput(f"{kind} is not JSON-serialisable: {exc}") from exc
 
 
+def normalised_record(record: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A JSON record (a version's `seen`) as it comes back from its column; None for an empty one."""
+    if not record:
+        return None
+    try:
+        out: dict[str, Any] = json.loads(json.dumps(dict(record)))
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"seen is not JSON-serialisable: {exc}") from exc
+    return out
+
+
 def coerce_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     arr = np.asarray(tokens)
     if arr.ndim != 1:

@@ -1,0 +1,136 @@
+"""Lead updates over HTTP on the real server (issue 27): a full-history client whose system prompt
+carries the time (as Open WebUI, LibreChat and AnythingLLM template it) keeps extending its
+session's version, and with lead updates on gets the history from cache; every such turn says
+what happened in its `dss.lead_update` block, and a turn not served so says why."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.api_server import ApiServer, api_server, cached_tokens
+
+__all__ = ["api_server"]
+
+pytestmark = pytest.mark.engine
+
+START = datetime(2026, 12, 5, 9, 14, 2)
+QUESTIONS = ["Name a red fruit.", "And a yellow one?", "Which of the two is sweeter?", "Thanks!"]
+
+
+def system_at(t: datetime, persona: str = "You are a helpful assistant.") -> dict[str, str]:
+    return {"role": "system", "content": f"{persona}\nCurrent date and time: {t:%Y-%m-%d %H:%M:%S}"}
+
+
+def run_chat(
+    client: httpx.Client, sid: str, turns: int, persona: str = "You are a helpful assistant.", **extra: Any
+) -> list[dict[str, Any]]:
+    """A full-history chat whose system prompt's time advances 47 s a turn."""
+    history: list[dict[str, str]] = []
+    answers = []
+    for i in range(turns):
+        history.append({"role": "user", "content": QUESTIONS[i]})
+        body = {
+            "messages": [system_at(START + timedelta(seconds=47 * i), persona), *history],
+            "session_id": sid,
+            "max_tokens": 12,
+            "temperature": 0,
+            **extra,
+        }
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        data = r.json()
+        answers.append(data)
+        history.append({"role": "assistant", "content": data["choices"][0]["message"]["content"]})
+    return answers
+
+
+def test_off_by_default_later_turns_still_extend_the_session_and_say_why(api_server: ApiServer) -> None:
+    with api_server.client("lead-off") as c:
+        answers = run_chat(c, "clock-off", 3)
+        for a in answers[1:]:
+            lead = a["dss"]["lead_update"]
+            assert lead["served"] is False and lead["reason"] == "off", lead
+            assert lead["kind"] == "volatile" and lead["changed"], lead
+            assert cached_tokens(a) < 0.5 * a["usage"]["prompt_tokens"]  # recomputed from the lead on
+        # One conversation, one branch: each turn a child of the last (before: a fork-root each).
+        assert [(a["parent_version"], a["branch"]) for a in answers] == [(None, "main"), (1, "main"), (2, "main")]
+        assert answers[0]["dss"]["lead_update"] is None  # nothing stored to differ from
+
+
+def test_on_per_request_the_history_comes_from_cache_and_the_change_is_stated(api_server: ApiServer) -> None:
+    with api_server.client("lead-on") as c:
+        answers = run_chat(c, "clock-on", 4, lead_updates="volatile")
+        for a in answers[1:]:
+            lead = a["dss"]["lead_update"]
+            assert lead["served"] is True and lead["reason"] is None, lead
+            assert lead["placement"] in ("note", "system") and lead["update_tokens"] > 0
+            assert "Current date and time:" in lead["update"]
+            (changed,) = lead["changed"]
+            assert changed["old"] != changed["new"]
+            # Every stored token is served from cache but the answer's last (it has no KV yet).
+            assert cached_tokens(a) >= lead["reused_tokens"] - 1 > 0
+        assert [a["branch"] for a in answers] == ["main"] * 4
+        # The version keeps what the client sent: its system prompt is the request's.
+        v = c.get("/v1/sessions/clock-on/versions/4").json()
+        assert v["messages"][0] == system_at(START + timedelta(seconds=47 * 3))
+
+
+def test_a_persona_edit_is_not_a_volatile_change_unless_any_is_asked_for(api_server: ApiServer) -> None:
+    with api_server.client("lead-persona") as c:
+        first = run_chat(c, "persona", 1, lead_updates="volatile")[0]
+        msgs = [
+            {"role": "system", "content": "You are a pirate. Answer like one."},
+            {"role": "user", "content": QUESTIONS[0]},
+            {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+            {"role": "user", "content": QUESTIONS[1]},
+        ]
+        body = {"messages": msgs, "session_id": "persona", "max_tokens": 8, "temperature": 0}
+        volatile = c.post("/v1/chat/completions", json={**body, "lead_updates": "volatile"}).json()
+        lead = volatile["dss"]["lead_update"]
+        assert (lead["served"], lead["reason"], lead["kind"]) == (False, "changed_beyond_volatile_values", "prompt")
+        anything = c.post("/v1/chat/completions", json={**body, "lead_updates": "any"}).json()
+        lead = anything["dss"]["lead_update"]
+        assert (lead["served"], lead["kind"]) == (True, "prompt")
+        assert lead["update"] == "You are a pirate. Answer like one."
+
+
+def test_the_header_overrides_and_a_bad_mode_is_a_400(api_server: ApiServer) -> None:
+    with api_server.client("lead-header") as c:
+        c.headers["X-DSS-Lead-Updates"] = "volatile"
+        answers = run_chat(c, "via-header", 2)
+        assert answers[1]["dss"]["lead_update"]["served"] is True
+        c.headers["X-DSS-Lead-Updates"] = "sometimes"
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        assert r.status_code == 400 and "lead_updates" in r.json()["error"]["message"], r.text
+        del c.headers["X-DSS-Lead-Updates"]
+        bad = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "lead_updates": "always"}
+        assert c.post("/v1/chat/completions", json=bad).status_code == 400
+
+
+def test_responses_whose_instructions_carry_the_time_continue_their_chain(api_server: ApiServer) -> None:
+    with api_server.client("lead-resp") as c:
+        previous = None
+        outs = []
+        for i, q in enumerate(QUESTIONS[:3]):
+            body: dict[str, Any] = {
+                "input": q,
+                "instructions": system_at(START + timedelta(seconds=47 * i))["content"],
+                "max_output_tokens": 8,
+                "temperature": 0,
+                "lead_updates": "volatile",
+            }
+            if previous:
+                body["previous_response_id"] = previous
+            r = c.post("/v1/responses", json=body)
+            assert r.status_code == 200, r.text
+            outs.append(r.json())
+            previous = outs[-1]["id"]
+        for o in outs[1:]:
+            lead = o["dss"]["lead_update"]
+            assert lead["served"] is True, lead
+            details = o["usage"]["input_tokens_details"]
+            assert details["cached_tokens"] >= lead["reused_tokens"] - 1 > 0
