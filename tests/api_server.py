@@ -243,8 +243,15 @@ class ApiServer:
 # The configurations tests share, each started once per test process on first use.
 VARIANTS: dict[str, dict[str, str]] = {
     "default": {},
-    # Two generation slots: admission tests overrun them with a few requests.
-    "small": {"DSS_ENGINE__MAX_INFLIGHT": "2", "DSS_ENGINE__RETRY_AFTER_S": "3"},
+    # Two generation slots: admission tests overrun them with a few requests. Its lead-update
+    # quality gate checks every lead update and trips on any distance (the gate's test).
+    "small": {
+        "DSS_ENGINE__MAX_INFLIGHT": "2",
+        "DSS_ENGINE__RETRY_AFTER_S": "3",
+        "DSS_LEAD__GATE_SAMPLE": "1",
+        "DSS_LEAD__GATE_MIN_CHECKS": "1",
+        "DSS_LEAD__GATE_MAX_DISTANCE": "0",
+    },
 }
 _SERVERS: dict[str, ApiServer] = {}
 _FAILED: dict[str, str] = {}

@@ -5,15 +5,16 @@ what happened in its `dss.lead_update` block, and a turn not served so says why.
 
 from __future__ import annotations
 
+import time
 from datetime import datetime, timedelta
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.api_server import ApiServer, api_server, cached_tokens
+from tests.api_server import ApiServer, api_server, cached_tokens, small_api_server
 
-__all__ = ["api_server"]
+__all__ = ["api_server", "small_api_server"]
 
 pytestmark = pytest.mark.engine
 
@@ -51,13 +52,17 @@ def run_chat(
 def test_off_by_default_later_turns_still_extend_the_session_and_say_why(api_server: ApiServer) -> None:
     with api_server.client("lead-off") as c:
         answers = run_chat(c, "clock-off", 3)
+        # One conversation, one branch: each turn a child of the last (before: a fork-root each).
+        assert [(a["parent_version"], a["branch"]) for a in answers] == [
+            (None, "main"),
+            (1, "main"),
+            (2, "main"),
+        ]
         for a in answers[1:]:
             lead = a["dss"]["lead_update"]
             assert lead["served"] is False and lead["reason"] == "off", lead
             assert lead["kind"] == "volatile" and lead["changed"], lead
             assert cached_tokens(a) < 0.5 * a["usage"]["prompt_tokens"]  # recomputed from the lead on
-        # One conversation, one branch: each turn a child of the last (before: a fork-root each).
-        assert [(a["parent_version"], a["branch"]) for a in answers] == [(None, "main"), (1, "main"), (2, "main")]
         assert answers[0]["dss"]["lead_update"] is None  # nothing stored to differ from
 
 
@@ -91,7 +96,11 @@ def test_a_persona_edit_is_not_a_volatile_change_unless_any_is_asked_for(api_ser
         body = {"messages": msgs, "session_id": "persona", "max_tokens": 8, "temperature": 0}
         volatile = c.post("/v1/chat/completions", json={**body, "lead_updates": "volatile"}).json()
         lead = volatile["dss"]["lead_update"]
-        assert (lead["served"], lead["reason"], lead["kind"]) == (False, "changed_beyond_volatile_values", "prompt")
+        assert (lead["served"], lead["reason"], lead["kind"]) == (
+            False,
+            "changed_beyond_volatile_values",
+            "prompt",
+        )
         anything = c.post("/v1/chat/completions", json={**body, "lead_updates": "any"}).json()
         lead = anything["dss"]["lead_update"]
         assert (lead["served"], lead["kind"]) == (True, "prompt")
@@ -104,7 +113,9 @@ def test_the_header_overrides_and_a_bad_mode_is_a_400(api_server: ApiServer) -> 
         answers = run_chat(c, "via-header", 2)
         assert answers[1]["dss"]["lead_update"]["served"] is True
         c.headers["X-DSS-Lead-Updates"] = "sometimes"
-        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        r = c.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        )
         assert r.status_code == 400 and "lead_updates" in r.json()["error"]["message"], r.text
         del c.headers["X-DSS-Lead-Updates"]
         bad = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "lead_updates": "always"}
@@ -134,3 +145,37 @@ def test_responses_whose_instructions_carry_the_time_continue_their_chain(api_se
             assert lead["served"] is True, lead
             details = o["usage"]["input_tokens_details"]
             assert details["cached_tokens"] >= lead["reused_tokens"] - 1 > 0
+
+
+def test_the_quality_gate_turns_lead_updates_off_when_agreement_falls_and_says_so(
+    small_api_server: ApiServer,
+) -> None:
+    """The `small` server's gate checks every lead update and trips on any first-token distance:
+    forced low, as a frontend whose updates changed the answers would be."""
+    server = small_api_server
+    with server.client("gate-user") as c, server.client("gate-admin", admin=True) as admin:
+        served = run_chat(c, "gated", 2, lead_updates="volatile")[1]
+        assert served["dss"]["lead_update"]["served"] is True
+        deadline = time.monotonic() + 120
+        figures: list[dict[str, Any]] = []
+        while time.monotonic() < deadline:  # the shadow check runs after the answer, in the background
+            figures = admin.get("/v1/admin/lead-gate").json()["data"]
+            if figures and figures[0]["tripped"]:
+                break
+            time.sleep(0.5)
+        (fig,) = figures
+        assert fig["frontend"] == "(server)" and fig["tripped"] and fig["checks"] == 1, fig
+        assert 0 < fig["mean_distance"] <= 1 and fig["first_token_agreement"] in (0.0, 1.0)
+        metrics = admin.get("/metrics").text
+        assert (
+            "dss_lead_gate_tripped 1.0" in metrics
+            and 'dss_lead_update_turns_total{outcome="served"}' in metrics
+        )
+
+        gated = run_chat(c, "gated-2", 2, lead_updates="volatile")[1]["dss"]["lead_update"]
+        assert (gated["served"], gated["reason"]) == (False, "quality_gate_tripped")
+
+        assert admin.post("/v1/admin/lead-gate/(server)/reset").status_code == 200
+        again = run_chat(c, "gated-3", 2, lead_updates="volatile")[1]["dss"]["lead_update"]
+        assert again["served"] is True
+        assert c.get("/v1/admin/lead-gate").status_code == 403  # figures are the operator's

@@ -68,7 +68,7 @@ class Recogniser:
 
     def __init__(self, patterns: Sequence[str] = ()) -> None:
         self.patterns = tuple(check_patterns(patterns))
-        self._re = re.compile("|".join(f"(?:{p})" for p in (*self.patterns, *BUILTIN)))
+        self._re = re.compile("|".join(f"(?:{_scoped(p)})" for p in (*self.patterns, *BUILTIN)))
 
     def values(self, text: str) -> list[Value]:
         return [Value(m.start(), m.end(), m.group()) for m in self._re.finditer(text) if m.end() > m.start()]
@@ -97,6 +97,16 @@ class Recogniser:
         ]
 
 
+_GLOBAL_FLAGS = re.compile(r"\(\?([imsx]+)\)(.*)", re.DOTALL)
+
+
+def _scoped(pattern: str) -> str:
+    """A pattern's leading global flags (`(?s)...`) as a scoped group (`(?s:...)`): global flags
+    are refused inside the alternation that joins the patterns."""
+    m = _GLOBAL_FLAGS.fullmatch(pattern)
+    return f"(?{m.group(1)}:{m.group(2)})" if m else pattern
+
+
 def check_patterns(patterns: Sequence[str]) -> list[str]:
     """Operator patterns as given, each a valid regular expression that cannot match the empty
     string everywhere; `InvalidInput` naming the first that is not."""
@@ -111,6 +121,7 @@ def check_patterns(patterns: Sequence[str]) -> list[str]:
             )
         try:
             compiled = re.compile(p)
+            re.compile(f"(?:{_scoped(p)})|x")  # it must also stand inside the joined alternation
         except re.error as exc:
             raise InvalidInput(f"volatile_patterns[{i}]: not a regular expression: {exc}") from None
         if compiled.fullmatch(""):
