@@ -172,6 +172,9 @@ class VersionRow(Base):
     # What the model saw where it differs from `messages` (a lead update was served): a
     # `dss.dialogue.lead.view.ModelView` record; None: exactly `messages`.
     seen: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # The first message (a system prompt that changed) in place of the parent's, the rest being a
+    # delta on the parent's as usual (`dss.dialogue.history`); None: inherited or in `messages`.
+    lead: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class ResponseRow(Base):

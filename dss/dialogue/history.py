@@ -2,7 +2,10 @@
 
 Each version row keeps only the messages it adds to its parent's (`messages_base` = how many of
 the parent's it starts with; 0 means the row holds the whole list, for a root or for a commit
-that does not extend its parent), so a session of n turns stores O(n) messages, not O(n^2).
+that does not extend its parent), so a session of n turns stores O(n) messages, not O(n^2). A
+row whose first message, its lead (the system prompt a frontend re-templates every turn), is not
+its parent's but whose other messages extend the parent's stores that lead apart (`lead`) and
+the rest as a delta: a chat whose system prompt carries the time stays O(n) too.
 
 `digest` chains over the whole list: d(0) is a constant and d(i) = H(d(i-1) || message i), so
 the digests of every prefix of a request are computed in one pass, and "the deepest version
@@ -45,27 +48,43 @@ class StoredMessages:
     base: int  # messages taken from the parent before `delta`
     n_messages: int
     digest: str
+    lead: dict[str, Any] | None = None  # the first message, in place of the parent's
 
 
 def stored_form(
-    messages: list[dict[str, Any]], parent_n_messages: int | None, parent_digest: str | None
+    messages: list[dict[str, Any]],
+    parent_n_messages: int | None,
+    parent_digest: str | None,
+    parent_lead: Mapping[str, Any] | None = None,
 ) -> StoredMessages:
     """The row form of `messages` committed on a parent with that count and digest (None: no
-    parent). When the parent's messages are not a prefix of these, the whole list is stored."""
+    parent). When the parent's messages are not a prefix of these, the whole list is stored,
+    unless they are with the first message swapped for `parent_lead` (the parent's first message,
+    as the caller believes it: the digest decides): then the row's own first message is kept as
+    `lead` and the rest as a delta."""
     digests = prefix_digests(messages)
-    base = 0
-    if (
-        parent_n_messages is not None
-        and 0 < parent_n_messages <= len(messages)
-        and digests[parent_n_messages] == parent_digest
-    ):
-        base = parent_n_messages
-    return StoredMessages(messages[base:], base, len(messages), digests[-1])
+    if parent_n_messages is None or not 0 < parent_n_messages <= len(messages):
+        return StoredMessages(messages, 0, len(messages), digests[-1])
+    if digests[parent_n_messages] == parent_digest:
+        return StoredMessages(messages[parent_n_messages:], parent_n_messages, len(messages), digests[-1])
+    if parent_lead is not None and parent_n_messages > 1:
+        swapped = prefix_digests([dict(parent_lead), *messages[1:parent_n_messages]])
+        if swapped[-1] == parent_digest:
+            delta = messages[parent_n_messages:]
+            return StoredMessages(delta, parent_n_messages, len(messages), digests[-1], messages[0])
+    return StoredMessages(messages, 0, len(messages), digests[-1])
 
 
-def rebuild(chain: Iterable[tuple[int, list[dict[str, Any]]]]) -> list[dict[str, Any]]:
-    """The whole message list from `(base, delta)` rows, oldest first, the first with base 0."""
+def with_lead(messages: list[dict[str, Any]], lead: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """`messages` with a row's own lead in place of the first (inherited) one."""
+    return messages if lead is None else [dict(lead), *messages[1:]]
+
+
+def rebuild(
+    chain: Iterable[tuple[int, list[dict[str, Any]], Mapping[str, Any] | None]],
+) -> list[dict[str, Any]]:
+    """The whole message list from `(base, delta, lead)` rows, oldest first, the first with base 0."""
     out: list[dict[str, Any]] = []
-    for base, delta in chain:
-        out = out[:base] + list(delta)
+    for base, delta, lead in chain:
+        out = with_lead(out[:base] + list(delta), lead)
     return out

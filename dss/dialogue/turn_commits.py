@@ -322,6 +322,7 @@ def commit_turn(
                 fingerprint=fingerprint,
                 epoch=epoch,
                 seen=seen,
+                parent_lead=_lead_of(target.base),
             )
             return Committed(v, branch)
         except StaleHead:
@@ -329,6 +330,10 @@ def commit_turn(
                 raise
             target = replace(target, branch=None)
     raise StaleHead(f"session {target.session_id!r} kept moving under the commit; retry the request")
+
+
+def _lead_of(base: VersionInfo | None) -> dict[str, Any] | None:
+    return dict(base.messages[0]) if base is not None and has_lead(base.messages) else None
 
 
 def _fork(versions: VersionStore, user: UserId, target: TurnTarget, epoch: int | None) -> str:

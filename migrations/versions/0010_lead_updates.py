@@ -2,7 +2,8 @@
 
 `versions.seen` records what the model saw where it differs from the client's messages (a turn
 served as a lead update: `dss.dialogue.lead.view`); null, as on every older row, means exactly
-the messages. `frontends.lead_updates` (off, volatile, any; null: the server's setting) and
+the messages. `versions.lead` keeps a version's first message when only it differs from the
+parent's, so that the rest is still stored as a delta (`dss.dialogue.history`). `frontends.lead_updates` (off, volatile, any; null: the server's setting) and
 `frontends.volatile_patterns` (the operator's own volatile values) configure lead updates for a
 frontend's keys. Nothing existing changes meaning.
 
@@ -27,6 +28,7 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     with op.batch_alter_table("versions") as batch:
         batch.add_column(sa.Column("seen", sa.JSON(), nullable=True))
+        batch.add_column(sa.Column("lead", sa.JSON(), nullable=True))
     with op.batch_alter_table("frontends") as batch:
         batch.add_column(sa.Column("lead_updates", sa.String(length=16), nullable=True))
         batch.add_column(sa.Column("volatile_patterns", sa.JSON(), nullable=True))
@@ -37,4 +39,5 @@ def downgrade() -> None:
         batch.drop_column("volatile_patterns")
         batch.drop_column("lead_updates")
     with op.batch_alter_table("versions") as batch:
+        batch.drop_column("lead")
         batch.drop_column("seen")

@@ -77,6 +77,7 @@ class Commits:
         fingerprint: str | None = None,
         epoch: int | None = None,
         seen: Mapping[str, Any] | None = None,
+        parent_lead: Mapping[str, Any] | None = None,
     ) -> VersionInfo:
         """Append a version as the child of `branch`'s head and move the head to it.
 
@@ -85,6 +86,8 @@ class Commits:
         whatever the head is when it lands. `epoch`: the erasure epoch the turn was admitted
         under (`UserErased` when the user was erased since; see `UserFence.hold_user`). `seen`:
         what the model saw where it differs from `messages` (`dss.dialogue.lead.view`).
+        `parent_lead`: the parent's first message as the caller read it, so that a version whose
+        first message alone differs is still stored as a delta (`dss.dialogue.history`).
         """
         arr = coerce_tokens(tokens)
         check_items("messages", messages, self._json_limits)  # before anything walks them recursively
@@ -100,7 +103,17 @@ class Commits:
         for _ in range(MAX_COMMIT_ATTEMPTS):
             try:
                 return self._try_commit(
-                    user, sid, branch, want, body, int(arr.size), msgs, fingerprint, epoch, seen_record
+                    user,
+                    sid,
+                    branch,
+                    want,
+                    body,
+                    int(arr.size),
+                    msgs,
+                    fingerprint,
+                    epoch,
+                    seen_record,
+                    parent_lead,
                 )
             except LostRace:
                 continue
@@ -118,6 +131,7 @@ class Commits:
         fingerprint: str | None,
         epoch: int | None,
         seen: dict[str, Any] | None,
+        parent_lead: Mapping[str, Any] | None,
     ) -> VersionInfo:
         with transaction(self._factory) as db:
             try:
@@ -138,8 +152,9 @@ class Commits:
                 if row is None:  # deleted (a cascade) after we read the head: re-read everything
                     raise LostRace
                 base = (row[0], row[1])
-            stored = stored_form(msgs, *(base if base is not None else (None, None)))
-            delta_bytes = json_size("messages", stored.delta) + (json_size("seen", seen) if seen else 0)
+            parent_n, parent_digest = base if base is not None else (None, None)
+            stored = stored_form(msgs, parent_n, parent_digest, parent_lead)
+            delta_bytes = json_size("messages", [*stored.delta, stored.lead or {}, seen or {}])
             check_commit_quota(db, user, self._quotas, len(body) + delta_bytes)
             # The fence before the first write (on SQLite it takes the write lock, so the quota's
             # sum above did not hold it); what was read before is checked by the compare-and-sets.
@@ -174,6 +189,7 @@ class Commits:
                 body_bytes=len(body) + delta_bytes,
                 fingerprint=fingerprint,
                 seen=seen,
+                lead=stored.lead,
             )
             db.add(added)
             db.flush()

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from dss.db.connect import transaction
 from dss.db.models import BranchRow, VersionRow
-from dss.dialogue.history import prefix_digests
+from dss.dialogue.history import prefix_digests, with_lead
 from dss.dialogue.versions.records import (
     SUMMARY_COLS,
     VersionInfo,
@@ -54,7 +54,7 @@ class VersionReads:
                 for r in db.scalars(q):  # parents have smaller numbers: rebuilt before children
                     # A version that inherits messages has a parent (messages_base > 0 only then).
                     inherited = full[r.parent][: r.messages_base] if r.messages_base and r.parent else []
-                    full[r.number] = inherited + list(r.messages)
+                    full[r.number] = with_lead(inherited + list(r.messages), r.lead)
                     out.append(full_version(r, full[r.number]))
                 return out
             q2 = select(*SUMMARY_COLS).where(*version_key(user, sid)).order_by(VersionRow.number)

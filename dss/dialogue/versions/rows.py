@@ -66,19 +66,26 @@ def load_version(db: Session, user: UserId, sid: SessionId, number: int) -> Vers
     if row.messages_base == 0:
         return full_version(row, list(row.messages))
     v = aliased(VersionRow)
-    cols = (VersionRow.number, VersionRow.parent, VersionRow.messages_base, VersionRow.messages)
+    cols = (
+        VersionRow.number,
+        VersionRow.parent,
+        VersionRow.messages_base,
+        VersionRow.messages,
+        VersionRow.lead,
+    )
     chain = (
         select(*cols)
         .where(*version_key(user, sid), VersionRow.number == row.parent)
         .cte("chain", recursive=True)
     )
     chain = chain.union_all(
-        select(v.number, v.parent, v.messages_base, v.messages)
+        select(v.number, v.parent, v.messages_base, v.messages, v.lead)
         .join(chain, and_(v.number == chain.c.parent, chain.c.messages_base > 0))
         .where(v.user_id == user, v.session_id == sid)
     )
-    rows = db.execute(select(chain.c.messages_base, chain.c.messages).order_by(chain.c.number)).tuples()
-    return full_version(row, rebuild([*rows, (row.messages_base, row.messages)]))
+    q = select(chain.c.messages_base, chain.c.messages, chain.c.lead).order_by(chain.c.number)
+    rows = db.execute(q).tuples()
+    return full_version(row, rebuild([*rows, (row.messages_base, row.messages, row.lead)]))
 
 
 def branch_rows(db: Session, user: UserId, sid: SessionId) -> list[BranchRow]:

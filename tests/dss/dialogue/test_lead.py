@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.config import Quotas
+from dss.db.models import VersionRow
 from dss.dialogue.lead.gate import Check, QualityGate, total_variation
 from dss.dialogue.lead.policy import GATED, NOT_TEXT, NOT_VOLATILE, OFF, LeadPolicy, classify
 from dss.dialogue.lead.update import noted, update_text
@@ -152,3 +154,27 @@ def test_a_drifted_dialogue_attaches_to_the_version_it_extends(
         versions, "ann", "s", [sys("Now: 2026-12-05 11:00:00"), *history[:-2]], None, lead_policy=VOLATILE
     )
     assert again.parent == numbers[-2] and again.lead is not None and again.lead.served
+
+
+def test_a_chat_whose_lead_moves_every_turn_stores_its_messages_once(
+    session_factory: sessionmaker[Session],
+) -> None:
+    """Each version whose system prompt alone changed stores that prompt and its own new messages,
+    not the whole list again (before: the whole list each turn, O(n^2) bytes)."""
+    versions = VersionStore(session_factory, Quotas())
+    history: list[dict[str, str]] = []
+    for i in range(6):
+        history.append({"role": "user", "content": f"question {i} " + "x" * 200})
+        lead = sys(f"Now: 2026-12-05 09:14:{10 + i:02d}")
+        target = chat_target(versions, "ann", "grow", [lead, *history], None, lead_policy=VOLATILE)
+        answer = {"role": "assistant", "content": f"answer {i} " + "y" * 200}
+        done = commit_turn(
+            versions, "ann", target, np.arange(3, dtype=np.int32), [lead, *history, answer], "fp"
+        )
+        history.append(answer)
+        assert versions.get_version("ann", "grow", done.version.number).messages == [lead, *history]
+    listed = versions.list_versions("ann", "grow", with_body=True)
+    assert listed[-1].messages == [lead, *history]
+    with session_factory() as db:
+        sizes = [len(str(r.messages)) for r in db.scalars(select(VersionRow).order_by(VersionRow.number))]
+    assert max(sizes[1:]) < 2 * sizes[0], sizes  # each later row: its two messages, not all of them
