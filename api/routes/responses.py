@@ -77,6 +77,7 @@ async def create_response(
             plan.item_id,
             params,
             fields,
+            body.truncation == "auto",
         )
     else:
         resolve = partial(
@@ -95,6 +96,7 @@ async def create_response(
                 caller,
                 requested_mode(body.lead_updates, request.headers),
             ),
+            body.truncation == "auto",
         )
     return await serve_turn(state, engine, request, who.user, body.stream, resolve, ResponseReply(plan))
 

@@ -173,7 +173,7 @@ def delete_session(session_id: str, state: StateDep, principal: PrincipalDep) ->
 
 
 # The fields of a `/messages` request that are DSS's own, not OpenAI's.
-_MESSAGE_OWN = {"content", "branch", "version"}
+_MESSAGE_OWN = {"content", "branch", "version", "truncation"}
 _MESSAGE_REFUSED = {**REFUSED, "messages": "stateful mode continues the stored dialogue: send `content`"}
 
 
@@ -215,5 +215,6 @@ async def post_message(
         body.text(),
         body,
         fields,
+        body.truncation == "auto",
     )
     return await serve_turn(state, engine, request, who.user, bool(body.stream), resolve, ChatReply())

@@ -72,7 +72,6 @@ RESPONSES_REFUSED: Mapping[str, str] = {
     "reasoning": "the model does not reason",
     "background": "responses are answered in the foreground",
     "prompt": "prompt templates are not served",
-    "truncation": "a prompt is never truncated: a dialogue's history is its state",
     "service_tier": "this server has one tier",
     "prompt_cache_key": "every stored response is cached with its chain",
     "prompt_cache_retention": "retention is set per session (PATCH /v1/sessions/{id})",
@@ -81,7 +80,6 @@ RESPONSES_REFUSED: Mapping[str, str] = {
 }
 _NO_OP: Mapping[str, tuple[Any, ...]] = {
     "tool_choice": ("auto", "none", None),
-    "truncation": ("disabled", None),
     "service_tier": ("auto", "default", None),
     "parallel_tool_calls": (True, False, None),
 }
@@ -149,6 +147,9 @@ class ResponseCreate(BaseModel):
     # OpenAI's stable id of the end user; on a frontend key it may name the end user (`api.end_users`).
     safety_identifier: str | None = Field(default=None, max_length=256)
     text: TextConfig | None = None
+    # "auto": a dialogue that outgrew the context is shortened from its front, in large steps
+    # (`api.turn.truncate`); "disabled": it is refused with a 400, as in OpenAI's API.
+    truncation: Literal["disabled", "auto"] = "disabled"
     lead_updates: LeadUpdatesField = None
 
     @field_validator("metadata")
@@ -292,7 +293,7 @@ def response_body(record: ResponseRecord) -> dict[str, Any]:
         "tool_choice": "none",
         "tools": [],
         "top_p": p.get("top_p"),
-        "truncation": "disabled",
+        "truncation": p.get("truncation", "disabled"),
         "usage": record.usage or None,
         "user": p.get("user"),
         "metadata": p.get("metadata") or {},
@@ -317,6 +318,8 @@ def _record(
     dss: dict[str, Any] = {"cached_tokens": info.cached_tokens, "loaded_tokens": info.loaded_tokens}
     if info.lead_update is not None:
         dss["lead_update"] = info.lead_update.model_dump()
+    if info.truncated_messages:
+        dss["truncated_messages"] = info.truncated_messages
     if committed is not None:
         dss |= {"session_id": session_id, "version": committed.version.number, "branch": committed.branch}
     return ResponseRecord(
@@ -350,6 +353,7 @@ def _record(
             "incomplete_details": None if complete else {"reason": "max_output_tokens"},
             "completed_at": int(time.time()),
             "conversation": _conversation(body),
+            "truncation": body.truncation,
             "dss": dss,
         },
     )

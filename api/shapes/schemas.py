@@ -201,6 +201,11 @@ class SessionMessageRequest(GenerationParams):
     branch: str | None = Field(default=None, pattern=NAME_PATTERN)
     version: int | None = Field(default=None, ge=1, le=2**31 - 1)
     user: str | None = Field(default=None, max_length=256)
+    truncation: Literal["disabled", "auto"] = Field(
+        default="disabled",
+        description="auto: a dialogue that outgrew the context is shortened from its front, in large "
+        "steps at message boundaries, so later turns extend the same prefix from cache",
+    )
 
     @model_validator(mode="after")
     def _one_base(self) -> SessionMessageRequest:
@@ -280,6 +285,9 @@ class DssInfo(BaseModel):
     )
     lead_update: LeadUpdateInfo | None = Field(
         default=None, description="present when the turn's lead differs from the stored version's"
+    )
+    truncated_messages: int = Field(
+        default=0, description='history messages left out of the prompt (`truncation: "auto"`)'
     )
 
 

@@ -42,6 +42,7 @@ def dss_info(prep: Prepared, fins: Sequence[Finished]) -> DssInfo:
         loaded_from=_tiers(report.loaded_from if report else {}),
         resident=_tiers(report.found_in if report else {}),
         lead_update=_lead(prep.lead),
+        truncated_messages=prep.truncated,
     )
 
 

@@ -44,12 +44,16 @@ class LeadReport:
     reused_tokens: int = 0  # the stored ids (the history as computed) the prompt starts with
     frontend: str = SERVER
 
+    def not_served(self, reason: str) -> LeadReport:
+        return LeadReport(False, reason, self.kind, self.changed, frontend=self.frontend)
+
 
 @dataclass(frozen=True, slots=True)
 class PromptPlan:
     ids: list[int]
     seen: dict[str, Any] | None  # what the model saw of the committed messages (None: them)
     lead: LeadReport | None
+    truncated: int = 0  # messages cut from the front of the history (`api.turn.truncate`)
 
 
 def policy_for(
@@ -106,14 +110,14 @@ def plan_prompt(
                 if placed is not None:
                     ids, seen_view = placed
                     done = _served(report, where, text, len(engine.encode(text)), len(stored))
-                    return PromptPlan(ids, seen_view.record(), done)
-            report = _not_served(report, TEMPLATE)
+                    return PromptPlan(ids, seen_view.record(), done, _dropped(seen_view))
+            report = report.not_served(TEMPLATE) if report is not None else None
         else:
             continued = _continue(engine, stored, base_seen, new, tools)
             if continued is not None:
-                return PromptPlan(continued, view.record(), report)
-    elif serve:
-        report = _not_served(report, TEMPLATE if continuable(base, engine.fingerprint) else NO_STORED_IDS)
+                return PromptPlan(continued, view.record(), report, _dropped(view))
+    elif serve and report is not None:
+        report = report.not_served(TEMPLATE if continuable(base, engine.fingerprint) else NO_STORED_IDS)
     return PromptPlan(engine.render(messages, tools=tools), None, report)
 
 
@@ -147,6 +151,10 @@ def _placed(
     return ids, seen_view
 
 
+def _dropped(view: ModelView) -> int:
+    return view.dropped[1] - view.dropped[0] if view.dropped is not None else 0
+
+
 def _continue(
     engine: ChatEngine,
     stored: list[int],
@@ -176,9 +184,3 @@ def _report(drift: LeadDrift | None) -> LeadReport | None:
 def _served(report: LeadReport | None, where: str, text: str, n_tokens: int, reused: int) -> LeadReport:
     assert report is not None
     return LeadReport(True, None, report.kind, report.changed, where, text, n_tokens, reused, report.frontend)
-
-
-def _not_served(report: LeadReport | None, reason: str) -> LeadReport | None:
-    if report is None:
-        return None
-    return LeadReport(False, reason, report.kind, report.changed, frontend=report.frontend)

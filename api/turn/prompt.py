@@ -18,6 +18,7 @@ from typing import Any
 from api.llm.chat_engine import ChatEngine
 from api.state import AppState
 from api.turn.lead import PromptPlan, plan_prompt
+from api.turn.truncate import shortened
 from api.turn.types import Prepared, Turn
 
 
@@ -32,6 +33,11 @@ async def prepare(state: AppState, engine: ChatEngine, turn: Turn) -> Prepared:
     validated = engine.validate(turn.messages, turn.fields)
     placement = state.settings.lead.placement
     plan = await asyncio.to_thread(prompt_for, engine, turn, validated.tools, placement)
+    answer_room = turn.params.requested_max_tokens or lim.default_max_tokens
+    if turn.truncate and len(plan.ids) + answer_room > engine.max_model_len:
+        room = engine.max_model_len - answer_room
+        cut = await asyncio.to_thread(shortened, engine, turn.messages, validated.tools, room, plan.lead)
+        plan = cut or plan  # none fits: the length check below says so
     prompt_ids = plan.ids
     max_tokens = engine.check_length(
         len(prompt_ids), turn.params.requested_max_tokens, lim.default_max_tokens
@@ -44,7 +50,9 @@ async def prepare(state: AppState, engine: ChatEngine, turn: Turn) -> Prepared:
     else:
         tenant = store.identity.tenant_for(turn.user)
         salt = await asyncio.to_thread(store.identity.cache_salt, turn.user)
-    return Prepared(prompt_ids, sampling, tenant, salt, seen=plan.seen, lead=plan.lead)
+    return Prepared(
+        prompt_ids, sampling, tenant, salt, seen=plan.seen, lead=plan.lead, truncated=plan.truncated
+    )
 
 
 def prompt_for(

@@ -62,6 +62,7 @@ async def message_turn(
     text: str,
     params: GenerationParams,
     fields: Mapping[str, Any],
+    truncate: bool,
     epoch: int,
 ) -> Turn:
     """A stateful turn: the stored dialogue of the branch (or version), then the new message."""
@@ -70,7 +71,7 @@ async def message_turn(
     )
     messages = [*base, {"role": "user", "content": text}]
     check_limits(state.settings.limits, params, messages, fields)
-    return Turn(user, messages, params, target, fields, epoch=epoch)
+    return Turn(user, messages, params, target, fields, epoch=epoch, truncate=truncate)
 
 
 async def response_turn(
@@ -83,6 +84,7 @@ async def response_turn(
     params: GenerationParams,
     fields: Mapping[str, Any],
     lead_policy: LeadPolicy,
+    truncate: bool,
     epoch: int,
 ) -> Turn:
     """A Responses turn: the chain of `previous_response_id` (a session of its own), the
@@ -100,7 +102,9 @@ async def response_turn(
         lead_policy,
     )
     check_limits(state.settings.limits, params, planned.messages, fields)
-    return Turn(user, planned.messages, params, planned.target, fields, persist=store, epoch=epoch)
+    return Turn(
+        user, planned.messages, params, planned.target, fields, persist=store, epoch=epoch, truncate=truncate
+    )
 
 
 async def conversation_turn(
@@ -112,6 +116,7 @@ async def conversation_turn(
     answer_item_id: str,
     params: GenerationParams,
     fields: Mapping[str, Any],
+    truncate: bool,
     epoch: int,
 ) -> Turn:
     """A Responses turn in a conversation (`dss.dialogue.conversations`): the instructions, the
@@ -122,5 +127,12 @@ async def conversation_turn(
     )
     check_limits(state.settings.limits, params, planned.messages, fields)
     return Turn(
-        user, planned.messages, params, planned.target, fields, epoch=epoch, answer_item_id=answer_item_id
+        user,
+        planned.messages,
+        params,
+        planned.target,
+        fields,
+        epoch=epoch,
+        answer_item_id=answer_item_id,
+        truncate=truncate,
     )

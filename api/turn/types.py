@@ -30,6 +30,8 @@ class Turn:
     # every write it makes is refused (`UserErased`) once the user was erased since, however
     # far the turn got (prepared, generating, committing). None: whatever the epoch is then.
     epoch: int | None = None
+    # `truncation: "auto"`: a dialogue that outgrew the context is shortened (`api.turn.truncate`).
+    truncate: bool = False
     # The id its answer is stored with (a conversation's output item: `dss.dialogue.conversations`
     # keeps each item's id in its message). None: the answer is stored without one.
     answer_item_id: str | None = None
@@ -46,6 +48,7 @@ class Prepared:
     seen: dict[str, Any] | None = None
     # The turn's lead changed: served as a lead update or not, and why (`api.turn.lead`).
     lead: LeadReport | None = None
+    truncated: int = 0  # history messages the prompt left out (`truncation: "auto"`)
 
 
 @dataclass(frozen=True, slots=True)

@@ -179,3 +179,48 @@ def test_the_quality_gate_turns_lead_updates_off_when_agreement_falls_and_says_s
         again = run_chat(c, "gated-3", 2, lead_updates="volatile")[1]["dss"]["lead_update"]
         assert again["served"] is True
         assert c.get("/v1/admin/lead-gate").status_code == 403  # figures are the operator's
+
+
+def test_truncation_auto_cuts_in_one_large_step_and_later_turns_extend_it(api_server: ApiServer) -> None:
+    """A stateful session that outgrows the 2048-token context: refused without truncation; with
+    `truncation: "auto"` cut once, and the next turn serves the shortened prefix from cache."""
+    long = "Tell me more about rivers. " * 60  # ~360 tokens a message
+    with api_server.client("trunc") as c:
+        assert c.post(
+            "/v1/sessions", json={"session_id": "long", "system_prompt": "Be brief."}
+        ).status_code in (
+            200,
+            201,
+        )
+        body: dict[str, Any] = {"content": long, "max_tokens": 16, "temperature": 0}
+        answers = []
+        for _ in range(12):
+            r = c.post("/v1/sessions/long/messages", json=body)
+            if r.status_code == 400:
+                assert r.json()["error"]["code"] == "context_length_exceeded", r.text
+                break
+            assert r.status_code == 200, r.text
+            answers.append(r.json())
+        else:
+            pytest.fail("the dialogue never outgrew the context")
+        cut = c.post("/v1/sessions/long/messages", json={**body, "truncation": "auto"})
+        assert cut.status_code == 200, cut.text
+        first = cut.json()
+        dropped = first["dss"]["truncated_messages"]
+        assert dropped >= 2 and dropped % 2 == 0  # whole turns, from a user message on
+        assert first["usage"]["prompt_tokens"] <= 2048 // 2 + 400
+        after = c.post("/v1/sessions/long/messages", json={**body, "truncation": "auto"}).json()
+        assert after["dss"]["truncated_messages"] == dropped  # the same cut: the same prefix
+        assert cached_tokens(after) >= first["usage"]["prompt_tokens"]  # the cut prompt from cache
+        # The version keeps every message; the model saw the shortened dialogue.
+        v = c.get(f"/v1/sessions/long/versions/{after['state_version']}").json()
+        assert len(v["messages"]) == 2 * (len(answers) + 2) + 1
+
+
+def test_responses_truncation_auto_is_accepted_and_echoed(api_server: ApiServer) -> None:
+    with api_server.client("trunc-resp") as c:
+        r = c.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 4, "truncation": "auto"})
+        assert r.status_code == 200, r.text
+        assert r.json()["truncation"] == "auto"
+        bad = c.post("/v1/responses", json={"input": "Hi", "truncation": "sometimes"})
+        assert bad.status_code == 400
