@@ -64,6 +64,9 @@ async def create_response(
     params = GenerationParams(max_tokens=body.max_output_tokens, stream=body.stream)
     fields = body.sampling_fields()
 
+    lead = policy_for(
+        state.settings.lead, state.lead_gate, caller, requested_mode(body.lead_updates, request.headers)
+    )
     resolve: Resolve
     conversation = body.conversation_id
     if conversation is not None:
@@ -78,6 +81,7 @@ async def create_response(
             params,
             fields,
             body.truncation == "auto",
+            lead,
         )
     else:
         resolve = partial(
@@ -90,12 +94,7 @@ async def create_response(
             body.store,
             params,
             fields,
-            policy_for(
-                state.settings.lead,
-                state.lead_gate,
-                caller,
-                requested_mode(body.lead_updates, request.headers),
-            ),
+            lead,
             body.truncation == "auto",
         )
     return await serve_turn(state, engine, request, who.user, body.stream, resolve, ResponseReply(plan))

@@ -117,13 +117,14 @@ async def conversation_turn(
     params: GenerationParams,
     fields: Mapping[str, Any],
     truncate: bool,
+    lead_policy: LeadPolicy,
     epoch: int,
 ) -> Turn:
     """A Responses turn in a conversation (`dss.dialogue.conversations`): the instructions, the
     conversation's items, then the new input items (each message keeps its item id, and the
     answer is stored under `answer_item_id`); committed on the conversation's `main`."""
     planned = await asyncio.to_thread(
-        state.store.conversations.turn, user, conversation_id, instructions, new
+        state.store.conversations.turn, user, conversation_id, instructions, new, lead_policy
     )
     check_limits(state.settings.limits, params, planned.messages, fields)
     return Turn(

@@ -37,6 +37,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from dss.dialogue.history import prefix_digests
+from dss.dialogue.lead.policy import LeadPolicy, classify
 from dss.dialogue.turn_commits import TurnTarget
 from dss.dialogue.versions import EMPTY_HEAD, MAIN_BRANCH, SessionInfo, VersionStore
 from dss.errors import (
@@ -284,11 +285,14 @@ class Conversations:
         cid: SessionId,
         instructions: str | None,
         new_messages: Sequence[Mapping[str, Any]],
+        lead_policy: LeadPolicy | None = None,
     ) -> ConversationTurn:
         """Where a response in the conversation attaches (a child of `main`'s head, on `main`) and
         its dialogue: this response's instructions, the items, then its input (`new_messages`,
         each with its item id). Its prompt continues from the deepest version that stores token
-        ids and whose messages start that dialogue."""
+        ids and whose messages start that dialogue; or, when the instructions changed since the
+        head's, from the deepest one whose messages start it but for them (a lead update when
+        `lead_policy` allows: `TurnTarget.lead`)."""
         conv = self.get(user, cid)
         stored = self._messages(user, cid, conv.head)
         new = [dict(m) for m in new_messages]
@@ -301,6 +305,13 @@ class Conversations:
         items = [m for m in stored if not m.get(INSTRUCTIONS_KEY)]
         messages = [*lead, *items, *new]
         base = self._versions.find_deepest_prefix_version(user, cid, messages, holding_tokens=True)
+        drift = None
+        if lead and stored and stored[0].get(INSTRUCTIONS_KEY) and stored[0] != lead[0]:
+            probe = [stored[0], *items, *new]
+            found = self._versions.find_deepest_prefix_version(user, cid, probe, holding_tokens=True)
+            if found is not None and len(found.messages) > max(1, len(base.messages) if base else 0):
+                base = found
+                drift = classify(lead_policy or LeadPolicy(), stored[0], lead[0])
         parent = conv.head if conv.head != EMPTY_HEAD else None
-        target = TurnTarget(conv.id, parent, MAIN_BRANCH, fork_on_race=False, base=base)
+        target = TurnTarget(conv.id, parent, MAIN_BRANCH, fork_on_race=False, base=base, lead=drift)
         return ConversationTurn(target, messages)

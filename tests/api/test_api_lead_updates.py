@@ -224,3 +224,27 @@ def test_responses_truncation_auto_is_accepted_and_echoed(api_server: ApiServer)
         assert r.json()["truncation"] == "auto"
         bad = c.post("/v1/responses", json={"input": "Hi", "truncation": "sometimes"})
         assert bad.status_code == 400
+
+
+def test_a_conversation_whose_instructions_carry_the_time_is_served_from_cache(api_server: ApiServer) -> None:
+    with api_server.client("lead-conv") as c:
+        conv = c.post("/v1/conversations", json={})
+        assert conv.status_code == 200, conv.text
+        cid = conv.json()["id"]
+        outs = []
+        for i, q in enumerate(QUESTIONS[:3]):
+            body = {
+                "conversation": cid,
+                "input": q,
+                "instructions": system_at(START + timedelta(seconds=47 * i))["content"],
+                "max_output_tokens": 8,
+                "temperature": 0,
+                "lead_updates": "volatile",
+            }
+            r = c.post("/v1/responses", json=body)
+            assert r.status_code == 200, r.text
+            outs.append(r.json())
+        for o in outs[1:]:
+            lead = o["dss"]["lead_update"]
+            assert lead["served"] is True, lead
+            assert o["usage"]["input_tokens_details"]["cached_tokens"] >= lead["reused_tokens"] - 1 > 0
