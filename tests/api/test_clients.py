@@ -13,7 +13,9 @@ model's JSON valid. The versions are pinned in pyproject.toml's dev extra.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import uuid
+from datetime import datetime, timedelta
 from typing import Any
 
 import openai
@@ -183,3 +185,102 @@ def test_openai_agents_runs_keep_their_history_in_an_openai_conversations_sessio
             await client.conversations.retrieve(conversation.id)
 
     asyncio.run(run())
+
+
+# A system prompt's usual bulk after the time: the history computed under it is what a lead
+# update keeps, and what a turn without one recomputes from the time on (only the tokens before
+# the first changed digit are shared: a long prompt keeps them a small share).
+CLOCK_PERSONA = (
+    "You are the assistant of a small family bakery on the corner of Mill Street. You answer "
+    "questions about bread, pastries, cakes, opening hours, allergens and orders in a few friendly "
+    "words. The bakery opens at seven in the morning on weekdays and at eight on Saturdays; it is "
+    "closed on Sundays and on public holidays. Rye, spelt and white sourdough loaves are baked "
+    "every morning; croissants and cinnamon buns sell out by ten. Celebration cakes need two "
+    "days' notice and a deposit, paid in the shop. Never invent prices, never promise a delivery "
+    "time, and never give medical advice about allergies: point to the allergen sheet at the "
+    "counter instead. When you do not know something, say so plainly and suggest calling the shop "
+    "during opening hours. Keep every answer short, polite and in plain language, and do not use "
+    "lists or headings."
+)
+CLOCK_QUESTIONS = ["Do you bake rye bread?", "And on Sundays?", "Can I order a cake for Friday?", "Thanks!"]
+
+
+def clock_agent_turns(server: ApiServer, user: str, mode: str) -> list[dict[str, Any]]:
+    """Four chained openai-agents runs (`previous_response_id`) of an Agent whose instructions
+    carry the time, 47 s later on every call, as a frontend's templated system prompt does; lead
+    updates `mode` asked for as openai-agents lets one: `volatile` in the model settings' extra
+    body, `off` in the client's default headers. Per run: what it used and what DSS stored."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    start, calls = datetime(2026, 12, 5, 9, 14, 2), itertools.count()
+
+    def instructions(_ctx: Any, _agent: Any) -> str:
+        now = start + timedelta(seconds=47 * next(calls))
+        return f"{now:%Y-%m-%d %H:%M:%S} is the time now. {CLOCK_PERSONA}"
+
+    on = mode != "off"
+    client = AsyncOpenAI(
+        base_url=server.base_url + "/v1",
+        api_key=server.key(user),
+        timeout=TIMEOUT_S,
+        max_retries=0,
+        default_headers={} if on else {"X-DSS-Lead-Updates": mode},
+    )
+    agent = Agent(
+        name="clock",
+        instructions=instructions,
+        model=OpenAIResponsesModel("default", client),
+        model_settings=ModelSettings(
+            max_tokens=24, temperature=0, extra_body={"lead_updates": mode} if on else None
+        ),
+    )
+
+    async def run() -> list[dict[str, Any]]:
+        turns: list[dict[str, Any]] = []
+        previous = None
+        for question in CLOCK_QUESTIONS:
+            result = await Runner.run(agent, question, previous_response_id=previous)
+            previous = result.last_response_id
+            assert previous
+            stored = await client.responses.retrieve(previous)
+            usage = result.context_wrapper.usage
+            turns.append(
+                {
+                    "instructions": stored.instructions,
+                    "previous": stored.previous_response_id,
+                    "total": usage.total_tokens,
+                    "cached": usage.input_tokens_details.cached_tokens,
+                    "lead": (stored.model_extra or {}).get("dss", {}).get("lead_update"),
+                }
+            )
+        return turns
+
+    return asyncio.run(run())
+
+
+def test_openai_agents_instructions_with_the_time_keep_the_chain_cached_with_lead_updates(
+    api_server: ApiServer,
+) -> None:
+    shares = {}
+    for mode in ("volatile", "off"):
+        turns = clock_agent_turns(api_server, f"cl-clock-{mode}", mode)
+        # Each run sent instructions of its own time and chained to the run before.
+        assert len({t["instructions"] for t in turns}) == len(turns), [t["instructions"] for t in turns]
+        assert turns[0]["previous"] is None and all(t["previous"] for t in turns[1:])
+        assert turns[0]["lead"] is None  # nothing stored to differ from
+        shares[mode] = []
+        for before, t in itertools.pairwise(turns):
+            history = before["total"]  # the previous run's prompt and answer
+            shares[mode].append(round(t["cached"] / history, 3))
+            lead = t["lead"]
+            assert lead is not None and lead["kind"] == "volatile", lead
+            if mode == "volatile":
+                assert lead["served"] is True and lead["reason"] is None, lead
+                assert lead["reused_tokens"] >= 0.9 * history, (lead, history)
+                assert t["cached"] >= 0.9 * history, (t, history)
+            else:
+                assert (lead["served"], lead["reason"]) == (False, "off"), lead
+                assert t["cached"] < 0.1 * history, (t, history)
+    print("cached share of the history per later run:", shares)

@@ -15,8 +15,10 @@ on first use (about a minute and a half), outside the checkout. Deselect with `-
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -98,6 +100,7 @@ class OpenWebUI:
     base_url: str
     proxy: RecordingProxy
     log_path: Path
+    admin: Person | None = None  # the first person signed up (who adds the others)
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +220,7 @@ class Person:
         _wait(d, lambda d: _css(d, "#name"), "the sign-up form")
         _css(d, "#name")[0].send_keys(self.name)
         self._submit_credentials()
+        self.owui.admin = self
 
     def add(self, other: Person) -> None:
         """Adds `other` as a user, as an admin does (Admin Panel > Users > Add User)."""
@@ -257,6 +261,19 @@ class Person:
         from selenium.webdriver.common.keys import Keys
 
         d.find_element("tag name", "body").send_keys(Keys.ESCAPE)  # the admin's "What's new"
+
+    def save_settings(self, **ui: Any) -> None:
+        """Saves the person's settings as the Settings dialog does (`ui` fields, e.g. `system`:
+        Settings > General > System Prompt, which Open WebUI puts first in every chat's messages
+        with its `{{...}}` variables filled on each request); the next page load reads them."""
+        r = httpx.post(
+            f"{self.owui.base_url}/api/v1/users/user/settings/update",
+            headers={"Authorization": f"Bearer {self.token}"},
+            json={"ui": ui},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+        assert {k: r.json()["ui"].get(k) for k in ui} == ui, r.json()
 
     def new_chat(self) -> None:
         self.d.get(f"{self.owui.base_url}/")
@@ -429,3 +446,119 @@ def test_two_people_chat_regenerate_edit_and_one_is_erased(
         assert {n: v["n_tokens"] for n, v in _versions(as_bob, chat_b).items()} == {
             n: v["n_tokens"] for n, v in bob_before.items()
         }
+
+
+# ------------------------------------------------------------------ lead updates (issue 27)
+# Open WebUI's own variables: the time (the browser's, to the second, on every request) and the
+# person's name. The time comes first, as people write such prompts; the bulk after it is the
+# history a lead update keeps (without one, only the tokens before the first changed digit are
+# shared with the stored version: a long prompt keeps them a small share).
+CLOCK_SYSTEM_PROMPT = (
+    "Current date and time: {{CURRENT_DATETIME}}. You are talking with {{USER_NAME}}.\n"
+    "You are the assistant of a small family bakery on the corner of Mill Street. You answer "
+    "questions about bread, pastries, cakes, opening hours, allergens and orders in a few friendly "
+    "words. The bakery opens at seven in the morning on weekdays and at eight on Saturdays; it is "
+    "closed on Sundays and on public holidays. Rye, spelt and white sourdough loaves are baked "
+    "every morning; croissants and cinnamon buns sell out by ten. Celebration cakes need two "
+    "days' notice and a deposit, paid in the shop. Never invent prices, never promise a delivery "
+    "time, and never give medical advice about allergies: point to the allergen sheet at the "
+    "counter instead. When you do not know something, say so plainly and suggest calling the shop "
+    "during opening hours. Keep every answer short, polite and in plain language."
+)
+CLOCK_QUESTIONS = ["Do you bake rye bread?", "And on Sundays?", "Can I order a cake for Friday?"]
+PAUSE_S = 2.0  # between turns: the time Open WebUI renders (to the second) moves on
+DATETIME = re.compile(r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}")
+
+
+def _set_lead_updates(dss: DssFrontend, mode: str | None) -> None:
+    """The frontend's lead updates, as an operator sets them (`PATCH /v1/admin/frontends/{name}`:
+    its keys follow at once on this server; None: the server's setting)."""
+    r = httpx.patch(
+        f"{dss.server.base_url}/v1/admin/frontends/{dss.frontend}",
+        json={"lead_updates": mode},
+        headers=dss.server.headers("admin", True),
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["lead_updates"] == mode
+
+
+def _dss_block(e: Exchange) -> dict[str, Any]:
+    """The streamed answer's `dss` block (on its usage chunk)."""
+    for line in e.response_body.decode("utf-8", "replace").splitlines():
+        if line.startswith("data: {") and '"dss"' in line:
+            chunk = json.loads(line[len("data: ") :])
+            if chunk.get("dss") is not None:
+                block: dict[str, Any] = chunk["dss"]
+                return block
+    raise AssertionError(f"no dss block in the answer: {e.response_body[-500:]!r}")
+
+
+def _clock_chat(person: Person) -> tuple[str, list[Exchange]]:
+    """A new chat of a few turns, some seconds apart; its id and the turns' exchanges."""
+    person.new_chat()
+    turns = []
+    for i, question in enumerate(CLOCK_QUESTIONS):
+        if i:
+            time.sleep(PAUSE_S)
+        turns.append(person.send(question))
+    return person.chat_id(), turns
+
+
+def test_a_system_prompt_with_the_time_keeps_the_history_cached_with_lead_updates(
+    dss: DssFrontend, open_webui: OpenWebUI, driver: Any
+) -> None:
+    carol = Person(driver, open_webui, "Carol")
+    if open_webui.admin is None:  # this test alone: Carol is the first
+        carol.sign_up_first()
+    else:
+        open_webui.admin.add(carol)
+        carol.sign_in()
+    # The admin's "What's new" would cover the page on every load (Settings > Interface).
+    carol.save_settings(system=CLOCK_SYSTEM_PROMPT, showChangelog=False)
+    chats: dict[str, tuple[str, list[Exchange]]] = {}
+    try:
+        for mode in ("volatile", "off"):
+            _set_lead_updates(dss, mode)
+            chats[mode] = _clock_chat(carol)
+    finally:
+        _set_lead_updates(dss, None)
+
+    shares: dict[str, list[float]] = {}
+    for mode, (chat, turns) in chats.items():
+        answers = [e.answer() for e in turns]
+        # Open WebUI sent the whole dialogue under a system prompt it filled anew each turn: the
+        # same prompt but for the time, which moved on.
+        systems = []
+        for k, e in enumerate(turns):
+            assert e.status == 200, e.response_body[-500:]
+            messages = e.json()["messages"]
+            assert [m["role"] for m in messages] == ["system", *["user", "assistant"] * k, "user"]
+            system = messages[0]["content"]
+            assert "{{" not in system and "You are talking with Carol." in system, system
+            assert DATETIME.search(system), system
+            assert DATETIME.sub("", system) == DATETIME.sub("", turns[0].json()["messages"][0]["content"])
+            systems.append(system)
+        assert len(set(systems)) == len(systems), systems
+        # One session (the chat), each turn extending the one before: with lead updates or not.
+        assert {a["session_id"] for a in answers} == {chat}
+        for before, a in itertools.pairwise(answers):
+            assert a["parent_version"] == before["state_version"], (before, a)
+        assert _dss_block(turns[0])["lead_update"] is None  # nothing stored to differ from
+        shares[mode] = []
+        for before, e, a in zip(answers, turns[1:], answers[1:], strict=False):
+            history = before["usage"]["prompt_tokens"] + before["usage"]["completion_tokens"]
+            cached = cached_tokens(a)
+            shares[mode].append(round(cached / history, 3))
+            lead = _dss_block(e)["lead_update"]
+            assert lead is not None and lead["kind"] == "volatile", lead
+            assert len(lead["changed"]) == 1 and lead["changed"][0]["old"] != lead["changed"][0]["new"], lead
+            if mode == "volatile":
+                assert lead["served"] is True and lead["reason"] is None, lead
+                assert lead["update"].startswith("Current date and time:"), lead
+                assert lead["reused_tokens"] >= 0.9 * history, (lead, history)
+                assert cached >= 0.9 * history, (a["usage"], history)
+            else:
+                assert (lead["served"], lead["reason"]) == (False, "off"), lead
+                assert cached < 0.1 * history, (a["usage"], history)
+    print("cached share of the history per later turn:", shares)
