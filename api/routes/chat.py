@@ -21,6 +21,7 @@ from api.shapes.schemas import ChatCompletion, ChatCompletionRequest
 from api.turn.lead import policy_for, requested_mode
 from api.turn.pipeline import serve_turn
 from api.turn.target import chat_turn
+from dss.dialogue.lead.match import content_session_id
 from dss.errors import ModelNotFound
 
 router = APIRouter(tags=["chat"])
@@ -60,6 +61,9 @@ async def create_chat_completion(
     lead = policy_for(
         state.settings.lead, state.lead_gate, caller, requested_mode(body.lead_updates, request.headers)
     )
+    if session_id is None and lead.mode != "off":
+        # A chat that names no session is named by its content, so its turns find each other.
+        session_id = content_session_id(messages)
     resolve = partial(
         chat_turn, state, who.user, messages, body, fields, session_id, body.state_version, lead
     )

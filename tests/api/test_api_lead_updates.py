@@ -248,3 +248,28 @@ def test_a_conversation_whose_instructions_carry_the_time_is_served_from_cache(a
             lead = o["dss"]["lead_update"]
             assert lead["served"] is True, lead
             assert o["usage"]["input_tokens_details"]["cached_tokens"] >= lead["reused_tokens"] - 1 > 0
+
+
+def test_a_chat_that_names_no_session_gets_one_by_content_with_lead_updates_on(api_server: ApiServer) -> None:
+    """LibreChat sends only `user`: with lead updates on, its chat is named by its first user
+    message, so its later turns find the earlier ones (off: no session, as before)."""
+    with api_server.client("lead-nosession") as c:
+        history: list[dict[str, str]] = []
+        answers = []
+        for i in range(3):
+            history.append({"role": "user", "content": QUESTIONS[i]})
+            body = {
+                "messages": [system_at(START + timedelta(seconds=47 * i)), *history],
+                "max_tokens": 8,
+                "temperature": 0,
+                "lead_updates": "volatile",
+            }
+            data = c.post("/v1/chat/completions", json=body).json()
+            answers.append(data)
+            history.append({"role": "assistant", "content": data["choices"][0]["message"]["content"]})
+        sids = {a["session_id"] for a in answers}
+        assert len(sids) == 1 and sids.pop().startswith("auto-")
+        assert [a["state_version"] for a in answers] == [1, 2, 3]
+        assert all(a["dss"]["lead_update"]["served"] for a in answers[1:])
+        plain = c.post("/v1/chat/completions", json={"messages": history[:1], "max_tokens": 2}).json()
+        assert plain.get("session_id") is None  # off: a chat of no session

@@ -42,7 +42,10 @@ SMOKED_WITH_ONE_ENGINE = (
     "engine_rollback",
     "swa_capacity",
 )
-SMOKED_ELSEWHERE = {"model_matrix": "tests/engine_patch/test_model_matrix.py runs its SMOKE_ROWS"}
+SMOKED_ELSEWHERE = {
+    "model_matrix": "tests/engine_patch/test_model_matrix.py runs its SMOKE_ROWS",
+    "volatile": "tests/bench/test_volatile_smoke.py runs its --smoke against a server of its own",
+}
 # Benchmarks that start several engines or servers of their own: minutes even at their smallest,
 # more than the suite's budget on 2 cores. What the suite runs of each instead:
 NOT_IN_THE_SUITE = {

@@ -12,6 +12,8 @@ reach its last stored message.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,6 +23,20 @@ from dss.errors import VersionNotFound
 from dss.types import SessionId, UserId
 
 MAX_PROBED_HEADS = 4
+AUTO_SESSION_PREFIX = "auto-"
+
+
+def content_session_id(messages: Sequence[Mapping[str, Any]]) -> SessionId | None:
+    """The session of a chat that names none (LibreChat sends only `user`), named by its content:
+    its first user message. Every turn of that chat repeats it, so every turn finds the same
+    session, where the turn attaches as usual (a lead update when only the lead changed). Per
+    user, as every session id: two chats of one person that open with the same message share a
+    session and become branches of one tree where they part. None: no user message."""
+    first = next((m for m in messages if m.get("role") == "user"), None)
+    if first is None:
+        return None
+    canonical = json.dumps(first, sort_keys=True, ensure_ascii=True, separators=(",", ":")).encode()
+    return SessionId(AUTO_SESSION_PREFIX + hashlib.sha256(canonical).hexdigest()[:32])
 
 
 def drifted_base(
