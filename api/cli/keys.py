@@ -88,24 +88,21 @@ def keys_create(
         sf = make_session_factory(engine)
         if frontend is not None:
             frontends = Frontends(sf)
-            if frontends.ensure(frontend, ACTOR_CLI, user_header or [], session_header):
+            given = (user_header, session_header, lead_updates, volatile_pattern)
+            if frontends.ensure(
+                frontend, ACTOR_CLI, user_header or [], session_header, lead_updates, volatile_pattern or []
+            ):
                 typer.echo(f"registered frontend {frontend!r}", err=True)
-            elif user_header is not None or session_header is not None:
+            elif any(g is not None for g in given):
                 frontends.update(
                     frontend,
                     ACTOR_CLI,
                     user_headers=user_header if user_header is not None else KEEP,
                     session_header=session_header if session_header is not None else KEEP,
-                )
-                typer.echo(f"updated the headers of frontend {frontend!r}", err=True)
-            if lead_updates is not None or volatile_pattern is not None:
-                frontends.update(
-                    frontend,
-                    ACTOR_CLI,
                     lead_updates=lead_updates if lead_updates is not None else KEEP,
                     volatile_patterns=volatile_pattern if volatile_pattern is not None else KEEP,
                 )
-                typer.echo(f"set the lead updates of frontend {frontend!r}", err=True)
+                typer.echo(f"updated the settings of frontend {frontend!r}", err=True)
         created = ApiKeys(sf).create(user, admin=admin, frontend=frontend)
     except DSSError as exc:  # a name or header off its rule, a frontend name stored data uses
         raise typer.BadParameter(str(exc)) from None

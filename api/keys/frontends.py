@@ -187,14 +187,20 @@ class Frontends:
         return self.get(name)
 
     def ensure(
-        self, name: str, actor: str, user_headers: Sequence[str] = (), session_header: str | None = None
+        self,
+        name: str,
+        actor: str,
+        user_headers: Sequence[str] = (),
+        session_header: str | None = None,
+        lead_updates: str | None = None,
+        volatile_patterns: Sequence[str] = (),
     ) -> bool:
         """Register `name` (as `create`) unless it is registered; whether this call registered
         it. A registration by another caller in between counts as registered, not as a conflict."""
         if self.find(name) is not None:
             return False
         try:
-            self.create(name, user_headers, session_header, actor)
+            self.create(name, user_headers, session_header, actor, lead_updates, volatile_patterns)
         except FrontendExists:
             return False
         return True

@@ -39,8 +39,8 @@ def maybe_check(state: AppState, engine: ChatEngine, turn: Turn, prep: Prepared)
     """Start a shadow check of this turn when it was served as a lead update and is sampled."""
     lead = prep.lead
     settings = state.settings.lead
-    if lead is None or not lead.served or settings.gate_sample <= 0:
-        return
+    if lead is None or not lead.served or settings.gate_sample <= 0 or turn.fields.get("tools"):
+        return  # (a turn with tools: the exact prompt would need them rendered too; not sampled)
     if random.random() >= settings.gate_sample:
         return
     if engine.slots.inflight >= engine.slots.limit:

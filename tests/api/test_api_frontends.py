@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from api.app import create_app
 from api.auth import KEY_PREFIX, ApiKeys
 from api.cli import main as cli
+from api.keys.audit import AuditTrail
 from dss.db.connect import current_revision, make_engine, make_session_factory, upgrade_to_head
 from dss.types import SessionId, UserId
 from tests.api.test_api_unit import settings_for, started, state_of
@@ -394,5 +395,34 @@ def test_the_migration_keeps_older_keys_as_they_were(db_url: str) -> None:
             assert conn.execute(text("SELECT count(*) FROM admin_audit")).scalar_one() == 0
         command.downgrade(alembic_config(db_url), "0008")
         assert current_revision(db_url) == "0008"
+    finally:
+        engine.dispose()
+
+
+def test_cli_sets_a_frontends_lead_updates_once_checked(tmp_path: Path) -> None:
+    runner = CliRunner()
+    data = str(tmp_path)
+    pattern = r"\bAnn\b"
+    key = cli_key(tmp_path, "--frontend", "owui", "--lead-updates", "volatile", "--volatile-pattern", pattern)
+    listing = runner.invoke(cli, ["keys", "list", "--data-dir", data]).stdout
+    assert "frontend\towui\tuser headers: -\tsession header: -\tlead updates: volatile" in listing
+    for bad in (
+        ["--lead-updates", "sometimes"],
+        ["--volatile-pattern", "\x28"],
+        ["--volatile-pattern", "x*"],
+    ):
+        res = runner.invoke(cli, ["keys", "create", "--frontend", "owui2", *bad, "--data-dir", data])
+        assert res.exit_code == 2, (bad, res.output)
+        listed = runner.invoke(cli, ["keys", "list", "--data-dir", data]).stdout
+        assert "owui2" not in listed  # refused whole: no frontend half-made
+    cli_key(tmp_path, "--frontend", "owui", "--lead-updates", "off")  # an existing frontend: changed
+    engine = make_engine(f"sqlite:///{tmp_path}/dss.sqlite3")
+    try:
+        sf = make_session_factory(engine)
+        caller = ApiKeys(sf).authenticate(key)
+        assert caller is not None and caller.frontend is not None
+        assert (caller.frontend.lead_updates, caller.frontend.volatile_patterns) == ("off", (pattern,))
+        changes = [e for e in AuditTrail(sf).list(limit=20)[0] if e.action == "frontend.changed"]
+        assert changes and changes[0].detail["after"]["lead_updates"] == "off"
     finally:
         engine.dispose()
