@@ -450,11 +450,11 @@ def test_two_people_chat_regenerate_edit_and_one_is_erased(
 
 # ------------------------------------------------------------------ lead updates (issue 27)
 # Open WebUI's own variables: the time (the browser's, to the second, on every request) and the
-# person's name. The time comes first, as people write such prompts; the bulk after it is the
+# person's name. The time comes first, as people often write such prompts; the bulk after it is the
 # history a lead update keeps (without one, only the tokens before the first changed digit are
 # shared with the stored version: a long prompt keeps them a small share).
 CLOCK_SYSTEM_PROMPT = (
-    "Current date and time: {{CURRENT_DATETIME}}. You are talking with {{USER_NAME}}.\n"
+    "{{CURRENT_DATETIME}} is the current date and time. You are talking with {{USER_NAME}}.\n"
     "You are the assistant of a small family bakery on the corner of Mill Street. You answer "
     "questions about bread, pastries, cakes, opening hours, allergens and orders in a few friendly "
     "words. The bakery opens at seven in the morning on weekdays and at eight on Saturdays; it is "
@@ -463,7 +463,11 @@ CLOCK_SYSTEM_PROMPT = (
     "days' notice and a deposit, paid in the shop. Never invent prices, never promise a delivery "
     "time, and never give medical advice about allergies: point to the allergen sheet at the "
     "counter instead. When you do not know something, say so plainly and suggest calling the shop "
-    "during opening hours. Keep every answer short, polite and in plain language."
+    "during opening hours. If someone asks about gluten-free bread, say that the bakery bakes "
+    "it on Thursdays only, in a separate oven, and that it should be ordered the day before. If "
+    "someone asks for a job, point them to the notice by the door. If someone complains, thank "
+    "them, apologise once, and ask them to speak to the owner in the shop. Keep every answer "
+    "short, polite and in plain language."
 )
 CLOCK_QUESTIONS = ["Do you bake rye bread?", "And on Sundays?", "Can I order a cake for Friday?"]
 PAUSE_S = 2.0  # between turns: the time Open WebUI renders (to the second) moves on
@@ -546,7 +550,7 @@ def test_a_system_prompt_with_the_time_keeps_the_history_cached_with_lead_update
             assert a["parent_version"] == before["state_version"], (before, a)
         assert _dss_block(turns[0])["lead_update"] is None  # nothing stored to differ from
         shares[mode] = []
-        for before, e, a in zip(answers, turns[1:], answers[1:], strict=False):
+        for before, e, a, system in zip(answers, turns[1:], answers[1:], systems[1:], strict=False):
             history = before["usage"]["prompt_tokens"] + before["usage"]["completion_tokens"]
             cached = cached_tokens(a)
             shares[mode].append(round(cached / history, 3))
@@ -555,7 +559,7 @@ def test_a_system_prompt_with_the_time_keeps_the_history_cached_with_lead_update
             assert len(lead["changed"]) == 1 and lead["changed"][0]["old"] != lead["changed"][0]["new"], lead
             if mode == "volatile":
                 assert lead["served"] is True and lead["reason"] is None, lead
-                assert lead["update"].startswith("Current date and time:"), lead
+                assert lead["update"] in system and DATETIME.match(lead["update"]), lead  # its line
                 assert lead["reused_tokens"] >= 0.9 * history, (lead, history)
                 assert cached >= 0.9 * history, (a["usage"], history)
             else:
