@@ -25,7 +25,8 @@ run round-robin, a turn of each at a time. Per later turn (>= 2) of a dialogue:
   top1_agreement       share of later turns whose lead first token equals the exact prompt's
   top1_agreement_floor share whose first token with the old time equals the one with the new
   truncated_client_share  a fixed-prompt dialogue sent again without its oldest turn (a client
-                       that truncated its history), in its session: cached_tokens / prompt_tokens
+                       that truncated its history), in its session: the share of its history (the
+                       prompt less the system prompt's tokens, which do match) served from cache
   value_followed       for questions whose answer is the changed value ("What time is it?",
                        "What day is it today?" where the day rolled over): share of lead answers
                        that contain the new value; value_followed_exact: of the exact answers
@@ -366,13 +367,19 @@ def run(
                 print(f"     lead  {entry.lead.text[:100]!r}\n     exact {entry.exact.text[:100]!r}")
 
     # A client that truncated its history (LibreChat's context strategy): the fixed-prompt
-    # dialogue without its oldest turn, in its session. Nothing but the lead can match.
+    # dialogue without its oldest turn, in its session. What of the history (the prompt less the
+    # lead's tokens, which do match) comes from cache.
     truncated = []
+    last = {"role": "user", "content": "Thanks, that is all."}
     for d in dlgs:
         hist = fixed_hist[d.index]
         if len(hist) >= 4:
-            cut = [d.system(0), *hist[2:], {"role": "user", "content": "Thanks, that is all."}]
-            truncated.append(chat(fixed_client, cut, 2, session_id=f"fix-{d.index}").cached_share)
+            cut = chat(fixed_client, [d.system(0), *hist[2:], last], 2, session_id=f"fix-{d.index}")
+            with_lead = chat(warm, [d.system(0), last], 1).usage["prompt_tokens"]
+            lead_tokens = with_lead - chat(warm, [last], 1).usage["prompt_tokens"]
+            cached = int((cut.usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+            history = cut.usage["prompt_tokens"] - lead_tokens
+            truncated.append(max(0, cached - lead_tokens) / history)
     return report(later, fixed_shares, truncated)
 
 
@@ -436,7 +443,7 @@ def report(later: list[Later], fixed_shares: list[float], truncated: list[float]
     print(f"{'exact':>6} {len(later):>5} {'-':>6} {mean([e.exact.cached_share for e in later]):>7.3f}")
     print(f"{'fixed':>6} {len(fixed_shares):>5} {'-':>6} {mean(fixed_shares):>7.3f}")
     print(
-        f"{'trunc':>6} {len(truncated):>5} {'-':>6} {mean(truncated):>7.3f}  (client dropped its oldest turn)"
+        f"{'trunc':>6} {len(truncated):>5} {'-':>6} {mean(truncated):>7.3f}  (history past the lead; the client dropped its oldest turn)"
     )
     reasons = sorted({str(info(e.lead).get("reason")) for e in later if not e.served})
     if reasons:
