@@ -443,7 +443,8 @@ def report(later: list[Later], fixed_shares: list[float], truncated: list[float]
     print(f"{'exact':>6} {len(later):>5} {'-':>6} {mean([e.exact.cached_share for e in later]):>7.3f}")
     print(f"{'fixed':>6} {len(fixed_shares):>5} {'-':>6} {mean(fixed_shares):>7.3f}")
     print(
-        f"{'trunc':>6} {len(truncated):>5} {'-':>6} {mean(truncated):>7.3f}  (history past the lead; the client dropped its oldest turn)"
+        f"{'trunc':>6} {len(truncated):>5} {'-':>6} {mean(truncated):>7.3f}  (history past the lead; "
+        "the client dropped its oldest turn)"
     )
     reasons = sorted({str(info(e.lead).get("reason")) for e in later if not e.served})
     if reasons:
