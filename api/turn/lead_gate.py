@@ -28,6 +28,7 @@ from api.llm.generation import Finished, generate
 from api.state import AppState
 from api.turn.types import Prepared, Turn
 from dss.dialogue.lead.gate import Check, total_variation
+from dss.dialogue.lead.view import ModelView
 from dss.errors import DSSError
 
 log = logging.getLogger("dss.api.lead")
@@ -59,14 +60,17 @@ async def _check(state: AppState, engine: ChatEngine, turn: Turn, prep: Prepared
         sampling = engine.sampling(
             turn.messages, {"temperature": 0, "logprobs": True, "top_logprobs": TOP}, k
         )
-        exact_ids = await asyncio.to_thread(engine.render, turn.messages)
-        served = await _first_tokens(engine, prep, prep.prompt_ids, sampling)
-        exact = await _first_tokens(engine, prep, exact_ids, sampling)
+        # The exact prompt: the dialogue with the new lead and no update (less the messages a
+        # truncation left out, as the served prompt does).
+        exact = ModelView(dropped=ModelView.of(prep.seen).dropped).seen(turn.messages)
+        exact_ids = await asyncio.to_thread(engine.render, exact)
+        served_fin = await _first_tokens(engine, prep, prep.prompt_ids, sampling)
+        exact_fin = await _first_tokens(engine, prep, exact_ids, sampling)
     except (ApiError, DSSError) as exc:  # no slot free, the engine refused: no figure
         log.info("lead-update quality check skipped: %s", exc)
         state.metrics.lead_gate_checks.labels("skipped").inc()
         return
-    check = compare(served, exact, k)
+    check = compare(served_fin, exact_fin, k)
     state.metrics.lead_gate_checks.labels("yes" if check.first_agrees else "no").inc()
     if state.lead_gate.record(frontend, check):
         state.metrics.lead_gate_tripped.inc()
