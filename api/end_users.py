@@ -7,7 +7,9 @@ fields only on routes whose body has them: they are read after the body, the hea
 
 Rules: every source present must name the same end user, else `EndUserConflict` naming two that
 differ; none present on a route that acts for a user is `EndUserRequired`, whose message names
-what to send. The request is refused rather than served as one user shared by all the
+what to send. A header is read once and as UTF-8 (`api.headers.single_value`): sent twice, or as
+a comma-separated list, it is a `RepeatedHeader`, since behind a proxy that appends its own line
+the first value is the client's. The request is refused rather than served as one user shared by all the
 frontend's people: that user would pool everyone into one cache namespace, one quota and one
 erasure. A blank value counts as absent. The end user must be a user id (`InvalidUserId` naming
 its source otherwise); end user `alice` of frontend `webui` is the DSS user `webui/alice`.
@@ -17,9 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from starlette.datastructures import Headers
+
 from api.auth import Caller, FrontendAccess, Principal
 from api.errors import EndUserConflict, EndUserRequired
-from api.headers import USER_HEADER
+from api.headers import USER_HEADER, single_value
 from api.keys.frontends import end_user_id
 
 BODY_USER = "user"
@@ -28,7 +32,7 @@ BODY_SAFETY_IDENTIFIER = "safety_identifier"
 
 def end_user_principal(
     caller: Caller,
-    headers: Mapping[str, str],
+    headers: Headers,
     body: Mapping[str, str | None] | None = None,
 ) -> Principal:
     """The principal a frontend key's request acts for. `body` holds the route's body fields
@@ -54,12 +58,12 @@ def end_user_principal(
 
 
 def _sources(
-    frontend: FrontendAccess, headers: Mapping[str, str], body: Mapping[str, str | None]
+    frontend: FrontendAccess, headers: Headers, body: Mapping[str, str | None]
 ) -> list[tuple[str, str, str]]:
     """(param, how a message names it, value) of each source present, in the order above."""
     found: list[tuple[str, str, str]] = []
     for name in (USER_HEADER, *frontend.user_headers):
-        value = headers.get(name)
+        value = single_value(headers, name)
         if value is not None and value.strip():
             found.append((name, f"the {name} header", value))
     for field in (BODY_USER, BODY_SAFETY_IDENTIFIER):

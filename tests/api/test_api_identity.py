@@ -1,0 +1,171 @@
+"""Who a request acts for, without the engine (issue 28): identity and session headers read once
+and as UTF-8, ids that clients cannot put in a URL, and each frontend's trusted identity sources.
+
+The routes whose body names the end user (chat, messages, Responses) need the engine; their
+identity step is `api.deps.acting_principal`, called here on a real request's headers and a
+caller authenticated by the real key table (`tests/api/test_api_frontend_turns.py` drives the
+routes themselves with an engine)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from starlette.requests import Request
+
+from api.app import create_app
+from api.auth import Caller
+from api.deps import acting_principal
+from api.errors import ApiError
+from dss.types import SessionId, UserId
+from tests.api.test_api_frontends import WEBUI_CHAT, WEBUI_USER, Keys, auth, error, session_ids
+from tests.api.test_api_unit import DEV, settings_for, started, state_of
+
+Raw = list[tuple[str, str | bytes]]
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[tuple[TestClient, Keys]]:
+    data = tmp_path / "data"
+    keys = Keys(data)
+    with TestClient(create_app(settings_for(data))) as c:
+        yield started(c, timeout_s=180), keys
+
+
+def raw(key: str, *headers: tuple[str, str | bytes]) -> Raw:
+    """Headers as lines (a name may repeat; a value may be bytes, sent as they are)."""
+    return [("Authorization", f"Bearer {key}"), *headers]
+
+
+def caller_of(c: TestClient, key: str) -> Caller:
+    found = state_of(c).keys.authenticate(key)
+    assert found is not None
+    return found
+
+
+def send_bytes(c: TestClient, path: str, headers: list[tuple[str, bytes]]) -> tuple[int, dict[str, Any]]:
+    """A GET whose header values reach the app as these bytes (the test client's transport
+    re-encodes every value as UTF-8, so it cannot send other bytes)."""
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"testserver"), *((n.lower().encode(), v) for n, v in headers)],
+        "client": ("127.0.0.1", 1),
+        "server": ("testserver", 80),
+    }
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def call() -> None:
+        await c.app(scope, receive, send)
+
+    assert c.portal is not None
+    c.portal.call(call)
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return status, json.loads(body)
+
+
+def request_with(*headers: tuple[str, bytes]) -> Request:
+    """A request as the ASGI server hands it over: header names and values as bytes."""
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/",
+        "headers": [(n.lower().encode(), v) for n, v in headers],
+    }
+    return Request(scope)
+
+
+# ------------------------------------------------------------------------------ repeated headers
+@pytest.mark.parametrize(
+    "header",
+    ["X-DSS-User", WEBUI_USER],
+)
+def test_a_repeated_identity_header_is_refused_naming_it(
+    server: tuple[TestClient, Keys], header: str
+) -> None:
+    """Behind a proxy that appends its own line, the client's line comes first: it used to win."""
+    c, k = server
+    for lines in (
+        [(header, "mallory"), (header, "alice")],  # two lines: the client's, the proxy's
+        [(header, "mallory, alice")],  # the same folded into one line by a proxy
+    ):
+        r = c.get("/v1/sessions", headers=raw(k.webui, *lines))
+        err = error(r, 400)
+        assert (err["code"], err["param"]) == ("repeated_header", header), err
+    assert c.get("/v1/users", headers=auth(k.webui)).json()["data"] == []  # nobody was made
+
+
+def test_a_repeated_session_header_is_refused_naming_it(server: tuple[TestClient, Keys]) -> None:
+    c, k = server
+    alice = (WEBUI_USER, "alice")
+    for header in ("X-DSS-Session", "X-Session-ID", WEBUI_CHAT):
+        lines = [alice, (header, "chat-1"), (header, "chat-2")]
+        err = error(c.post("/v1/sessions", json={}, headers=raw(k.webui, *lines)), 400)
+        assert (err["code"], err["param"]) == ("repeated_header", header), err
+    assert session_ids(c, auth(k.webui, **{WEBUI_USER: "alice"})) == []
+
+
+def test_development_modes_user_header_is_read_once(tmp_path: Path) -> None:
+    with TestClient(create_app(settings_for(tmp_path, auth=DEV))) as c:
+        started(c)
+        lines = [("X-DSS-User", "mallory"), ("X-DSS-User", "alice")]
+        err = error(c.get("/v1/sessions", headers=lines), 400)
+        assert (err["code"], err["param"]) == ("repeated_header", "X-DSS-User")
+
+
+# ---------------------------------------------------------------------------- non-ASCII end users
+def test_a_non_ascii_end_user_is_one_person_by_header_body_and_path(server: tuple[TestClient, Keys]) -> None:
+    """`X-DSS-User: josé` (UTF-8 bytes) used to be `webui/josÃ©`, whom `DELETE /v1/users/jos%C3%A9`
+    never reached: it answered 200 with an empty receipt and the data stayed."""
+    c, k = server
+    for header in ("X-DSS-User", WEBUI_USER):
+        r = c.post(
+            "/v1/sessions", json={}, headers=raw(k.webui, (header, "josé".encode()), (WEBUI_CHAT, header))
+        )
+        assert r.status_code == 201, r.text
+    assert [u["id"] for u in c.get("/v1/users", headers=auth(k.webui)).json()["data"]] == ["josé"]
+    store = state_of(c).store
+    assert store.versions.get_session(UserId("webui/josé"), SessionId(WEBUI_USER)).id == WEBUI_USER
+
+    # The body's `user` (chat, messages, Responses) names the same DSS user.
+    by_body = acting_principal(request_with(), caller_of(c, k.webui), "josé")
+    by_header = acting_principal(request_with(("X-DSS-User", "josé".encode())), caller_of(c, k.webui), "josé")
+    assert by_body.user == by_header.user == "webui/josé"
+
+    r = c.delete("/v1/users/jos%C3%A9", headers=auth(k.webui))
+    assert r.status_code == 200, r.text
+    assert r.json()["counts"]["sessions"] == 2 and r.json()["verification"]["remnants"] == 0
+    assert c.get("/v1/users", headers=auth(k.webui)).json()["data"] == []
+
+
+def test_a_header_that_is_not_utf8_is_refused_naming_it(server: tuple[TestClient, Keys]) -> None:
+    c, k = server
+    for header in ("X-DSS-User", WEBUI_USER):
+        lines = [("Authorization", f"Bearer {k.webui}".encode()), (header, "josé".encode("latin-1"))]
+        status, body = send_bytes(c, "/v1/sessions", lines)
+        assert (status, body["error"]["code"], body["error"]["param"]) == (
+            400,
+            "invalid_header_encoding",
+            header,
+        )
+    with pytest.raises(ApiError) as caught:
+        acting_principal(request_with(("X-DSS-User", b"\xff")), caller_of(c, k.webui), None)
+    assert caught.value.code == "invalid_header_encoding"
