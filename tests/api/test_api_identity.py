@@ -16,9 +16,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from starlette.requests import Request
+from typer.testing import CliRunner
 
 from api.app import create_app
 from api.auth import Caller
+from api.cli import main as cli
 from api.deps import acting_principal
 from api.errors import ApiError
 from dss.types import SessionId, UserId
@@ -169,3 +171,58 @@ def test_a_header_that_is_not_utf8_is_refused_naming_it(server: tuple[TestClient
     with pytest.raises(ApiError) as caught:
         acting_principal(request_with(("X-DSS-User", b"\xff")), caller_of(c, k.webui), None)
     assert caught.value.code == "invalid_header_encoding"
+
+
+# ------------------------------------------------------------------------------------ `.` and `..`
+DOTS = (".", "..")
+
+
+def test_dot_segments_are_refused_as_new_user_ids_and_frontend_names(server: tuple[TestClient, Keys]) -> None:
+    """A client removes `.` and `..` from a URL (even as `%2E%2E`): such a user could not be erased."""
+    c, k = server
+    admin = auth(k.admin)
+    for dots in DOTS:
+        for path, body in (
+            ("/v1/admin/keys", {"user": dots}),
+            ("/v1/admin/keys", {"frontend": dots}),
+            ("/v1/admin/frontends", {"name": dots}),
+        ):
+            assert error(c.post(path, json=body, headers=admin), 400)["code"] == "invalid_user_id", (
+                path,
+                body,
+            )
+        for header in ("X-DSS-User", WEBUI_USER):
+            err = error(c.get("/v1/sessions", headers=auth(k.webui, **{header: dots})), 400)
+            assert err["code"] == "invalid_user_id" and header in err["message"], err
+    res = CliRunner().invoke(
+        cli, ["keys", "create", "--user", "..", "--data-dir", str(state_of(c).settings.store.data_dir)]
+    )
+    assert res.exit_code == 2, res.output
+    assert c.get("/v1/users", headers=admin).json()["data"] == []
+
+
+def test_dot_segment_users_made_before_the_rule_are_erased_by_a_query_id(
+    server: tuple[TestClient, Keys],
+) -> None:
+    c, k = server
+    store = state_of(c).store
+    for user in ("..", ".", "webui/.."):
+        store.versions.create_session(UserId(user), SessionId("old"))
+    # What a client makes of the path form: `/v1/users/..` is `/v1/`, `%2E%2E` alike.
+    assert c.delete("/v1/users/..", headers=auth(k.admin)).status_code == 404
+    r = c.delete("/v1/users", params={"id": ".."}, headers=auth(k.admin))
+    assert r.status_code == 200 and r.json()["counts"]["sessions"] == 1, r.text
+    assert r.json()["verification"]["remnants"] == 0
+    # A frontend key names its own end user `..`; its `.` was never stored: refused, not a receipt.
+    r = c.delete("/v1/users", params={"id": ".."}, headers=auth(k.webui))
+    assert r.status_code == 200 and r.json()["counts"]["sessions"] == 1, r.text
+    assert error(c.delete("/v1/users", params={"id": "."}, headers=auth(k.webui)), 400)["code"] == (
+        "invalid_user_id"
+    )
+    assert [u["id"] for u in c.get("/v1/users", headers=auth(k.admin)).json()["data"]] == ["."]
+    # The query form is the path form otherwise: a user key erases itself only.
+    assert error(c.delete("/v1/users", params={"id": "."}, headers=auth(k.carol)), 403)["type"] == (
+        "permission_error"
+    )
+    assert c.delete("/v1/users", params={"id": "."}, headers=auth(k.admin)).status_code == 200
+    assert c.get("/v1/users", headers=auth(k.admin)).json()["data"] == []
