@@ -96,6 +96,15 @@ class EndUserConflict(BadRequest):
         super().__init__(message, code="end_user_conflict", param=param)
 
 
+class EndUserSourceNotTrusted(BadRequest):
+    """A frontend key's request names its end user in a source the frontend does not trust
+    (`X-DSS-User`, or the body's `user` or `safety_identifier`; `api.keys.frontends`): refused,
+    not ignored, so that neither the client nor the frontend believes it was heard."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message, code="end_user_source_not_trusted", param=param)
+
+
 class RepeatedHeader(BadRequest):
     """A header that names who a request acts for or its session (`X-DSS-User`, a frontend's
     user or session header, `X-DSS-Session`, `X-Session-ID`) sent more than once, or holding a

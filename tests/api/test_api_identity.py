@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import text
 from starlette.requests import Request
 from typer.testing import CliRunner
 
@@ -22,10 +23,13 @@ from api.app import create_app
 from api.auth import Caller
 from api.cli import main as cli
 from api.deps import acting_principal
-from api.errors import ApiError
+from api.errors import ApiError, EndUserSourceNotTrusted
+from api.keys.frontends import Frontends
+from dss.db.connect import current_revision, make_engine, make_session_factory, upgrade_to_head
 from dss.types import SessionId, UserId
-from tests.api.test_api_frontends import WEBUI_CHAT, WEBUI_USER, Keys, auth, error, session_ids
+from tests.api.test_api_frontends import WEBUI_CHAT, WEBUI_USER, Keys, auth, cli_key, error, session_ids
 from tests.api.test_api_unit import DEV, settings_for, started, state_of
+from tests.db_helpers import HEAD_REVISION
 
 Raw = list[tuple[str, str | bytes]]
 
@@ -226,3 +230,88 @@ def test_dot_segment_users_made_before_the_rule_are_erased_by_a_query_id(
     )
     assert c.delete("/v1/users", params={"id": "."}, headers=auth(k.admin)).status_code == 200
     assert c.get("/v1/users", headers=auth(k.admin)).json()["data"] == []
+
+
+# ---------------------------------------------------------------------------- trusted sources
+def test_a_frontend_with_body_identities_off_refuses_a_body_user(server: tuple[TestClient, Keys]) -> None:
+    """A frontend that forwards its end users' extra body parameters (LibreChat's
+    `addParams`, a proxy passing the body through) let any of them name anyone in `user`."""
+    c, k = server
+    data = state_of(c).settings.store.data_dir
+    key = cli_key(data, "--frontend", "strict", "--user-header", "X-Person", "--no-trust-body-user")
+    caller = caller_of(c, key)
+    assert caller.frontend is not None and not caller.frontend.trust_body_user
+    mallory = request_with(("X-Person", b"mallory"))
+    for field, args in (("user", ("alice", None)), ("safety_identifier", (None, "alice"))):
+        with pytest.raises(EndUserSourceNotTrusted) as caught:
+            acting_principal(mallory, caller, *args)
+        assert caught.value.param == field and "X-Person" in caught.value.message
+    # The same person in the body is refused too: the field is not ignored, it is not trusted.
+    with pytest.raises(EndUserSourceNotTrusted):
+        acting_principal(mallory, caller, "mallory")
+    assert acting_principal(mallory, caller, None).user == "strict/mallory"
+    # Frontends made before keep trusting the body, as they did.
+    assert acting_principal(request_with(), caller_of(c, k.webui), "alice").user == "webui/alice"
+    listing = CliRunner().invoke(cli, ["keys", "list", "--data-dir", str(data)]).stdout
+    assert "frontend\tstrict\tuser headers: X-Person" in listing and "body user: refused" in listing
+
+
+def test_a_frontends_trusted_sources_are_set_over_rest(server: tuple[TestClient, Keys]) -> None:
+    c, k = server
+    admin = auth(k.admin)
+    got = c.get("/v1/admin/frontends", headers=admin).json()["data"]
+    assert {(f["name"], f["trust_dss_user_header"], f["trust_body_user"]) for f in got} == {
+        ("lc", True, True),
+        ("webui", True, True),
+    }
+    r = c.patch("/v1/admin/frontends/webui", json={"trust_dss_user_header": False}, headers=admin)
+    assert r.status_code == 200 and (r.json()["trust_dss_user_header"], r.json()["trust_body_user"]) == (
+        False,
+        True,
+    ), r.text
+    # X-DSS-User on webui's key: refused, naming it (even alongside its own header, same person).
+    for headers in ({"X-DSS-User": "alice"}, {"X-DSS-User": "alice", WEBUI_USER: "alice"}):
+        err = error(c.get("/v1/sessions", headers=auth(k.webui, **headers)), 400)
+        assert (err["code"], err["param"]) == ("end_user_source_not_trusted", "X-DSS-User"), err
+    assert c.get("/v1/sessions", headers=auth(k.webui, **{WEBUI_USER: "alice"})).status_code == 200
+    err = error(c.get("/v1/sessions", headers=auth(k.webui)), 400)
+    assert err["code"] == "end_user_required" and "X-DSS-User" not in err["message"], err
+    # A frontend whose keys could name nobody is refused when it is set up, not per request.
+    bad = {"name": "mute", "trust_dss_user_header": False, "trust_body_user": False}
+    assert (
+        error(c.post("/v1/admin/frontends", json=bad, headers=admin), 400)["type"] == "invalid_request_error"
+    )
+    r = c.post("/v1/admin/frontends", json={**bad, "user_headers": ["X-Person"]}, headers=admin)
+    assert r.status_code == 201 and r.json()["trust_body_user"] is False, r.text
+    lone = {"user_headers": []}
+    assert error(c.patch("/v1/admin/frontends/mute", json=lone, headers=admin), 400)["type"] == (
+        "invalid_request_error"
+    )
+    trail = c.get("/v1/admin/audit", headers=admin).json()["data"]
+    changed = next(e for e in trail if e["action"] == "frontend.changed" and e["subject"] == "webui")
+    assert (
+        changed["detail"]["before"]["trust_dss_user_header"],
+        changed["detail"]["after"]["trust_dss_user_header"],
+    ) == (True, False)
+
+
+def test_the_migration_keeps_existing_frontends_trusting_what_they_did(db_url: str) -> None:
+    from alembic import command
+
+    from dss.db.connect import alembic_config
+
+    command.upgrade(alembic_config(db_url), "0010_lead_updates")
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                text("INSERT INTO frontends (name, user_headers, created_by) VALUES ('old', '[]', 'cli')")
+            )
+        upgrade_to_head(db_url)
+        assert current_revision(db_url) == HEAD_REVISION == "0011_identity_sources"
+        old = Frontends(make_session_factory(engine)).get("old")
+        assert (old.trust_dss_user_header, old.trust_body_user) == (True, True)
+        command.downgrade(alembic_config(db_url), "0010_lead_updates")
+        assert current_revision(db_url) == "0010_lead_updates"
+    finally:
+        engine.dispose()
