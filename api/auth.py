@@ -78,6 +78,8 @@ class FrontendAccess:
     session_header: str | None
     lead_updates: str | None = None  # None: the server's setting
     volatile_patterns: tuple[str, ...] = ()
+    trust_dss_user_header: bool = True  # the end user may come from X-DSS-User
+    trust_body_user: bool = True  # ... and from the body's `user` and `safety_identifier`
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +231,8 @@ class ApiKeys:
                     fe.session_header,
                     fe.lead_updates,
                     tuple(fe.volatile_patterns or ()),
+                    bool(fe.trust_dss_user_header),
+                    bool(fe.trust_body_user),
                 )
                 caller = Caller(None, False, row.id, frontend=access)
             else:

@@ -24,7 +24,7 @@ from api.errors import (
     SessionIdConflict,
     Unauthorized,
 )
-from api.headers import SESSION_HEADER, USER_HEADER, VLLM_SESSION_HEADER
+from api.headers import SESSION_HEADER, USER_HEADER, VLLM_SESSION_HEADER, single_value
 from api.shapes.schemas import NAME_PATTERN
 from api.state import AppState, Phase, Startup
 from dss.errors import InvalidInput, InvalidSessionId
@@ -154,15 +154,15 @@ async def _authenticate(state: AppState, request: Request) -> Caller:
         hit = state.keys.cached(token)
         if hit is not None:
             return hit
-    return await run_in_threadpool(_caller, state, token, request.headers.get(USER_HEADER))
+    return await run_in_threadpool(_caller, state, token, request.headers)
 
 
-def _caller(state: AppState, token: str | None, dev_user: str | None) -> Caller:
+def _caller(state: AppState, token: str | None, headers: Headers) -> Caller:
     if state.dev_mode and (token is None or not token.startswith(KEY_PREFIX)):
         # No DSS key: the openai client always sends some api_key, so a placeholder ("dev", an
         # OPENAI_API_KEY) means "no key" here. A `dss-` token is checked below: a typo or a
         # revoked key must fail, not quietly turn into an admin.
-        user = dev_user or state.settings.auth.dev_default_user
+        user = single_value(headers, USER_HEADER) or state.settings.auth.dev_default_user
         check_user_id(user)  # malformed: a 400 (`InvalidUserId`) that names the rule
         try:
             return Caller(check_user_name(user), is_admin=True, key_id=None, dev_mode=True)
@@ -261,6 +261,9 @@ class SessionHeaders:
 async def get_session_headers(
     request: Request, dss: SessionHeaderDep = None, vllm: VllmSessionHeaderDep = None
 ) -> SessionHeaders:
+    # FastAPI validated the first line of each; a second is a `RepeatedHeader`, not ignored.
+    for header in (SESSION_HEADER, VLLM_SESSION_HEADER):
+        single_value(request.headers, header)
     named = tuple((h, v) for h, v in ((SESSION_HEADER, dss), (VLLM_SESSION_HEADER, vllm)) if v is not None)
     return SessionHeaders(named, request.headers)
 
@@ -275,7 +278,7 @@ def session_id_of(body_value: str | None, headers: SessionHeaders, principal: Pr
     found: list[tuple[str, str]] = [("the body's session_id", body_value)] if body_value is not None else []
     found += [(f"the {h} header", v) for h, v in headers.named]
     if principal.session_header is not None:
-        value = headers.headers.get(principal.session_header)
+        value = single_value(headers.headers, principal.session_header)
         if value is not None:
             try:
                 check_session_id(value)

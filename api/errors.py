@@ -96,6 +96,43 @@ class EndUserConflict(BadRequest):
         super().__init__(message, code="end_user_conflict", param=param)
 
 
+class EndUserSourceNotTrusted(BadRequest):
+    """A frontend key's request names its end user in a source the frontend does not trust
+    (`X-DSS-User`, or the body's `user` or `safety_identifier`; `api.keys.frontends`): refused,
+    not ignored, so that neither the client nor the frontend believes it was heard."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message, code="end_user_source_not_trusted", param=param)
+
+
+class RepeatedHeader(BadRequest):
+    """A header that names who a request acts for or its session (`X-DSS-User`, a frontend's
+    user or session header, `X-DSS-Session`, `X-Session-ID`) sent more than once, or holding a
+    comma-separated list (several lines folded into one, RFC 9110 section 5.3). Behind a proxy
+    that appends its own line, the first value is the client's: taking it would let the client
+    act as anyone, taking the last would trust whatever the proxy chain happens to do."""
+
+    def __init__(self, header: str, why: str) -> None:
+        super().__init__(
+            f"the {header} header {why}: send it once, with one value",
+            code="repeated_header",
+            param=header,
+        )
+
+
+class HeaderNotUtf8(BadRequest):
+    """A header naming a user or a session whose bytes are not UTF-8: DSS reads ids from every
+    source as UTF-8 (a body and a path are UTF-8), so that one person is one id whichever way
+    a request names them; another decoding would make a second, garbled person."""
+
+    def __init__(self, header: str) -> None:
+        super().__init__(
+            f"the {header} header is not valid UTF-8: DSS reads user and session ids as UTF-8 bytes",
+            code="invalid_header_encoding",
+            param=header,
+        )
+
+
 class Unauthorized(ApiError):
     status = 401
     type = "authentication_error"

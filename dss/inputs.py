@@ -1,14 +1,17 @@
 """What may enter the store as an id or as text: one rule each, checked where a value enters.
 
 - **User ids** (`check_user_id`): 1-256 characters, not only whitespace, no `/` and no control
-  character (C0, DEL, C1; NUL included) nor lone surrogate. A `/` would make the id unreachable
-  as one path segment (`DELETE /v1/users/{id}`), a control character invisible in logs and
-  consoles. This is the rule for an id someone names for the first time: a new API key, the
+  character (C0, DEL, C1; NUL included) nor lone surrogate, and not `.` or `..`. A `/` would make
+  the id unreachable as one path segment (`DELETE /v1/users/{id}`), a control character invisible
+  in logs and consoles, and `.` or `..` are dot segments that clients remove from URLs (RFC 3986,
+  5.2.4), even percent-encoded: `DELETE /v1/users/..` reaches `/v1/`. Frontend names and end-user
+  ids follow this rule too. This is the rule for an id someone names for the first time: a new API key, the
   development-mode `X-DSS-User` header and `user` field.
 - **Stored user ids** (`check_stored_user_id`): what an earlier version accepted and may have
   stored (`org/alice`, made before the rule above): 1-256 characters, not only whitespace, no NUL
   nor lone surrogate. The store's own calls and the erasure take these, so that every user a
-  store holds stays usable by its keys and erasable.
+  store holds stays usable by its keys and erasable (`.` and `..` by `DELETE /v1/users?id=..`
+  or `dss users erase`).
 - **Session ids** (`check_session_id`): 1-128 characters of `[A-Za-z0-9._:-]` (the alphabet since
   the first version), except `.` and `..`, which clients remove from URLs as dot segments
   (RFC 3986, 5.2.4): `GET /v1/sessions/..` reaches `/v1/`. Sessions so named before the rule stay
@@ -39,7 +42,8 @@ _CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 _BAD_TEXT_RE = re.compile("[\x00\ud800-\udfff]")
 
 USER_ID_RULE = (
-    f"a user id is 1-{MAX_USER_ID_CHARS} characters, not only whitespace, without '/' or control characters"
+    f"a user id is 1-{MAX_USER_ID_CHARS} characters, not only whitespace, without '/' or control characters, "
+    "and not '.' or '..'"
 )
 SESSION_ID_RULE = (
     f"a session id is 1-{MAX_SESSION_ID_CHARS} characters of {SESSION_ID_ALPHABET}, and not '.' or '..'"
@@ -51,6 +55,10 @@ def check_user_id(user: object) -> UserId:
     text = _stored_user_id(user)
     if "/" in text:
         raise InvalidUserId(f"{USER_ID_RULE}: {text!r} contains '/'")
+    if text in DOT_SEGMENTS:
+        raise InvalidUserId(
+            f"{USER_ID_RULE}: {text!r} is a dot segment, which clients remove from URLs (RFC 3986)"
+        )
     bad = _CONTROL_RE.search(text)
     if bad is not None:
         raise InvalidUserId(

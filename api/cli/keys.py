@@ -65,6 +65,22 @@ def keys_create(
             "(repeatable; replaces the frontend's list)",
         ),
     ] = None,
+    trust_dss_user_header: Annotated[
+        bool | None,
+        typer.Option(
+            "--trust-dss-user-header/--no-trust-dss-user-header",
+            help="With --frontend: whether its keys take the end user from X-DSS-User (default on; "
+            "off for a frontend that forwards its users' headers)",
+        ),
+    ] = None,
+    trust_body_user: Annotated[
+        bool | None,
+        typer.Option(
+            "--trust-body-user/--no-trust-body-user",
+            help="With --frontend: whether its keys take the end user from the body's `user` and "
+            "`safety_identifier` (default on; off for a frontend that forwards its users' body parameters)",
+        ),
+    ] = None,
     data_dir: DataDirOpt = None,
     db_url: DbUrlOpt = None,
 ) -> None:
@@ -77,9 +93,12 @@ def keys_create(
 
     if sum((user is not None, admin, frontend is not None)) != 1:
         raise typer.BadParameter("give one of --user NAME, --admin, --frontend NAME")
-    if frontend is None and (user_header or session_header or lead_updates or volatile_pattern):
+    sources = {"trust_dss_user_header": trust_dss_user_header, "trust_body_user": trust_body_user}
+    chosen = {k: v for k, v in sources.items() if v is not None}
+    if frontend is None and (user_header or session_header or lead_updates or volatile_pattern or chosen):
         raise typer.BadParameter(
-            "--user-header, --session-header, --lead-updates and --volatile-pattern go with --frontend"
+            "--user-header, --session-header, --lead-updates, --volatile-pattern and the --trust-... "
+            "options go with --frontend"
         )
     url = _db_url(data_dir, db_url)
     upgrade_to_head(url)
@@ -89,16 +108,26 @@ def keys_create(
         if frontend is not None:
             frontends = Frontends(sf)
             given = (user_header, session_header, lead_updates, volatile_pattern)
-            if frontends.ensure(
-                frontend, ACTOR_CLI, user_header or [], session_header, lead_updates, volatile_pattern or []
-            ):
+            registered = frontends.ensure(
+                frontend,
+                ACTOR_CLI,
+                user_header or [],
+                session_header,
+                lead_updates,
+                volatile_pattern or [],
+                trust_dss_user_header=trust_dss_user_header is not False,  # unset: on
+                trust_body_user=trust_body_user is not False,
+            )
+            if registered:
                 typer.echo(f"registered frontend {frontend!r}", err=True)
-            elif any(g is not None for g in given):
+            elif any(g is not None for g in given) or chosen:
                 frontends.update(
                     frontend,
                     ACTOR_CLI,
                     user_headers=user_header if user_header is not None else KEEP,
                     session_header=session_header if session_header is not None else KEEP,
+                    trust_dss_user_header=KEEP if trust_dss_user_header is None else trust_dss_user_header,
+                    trust_body_user=KEEP if trust_body_user is None else trust_body_user,
                     lead_updates=lead_updates if lead_updates is not None else KEEP,
                     volatile_patterns=volatile_pattern if volatile_pattern is not None else KEEP,
                 )
@@ -140,6 +169,8 @@ def keys_list(data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
             typer.echo(
                 f"frontend\t{f.name}\tuser headers: {headers}\tsession header: {f.session_header or '-'}"
                 f"\tlead updates: {f.lead_updates or 'server'}"
+                f"\tX-DSS-User: {'trusted' if f.trust_dss_user_header else 'refused'}"
+                f"\tbody user: {'trusted' if f.trust_body_user else 'refused'}"
             )
     finally:
         engine.dispose()

@@ -1,9 +1,12 @@
 """Registered frontends: a chat frontend (Open WebUI, LibreChat, a company's own) whose keys act
 for its end users.
 
-A frontend has a name and the request headers its keys trust: `user_headers` name the end user
-(besides `X-DSS-User`, always trusted), `session_header` the session (besides `X-DSS-Session`
-and `X-Session-ID`). End user `alice` of frontend `webui` is the DSS user `webui/alice`
+A frontend has a name and the request headers its keys trust: `user_headers` name the end user,
+`session_header` the session (besides `X-DSS-Session` and `X-Session-ID`). Whether its keys also
+take the end user from the generic sources, `X-DSS-User` (`trust_dss_user_header`) and the body's
+`user` and `safety_identifier` (`trust_body_user`), is its own choice: both on by default, off
+for a frontend that forwards its end users' extra headers or body parameters (any end user could
+name another otherwise). End user `alice` of frontend `webui` is the DSS user `webui/alice`
 (`end_user_id`): an ordinary user of the store with its own sessions, tenant, cache salt,
 quotas and receipts, unreachable from any other key: new plain user ids may not hold `/`
 (`dss.inputs.check_user_id`), and a frontend is not registered under a name that stored data
@@ -11,7 +14,8 @@ already uses as `<name>/...` (ids of an older version, which allowed `/`).
 
 Invariants: a name is one of the user-id alphabet (no `/`), at most `FRONTEND_NAME_MAX`
 characters; header names are HTTP tokens, neither DSS's own (`api.headers`) nor reserved, and
-no header is both a user and the session header. Every change is audited in its transaction.
+no header is both a user and the session header; at least one source can name the end user.
+Every change is audited in its transaction.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ class Frontend:
     # Lead updates for its keys' turns (`dss.dialogue.lead.policy`); None: the server's setting.
     lead_updates: str | None = None
     volatile_patterns: tuple[str, ...] = ()
+    trust_dss_user_header: bool = True
+    trust_body_user: bool = True
 
 
 def check_frontend_name(name: str) -> str:
@@ -99,6 +105,16 @@ def check_headers(
         if session_header.lower() in {h.lower() for h in users}:
             raise InvalidInput(f"session_header: {session_header} is one of the user_headers")
     return users, session_header
+
+
+def check_sources(user_headers: Sequence[str], trust_dss_user_header: bool, trust_body_user: bool) -> None:
+    """`InvalidInput` when a frontend's keys could name no end user: every request would be
+    refused (`end_user_required`), which is a misconfiguration to report now, not per request."""
+    if not (user_headers or trust_dss_user_header or trust_body_user):
+        raise InvalidInput(
+            "trust_dss_user_header: with no user_headers and trust_body_user off, the frontend's keys "
+            "could name no end user; trust one source"
+        )
 
 
 def end_user_id(frontend: str, end_user: str, source: str) -> UserId:
@@ -149,11 +165,14 @@ class Frontends:
         actor: str,
         lead_updates: str | None = None,
         volatile_patterns: Sequence[str] = (),
+        trust_dss_user_header: bool = True,
+        trust_body_user: bool = True,
     ) -> Frontend:
         """Register a frontend; `FrontendExists` if the name is registered, `FrontendNameTaken`
         if stored data holds users named `<name>/...`."""
         check_frontend_name(name)
         users, session = check_headers(user_headers, session_header)
+        check_sources(users, trust_dss_user_header, trust_body_user)
         lead, patterns = check_lead_settings(lead_updates, volatile_patterns)
         prefix = end_user_prefix(name)
         if holds_users_under(self._sf, prefix) or self._keys_under(prefix):
@@ -173,6 +192,8 @@ class Frontends:
                         created_by=actor,
                         lead_updates=lead,
                         volatile_patterns=patterns or None,
+                        trust_dss_user_header=trust_dss_user_header,
+                        trust_body_user=trust_body_user,
                     )
                 )
                 detail = {
@@ -180,6 +201,8 @@ class Frontends:
                     "session_header": session,
                     "lead_updates": lead,
                     "volatile_patterns": patterns,
+                    "trust_dss_user_header": trust_dss_user_header,
+                    "trust_body_user": trust_body_user,
                 }
                 record(db, actor, AuditAction.FRONTEND_CREATED, name, detail)
         except IntegrityError:  # created meanwhile by another caller
@@ -194,13 +217,24 @@ class Frontends:
         session_header: str | None = None,
         lead_updates: str | None = None,
         volatile_patterns: Sequence[str] = (),
+        trust_dss_user_header: bool = True,
+        trust_body_user: bool = True,
     ) -> bool:
         """Register `name` (as `create`) unless it is registered; whether this call registered
         it. A registration by another caller in between counts as registered, not as a conflict."""
         if self.find(name) is not None:
             return False
         try:
-            self.create(name, user_headers, session_header, actor, lead_updates, volatile_patterns)
+            self.create(
+                name,
+                user_headers,
+                session_header,
+                actor,
+                lead_updates,
+                volatile_patterns,
+                trust_dss_user_header=trust_dss_user_header,
+                trust_body_user=trust_body_user,
+            )
         except FrontendExists:
             return False
         return True
@@ -213,9 +247,11 @@ class Frontends:
         session_header: str | _Keep | None = KEEP,
         lead_updates: str | _Keep | None = KEEP,
         volatile_patterns: Sequence[str] | _Keep = KEEP,
+        trust_dss_user_header: bool | _Keep = KEEP,
+        trust_body_user: bool | _Keep = KEEP,
     ) -> Frontend:
-        """Change a frontend's trusted headers and lead-update settings (fields left `KEEP`
-        stay); audited when anything changes. Keys of the frontend see the change within their
+        """Change a frontend's trusted headers and sources, and its lead-update settings (fields
+        left `KEEP` stay); audited when anything changes. Keys of the frontend see the change within their
         cache's lifetime."""
         with transaction(self._sf) as db:
             row = db.get(FrontendRow, name)
@@ -225,6 +261,13 @@ class Frontends:
             users = tuple(row.user_headers) if isinstance(user_headers, _Keep) else tuple(user_headers)
             session = row.session_header if isinstance(session_header, _Keep) else session_header
             users, session = check_headers(users, session)
+            dss_header = (
+                row.trust_dss_user_header
+                if isinstance(trust_dss_user_header, _Keep)
+                else trust_dss_user_header
+            )
+            body_user = row.trust_body_user if isinstance(trust_body_user, _Keep) else trust_body_user
+            check_sources(users, dss_header, body_user)
             lead, patterns = check_lead_settings(
                 row.lead_updates if isinstance(lead_updates, _Keep) else lead_updates,
                 list(row.volatile_patterns or ())
@@ -233,6 +276,7 @@ class Frontends:
             )
             row.user_headers, row.session_header = list(users), session
             row.lead_updates, row.volatile_patterns = lead, patterns or None
+            row.trust_dss_user_header, row.trust_body_user = dss_header, body_user
             now = _settings(row)
             if now != was:
                 record(db, actor, AuditAction.FRONTEND_CHANGED, name, {"before": was, "after": now})
@@ -254,6 +298,8 @@ def _frontend(row: FrontendRow) -> Frontend:
         row.created_by,
         row.lead_updates,
         tuple(row.volatile_patterns or ()),
+        bool(row.trust_dss_user_header),
+        bool(row.trust_body_user),
     )
 
 
@@ -263,6 +309,8 @@ def _settings(row: FrontendRow) -> dict[str, object]:
         "session_header": row.session_header,
         "lead_updates": row.lead_updates,
         "volatile_patterns": list(row.volatile_patterns or ()),
+        "trust_dss_user_header": bool(row.trust_dss_user_header),
+        "trust_body_user": bool(row.trust_body_user),
     }
 
 

@@ -55,6 +55,8 @@ def frontend_out(f: Frontend) -> FrontendOut:
         session_header=f.session_header,
         lead_updates=f.lead_updates,
         volatile_patterns=list(f.volatile_patterns),
+        trust_dss_user_header=f.trust_dss_user_header,
+        trust_body_user=f.trust_body_user,
         created_at=f.created_at,
         created_by=f.created_by,
     )
@@ -114,6 +116,8 @@ def post_frontend(body: FrontendCreate, state: StateDep, admin: AdminDep) -> Fro
         admin.actor,
         body.lead_updates,
         body.volatile_patterns,
+        body.trust_dss_user_header,
+        body.trust_body_user,
     )
     return frontend_out(f)
 
@@ -131,7 +135,7 @@ def list_frontends(state: StateDep, _admin: AdminDep) -> ListResponse[FrontendOu
     "/v1/admin/frontends/{name}", response_model=FrontendOut, responses=error_responses(400, 401, 403, 404)
 )
 def patch_frontend(name: str, body: FrontendPatch, state: StateDep, admin: AdminDep) -> FrontendOut:
-    """Change a frontend's trusted headers or lead-update settings (fields left out stay;
+    """Change a frontend's trusted headers and sources or lead-update settings (fields left out stay;
     `lead_updates: null` goes back to the server's setting); its keys follow at once on
     this server, on others within their key cache's lifetime."""
     given = body.model_fields_set
@@ -142,6 +146,8 @@ def patch_frontend(name: str, body: FrontendPatch, state: StateDep, admin: Admin
         session_header=body.session_header if "session_header" in given else KEEP,
         lead_updates=body.lead_updates if "lead_updates" in given else KEEP,
         volatile_patterns=body.volatile_patterns if body.volatile_patterns is not None else KEEP,
+        trust_dss_user_header=KEEP if body.trust_dss_user_header is None else body.trust_dss_user_header,
+        trust_body_user=KEEP if body.trust_body_user is None else body.trust_body_user,
     )
     state.keys.forget_cached()
     return frontend_out(f)

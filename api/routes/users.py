@@ -15,7 +15,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from api.auth import ApiKeys, Principal
+from api.auth import ApiKeys, Caller, Principal
 from api.deps import CallerDep, PrincipalDep, StateDep
 from api.errors import Forbidden, RateLimited, error_responses
 from api.keys.frontends import end_user_id, end_user_prefix
@@ -30,7 +30,7 @@ from api.shapes.schemas import (
 from api.state import AppState
 from dss.dialogue.users import stored_users
 from dss.errors import InvalidUserId, ReceiptNotFound
-from dss.inputs import check_stored_user_id, check_user_id
+from dss.inputs import DOT_SEGMENTS, check_stored_user_id, check_user_id
 from dss.ops.erasure import ErasureReceipt, Verification
 from dss.store import Store
 from dss.types import TenantId, UserId
@@ -83,9 +83,14 @@ def erasable_user(store: Store, keys: ApiKeys, user: str) -> UserId:
     try:
         return check_user_id(stored)
     except InvalidUserId:
-        if keys.holds_user(stored) or store.eraser.holds_user(stored):
+        if holds(store, keys, stored):
             return stored
         raise
+
+
+def holds(store: Store, keys: ApiKeys, user: UserId) -> bool:
+    """Whether the store or the key table holds anything of `user`. Reads the database."""
+    return keys.holds_user(user) or store.eraser.holds_user(user)
 
 
 # `:path`: a user id made before ids lost `/` (`org/alice`) must still reach its erasure, whether
@@ -104,13 +109,39 @@ async def erase_user(user_id: str, state: StateDep, caller: CallerDep) -> Erasur
     An admin key names any user (an id outside today's alphabet is erased when the store holds
     it: `erasable_user`); a frontend key one of its end users, by the end-user id; a user key
     itself."""
+    return await _erase(user_id, "the user id in the path", state, caller)
+
+
+# The same, with the id in the query: users `.` and `..` (made before ids excluded them) cannot be
+# named in a path, which clients normalise away even percent-encoded (`%2E%2E`).
+@router.delete("/v1/users", response_model=ErasureReceiptOut, responses=error_responses(400, 401, 403, 429))
+async def erase_user_by_query(
+    state: StateDep,
+    caller: CallerDep,
+    user_id: Annotated[str, Query(alias="id", max_length=1024, description="the user id, as in the path")],
+) -> ErasureReceiptOut:
+    """`DELETE /v1/users/{user_id}` with the id as the query's `id`: for an id no URL path can
+    carry (`.`, `..`)."""
+    return await _erase(user_id, "the id query parameter", state, caller)
+
+
+async def _erase(user_id: str, source: str, state: AppState, caller: Caller) -> ErasureReceiptOut:
     store = state.store
     if caller.frontend is None and not caller.is_admin and caller.user != user_id:
         raise Forbidden("only an admin key, the user's frontend or the user themself may erase a user")
     # Rate first: a refused caller costs no thread nor database read (`erasable_user` reads it).
     if caller.frontend is not None:  # one of its end users, by the end-user id
-        user = end_user_id(caller.frontend.name, user_id, "the user id in the path")
+        try:
+            user = end_user_id(caller.frontend.name, user_id, source)
+            old = False
+        except InvalidUserId:
+            if user_id not in DOT_SEGMENTS:
+                raise
+            # An end user `.` or `..` made before the rule: erased when the store holds them.
+            user, old = UserId(end_user_prefix(caller.frontend.name) + user_id), True
         check_rate(state, Principal(user, False, caller.key_id))
+        if old and not await asyncio.to_thread(holds, store, state.keys, user):
+            end_user_id(caller.frontend.name, user_id, source)  # the rule's `InvalidUserId`
     else:
         check_rate(state, caller.as_principal())
         user = await asyncio.to_thread(erasable_user, store, state.keys, user_id)

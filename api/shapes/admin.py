@@ -42,6 +42,15 @@ _LEAD = (
     "volatile or any; null: the server's setting"
 )
 _PATTERNS = "regular expressions naming this frontend's own volatile values (a user's name, a memory block)"
+_DSS_HEADER = (
+    "whether this frontend's keys take the end user from the X-DSS-User header (else a request "
+    "sending it is a 400 end_user_source_not_trusted); off for a frontend that forwards its users' headers"
+)
+_BODY_USER = (
+    "whether this frontend's keys take the end user from the body's `user` and `safety_identifier` "
+    "(else a request sending one is a 400 end_user_source_not_trusted); off for a frontend that "
+    "forwards its users' body parameters"
+)
 
 
 class FrontendCreate(BaseModel):
@@ -50,6 +59,8 @@ class FrontendCreate(BaseModel):
     session_header: str | None = Field(default=None, max_length=256)
     lead_updates: str | None = Field(default=None, max_length=16, description=_LEAD)
     volatile_patterns: list[str] = Field(default_factory=list, max_length=64, description=_PATTERNS)
+    trust_dss_user_header: bool = Field(default=True, description=_DSS_HEADER)
+    trust_body_user: bool = Field(default=True, description=_BODY_USER)
 
 
 class FrontendPatch(BaseModel):
@@ -59,6 +70,8 @@ class FrontendPatch(BaseModel):
     session_header: str | None = Field(default=None, max_length=256)
     lead_updates: str | None = Field(default=None, max_length=16, description=_LEAD)
     volatile_patterns: list[str] | None = Field(default=None, max_length=64, description=_PATTERNS)
+    trust_dss_user_header: bool | None = Field(default=None, description=_DSS_HEADER)
+    trust_body_user: bool | None = Field(default=None, description=_BODY_USER)
 
 
 class FrontendOut(BaseModel):
@@ -68,6 +81,8 @@ class FrontendOut(BaseModel):
     session_header: str | None
     lead_updates: str | None = Field(description=_LEAD)
     volatile_patterns: list[str] = Field(description=_PATTERNS)
+    trust_dss_user_header: bool = Field(description=_DSS_HEADER)
+    trust_body_user: bool = Field(description=_BODY_USER)
     created_at: datetime
     created_by: str
 

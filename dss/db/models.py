@@ -22,6 +22,7 @@ from sqlalchemy import (
     String,
     Text,
     func,
+    true,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -308,6 +309,14 @@ class FrontendRow(Base):
     # the server's setting. `volatile_patterns`: the operator's own volatile values (regexes).
     lead_updates: Mapped[str | None] = mapped_column(String(16), nullable=True)
     volatile_patterns: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
+    # Whether its keys take the end user from `X-DSS-User`, and from the body's `user` and
+    # `safety_identifier` (`api.end_users`): off for a frontend that forwards what its end users send.
+    trust_dss_user_header: Mapped[bool] = mapped_column(
+        Boolean, nullable=False, default=True, server_default=true()
+    )
+    trust_body_user: Mapped[bool] = mapped_column(
+        Boolean, nullable=False, default=True, server_default=true()
+    )
 
 
 class AdminAuditRow(Base):
