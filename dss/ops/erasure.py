@@ -3,7 +3,8 @@
 Order matters. First the user's pages leave the page table and the index (no reader can have
 them any more) while saves of the user are refused (`KVCache.erasing`) and moves in flight
 settle; then the database transaction (sessions, versions, stored responses, page rows, the
-data key, and the receipt) commits; then the irreversible steps run (zeroing host slots, unlinking files).
+data key, the user's id in the admin audit trail replaced by a pseudonym, and the receipt)
+commits; then the irreversible steps run (zeroing host slots, unlinking files).
 Destroying the data key is what makes any copy of the user's pages that we cannot reach (a
 backup) unreadable. Public-prefix pages are not user data and stay.
 
@@ -272,6 +273,9 @@ class Eraser:
                     new_epoch = self._identity.next_epoch_in(s, user, expected=epoch)
                     erased_at = datetime.now(UTC)
                     counts = _delete_rows(s, user, doomed, self._versions, self._keyring, usage)
+                    # The admin audit trail names users by id (a key created for them): those
+                    # entries now name the erased tenant instead, the receipt's subject.
+                    counts["audit_entries"] = pseudonymise_audit(s, user, erased_pseudonym(tenant))
                     if if_held and self._membership is None and not _held_any(counts):
                         s.commit()  # the epoch's move alone
                         self._identity.forget(user)
@@ -453,9 +457,49 @@ def _never_erased(s: Session, tenants: list[TenantId]) -> list[TenantId]:
     return [t for t in tenants if t not in named]
 
 
+def erased_pseudonym(tenant: TenantId) -> str:
+    """What the audit trail names an erased user by: the tenant its erasure retired (a keyed hash
+    of the id and the epoch, the receipt's `subject`), never the id."""
+    return f"erased:{tenant}"
+
+
+def _replaced(value: Any, user: str, pseudonym: str) -> Any:
+    """`value` (JSON) with every string equal to `user` replaced by `pseudonym`."""
+    if isinstance(value, str):
+        return pseudonym if value == user else value
+    if isinstance(value, list):
+        return [_replaced(v, user, pseudonym) for v in value]
+    if isinstance(value, dict):
+        return {k: _replaced(v, user, pseudonym) for k, v in value.items()}
+    return value
+
+
+def pseudonymise_audit(s: Session, user: UserId, pseudonym: str) -> int:
+    """In the caller's transaction: the admin audit entries whose detail names `user` (`"user"`:
+    the user a key was created for) name `pseudonym` instead; returns how many. The trail is
+    otherwise never changed; this keeps who did what to which key, not to whom. Idempotent.
+    Reads the entries that name the user (the trail is as long as the admin operations)."""
+    rows = s.scalars(select(m.AdminAuditRow).where(m.AdminAuditRow.detail["user"].as_string() == user))
+    n = 0
+    for row in rows:
+        row.detail = _replaced(dict(row.detail), user, pseudonym)
+        n += 1
+    s.flush()
+    return n
+
+
 def _held_any(counts: dict[str, Any]) -> bool:
-    """Whether `_delete_rows`'s counts found anything of the user (rows, a data key, pages)."""
-    rows = ("sessions", "versions", "branches", "responses", "page_rows", "data_keys_destroyed")
+    """Whether `_delete_rows`'s counts found anything of the user (rows, a data key, pages, audit
+    entries naming the user)."""
+    rows = (
+        "sessions",
+        "versions",
+        "branches",
+        "responses",
+        "page_rows",
+        "data_keys_destroyed",
+        "audit_entries",
+    )
     return any(counts[k] for k in rows) or any(counts["pages"].values())
 
 
