@@ -231,14 +231,14 @@ class Eraser:
         the tenant's data key is destroyed in the transaction, and `verify` reports it.
 
         `if_held`: when the transaction finds nothing of the user (no session, stored response,
-        page row, data key, nor page in this server's tiers), it writes no receipt and returns
-        None: a receipt is permanent (the append-only chain), and erasing ids that hold nothing
-        must not grow it. It still moves the user's epoch (its row created if missing: one keyed
-        hash, as the user's first write would make), so that a write of the user admitted before
-        it but not committed yet (a first turn being prepared) is refused as for any erasure; the
-        retired tenant, named by no receipt, is erased again by the user's next erasure
-        (`_never_erased`), finding nothing. Never in a fleet: another server may hold pages of
-        the tenant in its memory that no row shows, and only a receipt reaches it."""
+        page row, data key, audit entry naming it, nor page in this server's tiers), it writes no
+        receipt and returns None: a receipt is permanent (the append-only chain), and erasing ids
+        that hold nothing must not grow it. It still moves the user's epoch (its row created if
+        missing: one keyed hash, as the user's first write would make), so that a write of the
+        user admitted before it but not committed yet (a first turn being prepared) is refused as
+        for any erasure; the retired tenant, named by no receipt, is erased again by the user's
+        next erasure (`_never_erased`), finding nothing. Never in a fleet: another server may
+        hold pages of the tenant in its memory that no row shows, and only a receipt reaches it."""
         self._kv.ensure_open()
         subject = self._identity.subject_hash(user)
         with self._one_per_user.holding(subject), self._sf() as s:
