@@ -19,6 +19,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 from fastapi import Depends, FastAPI
 
@@ -216,11 +217,15 @@ async def _start(app: FastAPI) -> None:
 async def _open(app: FastAPI, settings: Settings, startup: Startup) -> None:
     metrics: Metrics = app.state.metrics
     aborter = TenantAborter(asyncio.get_running_loop())  # erasures by other servers of the fleet
-    store = await asyncio.to_thread(Store.open, settings.store_config(), aborter)
+    warning = master_key_warning(settings)  # before the store takes DSS_MASTER_KEY out of the environment
+    # The server's processes (vLLM's engine core and workers, the page codec) never need the
+    # master key: it leaves this process's environment once read, before any of them starts.
+    config = replace(settings.store_config(), forget_env_master_key=True)
+    store = await asyncio.to_thread(Store.open, config, aborter)
     try:
         keys = ApiKeys(store.sf, settings.auth.key_cache_ttl_s)
         await asyncio.to_thread(log_auth_mode, settings, keys)
-        if (warning := master_key_warning(settings)) is not None:
+        if warning is not None:
             log.warning("%s", warning)
         state = AppState(settings=settings, store=store, keys=keys, metrics=metrics)
         app.state.collector = metrics.watch_store(store.stats)

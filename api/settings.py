@@ -239,6 +239,11 @@ class LimitsSettings(BaseModel):
     # a bucket of `burst`, refilled at `per_minute` (0: unlimited). Admin keys are not limited.
     erasure_checks_per_minute: float = Field(default=12.0, ge=0)
     erasure_checks_burst: int = Field(default=5, ge=1)
+    # Erasures (`DELETE /v1/users/{id}`) per key, on top of the per-user bucket above: a frontend
+    # key names any end-user id, so a bucket per end user alone does not bound what one key may
+    # do. Admin keys are not limited.
+    erasures_per_key_per_minute: float = Field(default=60.0, ge=0)
+    erasures_per_key_burst: int = Field(default=20, ge=1)
 
     def json_limits(self) -> JsonLimits:
         return JsonLimits(max_depth=self.max_json_depth, max_bytes=self.max_json_bytes)

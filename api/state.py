@@ -90,12 +90,17 @@ class AppState:
     short_db: ThreadPoolExecutor = field(default_factory=_short_db_pool)
     # Per-user buckets for erasure checks (`api.routes.users`), sized by the limits table.
     erasure_checks: TokenBuckets = field(init=False)
+    # Per-key buckets for erasures (`api.routes.users`): a frontend key erases for many end users.
+    erasures_per_key: TokenBuckets = field(init=False)
     # The quality gate of lead updates (`dss.dialogue.lead.gate`), per frontend, in memory.
     lead_gate: QualityGate = field(init=False)
 
     def __post_init__(self) -> None:
         limits = self.settings.limits
         self.erasure_checks = TokenBuckets(limits.erasure_checks_per_minute, limits.erasure_checks_burst)
+        self.erasures_per_key = TokenBuckets(
+            limits.erasures_per_key_per_minute, limits.erasures_per_key_burst
+        )
         lead = self.settings.lead
         self.lead_gate = QualityGate(
             lead.gate_window, lead.gate_min_checks, lead.gate_min_agreement, lead.gate_max_distance

@@ -1,10 +1,15 @@
 """Open WebUI in front of `dss serve`: its own virtual environment, installed once, and the
 settings that make it one DSS frontend (docs/frontends.md, "Open WebUI", explains each).
 
-    .venv/bin/python deploy/open_webui.py --dss-url http://127.0.0.1:8000 --api-key dss-... [--port 8080]
+    DSS_FRONTEND_KEY=dss-... .venv/bin/python deploy/open_webui.py --dss-url http://127.0.0.1:8000
 
-installs Open WebUI on first use and serves it. tests/api/test_open_webui.py starts it with the same
-`ensure_open_webui` and `open_webui_env`, so the test exercises the configuration shipped here.
+installs Open WebUI on first use and serves it. The frontend key (it acts for every end user)
+comes from `DSS_FRONTEND_KEY` or a file (`--api-key-file`) rather than the command line, which
+every local account can read (`ps`); `--api-key` is still taken, with a warning. Open WebUI's
+data directory (its database: every person's chats) is created `0700` outside DSS's own data
+directory, and Open WebUI runs under umask `077`, so the files it writes there are `0600`.
+tests/api/test_open_webui.py starts it with the same `ensure_open_webui` and `open_webui_env`,
+so the test exercises the configuration shipped here.
 
 The environment lives outside the checkout, beside the prepared model
 (`$DSS_CACHE/open-webui-<version>`, default `~/.cache/dss`), so a fresh clone installs it once
@@ -162,12 +167,55 @@ def open_webui_env(
     return env
 
 
+KEY_ENV = "DSS_FRONTEND_KEY"
+
+
+def default_data_dir() -> Path:
+    """Open WebUI's data directory: beside DSS's (`~/.local/share/dss`), not inside it."""
+    return Path.home() / ".local" / "share" / "dss-open-webui"
+
+
+def _frontend_key(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
+    """The frontend key: `--api-key-file`, else `$DSS_FRONTEND_KEY`, else `--api-key` (warned:
+    a command line is visible to every local account)."""
+    if args.api_key_file is not None:
+        path: Path = args.api_key_file
+        if path.stat().st_mode & 0o077:
+            print(f"warning: {path} is readable by other accounts; chmod 600 it", file=sys.stderr)
+        key = path.read_text().strip()
+        if not key:
+            parser.error(f"{path} holds no key")
+        return key
+    if os.environ.get(KEY_ENV):
+        return os.environ[KEY_ENV].strip()
+    if args.api_key:
+        print(
+            f"warning: --api-key is visible to every local account (ps); use {KEY_ENV} or --api-key-file",
+            file=sys.stderr,
+        )
+        return str(args.api_key)
+    return None
+
+
+def private_dir(path: Path) -> Path:
+    """`path`, created if missing, `0700` (also when it existed: it holds every person's chats)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dss-url", help="`dss serve`'s base URL (without /v1)")
-    parser.add_argument("--api-key", help="a DSS frontend key (`dss keys create --frontend`)")
+    parser.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help=f"a file holding the DSS frontend key (else ${KEY_ENV})",
+    )
+    parser.add_argument("--api-key", help=f"the frontend key itself: visible in `ps`, prefer ${KEY_ENV}")
     parser.add_argument("--port", type=int, default=8080)
-    parser.add_argument("--data-dir", type=Path, default=Path.home() / ".local/share/dss/open-webui")
+    parser.add_argument("--data-dir", type=Path, default=default_data_dir())
     parser.add_argument("--home", type=Path, default=None, help="where its environment lives")
     parser.add_argument(
         "--install-only", action="store_true", help="install its environment (if missing) and exit"
@@ -176,21 +224,24 @@ def main(argv: list[str] | None = None) -> int:
     exe = ensure_open_webui(args.home)
     if args.install_only:
         return 0
-    if not args.dss_url or not args.api_key:
-        parser.error("--dss-url and --api-key are needed to serve")
-    args.data_dir.mkdir(parents=True, exist_ok=True)
+    api_key = _frontend_key(args, parser)
+    if not args.dss_url or not api_key:
+        parser.error(f"--dss-url and a frontend key (${KEY_ENV} or --api-key-file) are needed to serve")
+    private_dir(args.data_dir)
     secret = args.data_dir / "secret.key"
     if not secret.exists():  # private from its first byte (a chmod after writing leaves a window)
         with os.fdopen(os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
             f.write(os.urandom(24).hex())
     env = open_webui_env(
         dss_url=args.dss_url,
-        api_key=args.api_key,
+        api_key=api_key,
         data_dir=args.data_dir,
         secret_key=secret.read_text().strip(),
     )
+    env.pop(KEY_ENV, None)  # Open WebUI gets the key as OPENAI_API_KEY only
     cmd = [str(exe), "serve", "--host", "127.0.0.1", "--port", str(args.port)]
-    return subprocess.run(cmd, env=env, check=False).returncode
+    # umask 077: what Open WebUI writes (its database, uploads, caches) is its owner's alone.
+    return subprocess.run(cmd, env=env, check=False, umask=0o077).returncode
 
 
 if __name__ == "__main__":

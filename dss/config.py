@@ -68,6 +68,9 @@ class StoreConfig:
     db_url: str | None = None  # default: SQLite in data_dir
     master_key_file: Path | None = None  # default: data_dir/master.key (env DSS_MASTER_KEY wins)
     create_master_key: bool = True  # embedded default: generate on first start (with a warning)
+    # A server (`dss serve`): DSS_MASTER_KEY leaves the process environment once the key is read,
+    # before any child process starts (the engine's, the page codec's); they never need it.
+    forget_env_master_key: bool = False
     host_capacity_bytes: int = 2 * GiB
     disk_capacity_bytes: int = 20 * GiB
     shm_dir: Path | None = None  # where the host tier makes its private directory; default /dev/shm

@@ -43,7 +43,7 @@ from dss.fleet.erasures import ErasureFollower
 from dss.fleet.members import Membership, resolve_server_id
 from dss.index.fingerprints import FingerprintRegistry
 from dss.index.prefix_index import PrefixIndex
-from dss.keys.crypto import KeyManager
+from dss.keys.crypto import KeyManager, forget_env_master_key
 from dss.keys.identity import Identity, load_master_key
 from dss.keys.keyring import Keyring
 from dss.keys.upgrade import upgrade_derivation
@@ -142,6 +142,8 @@ class Store:
         self._db_relaxed = make_engine(url, durable_commits=False) if is_sqlite_file(url) else None
         relaxed_sf = make_session_factory(self._db_relaxed) if self._db_relaxed is not None else self.sf
         self.keys = load_master_key(self.sf, cfg.resolved_key_file, cfg.create_master_key)
+        if cfg.forget_env_master_key:
+            forget_env_master_key()  # before the page codec's process (below) and any engine start
         self.identity = Identity.load(self.sf, self.keys)
         # A store made under the first (ambiguous) derivation: before anything reads a tenant.
         upgrade_derivation(self.sf, self.identity)

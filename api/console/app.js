@@ -606,6 +606,8 @@ async function adminView() {
     if (!window.confirm(`Erase everything of user ${user}?`)) return;
     guarded(async () => {
       const r = await api("DELETE", `/v1/users/${encodeURIComponent(user)}`);
+      // Nothing of the user was stored: the server wrote no receipt (receipts are permanent).
+      if (r.held_nothing) return showError(`nothing of user ${user} was stored: nothing to erase, no receipt`);
       rememberReceipt(r.id);
       receipts.prepend(receiptRow(r));
       $("erase-user").value = "";

@@ -3,8 +3,9 @@ development mode) created or revoked a key, created or changed a frontend, and w
 
 Invariant: an entry is written in the same transaction as the change it records (`record` takes
 the caller's open session), so there is no change without its entry and no entry for a change
-that rolled back. Entries are never updated nor deleted; they name keys by id and users by the
-id the key acts as (never a secret).
+that rolled back. Entries are never deleted, and updated only by an erasure: they name keys by
+id and users by the id the key acts as (never a secret), and the erasure of a user names it
+`erased:<tenant>` instead, in its transaction (`dss.ops.erasure.pseudonymise_audit`).
 """
 
 from __future__ import annotations

@@ -27,9 +27,16 @@ from api.shapes.openai_responses import stored_items
 from api.state import AppState
 from api.turn.limits import check_dialogue
 from dss.dialogue.conversations import item_message
-from dss.types import SessionId
+from dss.types import SessionId, UserId
 
 router = APIRouter(tags=["conversations"])
+
+
+def _admitted(state: AppState, user: UserId) -> int:
+    """The user's erasure epoch as a write is admitted, before it reads or checks anything: its
+    store writes are refused (`UserErased`, 409) if the user is erased before they commit."""
+    return state.store.identity.epoch_of(user)
+
 
 # OpenAI's `include`: optional data (tool outputs, images, log-probabilities) that no stored item
 # holds, so it is accepted and changes nothing.
@@ -44,12 +51,13 @@ def _checked_items(state: AppState, body_items: list[Any]) -> list[dict[str, Any
     return items
 
 
-@router.post("/v1/conversations", responses=error_responses(400, 401, 429))
+@router.post("/v1/conversations", responses=error_responses(400, 401, 409, 429))
 def create_conversation(body: ConversationCreate, state: StateDep, principal: PrincipalDep) -> dict[str, Any]:
     """A new conversation (a session with a `conv_` id), seeded with `items` if given."""
+    epoch = _admitted(state, principal.user)
     items = _checked_items(state, list(body.items or []))
     conv = state.store.conversations.create(
-        principal.user, items, body.metadata, state.settings.limits.max_messages
+        principal.user, items, body.metadata, state.settings.limits.max_messages, epoch=epoch
     )
     return conversation_body(conv)
 
@@ -59,21 +67,25 @@ def get_conversation(conversation_id: str, state: StateDep, principal: Principal
     return conversation_body(state.store.conversations.get(principal.user, SessionId(conversation_id)))
 
 
-@router.post("/v1/conversations/{conversation_id}", responses=error_responses(400, 401, 404))
+@router.post("/v1/conversations/{conversation_id}", responses=error_responses(400, 401, 404, 409))
 def update_conversation(
     conversation_id: str, body: ConversationUpdate, state: StateDep, principal: PrincipalDep
 ) -> dict[str, Any]:
     """Replace the conversation's metadata."""
-    conv = state.store.conversations.set_metadata(principal.user, SessionId(conversation_id), body.metadata)
+    epoch = _admitted(state, principal.user)
+    conv = state.store.conversations.set_metadata(
+        principal.user, SessionId(conversation_id), body.metadata, epoch=epoch
+    )
     return conversation_body(conv)
 
 
-@router.delete("/v1/conversations/{conversation_id}", responses=error_responses(401, 404))
+@router.delete("/v1/conversations/{conversation_id}", responses=error_responses(401, 404, 409))
 def delete_conversation(conversation_id: str, state: StateDep, principal: PrincipalDep) -> dict[str, Any]:
     """Delete the conversation: its session, every version and the responses made in it."""
+    epoch = _admitted(state, principal.user)
     cid = SessionId(conversation_id)
     state.store.conversations.get(principal.user, cid)  # another user's: 404 as a conversation
-    state.store.sessions.delete(principal.user, cid)
+    state.store.sessions.delete(principal.user, cid, epoch=epoch)
     return deleted_body(cid)
 
 
@@ -102,10 +114,12 @@ def add_items(
     principal: PrincipalDep,
     include: IncludeQuery = None,
 ) -> dict[str, Any]:
-    """Add items at the end: a new version of the conversation. 409 when it changed meanwhile."""
+    """Add items at the end: a new version of the conversation. 409 when it changed meanwhile
+    (or its user was erased since the request arrived: `user_erased`)."""
+    epoch = _admitted(state, principal.user)
     items = _checked_items(state, list(body.items))
     added = state.store.conversations.append(
-        principal.user, SessionId(conversation_id), items, state.settings.limits.max_messages
+        principal.user, SessionId(conversation_id), items, state.settings.limits.max_messages, epoch=epoch
     )
     return item_list(added, False)
 
@@ -129,5 +143,8 @@ def delete_item(
 ) -> dict[str, Any]:
     """A new version of the conversation without the item (earlier versions keep it); answers
     the conversation, as OpenAI's API does."""
-    conv = state.store.conversations.delete_item(principal.user, SessionId(conversation_id), item_id)
+    epoch = _admitted(state, principal.user)
+    conv = state.store.conversations.delete_item(
+        principal.user, SessionId(conversation_id), item_id, epoch=epoch
+    )
     return conversation_body(conv)

@@ -2,15 +2,22 @@
 frontend its own end users) and reading erasure receipts.
 
 Both answers carry a fresh verification of the receipt. A user's erasure checks (self-erasure,
-`GET /v1/erasures/{id}`) share one token bucket (`limits.erasure_checks_*`; 429 beyond it). Admin
-keys are not limited: the operator's batch erasures and audits are theirs to schedule, and an
-admin key can erase every user anyway, so a limit would protect nothing from it; a user's key is
-what any signed-up user holds.
+`GET /v1/erasures/{id}`) share one token bucket (`limits.erasure_checks_*`; 429 beyond it), and
+the erasures of one key another (`limits.erasures_per_key_*`): a frontend key names any end-user
+id, so per-user buckets alone would let it erase ids at full speed. Admin keys are not limited:
+the operator's batch erasures and audits are theirs to schedule, and an admin key can erase every
+user anyway, so a limit would protect nothing from it; a user's key is what any signed-up user
+holds.
+
+An erasure of a user of whom the server holds nothing answers `held_nothing: true` and writes no
+receipt (`Eraser.erase_if_held`): receipts are permanent, and ids that hold nothing are free to
+name.
 """
 
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Query
@@ -21,6 +28,7 @@ from api.errors import Forbidden, RateLimited, error_responses
 from api.keys.frontends import end_user_id, end_user_prefix
 from api.shapes.schemas import (
     ErasureFleetOut,
+    ErasureNothingHeldOut,
     ErasureReceiptOut,
     ErasureReceiptSummary,
     ListResponse,
@@ -36,6 +44,15 @@ from dss.store import Store
 from dss.types import TenantId, UserId
 
 router = APIRouter(tags=["users"])
+
+
+def check_key_rate(state: AppState, caller: Caller) -> None:
+    """Take one of the caller's key's erasure tokens, or refuse with 429 (admins: no limit)."""
+    if caller.is_admin or caller.key_id is None:  # no key: development mode, whose callers are admins
+        return
+    wait_s = state.erasures_per_key.take(caller.key_id)
+    if wait_s:
+        raise RateLimited(f"too many erasures with this key; retry in {wait_s} s", wait_s)
 
 
 def check_rate(state: AppState, principal: Principal) -> None:
@@ -97,10 +114,12 @@ def holds(store: Store, keys: ApiKeys, user: UserId) -> bool:
 # the client sends the slash encoded (`org%2Falice`, decoded before routing) or raw.
 @router.delete(
     "/v1/users/{user_id:path}",
-    response_model=ErasureReceiptOut,
+    response_model=ErasureReceiptOut | ErasureNothingHeldOut,
     responses=error_responses(400, 401, 403, 429),
 )
-async def erase_user(user_id: str, state: StateDep, caller: CallerDep) -> ErasureReceiptOut:
+async def erase_user(
+    user_id: str, state: StateDep, caller: CallerDep
+) -> ErasureReceiptOut | ErasureNothingHeldOut:
     """Erase everything the server holds of a user; the receipt is verified before it is returned.
     The user's generations still running are stopped first (none of them commits a version), and
     again once the erasure committed (those that started meanwhile); a turn of the user that was
@@ -108,28 +127,38 @@ async def erase_user(user_id: str, state: StateDep, caller: CallerDep) -> Erasur
 
     An admin key names any user (an id outside today's alphabet is erased when the store holds
     it: `erasable_user`); a frontend key one of its end users, by the end-user id; a user key
-    itself."""
+    itself.
+
+    A user of whom the server holds nothing is answered `held_nothing: true`, with no receipt
+    (`Eraser.erase_if_held`); writes of the user still in flight are refused all the same."""
     return await _erase(user_id, "the user id in the path", state, caller)
 
 
 # The same, with the id in the query: users `.` and `..` (made before ids excluded them) cannot be
 # named in a path, which clients normalise away even percent-encoded (`%2E%2E`).
-@router.delete("/v1/users", response_model=ErasureReceiptOut, responses=error_responses(400, 401, 403, 429))
+@router.delete(
+    "/v1/users",
+    response_model=ErasureReceiptOut | ErasureNothingHeldOut,
+    responses=error_responses(400, 401, 403, 429),
+)
 async def erase_user_by_query(
     state: StateDep,
     caller: CallerDep,
     user_id: Annotated[str, Query(alias="id", max_length=1024, description="the user id, as in the path")],
-) -> ErasureReceiptOut:
+) -> ErasureReceiptOut | ErasureNothingHeldOut:
     """`DELETE /v1/users/{user_id}` with the id as the query's `id`: for an id no URL path can
     carry (`.`, `..`)."""
     return await _erase(user_id, "the id query parameter", state, caller)
 
 
-async def _erase(user_id: str, source: str, state: AppState, caller: Caller) -> ErasureReceiptOut:
+async def _erase(
+    user_id: str, source: str, state: AppState, caller: Caller
+) -> ErasureReceiptOut | ErasureNothingHeldOut:
     store = state.store
     if caller.frontend is None and not caller.is_admin and caller.user != user_id:
         raise Forbidden("only an admin key, the user's frontend or the user themself may erase a user")
     # Rate first: a refused caller costs no thread nor database read (`erasable_user` reads it).
+    check_key_rate(state, caller)
     if caller.frontend is not None:  # one of its end users, by the end-user id
         try:
             user = end_user_id(caller.frontend.name, user_id, source)
@@ -147,7 +176,9 @@ async def _erase(user_id: str, source: str, state: AppState, caller: Caller) -> 
         user = await asyncio.to_thread(erasable_user, store, state.keys, user_id)
     if state.engine is not None:
         await state.engine.abort_tenant(store.identity.tenant_for(user))
-    receipt = await asyncio.to_thread(store.eraser.erase_user, user)
+    receipt = await asyncio.to_thread(store.eraser.erase_if_held, user)
+    if receipt is None:
+        return ErasureNothingHeldOut(checked_at=datetime.now(UTC))
     if state.engine is not None:
         await state.engine.abort_tenant(TenantId(receipt.subject))
     state.metrics.erasures.inc()

@@ -471,6 +471,19 @@ class ErasureReceiptOut(BaseModel):
         "erasure (null: a single server)",
     )
     verification: VerificationOut
+    held_nothing: Literal[False] = Field(
+        default=False, description="false: the server held something of the user, and this receipt erased it"
+    )
+
+
+class ErasureNothingHeldOut(BaseModel):
+    """`DELETE /v1/users/{id}` of a user of whom the server held nothing: no receipt is written
+    (receipts are permanent), and writes of the user still in flight are refused as after any
+    erasure."""
+
+    object: Literal["erasure.nothing_held"] = "erasure.nothing_held"
+    held_nothing: Literal[True] = True
+    checked_at: datetime
 
 
 # ------------------------------------------------------------------------------------------ prefixes

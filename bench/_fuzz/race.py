@@ -54,7 +54,8 @@ class EraseRacer(threading.Thread):
         bad = int(ver.get("remnants") or 0) + (0 if ver.get("chain_ok") else 1)
         with self.lock:
             self.counts["erasures"] += 1
-            self.receipts.append(receipt["id"])
+            if not receipt.get("held_nothing"):  # an erasure of nothing writes no receipt
+                self.receipts.append(receipt["id"])
             self.remnants_at_erasure += bad
             if bad and len(self.findings) < 20:
                 self.findings.append({"request": f"DELETE {path}", "took_s": round(time.monotonic() - t0, 2),

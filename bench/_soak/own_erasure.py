@@ -48,7 +48,8 @@ class OwnErasure:
         receipt = r.json()
         self.ctl.erasures.end(er, receipt)
         self.c.pending_erase = False
-        self.c.receipts.append(receipt["id"])
+        if not receipt.get("held_nothing"):  # an erasure of nothing writes no receipt
+            self.c.receipts.append(receipt["id"])
         self.c.erased_markers += self.c.epoch_markers
         self.c.epoch_markers = []
         self.catch_up()

@@ -320,7 +320,8 @@ class FrontendRow(Base):
 
 
 class AdminAuditRow(Base):
-    """Append-only: who (a key id, or `cli`) did what to keys and frontends, and when."""
+    """Append-only: who (a key id, or `cli`) did what to keys and frontends, and when. An erasure
+    replaces its user's id in `detail` by a pseudonym (`dss.ops.erasure.pseudonymise_audit`)."""
 
     __tablename__ = "admin_audit"
 

@@ -26,10 +26,15 @@ Invariants:
   stored token ids of the deepest version whose messages start its dialogue, so a version of
   added items (which holds messages only) does not cost the cache of the turn before it.
 - Another user's conversation raises `ConversationNotFound`, exactly like a missing one.
+- Every write takes `epoch`, the user's erasure epoch the request was admitted under, and passes
+  it to the store's write fence: a write admitted before an erasure of its user that would
+  commit after it writes nothing and raises `UserErased` (without it, a conversation created
+  just before an erasure landed after it, under the re-created user).
 """
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -46,6 +51,7 @@ from dss.errors import (
     InvalidInput,
     LimitExceeded,
     SessionNotFound,
+    UserErased,
 )
 from dss.types import SessionId, UserId
 
@@ -187,30 +193,42 @@ class Conversations:
         items: Sequence[Mapping[str, Any]],
         metadata: Mapping[str, Any] | None,
         max_items: int | None = None,
+        *,
+        epoch: int | None = None,
     ) -> Conversation:
         """A new conversation (a session with a fresh `conv_` id), seeded with `items` as its first
-        version when there are any. All or nothing: a seed refused by the store removes the session."""
+        version when there are any. All or nothing: a seed refused by the store removes the session.
+        `epoch`: the erasure epoch the request was admitted under (see the module docstring)."""
         new = [item_message(i) for i in items]
         _check_new([], new, max_items)
         cid = new_conversation_id()
-        session = self._versions.create_session(user, cid, metadata=metadata)
+        session = self._versions.create_session(user, cid, metadata=metadata, epoch=epoch)
         if not new:
             return self._of(session)
         try:
             v = self._versions.commit(
-                user, cid, tokens=[], messages=new, branch=MAIN_BRANCH, expected_head=EMPTY_HEAD
+                user, cid, tokens=[], messages=new, branch=MAIN_BRANCH, expected_head=EMPTY_HEAD, epoch=epoch
             )
         except BaseException:
-            self._versions.delete_session(user, cid)
+            # An erasure between the two deleted it already: the seed's error is the answer.
+            with contextlib.suppress(SessionNotFound, UserErased):
+                self._versions.delete_session(user, cid)
             raise
         return Conversation(cid, session.created_at, session.metadata, v.number)
 
     def get(self, user: UserId, cid: SessionId) -> Conversation:
         return self._of(self._session(user, cid))
 
-    def set_metadata(self, user: UserId, cid: SessionId, metadata: Mapping[str, Any] | None) -> Conversation:
+    def set_metadata(
+        self,
+        user: UserId,
+        cid: SessionId,
+        metadata: Mapping[str, Any] | None,
+        *,
+        epoch: int | None = None,
+    ) -> Conversation:
         try:
-            return self._of(self._versions.set_metadata(user, cid, metadata))
+            return self._of(self._versions.set_metadata(user, cid, metadata, epoch=epoch))
         except SessionNotFound:
             raise ConversationNotFound(f"conversation {cid!r} not found") from None
 
@@ -248,21 +266,26 @@ class Conversations:
         cid: SessionId,
         items: Sequence[Mapping[str, Any]],
         max_items: int | None = None,
+        *,
+        epoch: int | None = None,
     ) -> list[dict[str, Any]]:
         """Add `items` at the end: a new version on `main` (its messages: the head's, then these);
-        returns the added items as they read from now on."""
+        returns the added items as they read from now on. `epoch`: as for `create`."""
         conv = self.get(user, cid)
         stored = self._messages(user, cid, conv.head)
         new = [item_message(i) for i in items]
         _check_new(stored, new, max_items)
         messages = [*stored, *new]
         self._versions.commit(
-            user, cid, tokens=[], messages=messages, branch=MAIN_BRANCH, expected_head=conv.head
+            user, cid, tokens=[], messages=messages, branch=MAIN_BRANCH, expected_head=conv.head, epoch=epoch
         )
         return dialogue_items(messages)[-len(new) :] if new else []
 
-    def delete_item(self, user: UserId, cid: SessionId, item_id: str) -> Conversation:
-        """A new version on `main` without the item (the versions that held it stay)."""
+    def delete_item(
+        self, user: UserId, cid: SessionId, item_id: str, *, epoch: int | None = None
+    ) -> Conversation:
+        """A new version on `main` without the item (the versions that held it stay). `epoch`: as
+        for `create`."""
         conv = self.get(user, cid)
         stored = self._messages(user, cid, conv.head)
         ids = _item_ids(stored)
@@ -276,6 +299,7 @@ class Conversations:
             messages=[*stored[:at], *stored[at + 1 :]],
             branch=MAIN_BRANCH,
             expected_head=conv.head,
+            epoch=epoch,
         )
         return Conversation(conv.id, conv.created_at, conv.metadata, v.number)
 

@@ -130,6 +130,14 @@ class KeyManager:
             )
 
 
+def forget_env_master_key(env_var: str = DEFAULT_ENV_VAR) -> None:
+    """Remove the master key from this process's environment (`unsetenv` too), once it is read:
+    every process started afterwards (a server's engine and its workers, the page codec) would
+    inherit it, and none of them needs it. `/proc/<pid>/environ` of this process still shows the
+    environment it was started with (to its owner and root only)."""
+    os.environ.pop(env_var, None)
+
+
 def env_master_key_set(env_var: str = DEFAULT_ENV_VAR) -> bool:
     """Whether the master key comes from the environment (it wins over any key file)."""
     return bool(os.environ.get(env_var))

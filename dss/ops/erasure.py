@@ -3,7 +3,8 @@
 Order matters. First the user's pages leave the page table and the index (no reader can have
 them any more) while saves of the user are refused (`KVCache.erasing`) and moves in flight
 settle; then the database transaction (sessions, versions, stored responses, page rows, the
-data key, and the receipt) commits; then the irreversible steps run (zeroing host slots, unlinking files).
+data key, the user's id in the admin audit trail replaced by a pseudonym, and the receipt)
+commits; then the irreversible steps run (zeroing host slots, unlinking files).
 Destroying the data key is what makes any copy of the user's pages that we cannot reach (a
 backup) unreadable. Public-prefix pages are not user data and stay.
 
@@ -201,6 +202,16 @@ class Eraser:
         return self._versions.holds_user(user) or self._keyring.holds_key(self._identity.tenant_for(user))
 
     def erase_user(self, user: UserId) -> ErasureReceipt:
+        """`_erase(user, if_held=False)`: always a receipt, even of nothing (the operator's)."""
+        receipt = self._erase(user, if_held=False)
+        assert receipt is not None  # only `if_held` erasures end without one
+        return receipt
+
+    def erase_if_held(self, user: UserId) -> ErasureReceipt | None:
+        """`_erase(user, if_held=True)`: None when the server held nothing of `user` (no receipt)."""
+        return self._erase(user, if_held=True)
+
+    def _erase(self, user: UserId, if_held: bool) -> ErasureReceipt | None:
         """Erase `user` everywhere; the returned receipt counts this server's copies and, in a
         fleet, every other server's (those that acknowledged within `ack_timeout_s`).
 
@@ -217,7 +228,17 @@ class Eraser:
 
         The remote tier's keys of the tenant are deleted after the commit (`counts["remote_keys"]`,
         or "unavailable" when Redis does not answer): whatever is left there is unreadable, since
-        the tenant's data key is destroyed in the transaction, and `verify` reports it."""
+        the tenant's data key is destroyed in the transaction, and `verify` reports it.
+
+        `if_held`: when the transaction finds nothing of the user (no session, stored response,
+        page row, data key, audit entry naming it, nor page in this server's tiers), it writes no
+        receipt and returns None: a receipt is permanent (the append-only chain), and erasing ids
+        that hold nothing must not grow it. It still moves the user's epoch (its row created if
+        missing: one keyed hash, as the user's first write would make), so that a write of the
+        user admitted before it but not committed yet (a first turn being prepared) is refused as
+        for any erasure; the retired tenant, named by no receipt, is erased again by the user's
+        next erasure (`_never_erased`), finding nothing. Never in a fleet: another server may
+        hold pages of the tenant in its memory that no row shows, and only a receipt reaches it."""
         self._kv.ensure_open()
         subject = self._identity.subject_hash(user)
         with self._one_per_user.holding(subject), self._sf() as s:
@@ -252,6 +273,13 @@ class Eraser:
                     new_epoch = self._identity.next_epoch_in(s, user, expected=epoch)
                     erased_at = datetime.now(UTC)
                     counts = _delete_rows(s, user, doomed, self._versions, self._keyring, usage)
+                    # The admin audit trail names users by id (a key created for them): those
+                    # entries now name the erased tenant instead, the receipt's subject.
+                    counts["audit_entries"] = pseudonymise_audit(s, user, erased_pseudonym(tenant))
+                    if if_held and self._membership is None and not _held_any(counts):
+                        s.commit()  # the epoch's move alone
+                        self._identity.forget(user)
+                        return None
                     # The user's next tenant: a re-created user starts cold everywhere.
                     counts["epoch"] = new_epoch
                     seq, prev, entry = _append_receipt(s, rid, erased_at, tenant, counts)
@@ -427,6 +455,52 @@ def _never_erased(s: Session, tenants: list[TenantId]) -> list[TenantId]:
         s.scalars(select(m.ErasureReceiptRow.subject).where(m.ErasureReceiptRow.subject.in_(tenants)))
     )
     return [t for t in tenants if t not in named]
+
+
+def erased_pseudonym(tenant: TenantId) -> str:
+    """What the audit trail names an erased user by: the tenant its erasure retired (a keyed hash
+    of the id and the epoch, the receipt's `subject`), never the id."""
+    return f"erased:{tenant}"
+
+
+def _replaced(value: Any, user: str, pseudonym: str) -> Any:
+    """`value` (JSON) with every string equal to `user` replaced by `pseudonym`."""
+    if isinstance(value, str):
+        return pseudonym if value == user else value
+    if isinstance(value, list):
+        return [_replaced(v, user, pseudonym) for v in value]
+    if isinstance(value, dict):
+        return {k: _replaced(v, user, pseudonym) for k, v in value.items()}
+    return value
+
+
+def pseudonymise_audit(s: Session, user: UserId, pseudonym: str) -> int:
+    """In the caller's transaction: the admin audit entries whose detail names `user` (`"user"`:
+    the user a key was created for) name `pseudonym` instead; returns how many. The trail is
+    otherwise never changed; this keeps who did what to which key, not to whom. Idempotent.
+    Reads the entries that name the user (the trail is as long as the admin operations)."""
+    rows = s.scalars(select(m.AdminAuditRow).where(m.AdminAuditRow.detail["user"].as_string() == user))
+    n = 0
+    for row in rows:
+        row.detail = _replaced(dict(row.detail), user, pseudonym)
+        n += 1
+    s.flush()
+    return n
+
+
+def _held_any(counts: dict[str, Any]) -> bool:
+    """Whether `_delete_rows`'s counts found anything of the user (rows, a data key, pages, audit
+    entries naming the user)."""
+    rows = (
+        "sessions",
+        "versions",
+        "branches",
+        "responses",
+        "page_rows",
+        "data_keys_destroyed",
+        "audit_entries",
+    )
+    return any(counts[k] for k in rows) or any(counts["pages"].values())
 
 
 def _delete_rows(

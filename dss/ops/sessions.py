@@ -95,10 +95,11 @@ class Sessions:
             return {t.value: 0 for t in Tier}
         return self._kv.residency(FingerprintId(fingerprint), tenant, tokens)
 
-    def delete(self, user: UserId, sid: SessionId) -> int:
-        """Delete a session and the cached pages only it used; returns the pages dropped."""
+    def delete(self, user: UserId, sid: SessionId, *, epoch: int | None = None) -> int:
+        """Delete a session and the cached pages only it used; returns the pages dropped.
+        `epoch`: the erasure epoch the request was admitted under (`UserErased` once erased since)."""
         dropped = delete_session(
-            self._versions, self._identity, self._fingerprints, self._index, self._pages, user, sid
+            self._versions, self._identity, self._fingerprints, self._index, self._pages, user, sid, epoch
         )
         self._on_deleted(user, sid)
         return dropped
@@ -112,13 +113,14 @@ def delete_session(
     pages: TieredPages,
     user: UserId,
     sid: SessionId,
+    epoch: int | None = None,
 ) -> int:
     """Delete session `sid` of `user` and its exclusive pages; returns the pages dropped."""
     drop: dict[FingerprintId, list[np.ndarray]] = defaultdict(list)
     for v in versions.iter_tokens(user, sid):  # SessionNotFound for anyone else
         if v.fingerprint is not None:
             drop[v.fingerprint].append(v.tokens)
-    n_versions = versions.delete_session(user, sid)
+    n_versions = versions.delete_session(user, sid, epoch=epoch)
     tenant = identity.tenant_for(user)
     spaces = {fid: make_namespace(fid, tenant) for fid in drop if fid in fingerprints}
     # The pages the deleted paths reach; of the other paths, only what they share with these.

@@ -144,8 +144,12 @@ def test_a_turn_being_prepared_when_its_user_is_erased_keeps_nothing(
     }
     assert c.get("/v1/sessions", headers=headers).json()["data"] == []
     receipt = erased.json()
-    again = c.get(f"/v1/erasures/{receipt['id']}", headers=headers).json()
-    assert again["verification"]["remnants"] == 0, again["verification"]["details"]
+    if receipt["held_nothing"]:
+        # A first turn: nothing of the user was stored yet, so no receipt; the epoch moved all the same.
+        assert kind == "responses", receipt
+    else:
+        again = c.get(f"/v1/erasures/{receipt['id']}", headers=headers).json()
+        assert again["verification"]["remnants"] == 0, again["verification"]["details"]
     # And the turn was told so.
     answer = answers[0]
     assert answer.status_code == 409, answer.text

@@ -20,6 +20,8 @@ def test_erasure_checks_are_rate_limited_per_user(tmp_path: Path) -> None:
     with TestClient(create_app(settings_for(data, limits=LIMITS))) as c:
         started(c)
         auth = {"Authorization": f"Bearer {ursula}"}
+        # Something to erase (an erasure of nothing writes no receipt to check).
+        assert c.post("/v1/sessions", json={"session_id": "s"}, headers=auth).status_code == 201
         r = c.delete("/v1/users/ursula", headers=auth)
         assert r.status_code == 200, r.text
         rid = r.json()["id"]

@@ -39,11 +39,12 @@ class Deletions:
         self._factory = session_factory
         self._fence = fence
 
-    def delete_session(self, user: UserId, sid: SessionId) -> int:
+    def delete_session(self, user: UserId, sid: SessionId, *, epoch: int | None = None) -> int:
         """Delete the session with its branches, versions and stored responses; return the number
-        of versions deleted."""
+        of versions deleted. `epoch`: the erasure epoch the request was admitted under (`UserErased`
+        when the user was erased since; see `UserFence.hold_user`)."""
         with transaction(self._factory) as db:
-            self._fence.hold_user(db, user)
+            self._fence.hold_user(db, user, epoch)
             owned_session(db, user, sid)
             return delete_sessions(db, user, sid)["versions"]
 

@@ -179,11 +179,19 @@ class SessionCatalog:
             raise LimitExceeded(f"metadata over {MAX_METADATA_BYTES} bytes of JSON", field="metadata")
         return meta
 
-    def set_metadata(self, user: UserId, sid: SessionId, metadata: Mapping[str, Any] | None) -> SessionInfo:
-        """Replace the session's metadata (None: none), under the limits `create_session` applies."""
+    def set_metadata(
+        self,
+        user: UserId,
+        sid: SessionId,
+        metadata: Mapping[str, Any] | None,
+        *,
+        epoch: int | None = None,
+    ) -> SessionInfo:
+        """Replace the session's metadata (None: none), under the limits `create_session` applies.
+        `epoch`: as for `create_session`."""
         meta = self._checked_metadata(metadata)
         with transaction(self._factory) as db:
-            self._fence.hold_user(db, user)
+            self._fence.hold_user(db, user, epoch)
             row = owned_session(db, user, sid)
             row.meta = meta
             row.updated_at = utcnow()
