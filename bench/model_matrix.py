@@ -336,6 +336,9 @@ def engine_for(row: Row, served: ServedStore) -> Engine:
         tensor_parallel_size=row.tp,
         pipeline_parallel_size=row.pp,
         kv_cache_dtype=row.kv_cache_dtype,
+        # vLLM picks its AMX MLA backend on CPUs with AMX tiles, whose blocks DSS does not cache
+        # (engine_patch/connector/fingerprint.py): MLA rows ask for the reference CPU backend.
+        extra_engine_args={"attention_backend": "CPU_MLA"} if row.attention == "mla" else {},
     )
 
 

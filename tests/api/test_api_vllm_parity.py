@@ -375,12 +375,17 @@ def test_logprobs_without_top(servers: Servers) -> None:
 def test_response_format_json_object(servers: Servers) -> None:
     prompt = [{"role": "user", "content": 'Reply with a JSON object whose key "a" is 1.'}]
     v, d = both(
-        servers, "parity-json", messages=prompt, response_format={"type": "json_object"}, max_tokens=16
+        servers, "parity-json", messages=prompt, response_format={"type": "json_object"}, max_tokens=48
     )
     assert v.ok and d.ok, (v.body, d.body)
-    assert isinstance(json.loads(v.text()), dict), v.text()
-    assert isinstance(json.loads(d.text()), dict), d.text()
     assert_same_answer(v, d)
+    # The grammar keeps the text a JSON object's start; whether the tiny model closes it within
+    # max_tokens depends on the CPU's arithmetic (on some it nests `{"key": {"key": ...` on): a
+    # complete answer must parse, a cut one (`length`) is compared for parity only.
+    for a in (v, d):
+        assert a.text().lstrip().startswith("{"), a.text()
+        if a.body["choices"][0]["finish_reason"] == "stop":
+            assert isinstance(json.loads(a.text()), dict), a.text()
 
 
 def test_response_format_json_schema(servers: Servers) -> None:
