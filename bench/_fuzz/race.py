@@ -51,10 +51,11 @@ class EraseRacer(threading.Thread):
             return
         receipt = r.json()
         ver = receipt.get("verification") or {}
-        bad = int(ver.get("remnants") or 0) + (0 if ver.get("chain_ok") else 1)
+        held_nothing = bool(receipt.get("held_nothing"))  # an erasure of nothing writes no receipt
+        bad = 0 if held_nothing else int(ver.get("remnants") or 0) + (0 if ver.get("chain_ok") else 1)
         with self.lock:
             self.counts["erasures"] += 1
-            if not receipt.get("held_nothing"):  # an erasure of nothing writes no receipt
+            if not held_nothing:
                 self.receipts.append(receipt["id"])
             self.remnants_at_erasure += bad
             if bad and len(self.findings) < 20:

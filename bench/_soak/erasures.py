@@ -36,7 +36,7 @@ class ErasureLog:
         """Its answer (a receipt), or none: `unknown` when it may still commit (a hang), `void`
         when it was refused (4xx: nothing erased). A receipt whose verification found remnants
         or a broken chain counts in `remnants_at_erasure`."""
-        if receipt is not None:
+        if receipt is not None and not receipt.get("held_nothing"):  # nothing held: no receipt
             ver = receipt.get("verification") or {}
             bad = int(ver.get("remnants") or 0) + (0 if ver.get("chain_ok") else 1)
             if bad:
