@@ -253,6 +253,7 @@ VARIANTS: dict[str, dict[str, str]] = {
         "DSS_LEAD__GATE_MAX_DISTANCE": "0",
     },
 }
+VARIANTS["parity"] = {}  # the default, started beside vLLM's own server (tests/api/test_api_vllm_parity.py)
 _SERVERS: dict[str, ApiServer] = {}
 _FAILED: dict[str, str] = {}
 
