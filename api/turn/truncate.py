@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from api.llm.chat_engine import ChatEngine
-from api.turn.lead import PromptPlan
+from api.turn.lead import LeadReport, PromptPlan
 from dss.dialogue.lead.policy import has_lead, lead_text
 from dss.dialogue.lead.view import ModelView
 from dss.dialogue.truncation import cut_points
@@ -28,7 +28,7 @@ def shortened(
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]],
     room: int,
-    lead: Any = None,
+    lead: LeadReport | None = None,
 ) -> PromptPlan | None:
     """The prompt of `messages` cut to fit `room` tokens (the context less the answer's), or None
     when even the newest user turn does not fit."""

@@ -34,6 +34,7 @@ import httpx
 import pytest
 
 from deploy.open_webui import ensure_open_webui, open_webui_env
+from tests.api.test_clients import CLOCK_PERSONA
 from tests.api_server import ApiServer, cached_tokens, free_port, get_server
 from tests.browser import headless_chrome, require_browser
 from tests.paths import ARTIFACTS, REPO
@@ -452,22 +453,10 @@ def test_two_people_chat_regenerate_edit_and_one_is_erased(
 # Open WebUI's own variables: the time (the browser's, to the second, on every request) and the
 # person's name. The time comes first, as people often write such prompts; the bulk after it is the
 # history a lead update keeps (without one, only the tokens before the first changed digit are
-# shared with the stored version: a long prompt keeps them a small share).
+# shared with the stored version: a long prompt keeps them a small share). The bulk is the
+# openai-agents test's persona.
 CLOCK_SYSTEM_PROMPT = (
-    "{{CURRENT_DATETIME}} is the current date and time. You are talking with {{USER_NAME}}.\n"
-    "You are the assistant of a small family bakery on the corner of Mill Street. You answer "
-    "questions about bread, pastries, cakes, opening hours, allergens and orders in a few friendly "
-    "words. The bakery opens at seven in the morning on weekdays and at eight on Saturdays; it is "
-    "closed on Sundays and on public holidays. Rye, spelt and white sourdough loaves are baked "
-    "every morning; croissants and cinnamon buns sell out by ten. Celebration cakes need two "
-    "days' notice and a deposit, paid in the shop. Never invent prices, never promise a delivery "
-    "time, and never give medical advice about allergies: point to the allergen sheet at the "
-    "counter instead. When you do not know something, say so plainly and suggest calling the shop "
-    "during opening hours. If someone asks about gluten-free bread, say that the bakery bakes "
-    "it on Thursdays only, in a separate oven, and that it should be ordered the day before. If "
-    "someone asks for a job, point them to the notice by the door. If someone complains, thank "
-    "them, apologise once, and ask them to speak to the owner in the shop. Keep every answer "
-    "short, polite and in plain language."
+    "{{CURRENT_DATETIME}} is the current date and time. You are talking with {{USER_NAME}}.\n" + CLOCK_PERSONA
 )
 CLOCK_QUESTIONS = ["Do you bake rye bread?", "And on Sundays?", "Can I order a cake for Friday?"]
 PAUSE_S = 2.0  # between turns: the time Open WebUI renders (to the second) moves on
