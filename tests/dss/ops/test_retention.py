@@ -438,7 +438,9 @@ def test_a_hint_the_busy_worker_does_not_reach_is_withdrawn(tmp_path: Path) -> N
 
 def test_a_hint_gets_in_between_the_sessions_of_a_sweep(tmp_path: Path) -> None:
     """The sweep's sessions are separate jobs: a hint waits for one of them, not for the sweep."""
-    s = _store(tmp_path / "d", wait_s=0.5)
+    # Margins sized for a loaded CI machine: one session's job takes ~0.5 s, the whole sweep
+    # ~3.5 s, and the hint may wait 1.5 s, so it passes only by getting in between sessions.
+    s = _store(tmp_path / "d", wait_s=1.5)
     try:
         for i in range(6):
             turn(s, "alice", f"s{i}", _tokens(100 * i + 1, 1))
@@ -446,14 +448,14 @@ def test_a_hint_gets_in_between_the_sessions_of_a_sweep(tmp_path: Path) -> None:
         real = s.versions.list_versions
 
         def slow(*args: Any, **kwargs: Any) -> Any:
-            time.sleep(0.25)
+            time.sleep(0.5)
             return real(*args, **kwargs)
 
         s.versions.list_versions = slow  # type: ignore[method-assign]
         sweeper = threading.Thread(target=s.retention.sweep)
         sweeper.start()
         time.sleep(0.1)
-        s.retention.set_hint("bob", "b", kv_idle_ttl_s=600)  # the sweep alone takes 1.75 s
+        s.retention.set_hint("bob", "b", kv_idle_ttl_s=600)  # the sweep alone takes 3.5 s
         sweeper.join(20)
         assert s.versions.get_session("bob", "b").kv_idle_ttl_s == 600
     finally:
