@@ -22,9 +22,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from dss.config import DEFAULT_CACHE_ENTRIES
 from dss.db.meta import meta_get, meta_set_default
-from dss.db.models import ErasureEpoch
+from dss.db.models import ErasureEpoch, StoreMeta
 from dss.derive import keyed_blake2b, rpc_authkey
-from dss.errors import UserErased, WrongMasterKey
+from dss.errors import MasterKeyRotated, UserErased, WrongMasterKey
 from dss.keys.bounded import BoundedLru
 from dss.keys.crypto import KeyManager, env_master_key_set, finish_rotation
 from dss.namespace import legacy_tenant_for_user, tenant_for_user
@@ -44,7 +44,12 @@ DERIVATION_LEGACY_META = "derivation_upgraded_from"
 
 
 def load_master_key(sf: sessionmaker[Session], key_file: Path, create_if_missing: bool) -> KeyManager:
-    verifier = meta_get(sf, MASTER_VERIFIER_META)
+    """The master key, checked against the store's verifier. On PostgreSQL the verifier is read
+    under a shared lock of its row, which a rotation holds exclusively for its whole transaction
+    (`dss.keys.rotation.rewrap_all`): a server starting during a rotation waits for it and then
+    reads the new verifier. Its registration in `servers` (`Membership.register`) came first, so
+    a rotation that takes the row after this read sees the server alive and refuses."""
+    verifier = _read_verifier(sf)
     try:
         keys = KeyManager.load(key_file, create_if_missing=create_if_missing and verifier is None)
         if verifier is not None:
@@ -68,6 +73,42 @@ def load_master_key(sf: sessionmaker[Session], key_file: Path, create_if_missing
         stored = meta_set_default(sf, MASTER_VERIFIER_META, keys.make_verifier().hex())
         _check(keys, stored)  # another server opening the new store first: its key must be ours
     return keys
+
+
+def _read_verifier(sf: sessionmaker[Session]) -> str | None:
+    with sf() as s, s.begin():
+        return verifier_in(s)
+
+
+def verifier_in(session: Session) -> str | None:
+    """The master-key verifier, read in the caller's transaction; on PostgreSQL under a shared
+    lock of its row (`FOR SHARE`) held until that transaction ends, so that no rotation commits
+    in between (a rotation locks the row `FOR UPDATE` first)."""
+    q = select(StoreMeta.value).where(StoreMeta.key == MASTER_VERIFIER_META)
+    if session.get_bind().dialect.name == "postgresql":
+        q = q.with_for_update(read=True)
+    value = session.scalar(q)
+    return None if value is None else str(value)
+
+
+def check_master_in(session: Session, keys: KeyManager) -> None:
+    """In a transaction about to store something wrapped under `keys` (a new data key): the
+    store's verifier still opens with `keys`, and stays so until the transaction ends (PostgreSQL:
+    its row is held `FOR SHARE`). `MasterKeyRotated` when a rotation changed it since this server
+    read the key: what it would wrap no restart could unwrap. SQLite: nothing to do, a rotation
+    takes the data directory's owner lock, so no server runs beside it."""
+    if session.get_bind().dialect.name != "postgresql":
+        return
+    verifier = verifier_in(session)
+    if verifier is None:
+        return  # a store being created: `load_master_key` writes the verifier
+    try:
+        keys.check_verifier(bytes.fromhex(verifier))
+    except WrongMasterKey as exc:
+        raise MasterKeyRotated(
+            "the master key was rotated since this server started; restart it with the new key "
+            "(no data key is wrapped under the old one)"
+        ) from exc
 
 
 def _check(keys: KeyManager, verifier: str) -> None:

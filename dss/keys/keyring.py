@@ -10,7 +10,9 @@ epoch (older receipts did not).
 
 Lock: `Keyring._lock` is a leaf around the in-memory cache of unwrapped keys and the retired set.
 The database is read and written outside it; two threads creating the first key of one tenant at
-once race on the table's primary key, and the loser reads the winner's key.
+once race on the table's primary key, and the loser reads the winner's key. A new key is
+inserted in the transaction that checks the master-key verifier (`check_master_in`): a server
+whose master was rotated under it refuses (`MasterKeyRotated`) rather than wrap under the old one.
 
 The cache of unwrapped keys holds at most `cache_entries` tenants (`StoreConfig.data_key_cache_entries`:
 tenants follow user ids, which frontends choose): the least recently used is dropped, in memory
@@ -33,6 +35,7 @@ from dss.db.models import DataKey, ErasureReceiptRow
 from dss.errors import KeyDestroyed
 from dss.keys.bounded import BoundedLru
 from dss.keys.crypto import KeyManager
+from dss.keys.identity import check_master_in
 from dss.types import TenantId
 
 
@@ -85,6 +88,8 @@ class Keyring:
             key = self._keys.new_data_key()
             try:
                 with transaction(self._sf) as s:
+                    # A rotation since this server read its master: refuse (`MasterKeyRotated`).
+                    check_master_in(s, self._keys)
                     s.add(DataKey(tenant=tenant, wrapped=self._keys.wrap(key, tenant)))
                 break
             except IntegrityError:
