@@ -208,6 +208,8 @@ _STORE_ERRORS: tuple[tuple[type[e.DSSError], int, str], ...] = (
     (e.CapacityError, 503, "service_unavailable_error"),
     (e.TierUnavailable, 503, "service_unavailable_error"),
     (e.StoreClosed, 503, "service_unavailable_error"),
+    # The master key was rotated under this running server: it must be restarted with the new one.
+    (e.MasterKeyRotated, 503, "service_unavailable_error"),
     (e.RetentionBusy, 503, "overloaded_error"),
     (e.DSSError, 500, "server_error"),
 )

@@ -16,7 +16,15 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from dss.config import FleetConfig, GiB, Quotas, RemoteConfig, RetentionConfig, StoreConfig
+from dss.config import (
+    DEFAULT_CACHE_ENTRIES,
+    FleetConfig,
+    GiB,
+    Quotas,
+    RemoteConfig,
+    RetentionConfig,
+    StoreConfig,
+)
 from dss.jsonlimits import MAX_SERVABLE_DEPTH, JsonLimits
 
 if TYPE_CHECKING:
@@ -102,6 +110,9 @@ class StoreSettings(BaseModel):
     write_through: bool = True
     fsync: bool = True
     loader_threads: int = Field(default=2, ge=1, le=64)
+    # Bounds of the in-memory key caches (`StoreConfig.identity_cache_entries`, `data_key_cache_entries`).
+    identity_cache_entries: int = Field(default=DEFAULT_CACHE_ENTRIES, ge=1)
+    data_key_cache_entries: int = Field(default=DEFAULT_CACHE_ENTRIES, ge=1)
     # The remote page tier shared by a fleet: redis://host:port/db (may hold a password); None: off.
     remote_url: SecretStr | None = None
     remote_key_prefix: str = Field(default="dss:", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
@@ -141,6 +152,8 @@ class StoreSettings(BaseModel):
             write_through=self.write_through,
             fsync=self.fsync,
             loader_threads=self.loader_threads,
+            identity_cache_entries=self.identity_cache_entries,
+            data_key_cache_entries=self.data_key_cache_entries,
             quotas=self.quotas.to_quotas(),
             retention=self.retention.to_config(),
             remote=RemoteConfig(

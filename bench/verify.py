@@ -3,7 +3,11 @@ other users: the bounded verification (chain since its last checkpoint, the tena
 files) against the full audit (`full=True`: the chain from its start, every page file's header,
 which is what every verification did before). Same store, same run.
 
-    python bench/verify.py [--receipts 20000] [--page-files 8000] [--warm]
+    python bench/verify.py [--receipts 20000] [--page-files 8000] [--session-users 500] [--warm]
+
+Also what one verification sends to the database with 10 users holding sessions and with
+`--session-users` of them: statements and rows fetched, and their ratio (1.0: independent of the
+number of users).
 
 Page files are evicted from the page cache before each timed run (fsync + POSIX_FADV_DONTNEED,
 no root needed) unless --warm; directory entries stay cached either way.
@@ -16,11 +20,13 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
+from sqlalchemy import event
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -30,6 +36,7 @@ from dss.db.models import ErasureReceiptRow
 from dss.namespace import ModelFingerprint
 from dss.ops.receipt_chain import GENESIS, entry_hash
 from dss.store import Store
+from dss.types import UserId
 
 FP = ModelFingerprint(
     model_id="bench",
@@ -92,16 +99,46 @@ def _timed(store: Store, rid: str, full: bool, pages: Path, warm: bool, runs: in
     return statistics.median(times), remnants, chain_ok
 
 
+def _db_cost(store: Store, rid: str) -> tuple[int, int]:
+    """Statements one verification sends (this thread's) and the rows they return (the reads
+    run again afterwards: nothing changed since)."""
+    sent: list[tuple[str, object]] = []
+    me = threading.get_ident()
+
+    def on_execute(_conn: object, _cursor: object, statement: str, parameters: object, *_: object) -> None:
+        if threading.get_ident() == me:
+            sent.append((statement, parameters))
+
+    event.listen(store.db, "before_cursor_execute", on_execute)
+    try:
+        store.eraser.verify(rid)
+    finally:
+        event.remove(store.db, "before_cursor_execute", on_execute)
+    with store.db.connect() as conn:
+        rows = sum(
+            len(conn.exec_driver_sql(st, params).fetchall())  # type: ignore[arg-type]
+            for st, params in sent
+            if st.lstrip().upper().startswith("SELECT")
+        )
+    return len(sent), rows
+
+
+def _add_session_users(store: Store, first: int, last: int) -> None:
+    for i in range(first, last):
+        store.versions.create_session(UserId(f"session-user-{i}"), "s1")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--receipts", type=int, default=20_000)
     ap.add_argument("--page-files", type=int, default=8_000)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--session-users", type=int, default=500)
     ap.add_argument("--warm", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (the suite runs this)")
     args = ap.parse_args()
     if args.smoke:
-        args.receipts, args.page_files, args.runs = 200, 80, 1
+        args.receipts, args.page_files, args.runs, args.session_users = 200, 80, 1, 50
     print(f"cores={os.cpu_count()}")
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
@@ -126,14 +163,22 @@ def main() -> None:
         receipt = store.eraser.erase_user("bob")
         verify_s, remnants, ok = _timed(store, receipt.id, False, pages, args.warm, args.runs)
         full_s, full_remnants, full_ok = _timed(store, receipt.id, True, pages, args.warm, args.runs)
+        _add_session_users(store, 0, 10)
+        few = _db_cost(store, receipt.id)
+        _add_session_users(store, 10, args.session_users)
+        many = _db_cost(store, receipt.id)
         store.close()
     print(
         f"verify_first_s={first_s:.3f} remnants={remnants} chain_ok={ok} "
         f"full_remnants={full_remnants} full_chain_ok={full_ok} cache={'warm' if args.warm else 'cold'}"
     )
+    print(f"db_cost users=10 statements={few[0]} rows={few[1]}")
+    print(f"db_cost users={args.session_users} statements={many[0]} rows={many[1]}")
     print(
         f"RESULT verify_s={verify_s:.4f} verify_s_full_scan={full_s:.3f} "
-        f"receipts={args.receipts + 2} page_files={n_files}"
+        f"receipts={args.receipts + 2} page_files={n_files} "
+        f"db_rows_ratio_{args.session_users}_vs_10_users={many[1] / few[1]:.2f} "
+        f"db_statements_ratio={many[0] / few[0]:.2f}"
     )
 
 

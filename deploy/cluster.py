@@ -27,6 +27,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
+from urllib.parse import urlsplit
+
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository
 from deploy.haproxy import ensure_haproxy
@@ -110,9 +114,39 @@ def usage(cluster: Cluster) -> str:
     )
 
 
+def startup_warnings(args: argparse.Namespace) -> list[str]:
+    """One line per "try it" default still in effect (docs/operations.md, "A cluster for
+    production" says what to set instead): the launcher's defaults suit one trusted machine."""
+    warnings = []
+    if not args.keys:
+        warnings.append(
+            "development mode: no API keys, any caller may act as any user (X-DSS-User); "
+            "give --keys to require keys"
+        )
+    try:
+        db_url = make_url(args.db_url)
+    except ArgumentError as exc:
+        raise ClusterError(f"--db-url is not a database URL: {exc}") from exc
+    if db_url.password is None:
+        warnings.append(
+            f"PostgreSQL without a password ({db_url.render_as_string(hide_password=True)}): "
+            "give --db-url postgresql+psycopg://USER:PASSWORD@HOST/DB (a role with a password, "
+            "and no trust authentication in pg_hba.conf)"
+        )
+    if not args.no_redis and urlsplit(args.redis_url).password is None:
+        warnings.append(
+            f"Redis without a password ({args.redis_url}): give --redis-url "
+            "redis://:PASSWORD@HOST:6379/1 (requirepass or an ACL user), or --no-redis"
+        )
+    return [f"warning: insecure default: {w}" for w in warnings]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        for warning in startup_warnings(args):
+            print(warning, file=sys.stderr, flush=True)
+        servers = server_specs(args.servers, args.first_port, args.work_dir)
         haproxy = ensure_haproxy()
         redis_url = None if args.no_redis else args.redis_url
         if redis_url is not None and (why := check_redis(redis_url)) is not None:
@@ -122,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flush=True,
             )
         cluster = Cluster(
-            servers=server_specs(args.servers, args.first_port, args.work_dir),
+            servers=servers,
             work_dir=args.work_dir,
             router_port=args.port,
             db_url=args.db_url,

@@ -8,6 +8,9 @@ from pathlib import Path
 from dss.jsonlimits import JsonLimits
 
 GiB = 1 << 30
+# Entries of each in-memory key cache (erasure epochs by user, unwrapped data keys by tenant):
+# ~100 bytes per epoch and ~150 per data key, so the default costs about 16 MiB at most.
+DEFAULT_CACHE_ENTRIES = 65_536
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +87,11 @@ class StoreConfig:
     codec_process: bool = True
     max_tokens_per_sequence: int = 1 << 20
     lease_timeout_s: float = 600.0  # a load or save not finished by then is presumed dead
+    # Bounds of the in-memory key caches (least recently used dropped first; read again from the
+    # database when needed): users' erasure epochs (`Identity`) and unwrapped data keys
+    # (`Keyring`). User ids are chosen by frontends, so neither may grow with them.
+    identity_cache_entries: int = DEFAULT_CACHE_ENTRIES
+    data_key_cache_entries: int = DEFAULT_CACHE_ENTRIES
     quotas: Quotas = field(default_factory=Quotas)  # per user: sessions, versions, stored bytes
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     # Depth and size of every free-form JSON value the store keeps (metadata, tool calls, ...).

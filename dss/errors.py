@@ -210,6 +210,12 @@ class WrongMasterKey(KeyError_):
     """The master key cannot unwrap the stored data keys. The store refuses to start."""
 
 
+class MasterKeyRotated(WrongMasterKey):
+    """The master key was rotated since this server read it: a data key wrapped under the old
+    one could never be unwrapped after a restart, so none is stored. Restart the server with the
+    new key (`dss keys rotate-master` is meant to run with every server stopped)."""
+
+
 class KeyDestroyed(KeyError_):
     """The tenant's data key was destroyed by an erasure; its pages are unreadable forever."""
 

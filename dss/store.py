@@ -144,7 +144,7 @@ class Store:
         self.keys = load_master_key(self.sf, cfg.resolved_key_file, cfg.create_master_key)
         if cfg.forget_env_master_key:
             forget_env_master_key()  # before the page codec's process (below) and any engine start
-        self.identity = Identity.load(self.sf, self.keys)
+        self.identity = Identity.load(self.sf, self.keys, cfg.identity_cache_entries)
         # A store made under the first (ambiguous) derivation: before anything reads a tenant.
         upgrade_derivation(self.sf, self.identity)
         # Every write of a user's rows is fenced by the user's erasure epoch (`Identity.fence_in`).
@@ -153,7 +153,7 @@ class Store:
         )
         self.responses = ResponseStore(self.sf, self.versions, self.config.json_limits)
         self.conversations = Conversations(self.versions)
-        self.keyring = Keyring(self.keys, self.sf)
+        self.keyring = Keyring(self.keys, self.sf, self.config.data_key_cache_entries)
         self.fingerprints = FingerprintRegistry(self.sf)
 
         # The tier makes its own unguessable directory (exclusively, 0700) under `shm_dir`; the

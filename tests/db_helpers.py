@@ -13,7 +13,7 @@ from dss.db import transaction
 from dss.db.models import BranchRow, ResponseRow, SessionRow, VersionRow
 
 # The newest migration (migrations/versions/): tests that upgrade to the head compare with it.
-HEAD_REVISION = "0011_identity_sources"
+HEAD_REVISION = "0013_erasure_subjects"
 
 
 def _count(db: Session, user: str) -> dict[str, int]:

@@ -126,6 +126,10 @@ class SessionRow(Base):
         String(16), nullable=False, default="normal", server_default="normal"
     )
     kv_idle_ttl_s: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # The owner's subject hash (`Identity.subject_hash`): what an erasure's verification finds
+    # the erased user's rows by, without hashing every user id (migration 0013). None: written
+    # before that migration, or by a version store without an identity.
+    subject: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
 
 
 def _session_fk() -> ForeignKeyConstraint:
@@ -208,6 +212,9 @@ class ResponseRow(Base):
     output: Mapped[list[dict[str, Any]]] = mapped_column(JSON, nullable=False)
     usage: Mapped[dict[str, Any]] = mapped_column(JSON, nullable=False)
     params: Mapped[dict[str, Any]] = mapped_column(JSON, nullable=False)
+    subject: Mapped[str | None] = mapped_column(
+        String(64), nullable=True, index=True
+    )  # as `SessionRow.subject`
 
 
 SERVER_ID_LEN = 64
@@ -264,6 +271,9 @@ class ErasureReceiptRow(Base):
     counts: Mapped[dict[str, Any]] = mapped_column(JSON, nullable=False)
     prev_hash: Mapped[str] = mapped_column(String(64), nullable=False)
     entry_hash: Mapped[str] = mapped_column(String(64), nullable=False)
+    # The erased user's subject hash, so that `verify` finds the user's rows by their `subject`
+    # (migration 0013; None in older receipts). Not part of the hashed entry.
+    user_subject: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class ChainCheckpointRow(Base):

@@ -237,6 +237,7 @@ class ResponseStore:
                     ResponseRow(
                         id=record.id,
                         user_id=user,
+                        subject=self._versions.subject_of(user),
                         session_id=sid,
                         version=record.version,
                         previous_response_id=record.previous_response_id,

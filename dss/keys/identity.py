@@ -20,10 +20,12 @@ from sqlalchemy import select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
+from dss.config import DEFAULT_CACHE_ENTRIES
 from dss.db.meta import meta_get, meta_set_default
-from dss.db.models import ErasureEpoch
+from dss.db.models import ErasureEpoch, StoreMeta
 from dss.derive import keyed_blake2b, rpc_authkey
-from dss.errors import UserErased, WrongMasterKey
+from dss.errors import MasterKeyRotated, UserErased, WrongMasterKey
+from dss.keys.bounded import BoundedLru
 from dss.keys.crypto import KeyManager, env_master_key_set, finish_rotation
 from dss.namespace import legacy_tenant_for_user, tenant_for_user
 from dss.types import TenantId, UserId
@@ -42,7 +44,12 @@ DERIVATION_LEGACY_META = "derivation_upgraded_from"
 
 
 def load_master_key(sf: sessionmaker[Session], key_file: Path, create_if_missing: bool) -> KeyManager:
-    verifier = meta_get(sf, MASTER_VERIFIER_META)
+    """The master key, checked against the store's verifier. On PostgreSQL the verifier is read
+    under a shared lock of its row, which a rotation holds exclusively for its whole transaction
+    (`dss.keys.rotation.rewrap_all`): a server starting during a rotation waits for it and then
+    reads the new verifier. Its registration in `servers` (`Membership.register`) came first, so
+    a rotation that takes the row after this read sees the server alive and refuses."""
+    verifier = _read_verifier(sf)
     try:
         keys = KeyManager.load(key_file, create_if_missing=create_if_missing and verifier is None)
         if verifier is not None:
@@ -68,6 +75,42 @@ def load_master_key(sf: sessionmaker[Session], key_file: Path, create_if_missing
     return keys
 
 
+def _read_verifier(sf: sessionmaker[Session]) -> str | None:
+    with sf() as s, s.begin():
+        return verifier_in(s)
+
+
+def verifier_in(session: Session) -> str | None:
+    """The master-key verifier, read in the caller's transaction; on PostgreSQL under a shared
+    lock of its row (`FOR SHARE`) held until that transaction ends, so that no rotation commits
+    in between (a rotation locks the row `FOR UPDATE` first)."""
+    q = select(StoreMeta.value).where(StoreMeta.key == MASTER_VERIFIER_META)
+    if session.get_bind().dialect.name == "postgresql":
+        q = q.with_for_update(read=True)
+    value = session.scalar(q)
+    return None if value is None else str(value)
+
+
+def check_master_in(session: Session, keys: KeyManager) -> None:
+    """In a transaction about to store something wrapped under `keys` (a new data key): the
+    store's verifier still opens with `keys`, and stays so until the transaction ends (PostgreSQL:
+    its row is held `FOR SHARE`). `MasterKeyRotated` when a rotation changed it since this server
+    read the key: what it would wrap no restart could unwrap. SQLite: nothing to do, a rotation
+    takes the data directory's owner lock, so no server runs beside it."""
+    if session.get_bind().dialect.name != "postgresql":
+        return
+    verifier = verifier_in(session)
+    if verifier is None:
+        return  # a store being created: `load_master_key` writes the verifier
+    try:
+        keys.check_verifier(bytes.fromhex(verifier))
+    except WrongMasterKey as exc:
+        raise MasterKeyRotated(
+            "the master key was rotated since this server started; restart it with the new key "
+            "(no data key is wrapped under the old one)"
+        ) from exc
+
+
 def _check(keys: KeyManager, verifier: str) -> None:
     try:
         keys.check_verifier(bytes.fromhex(verifier))
@@ -87,7 +130,11 @@ class Identity:
 
     Lock: `_lock` is a leaf around the epoch cache; the database is read outside it. An erasure
     bumps the epoch in its own transaction and then `forget`s the cached one; a generation number
-    keeps a read that raced the erasure from caching the old epoch.
+    keeps a read that raced the erasure from caching the old epoch. The cache holds at most
+    `epoch_cache_entries` users (`StoreConfig.identity_cache_entries`; user ids are chosen by
+    frontends, so it must not grow with them): the least recently used is dropped, in memory
+    only, and read again from the database when it is next needed, so an evicted epoch is never
+    a stale one. (The write fence does not rely on the cache either: `fence_in` reads the row.)
 
     The write fence: the user's `erasure_epochs` row is the lock that orders an erasure against
     every write of the user's rows. A write takes it shared before the first write of its
@@ -103,7 +150,11 @@ class Identity:
     """
 
     def __init__(
-        self, server_secret: bytes, session_factory: sessionmaker[Session], legacy: bool = False
+        self,
+        server_secret: bytes,
+        session_factory: sessionmaker[Session],
+        legacy: bool = False,
+        epoch_cache_entries: int = DEFAULT_CACHE_ENTRIES,
     ) -> None:
         self._secret = server_secret
         # Whether the store holds receipts of the first (ambiguous) derivation: then a user's old
@@ -111,11 +162,13 @@ class Identity:
         self.legacy = legacy
         self._sf = session_factory
         self._lock = threading.Lock()
-        self._epochs: dict[str, int] = {}  # by subject hash
+        self._epochs: BoundedLru[str, int] = BoundedLru(epoch_cache_entries)  # by subject hash
         self._generation = 0
 
     @classmethod
-    def load(cls, sf: sessionmaker[Session], keys: KeyManager) -> Identity:
+    def load(
+        cls, sf: sessionmaker[Session], keys: KeyManager, epoch_cache_entries: int = DEFAULT_CACHE_ENTRIES
+    ) -> Identity:
         wrapped = meta_get(sf, SERVER_SECRET_META)
         if wrapped is None:
             secret = secrets.token_bytes(32)
@@ -125,12 +178,13 @@ class Identity:
             # opening the same new store stored its secret first, that one is the store's.
             wrapped = meta_set_default(sf, SERVER_SECRET_META, mine)
             if wrapped == mine:
-                return cls(secret, sf)
+                return cls(secret, sf, epoch_cache_entries=epoch_cache_entries)
         # Not upgraded yet (`dss.keys.upgrade` runs next), or upgraded with old receipts to honour.
         legacy = (
             meta_get(sf, DERIVATION_META) != DERIVATION or meta_get(sf, DERIVATION_LEGACY_META) is not None
         )
-        return cls(keys.unwrap(bytes.fromhex(wrapped), SERVER_SECRET_AAD), sf, legacy=legacy)
+        secret = keys.unwrap(bytes.fromhex(wrapped), SERVER_SECRET_AAD)
+        return cls(secret, sf, legacy=legacy, epoch_cache_entries=epoch_cache_entries)
 
     def tenant_for(self, user: UserId) -> TenantId:
         return tenant_for_user(self._secret, user, self.epoch_of(user))
@@ -150,7 +204,8 @@ class Identity:
     def users_having(self, tenant: TenantId, users: Iterable[UserId]) -> list[UserId]:
         """Which of `users` ever had `tenant` (one tenant per erasure epoch, as `tenants_of`). The
         epochs come from one query, not one per user: a verification over 20,000 users spent 13 s
-        reading them one by one."""
+        reading them one by one. A verification needs it only for rows without a `subject`
+        (written before migration 0013); the others are found by the receipt's `user_subject`."""
         by_subject = {self.subject_hash(u): u for u in users}
         with self._sf() as s:
             epochs = dict(s.execute(select(ErasureEpoch.subject, ErasureEpoch.epoch)).tuples().all())
@@ -175,7 +230,7 @@ class Identity:
             epoch = row.epoch if row is not None else 0
         with self._lock:
             if self._generation == generation:
-                self._epochs[subject] = epoch
+                self._epochs.put(subject, epoch)
         return epoch
 
     def stored_epoch_in(self, session: Session, user: UserId) -> int:
@@ -230,8 +285,13 @@ class Identity:
 
     def forget(self, user: UserId) -> None:
         with self._lock:
-            self._epochs.pop(self.subject_hash(user), None)
+            self._epochs.pop(self.subject_hash(user))
             self._generation += 1
+
+    def cached_epochs(self) -> int:
+        """How many users' epochs are cached now (at most `epoch_cache_entries`)."""
+        with self._lock:
+            return len(self._epochs)
 
     def forget_all(self) -> None:
         """Forget every cached epoch. Another server of the fleet erased a user (it bumped that

@@ -10,7 +10,14 @@ epoch (older receipts did not).
 
 Lock: `Keyring._lock` is a leaf around the in-memory cache of unwrapped keys and the retired set.
 The database is read and written outside it; two threads creating the first key of one tenant at
-once race on the table's primary key, and the loser reads the winner's key.
+once race on the table's primary key, and the loser reads the winner's key. A new key is
+inserted in the transaction that checks the master-key verifier (`check_master_in`): a server
+whose master was rotated under it refuses (`MasterKeyRotated`) rather than wrap under the old one.
+
+The cache of unwrapped keys holds at most `cache_entries` tenants (`StoreConfig.data_key_cache_entries`:
+tenants follow user ids, which frontends choose): the least recently used is dropped, in memory
+only, and unwrapped again from its row when it is next needed. The retired set is not a cache:
+it is what refuses an erased tenant a new key, and grows with erasures, not with requests.
 """
 
 from __future__ import annotations
@@ -22,18 +29,26 @@ from sqlalchemy import CursorResult, delete, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from dss.config import DEFAULT_CACHE_ENTRIES
 from dss.db.connect import transaction
 from dss.db.models import DataKey, ErasureReceiptRow
 from dss.errors import KeyDestroyed
+from dss.keys.bounded import BoundedLru
 from dss.keys.crypto import KeyManager
+from dss.keys.identity import check_master_in
 from dss.types import TenantId
 
 
 class Keyring:
-    def __init__(self, keys: KeyManager, session_factory: sessionmaker[Session]) -> None:
+    def __init__(
+        self,
+        keys: KeyManager,
+        session_factory: sessionmaker[Session],
+        cache_entries: int = DEFAULT_CACHE_ENTRIES,
+    ) -> None:
         self._keys = keys
         self._sf = session_factory
-        self._cache: dict[TenantId, bytes] = {}
+        self._cache: BoundedLru[TenantId, bytes] = BoundedLru(cache_entries)
         self._lock = threading.Lock()
         with session_factory() as s:
             receipts = s.execute(select(ErasureReceiptRow.subject, ErasureReceiptRow.counts)).all()
@@ -49,7 +64,7 @@ class Keyring:
         """After an erasure commits: the tenant never gets a data key again."""
         with self._lock:
             self._retired.add(tenant)
-            self._cache.pop(tenant, None)
+            self._cache.pop(tenant)
 
     def unretire(self, tenant: TenantId) -> None:
         """An erasure that retired `tenant` failed before it committed."""
@@ -73,6 +88,8 @@ class Keyring:
             key = self._keys.new_data_key()
             try:
                 with transaction(self._sf) as s:
+                    # A rotation since this server read its master: refuse (`MasterKeyRotated`).
+                    check_master_in(s, self._keys)
                     s.add(DataKey(tenant=tenant, wrapped=self._keys.wrap(key, tenant)))
                 break
             except IntegrityError:
@@ -81,7 +98,11 @@ class Keyring:
         with self._lock:
             if tenant in self._retired:  # erased while we read or created it
                 raise KeyDestroyed(f"tenant {tenant} was erased; its data key is gone")
-            return self._cache.setdefault(tenant, key)
+            held = self._cache.get(tenant)
+            if held is not None:
+                return held
+            self._cache.put(tenant, key)
+            return key
 
     def holds_key(self, tenant: TenantId) -> bool:
         """Whether `tenant` has a data key (it wrote KV once, and was not erased since)."""
@@ -99,4 +120,9 @@ class Keyring:
 
     def forget_cached(self, tenant: TenantId) -> None:
         with self._lock:
-            self._cache.pop(tenant, None)
+            self._cache.pop(tenant)
+
+    def cached_keys(self) -> int:
+        """How many unwrapped data keys are cached now (at most `cache_entries`)."""
+        with self._lock:
+            return len(self._cache)

@@ -7,8 +7,13 @@ is gone, the backup's wrapped data keys (an erased tenant's among them) are usel
 Offline only. A running server holds the unwrapped master key in memory and would wrap new data
 keys under the old one, which no restart could unwrap: so rotation takes this data directory's
 owner lock (`DataDirInUse` while a server owns it) and, on PostgreSQL, refuses while any server
-of the fleet was seen within `FleetConfig.alive_s`. Stop every server, rotate once, give every
-server the new key, start them.
+of the fleet was seen within `FleetConfig.alive_s`, checked again inside the rotation's
+transaction after it locked the verifier's row. That lock closes the window between the check
+and the commit: a server starting meanwhile registers, then waits for the row to read the
+verifier (and, with the old key, fails with `WrongMasterKey`); a running server that was not
+seen (a long pause) waits for it before it inserts a new data key, then refuses with
+`MasterKeyRotated` (`check_master_in`). Stop every server, rotate once, give every server the
+new key, start them.
 
 Crash safety. In place (the key file stays where it is): the new key is first written, durable,
 to a pending file next to the old one (`crypto.pending_key_path`); the transaction commits; the
@@ -71,15 +76,12 @@ def rotate_master(config: StoreConfig, new_key_file: Path | None = None) -> Rota
         engine = make_engine(url)
         try:
             sf = make_session_factory(engine)
-            if engine.dialect.name == "postgresql":
-                alive = _servers_alive(sf, config.fleet.alive_s)
-                if alive:
-                    raise DataDirInUse(
-                        f"servers of this database were seen in the last {config.fleet.alive_s:g} s "
-                        f"({', '.join(alive)}): stop every server first (the master key rotates offline)"
-                    )
+            alive_s = config.fleet.alive_s
+            if engine.dialect.name == "postgresql":  # early, before a new key file is written
+                with sf() as s:
+                    _refuse_if_alive(_servers_alive_in(s, alive_s), alive_s)
             current = load_master_key(sf, config.resolved_key_file, create_if_missing=False)
-            report = _rotate(sf, current, new_key_file)
+            report = _rotate(sf, current, new_key_file, alive_s)
             if engine.dialect.name == "sqlite":
                 # The old wrapped values must not wait in the WAL for the next checkpoint.
                 with engine.connect() as conn:
@@ -92,12 +94,22 @@ def rotate_master(config: StoreConfig, new_key_file: Path | None = None) -> Rota
     return report
 
 
-def rewrap_all(sf: sessionmaker[Session], old: KeyManager, new: KeyManager) -> int:
-    """One transaction: every data key, the server secret and the verifier under `new`."""
+def rewrap_all(
+    sf: sessionmaker[Session], old: KeyManager, new: KeyManager, alive_s: float | None = None
+) -> int:
+    """One transaction: every data key, the server secret and the verifier under `new`.
+
+    The verifier's row is locked first (`FOR UPDATE`) and held to the commit: a server starting
+    meanwhile waits to read it (`load_master_key`), and a running one waits to insert a new data
+    key (`check_master_in`) and then refuses. `alive_s` (PostgreSQL): after that lock, refuse
+    (`DataDirInUse`) when a server of the fleet was seen within it; a server registers before it
+    reads the verifier, so none can slip between this check and the commit."""
     with transaction(sf) as s:
         verifier = s.get(StoreMeta, MASTER_VERIFIER_META, with_for_update=True)
         if verifier is None:
             raise WrongMasterKey("this store has no master-key verifier yet: open it once first")
+        if alive_s is not None and s.get_bind().dialect.name == "postgresql":
+            _refuse_if_alive(_servers_alive_in(s, alive_s), alive_s)
         old.check_verifier(bytes.fromhex(verifier.value))
         n = 0
         for row in s.execute(select(DataKey).with_for_update()).scalars():
@@ -111,7 +123,9 @@ def rewrap_all(sf: sessionmaker[Session], old: KeyManager, new: KeyManager) -> i
     return n
 
 
-def _rotate(sf: sessionmaker[Session], current: KeyManager, new_file: Path | None) -> RotationReport:
+def _rotate(
+    sf: sessionmaker[Session], current: KeyManager, new_file: Path | None, alive_s: float
+) -> RotationReport:
     if new_file is None:
         if current.file is None:
             raise WrongMasterKey(
@@ -124,11 +138,11 @@ def _rotate(sf: sessionmaker[Session], current: KeyManager, new_file: Path | Non
         # `load_master_key` opened the store just now): its key never wrapped anything.
         pending.unlink(missing_ok=True)
         new = KeyManager(new_key_file(pending), str(target), file=target)
-        n = rewrap_all(sf, current, new)
+        n = rewrap_all(sf, current, new, alive_s)
         install_pending_key(target)
         return RotationReport(n, target, None)
     new = KeyManager(new_key_file(new_file), str(new_file), file=new_file)
-    n = rewrap_all(sf, current, new)
+    n = rewrap_all(sf, current, new, alive_s)
     removed = None
     if current.file is not None and current.file.resolve() != new_file.resolve():
         try:
@@ -139,7 +153,14 @@ def _rotate(sf: sessionmaker[Session], current: KeyManager, new_file: Path | Non
     return RotationReport(n, new_file, removed)
 
 
-def _servers_alive(sf: sessionmaker[Session], alive_s: float) -> list[str]:
-    with sf() as s:
-        since = func.now() - timedelta(seconds=alive_s)
-        return sorted(s.execute(select(ServerRow.id).where(ServerRow.last_seen >= since)).scalars())
+def _servers_alive_in(s: Session, alive_s: float) -> list[str]:
+    since = func.now() - timedelta(seconds=alive_s)
+    return sorted(s.execute(select(ServerRow.id).where(ServerRow.last_seen >= since)).scalars())
+
+
+def _refuse_if_alive(alive: list[str], alive_s: float) -> None:
+    if alive:
+        raise DataDirInUse(
+            f"servers of this database were seen in the last {alive_s:g} s "
+            f"({', '.join(alive)}): stop every server first (the master key rotates offline)"
+        )

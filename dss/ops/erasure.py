@@ -17,9 +17,10 @@ last sealed checkpoint before the receipt (`dss.ops.receipt_chain`: one every 64
 sealed by the first verification that passes it); the tenant's entries in the page table and its
 files on the disk tier (the tier indexes files by tenant; only files it does not know are
 opened); counts by indexed columns; and no blocking WAL checkpoint (`dss.ops.wal_scrub`: the
-erasure scrubs, a verification reads what was done). One part still grows with the number of
-users: finding the user ids whose tenants include the subject (`Identity.users_having`: a keyed
-hash per distinct user id, one query for the erasure epochs).
+erasure scrubs, a verification reads what was done); and the erased user's sessions and stored
+responses by the subject hash the receipt and each such row carry (`user_subject`, `subject`,
+migration 0013), not by hashing every user id of the store. Only rows written before that
+migration are still matched that way (`Identity.users_having`, over their owners alone).
 `verify(..., full=True)` is the audit that walks everything.
 
 Several servers on one PostgreSQL database (`dss.fleet`): the rows and the data key are shared
@@ -282,7 +283,7 @@ class Eraser:
                         return None
                     # The user's next tenant: a re-created user starts cold everywhere.
                     counts["epoch"] = new_epoch
-                    seq, prev, entry = _append_receipt(s, rid, erased_at, tenant, counts)
+                    seq, prev, entry = _append_receipt(s, rid, erased_at, tenant, counts, subject)
                     if self._membership is not None:
                         alive = self._membership.alive_in(s)
                         record_erasure_in(s, rid, self._server_id, alive, _local_counts(usage))
@@ -413,6 +414,36 @@ class Eraser:
         return verify(self._sf, self._wal, self._identity, self._pages, receipt_id, full)
 
 
+def _user_rows_left(s: Session, identity: Identity, receipt: ErasureReceipt, tenant: TenantId) -> list[str]:
+    """The erased user's sessions and stored responses created before the erasure (after it,
+    they belong to the user's next epoch). Found by the user's subject hash, which the receipt
+    and every row written since migration 0013 carry: indexed lookups, whatever the number of
+    users. Rows without one (older) are matched the old way, by hashing their owners' ids
+    (`Identity.users_having`): only theirs, or every user's for a receipt without a subject."""
+    user_subject = s.scalar(
+        select(m.ErasureReceiptRow.user_subject).where(m.ErasureReceiptRow.id == receipt.id)
+    )
+    details = []
+    for what, table in (("session", m.SessionRow), ("stored response", m.ResponseRow)):
+        before = table.created_at <= receipt.erased_at
+        old = 0
+        if user_subject is not None:
+            old += s.execute(
+                select(func.count()).select_from(table).where(table.subject == user_subject, before)
+            ).scalar_one()
+        # The rows the lookup above cannot find: those without a subject (all, without one).
+        unmarked = [] if user_subject is None else [table.subject.is_(None)]
+        users = [UserId(u) for u in s.execute(select(table.user_id).where(*unmarked).distinct()).scalars()]
+        mine = identity.users_having(tenant, users) if users else []
+        if mine:
+            old += s.execute(
+                select(func.count()).select_from(table).where(table.user_id.in_(mine), before, *unmarked)
+            ).scalar_one()
+        if old:
+            details.append(f"database: {old} {what}(s) created before the erasure")
+    return details
+
+
 def _local_counts(usage: dict[Tier, tuple[int, int]]) -> dict[str, Any]:
     """One server's copies of a tenant, per tier: what its acknowledgement reports."""
     return {"pages": {t.value: usage[t][0] for t in Tier}, "bytes": {t.value: usage[t][1] for t in Tier}}
@@ -529,8 +560,15 @@ def _delete_rows(
 
 
 def _append_receipt(
-    s: Session, rid: str, erased_at: datetime, subject: str, counts: dict[str, Any]
+    s: Session,
+    rid: str,
+    erased_at: datetime,
+    subject: str,
+    counts: dict[str, Any],
+    user_subject: str | None = None,
 ) -> tuple[int, str, str]:
+    """Append the receipt of tenant `subject`; `user_subject`: the erased user's subject hash
+    (outside the hashed entry), by which `verify` finds the user's rows."""
     # One chain: two erasures' receipts never interleave, serialised by the database rather
     # than by a Python lock (no lock of this process is held across the queries below). On
     # PostgreSQL, by an advisory lock held until the transaction ends (threads and servers alike);
@@ -551,6 +589,7 @@ def _append_receipt(
             counts=counts,
             prev_hash=prev,
             entry_hash=entry,
+            user_subject=user_subject,
         )
     )
     s.flush()
@@ -604,20 +643,7 @@ def verify(
     cutoff_ts = float("inf") if retired else cutoff.timestamp()
     details: list[str] = []
     with sf() as s:
-        # Rows keyed by a user id: those of every user the subject's tenant was ever the tenant
-        # of, written before the erasure (after it, they belong to the user's next epoch).
-        users = {UserId(u) for u in s.execute(select(m.SessionRow.user_id).distinct()).scalars()}
-        users |= {UserId(u) for u in s.execute(select(m.ResponseRow.user_id).distinct()).scalars()}
-        mine = identity.users_having(tenant, users)
-        if mine:
-            for what, table in (("session", m.SessionRow), ("stored response", m.ResponseRow)):
-                old = s.execute(
-                    select(func.count())
-                    .select_from(table)
-                    .where(table.user_id.in_(mine), table.created_at <= receipt.erased_at)
-                ).scalar_one()
-                if old:
-                    details.append(f"database: {old} {what}(s) created before the erasure")
+        details.extend(_user_rows_left(s, identity, receipt, tenant))
         rows = s.execute(
             select(func.count())
             .select_from(m.PageRow)

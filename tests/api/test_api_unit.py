@@ -127,6 +127,7 @@ def test_loopback_detection() -> None:
         (e.CapacityError("x"), 503, "service_unavailable_error"),
         (e.CorruptPage("disk page abc at /secret/path"), 500, "server_error"),
         (e.WrongMasterKey("x"), 500, "server_error"),
+        (e.MasterKeyRotated("x"), 503, "service_unavailable_error"),
     ],
 )
 def test_store_errors_map_to_openai_shaped_responses(exc: e.DSSError, status: int, kind: str) -> None:

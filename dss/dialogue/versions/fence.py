@@ -22,6 +22,11 @@ class WriteFence(Protocol):
 
     def fence_in(self, session: Session, user: UserId, admitted: int | None) -> int: ...
 
+    def subject_hash(self, user: UserId) -> str:
+        """The user's keyed subject hash, written on the user's sessions and stored responses
+        (their `subject`), by which an erasure's verification finds them."""
+        ...
+
 
 class UserFence:
     """The store's `WriteFence`, or none (a bare `VersionStore`: then holding does nothing)."""
@@ -36,3 +41,8 @@ class UserFence:
         None: any) is not the user's any more. Without a fence (a bare `VersionStore`), nothing."""
         if self._fence is not None:
             self._fence.fence_in(db, user, epoch)
+
+    def subject_of(self, user: UserId) -> str | None:
+        """What the `subject` column of a new row of `user` holds (`WriteFence.subject_hash`);
+        None without a fence (a bare `VersionStore`: no identity to derive it)."""
+        return self._fence.subject_hash(user) if self._fence is not None else None

@@ -83,6 +83,7 @@ class SessionCatalog:
                 row = SessionRow(
                     id=sid,
                     user_id=user,
+                    subject=self._fence.subject_of(user),
                     created_at=now,
                     updated_at=now,
                     system_prompt=system_prompt,

@@ -62,6 +62,7 @@ class VersionStore:
         json_limits = json_limits if json_limits is not None else JsonLimits()
         user_fence = UserFence(fence)
         self.hold_user = user_fence.hold_user
+        self.subject_of = user_fence.subject_of
 
         sessions = SessionCatalog(session_factory, quotas, json_limits, user_fence)
         self.create_session = sessions.create_session
