@@ -1,14 +1,12 @@
 """Versioned sessions: the durable dialogue state, with git-like branches (`VersionStore`).
 
-One job per module: `store` (`VersionStore`, the facade the rest of DSS uses, composed of the
-pieces below), `sessions` (`SessionCatalog`), `commits` (`Commits`), `branches` (`Branches`),
-`reads` (`VersionReads`), `tokens` (`TokenReads`), `tree` (`VersionTree` and walks of a parent
-map), `deletion` (`Deletions`), `fence` (`WriteFence`, `UserFence`), `rows` (row helpers the
-pieces share), `records` (the records its reads return, one builder each from its rows), `rules`
-(input rules and limits), `check` (the invariants over its tables).
+One job per module: `store` (`VersionStore`, every piece below as a base class, and the
+invariants over its tables), `sessions` (`SessionCatalog`), `writes` (`VersionWrites`), `branches`
+(`Branches`), `reads` (`VersionReads`), `rows` (`VersionTables`, the state and locks they share,
+`WriteFence`, and row helpers), `records` (the records its reads return, one builder each from its
+rows), `rules` (input rules and limits).
 """
 
-from dss.dialogue.versions.fence import WriteFence
 from dss.dialogue.versions.records import (
     BranchInfo,
     RetentionHint,
@@ -17,7 +15,7 @@ from dss.dialogue.versions.records import (
     VersionSummary,
     VersionTokens,
 )
-from dss.dialogue.versions.rows import MAX_COMMIT_ATTEMPTS
+from dss.dialogue.versions.rows import MAX_COMMIT_ATTEMPTS, WriteFence
 from dss.dialogue.versions.rules import (
     EMPTY_HEAD,
     KV_RETENTIONS,

@@ -12,34 +12,30 @@ from dataclasses import replace
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
 
 from dss.db.connect import transaction
 from dss.db.models import BranchRow, VersionRow, utcnow
-from dss.dialogue.versions.fence import UserFence
 from dss.dialogue.versions.records import BranchInfo, branch_info
 from dss.dialogue.versions.rows import (
     MAX_COMMIT_ATTEMPTS,
     LostRace,
+    VersionTables,
+    ancestors_of,
     branch_row,
     branch_rows,
     move_head,
     owned_session,
+    parents_having,
     touch,
     version_key,
 )
 from dss.dialogue.versions.rules import EMPTY_HEAD, check_name, check_number
-from dss.dialogue.versions.tree import ancestors_of, parents_having
 from dss.errors import BranchExists, NotAnAncestor, StaleHead, VersionNotFound
 from dss.types import SessionId, UserId
 
 
-class Branches:
+class Branches(VersionTables):
     """A session's branches: create one at a version, roll one back, read them."""
-
-    def __init__(self, session_factory: sessionmaker[Session], fence: UserFence) -> None:
-        self._factory = session_factory
-        self._fence = fence
 
     def rollback(
         self,
@@ -54,12 +50,12 @@ class Branches:
         """Move `branch`'s head back to `to_version`, an ancestor-or-self of the current head.
 
         Versions after it stay stored and listed (another branch may still point at them).
-        `epoch`: as for `Commits.commit`.
+        `epoch`: as for `VersionWrites.commit`.
         """
         for _ in range(MAX_COMMIT_ATTEMPTS):
             try:
                 with transaction(self._factory) as db:
-                    self._fence.hold_user(db, user, epoch)
+                    self.hold_user(db, user, epoch)
                     owned_session(db, user, sid)
                     brow = branch_row(db, user, sid, branch)
                     head = brow.head_version
@@ -83,12 +79,12 @@ class Branches:
     ) -> BranchInfo:
         """A new branch `name` whose head is the existing version `from_version`
         (`EMPTY_HEAD`, 0: a branch with no versions yet, for a fork of a session's first turn).
-        `epoch`: as for `Commits.commit`."""
+        `epoch`: as for `VersionWrites.commit`."""
         check_name("branch name", name)
         check_number(from_version, sid)
         try:
             with transaction(self._factory) as db:
-                self._fence.hold_user(db, user, epoch)
+                self.hold_user(db, user, epoch)
                 owned_session(db, user, sid)
                 if from_version != EMPTY_HEAD:
                     exists = db.scalar(

@@ -1,23 +1,35 @@
-"""Row-level helpers that the version store's pieces share, each inside the caller's transaction.
+"""What the version store's pieces share: their state (`VersionTables`: the session factory,
+quotas, JSON limits and the write fence), row-level helpers inside the caller's transaction, and
+walks of a session's version tree.
 
 Every query names a session together with its user (`version_key`, `owned_session`): one user's
 ids say nothing about another's, and another user's session is `SessionNotFound`, exactly like a
 missing one. Bulk UPDATE/DELETE statements do not synchronise the ORM session (`rowcount`):
 what a transaction needs after one, it reads again.
+
+The write fence orders a user's writes against erasures of that user: every transaction that
+writes or deletes rows of a user calls `hold_user` before its first write (or row lock), so an
+erasure of the user runs entirely before or entirely after those writes, never between them.
+
+Parents always have smaller numbers than their children, so one ascending pass over a parent map
+finds a subtree, and an ancestor walk ends at a root (parent None) in at most `len(parents)` steps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any, Literal, TypeVar, cast, overload
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Literal, Protocol, TypeVar, cast, overload
 
 from sqlalchemy import CursorResult, Delete, Update, and_, delete, select, update
-from sqlalchemy.orm import Session, aliased
+from sqlalchemy.orm import Session, aliased, sessionmaker
 
+from dss.config import Quotas
 from dss.db.models import BranchRow, ResponseRow, SessionRow, VersionRow, utcnow
 from dss.dialogue.history import rebuild
 from dss.dialogue.versions.records import VersionInfo, full_version
+from dss.dialogue.versions.rules import EMPTY_HEAD, check_number
 from dss.errors import BranchNotFound, SessionNotFound, StaleHead, VersionNotFound
+from dss.jsonlimits import JsonLimits
 from dss.types import SessionId, UserId
 
 # Each retry means another writer committed in between; far more than that is a livelock.
@@ -26,6 +38,65 @@ MAX_COMMIT_ATTEMPTS = 64
 _IN_CHUNK = 500
 
 _T = TypeVar("_T")
+
+
+class WriteFence(Protocol):
+    """Orders the writes of a user's rows against erasures of that user (`Identity.fence_in`):
+    called before the first write of every transaction that writes or deletes rows of `user`;
+    raises `UserErased` when `admitted` (the erasure epoch the request was admitted under; None:
+    any) is no longer the user's. Returns the user's epoch."""
+
+    def fence_in(self, session: Session, user: UserId, admitted: int | None) -> int: ...
+
+    def subject_hash(self, user: UserId) -> str:
+        """The user's keyed subject hash, written on the user's sessions and stored responses
+        (their `subject`), by which an erasure's verification finds them."""
+        ...
+
+
+class VersionTables:
+    """The state every piece of the version store shares, and the two locks a transaction takes
+    before it writes: the user's write fence (`hold_user`) and the session's row (`hold_session`).
+    `VersionStore` is every piece over one such state."""
+
+    def __init__(
+        self,
+        session_factory: sessionmaker[Session],
+        quotas: Quotas | None = None,
+        json_limits: JsonLimits | None = None,
+        fence: WriteFence | None = None,
+    ) -> None:
+        self._factory = session_factory
+        self._quotas = quotas if quotas is not None else Quotas()
+        self._json_limits = json_limits if json_limits is not None else JsonLimits()
+        self._fence = fence
+
+    def hold_user(self, db: Session, user: UserId, epoch: int | None = None) -> None:
+        """The write fence (`WriteFence`), before the first write (or row lock) of a transaction
+        that writes rows of `user`: an erasure of the user then runs entirely before or entirely
+        after the writes, and `UserErased` when `epoch` (the one the request was admitted under;
+        None: any) is not the user's any more. Without a fence (a bare `VersionStore`), nothing."""
+        if self._fence is not None:
+            self._fence.fence_in(db, user, epoch)
+
+    def subject_of(self, user: UserId) -> str | None:
+        """What the `subject` column of a new row of `user` holds (`WriteFence.subject_hash`);
+        None without a fence (a bare `VersionStore`: no identity to derive it)."""
+        return self._fence.subject_hash(user) if self._fence is not None else None
+
+    def hold_session(self, user: UserId, sid: SessionId, db: Session) -> None:
+        """Take the session's write lock in the caller's transaction, so that what it reads next
+        stays true until it commits: an UPDATE of the session row (its `updated_at`), which on
+        PostgreSQL locks the row that every commit also updates, and on SQLite takes the database
+        write lock. `SessionNotFound` when the user has no such session."""
+        moved = rowcount(
+            db,
+            update(SessionRow)
+            .where(SessionRow.user_id == user, SessionRow.id == sid)
+            .values(updated_at=utcnow()),
+        )
+        if moved != 1:
+            raise SessionNotFound(f"session {sid!r} not found")
 
 
 class LostRace(StaleHead):
@@ -169,3 +240,33 @@ def delete_sessions(db: Session, user: UserId, sid: SessionId | None = None) -> 
     own = [SessionRow.user_id == user] + ([SessionRow.id == sid] if sid is not None else [])
     sessions = rowcount(db, delete(SessionRow).where(*own))
     return {"sessions": sessions, "versions": versions, "branches": branches, "responses": responses}
+
+
+def descendants_of(parents: Mapping[int, int | None], root: int) -> list[int]:
+    """`root` and every version below it, ascending (so `root` first: children have larger numbers)."""
+    inside = [root]
+    seen = {root}
+    for number in sorted(n for n in parents if n > root):
+        if parents[number] in seen:
+            inside.append(number)
+            seen.add(number)
+    return inside
+
+
+def ancestors_of(parents: Mapping[int, int | None], start: int) -> list[int]:
+    """`start` and its ancestors, newest first (parents always have smaller numbers)."""
+    out: list[int] = []
+    cur: int | None = start
+    while cur is not None and cur != EMPTY_HEAD:
+        out.append(cur)
+        cur = parents[cur]
+    return out
+
+
+def parents_having(db: Session, user: UserId, sid: SessionId, number: int) -> dict[int, int | None]:
+    """The session's version → parent map, which must hold `number` (`VersionNotFound`)."""
+    check_number(number, sid)
+    parents = parents_of(db, user, sid)
+    if number not in parents:
+        raise VersionNotFound(f"version {number} not found in session {sid!r}")
+    return parents

@@ -1,9 +1,14 @@
-"""Sessions: creating, reading, listing, and their KV retention hints (`SessionCatalog`).
+"""Sessions: creating, reading, listing, their KV retention hints, deleting (`SessionCatalog`).
 
 A new session always has an empty `main` branch (head `EMPTY_HEAD`), created in the same
 transaction, so no session is ever seen without one. A session id is unique per user only:
 another user's session of the same id neither blocks a creation nor is visible. Listings page on
 (created_at, id), a key that never changes for a session.
+
+Deleting a session (or every session of a user) deletes its branches, versions and the stored
+responses that hold them (`dss.dialogue.response_store`), children before parents (correct where
+foreign-key cascades are off). KV pages are not touched here: they are content-addressed and
+shared in the user's trie (`dss.ops.sessions` frees them).
 """
 
 from __future__ import annotations
@@ -15,15 +20,13 @@ from typing import Any
 
 from sqlalchemy import select, tuple_
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
-from dss.config import Quotas
 from dss.db.connect import transaction
-from dss.db.models import BranchRow, SessionRow, aware, utcnow
+from dss.db.models import BranchRow, ResponseRow, SessionRow, aware, utcnow
 from dss.dialogue.quotas import check_session_quota
-from dss.dialogue.versions.fence import UserFence
 from dss.dialogue.versions.records import RetentionHint, SessionInfo, session_info
-from dss.dialogue.versions.rows import branch_rows, owned_session
+from dss.dialogue.versions.rows import VersionTables, branch_rows, delete_sessions, owned_session
 from dss.dialogue.versions.rules import (
     EMPTY_HEAD,
     MAIN_BRANCH,
@@ -34,24 +37,13 @@ from dss.dialogue.versions.rules import (
 )
 from dss.errors import InvalidInput, LimitExceeded, SessionExists, SessionNotFound
 from dss.inputs import check_session_id, check_stored_user_id
-from dss.jsonlimits import JsonLimits, check_json
+from dss.jsonlimits import check_json
 from dss.types import SessionId, UserId
 
 
-class SessionCatalog:
-    """Every user's sessions: create, get, list, and set their retention hints."""
-
-    def __init__(
-        self,
-        session_factory: sessionmaker[Session],
-        quotas: Quotas,
-        json_limits: JsonLimits,
-        fence: UserFence,
-    ) -> None:
-        self._factory = session_factory
-        self._quotas = quotas
-        self._json_limits = json_limits
-        self._fence = fence
+class SessionCatalog(VersionTables):
+    """Every user's sessions: create, get, list, set their metadata and retention hints, delete
+    them (with their branches, versions and stored responses)."""
 
     def create_session(
         self,
@@ -65,7 +57,7 @@ class SessionCatalog:
         """A new session of `user` with an empty `main` branch; `SessionExists` when the user
         already has a session of that id (another user's sessions do not matter). `epoch`: the
         erasure epoch the request was admitted under (`UserErased` when the user was erased
-        since; see `UserFence.hold_user`)."""
+        since; see `VersionTables.hold_user`)."""
         check_stored_user_id(user)  # a user made before ids lost '/' keeps creating sessions
         sid = (
             check_session_id(session_id) if session_id is not None else SessionId(f"sess_{uuid.uuid4().hex}")
@@ -78,12 +70,12 @@ class SessionCatalog:
                 check_session_quota(db, user, self._quotas)
                 # Before the first write (the reads before it lock nothing), and the time after it:
                 # a racing erasure's `erased_at` is earlier, or it deletes this row.
-                self._fence.hold_user(db, user, epoch)
+                self.hold_user(db, user, epoch)
                 now = utcnow()
                 row = SessionRow(
                     id=sid,
                     user_id=user,
-                    subject=self._fence.subject_of(user),
+                    subject=self.subject_of(user),
                     created_at=now,
                     updated_at=now,
                     system_prompt=system_prompt,
@@ -192,7 +184,7 @@ class SessionCatalog:
         `epoch`: as for `create_session`."""
         meta = self._checked_metadata(metadata)
         with transaction(self._factory) as db:
-            self._fence.hold_user(db, user, epoch)
+            self.hold_user(db, user, epoch)
             row = owned_session(db, user, sid)
             row.meta = meta
             row.updated_at = utcnow()
@@ -219,3 +211,31 @@ class SessionCatalog:
                 RetentionHint(UserId(u), SessionId(sid), r, ttl, aware(ts))
                 for u, sid, r, ttl, ts in db.execute(q).tuples()
             ]
+
+    def delete_session(self, user: UserId, sid: SessionId, *, epoch: int | None = None) -> int:
+        """Delete the session with its branches, versions and stored responses; return the number
+        of versions deleted. `epoch`: the erasure epoch the request was admitted under (`UserErased`
+        when the user was erased since; see `VersionTables.hold_user`)."""
+        with transaction(self._factory) as db:
+            self.hold_user(db, user, epoch)
+            owned_session(db, user, sid)
+            return delete_sessions(db, user, sid)["versions"]
+
+    def holds_user(self, user: UserId) -> bool:
+        """Whether `user` has a session or a stored response."""
+        with self._factory() as db:
+            for table in (SessionRow, ResponseRow):
+                if db.scalar(select(table.user_id).where(table.user_id == user).limit(1)) is not None:
+                    return True
+        return False
+
+    def delete_user_sessions(self, user: UserId, db: Session | None = None) -> dict[str, int]:
+        """Delete every session of `user`; counts of deleted sessions, versions, branches and
+        stored responses.
+
+        Pass `db` to run inside the caller's transaction (erasure commits it with the rest).
+        """
+        if db is not None:
+            return delete_sessions(db, user)
+        with transaction(self._factory) as own:
+            return delete_sessions(own, user)

@@ -1,4 +1,4 @@
-"""Commits: appending a version as the child of a branch head (`Commits`).
+"""Writing versions: appending one as the child of a branch head, deleting a subtree (`VersionWrites`).
 
 Concurrency is optimistic and works the same on SQLite and PostgreSQL: a commit allocates its
 number with a compare-and-set on `sessions.version_count` and moves the head with a
@@ -7,8 +7,10 @@ retried on what it reads again (`LostRace`, at most `MAX_COMMIT_ATTEMPTS` times)
 pins the head (`parent` / `expected_head`) gets `StaleHead` instead of a retry on another head.
 
 Numbers are never reused: a commit takes `version_count + 1` even where deleted subtrees left
-gaps below it. The user's quotas (versions, stored bytes) are checked inside the transaction that
-would exceed them, and the write fence is held before the first write.
+gaps below it (`delete_subtree`, the Responses API's cascading DELETE, leaves them; branch heads
+that pointed into a deleted subtree move to its parent). The user's quotas (versions, stored
+bytes) are checked inside the transaction that would exceed them, and the write fence is held
+before the first write.
 """
 
 from __future__ import annotations
@@ -17,52 +19,44 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from sqlalchemy import select, update
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy import delete, select, update
+from sqlalchemy.orm import Session
 
-from dss.config import Quotas
 from dss.db.connect import transaction
-from dss.db.models import SessionRow, VersionRow, utcnow
+from dss.db.models import BranchRow, ResponseRow, SessionRow, VersionRow, utcnow
 from dss.dialogue.history import stored_form
 from dss.dialogue.quotas import check_commit_quota
-from dss.dialogue.versions.fence import UserFence
 from dss.dialogue.versions.records import VersionInfo, full_version
 from dss.dialogue.versions.rows import (
     MAX_COMMIT_ATTEMPTS,
     LostRace,
+    VersionTables,
     branch_row,
+    descendants_of,
+    in_chunks,
     move_head,
     owned_session,
+    parents_having,
     rowcount,
     version_key,
 )
 from dss.dialogue.versions.rules import (
     EMPTY_HEAD,
     MAIN_BRANCH,
+    check_number,
     coerce_tokens,
     json_size,
     normalised,
     normalised_record,
 )
 from dss.errors import InvalidInput, SessionNotFound, StaleHead
-from dss.jsonlimits import JsonLimits, check_items
+from dss.jsonlimits import check_items
 from dss.types import SessionId, UserId
 
 
-class Commits:
-    """New versions on a branch head, under the user's quotas and write fence."""
-
-    def __init__(
-        self,
-        session_factory: sessionmaker[Session],
-        quotas: Quotas,
-        json_limits: JsonLimits,
-        fence: UserFence,
-    ) -> None:
-        self._factory = session_factory
-        self._quotas = quotas
-        self._json_limits = json_limits
-        self._fence = fence
+class VersionWrites(VersionTables):
+    """New versions on a branch head, under the user's quotas and write fence; deleting a version
+    with its descendants."""
 
     def commit(
         self,
@@ -84,7 +78,7 @@ class Commits:
         `parent` and `expected_head` both pin the head the caller built on (0 = empty branch):
         when the head is elsewhere, `StaleHead`. Without either, the commit goes on top of
         whatever the head is when it lands. `epoch`: the erasure epoch the turn was admitted
-        under (`UserErased` when the user was erased since; see `UserFence.hold_user`). `seen`:
+        under (`UserErased` when the user was erased since; see `VersionTables.hold_user`). `seen`:
         what the model saw where it differs from `messages` (`dss.dialogue.lead.view`).
         `parent_lead`: the parent's first message as the caller read it, so that a version whose
         first message alone differs is still stored as a delta (`dss.dialogue.history`).
@@ -137,7 +131,7 @@ class Commits:
             try:
                 count = owned_session(db, user, sid).version_count
             except SessionNotFound:
-                self._fence.hold_user(db, user, epoch)  # `UserErased` when an erasure deleted it
+                self.hold_user(db, user, epoch)  # `UserErased` when an erasure deleted it
                 raise
             head = branch_row(db, user, sid, branch).head_version
             if want is not None and head != want:
@@ -158,7 +152,7 @@ class Commits:
             check_commit_quota(db, user, self._quotas, len(body) + delta_bytes)
             # The fence before the first write (on SQLite it takes the write lock, so the quota's
             # sum above did not hold it); what was read before is checked by the compare-and-sets.
-            self._fence.hold_user(db, user, epoch)
+            self.hold_user(db, user, epoch)
             number = count + 1
             now = utcnow()
             # Both compare-and-sets must hold for the commit to stand; a miss means another writer
@@ -194,3 +188,49 @@ class Commits:
             db.add(added)
             db.flush()
         return full_version(added, msgs)
+
+    def delete_subtree(
+        self, user: UserId, sid: SessionId, number: int, db: Session | None = None
+    ) -> list[int]:
+        """Delete version `number` and every version descending from it, with the stored responses
+        that hold any of them; return the deleted numbers, ascending (`number` first).
+
+        Branch heads that pointed into the subtree move to the parent of `number` (EMPTY_HEAD, 0,
+        when it was a root); no branch is deleted, `main` included. Numbers are not reused. The
+        session is held (`hold_session`) before anything is read, so a concurrent commit either
+        lands first (and its version is in the subtree read here, deleted with it) or finds its
+        head moved and retries on the new one. KV pages are not touched: they are content-addressed
+        and shared in the user's trie. Pass `db` to run inside the caller's transaction.
+        """
+        if db is None:
+            with transaction(self._factory) as own:
+                return self.delete_subtree(user, sid, number, own)
+        check_number(number, sid)  # before anything is locked or written
+        self.hold_user(db, user)
+        self.hold_session(user, sid, db)
+        parents = parents_having(db, user, sid, number)
+        doomed = descendants_of(parents, number)
+        parent = parents[number]
+        new_head = parent if parent is not None else EMPTY_HEAD
+        for chunk in in_chunks(doomed):
+            rowcount(
+                db,
+                update(BranchRow)
+                .where(
+                    BranchRow.user_id == user,
+                    BranchRow.session_id == sid,
+                    BranchRow.head_version.in_(chunk),
+                )
+                .values(head_version=new_head),
+            )
+            # Responses first: they reference their versions (where foreign-key actions are off too).
+            rowcount(
+                db,
+                delete(ResponseRow).where(
+                    ResponseRow.user_id == user,
+                    ResponseRow.session_id == sid,
+                    ResponseRow.version.in_(chunk),
+                ),
+            )
+            rowcount(db, delete(VersionRow).where(*version_key(user, sid), VersionRow.number.in_(chunk)))
+        return doomed
