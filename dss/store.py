@@ -297,7 +297,7 @@ class Store:
         missing = self.pages.table.missing(list(self.index.iter_pages()))
         if missing:
             raise AssertionError(f"the index references {len(missing)} page(s) that are in no tier")
-        self.pages.check(reserved_elsewhere=self.kv.pending_slots())
+        self.pages.check(reserved_elsewhere=self.kv.saves.pending_slots())
 
     def stats(self) -> dict[str, Any]:
         used = self.pages.used_bytes()
@@ -339,8 +339,19 @@ class Store:
 
     # ================================================================== RPC
     def engine_calls(self) -> EngineCalls:
-        """What engine processes may call, over `kv` and `fingerprints` (`dss.rpc.EngineCalls`)."""
-        return EngineCalls(self.kv, self.fingerprints.register, self.stats)
+        """What engine processes may call (the contract, `dss.rpc.EngineStore`), answered by the
+        part that owns each call."""
+        kv = self.kv
+        return EngineCalls(
+            register_fingerprint=self.fingerprints.register,
+            begin_load=kv.begin_load,
+            wait_loaded=kv.loads.wait_loaded,
+            release=kv.loads.release,
+            plan_save=kv.plan_save,
+            commit_save=kv.saves.commit_save,
+            abort_save=kv.saves.abort_save,
+            stats=self.stats,
+        )
 
     def serve_rpc(self) -> tuple[str, bytes]:
         """Start (once) the local RPC server engine processes use; returns (address, authkey).

@@ -258,7 +258,7 @@ class Eraser:
             doomed = [*_never_erased(s, tenants[:-1]), tenant]
             with ExitStack() as erasing:
                 for t in doomed:
-                    erasing.enter_context(self._kv.erasing(t))
+                    erasing.enter_context(self._kv.saves.erasing(t))
                 # From here the tenants get no data key: nothing of them is written or read again.
                 for t in doomed:
                     self._keyring.retire(t)
@@ -379,7 +379,7 @@ class Eraser:
                 self._on_tenant_erased(tenant)
             except Exception:
                 log.exception("erasure %s: stopping the tenant's generations failed", receipt.id)
-        with self._kv.erasing(tenant):
+        with self._kv.saves.erasing(tenant):
             if receipt.retires:
                 self._keyring.retire(tenant)
             usage, detached = self._detach_tenant(tenant)

@@ -135,4 +135,4 @@ class PublicPrefixes:
             ).scalars()
             pinned = [np.frombuffer(t, dtype="<i4").copy() for t in rows]
         if fid in self._fingerprints:
-            self._kv.set_pins(fid, pinned)
+            self._kv.pins.set_pins(fid, pinned)

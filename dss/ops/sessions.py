@@ -68,7 +68,7 @@ class Sessions:
         except SessionNotFound:
             return StoredKV()
         sequences = ((v.fingerprint, v.tokens) for v in versions if v.fingerprint is not None)
-        return self._kv.stored(self._identity.tenant_for(user), sequences)
+        return self._kv.lookup.stored(self._identity.tenant_for(user), sequences)
 
     def resident(
         self, user: UserId, fingerprint: str | None, tokens: Sequence[int] | np.ndarray
@@ -93,7 +93,7 @@ class Sessions:
     ) -> dict[str, int]:
         if not fingerprint or fingerprint not in self._fingerprints or len(tokens) == 0:
             return {t.value: 0 for t in Tier}
-        return self._kv.residency(FingerprintId(fingerprint), tenant, tokens)
+        return self._kv.lookup.residency(FingerprintId(fingerprint), tenant, tokens)
 
     def delete(self, user: UserId, sid: SessionId, *, epoch: int | None = None) -> int:
         """Delete a session and the cached pages only it used; returns the pages dropped.

@@ -1,7 +1,8 @@
 """A small local RPC between the store's owner process and vLLM's engine processes.
 
 - `transport`: the socket's address and authkey, kernel I/O bounds, the errors callers see;
-- `service`: what is served (`StoreService`) and the adapter over the owner's parts (`EngineCalls`);
+- `contract`: what an engine may call (`EngineStore`, the one contract) and the owner's table of
+  the parts that answer each call (`EngineCalls`);
 - `server`: `StoreServer`, one thread per connected engine process;
 - `client`: `StoreClient`, with a deadline on every call.
 
@@ -9,20 +10,20 @@ Every cross-process call has a deadline; a miss is a cache miss for the engine, 
 """
 
 from dss.rpc.client import StoreClient
+from dss.rpc.contract import ENGINE_CALLS, EngineCalls, EngineStore
 from dss.rpc.server import StoreServer
-from dss.rpc.service import EngineCalls, KVService, StoreService
 from dss.rpc.transport import StoreTimeout, StoreUnavailable, socket_path_for
 from dss.wire import LoadPlan, PageSlot, SavePlan
 
 __all__ = [
+    "ENGINE_CALLS",
     "EngineCalls",
-    "KVService",
+    "EngineStore",
     "LoadPlan",
     "PageSlot",
     "SavePlan",
     "StoreClient",
     "StoreServer",
-    "StoreService",
     "StoreTimeout",
     "StoreUnavailable",
     "socket_path_for",

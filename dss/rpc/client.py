@@ -1,4 +1,5 @@
-"""The engine processes' side of the local RPC: `StoreClient`, with a deadline on every call.
+"""The engine processes' side of the local RPC: `StoreClient`, the contract (`EngineStore`) over
+the socket, with a deadline on every call.
 
 A call that does not answer in time raises `StoreTimeout`; one that cannot reach the owner raises
 `StoreUnavailable` (its base class). The engine treats both as a cache miss and recomputes;
@@ -17,12 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
 from dss.errors import DSSError
 from dss.namespace import ModelFingerprint
+from dss.rpc.contract import EngineStore
 from dss.rpc.transport import (
     DeadlineMissed,
     StoreTimeout,
@@ -226,9 +228,9 @@ class StoreClient:
     def register_fingerprint(self, fp: ModelFingerprint, *, timeout_s: float | None = None) -> FingerprintId:
         return FingerprintId(self._call("register_fingerprint", fp.to_json(), timeout_s=timeout_s))
 
-    def lookup(
+    def begin_load(
         self,
-        fingerprint: FingerprintId,
+        fid: FingerprintId,
         tenant: str,
         tokens: Sequence[int] | np.ndarray,
         start_token: int,
@@ -239,7 +241,7 @@ class StoreClient:
         """Match and pin the stored pages of `tokens` after `start_token` (`begin_load`)."""
         arr = np.asarray(tokens, dtype="<i4")
         plan: LoadPlan | None = self._call(
-            "lookup", str(fingerprint), str(tenant), arr, start_token, max_tokens, timeout_s=timeout_s
+            "begin_load", str(fid), str(tenant), arr, start_token, max_tokens, timeout_s=timeout_s
         )
         return plan
 
@@ -255,11 +257,12 @@ class StoreClient:
         return tuple(pages)
 
     def release(self, load_id: str, *, shard: int | None = None, timeout_s: float | None = None) -> None:
+        """End this engine rank's (`shard`) part of a lease without waiting for its pages."""
         self._call("release", load_id, shard, timeout_s=timeout_s)
 
     def plan_save(
         self,
-        fingerprint: FingerprintId,
+        fid: FingerprintId,
         tenant: str,
         tokens: Sequence[int] | np.ndarray,
         n_pages: int,
@@ -270,7 +273,7 @@ class StoreClient:
         """Reserve slots for the pages of `tokens` the store lacks (`KVCache.plan_save`)."""
         arr = np.asarray(tokens, dtype="<i4")
         plan: SavePlan = self._call(
-            "plan_save", str(fingerprint), str(tenant), arr, n_pages, with_tail, timeout_s=timeout_s
+            "plan_save", str(fid), str(tenant), arr, n_pages, with_tail, timeout_s=timeout_s
         )
         return plan
 
@@ -292,3 +295,9 @@ class StoreClient:
         call connects again."""
         with self._lock:
             self._drop()
+
+
+if TYPE_CHECKING:  # mypy checks that the client follows the contract
+
+    def _client_follows_the_contract(client: StoreClient) -> EngineStore:
+        return client

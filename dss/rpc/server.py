@@ -1,5 +1,6 @@
 """The owner's side of the local RPC: `StoreServer` accepts engine processes on a unix socket and
-answers their calls from a `StoreService`, decoding each call's wire arguments in its method table.
+answers their calls from an `EngineStore` (`dss.rpc.contract`), decoding each call's wire arguments
+in its method table.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 
 from dss.errors import DSSError, InvalidInput
 from dss.namespace import ModelFingerprint
-from dss.rpc.service import StoreService
+from dss.rpc.contract import ENGINE_CALLS, EngineStore
 from dss.rpc.transport import check_address, set_io_timeouts
 from dss.types import FingerprintId, TenantId
 from dss.wire import LoadPlan, PageSlot, SavePlan
@@ -40,7 +41,7 @@ def _shard(value: object) -> int | None:
 
 
 class StoreServer:
-    """Serves a `StoreService` on a unix socket at `address` (mode 0600) to clients holding
+    """Serves an `EngineStore` on a unix socket at `address` (mode 0600) to clients holding
     `authkey`.
 
     The accept thread only accepts; each connection gets a thread that runs the authkey
@@ -54,7 +55,7 @@ class StoreServer:
     stops reading loses its connection instead of pinning its thread forever."""
 
     def __init__(
-        self, service: StoreService, address: str, authkey: bytes, *, handshake_timeout_s: float = 5.0
+        self, service: EngineStore, address: str, authkey: bytes, *, handshake_timeout_s: float = 5.0
     ) -> None:
         check_address(address)
         self.service = service
@@ -67,7 +68,7 @@ class StoreServer:
         self._methods: dict[str, Callable[..., Any]] = {
             "ping": lambda: "pong",
             "register_fingerprint": self._register_fingerprint,
-            "lookup": self._lookup,
+            "begin_load": self._begin_load,
             "wait_loaded": self._wait_loaded,
             "release": self._release,
             "plan_save": self._plan_save,
@@ -75,6 +76,7 @@ class StoreServer:
             "abort_save": self._abort_save,
             "stats": service.stats,
         }
+        assert set(self._methods) == {"ping", *ENGINE_CALLS}, "the method table follows the contract"
         self._sock = self._listen(address)
         self._thread = threading.Thread(target=self._accept_loop, name="dss-rpc-accept", daemon=True)
         self._thread.start()
@@ -103,7 +105,7 @@ class StoreServer:
     def _register_fingerprint(self, fp_json: str) -> str:
         return str(self.service.register_fingerprint(ModelFingerprint.from_json(fp_json)))
 
-    def _lookup(
+    def _begin_load(
         self, fid: str, tenant: str, tokens: np.ndarray, start_token: int, max_tokens: int
     ) -> LoadPlan | None:
         return self.service.begin_load(FingerprintId(fid), TenantId(tenant), tokens, start_token, max_tokens)
@@ -116,16 +118,18 @@ class StoreServer:
     def _plan_save(
         self, fid: str, tenant: str, tokens: np.ndarray, n_pages: int, with_tail: bool = False
     ) -> SavePlan:
-        return self.service.plan_save(FingerprintId(fid), TenantId(tenant), tokens, n_pages, bool(with_tail))
+        return self.service.plan_save(
+            FingerprintId(fid), TenantId(tenant), tokens, n_pages, with_tail=bool(with_tail)
+        )
 
     def _commit_save(self, save_id: str, written: list[int], shard: int = 0) -> int:
-        return int(self.service.commit_save(save_id, written, _shard(shard) or 0))
+        return int(self.service.commit_save(save_id, written, shard=_shard(shard) or 0))
 
     def _release(self, load_id: str, shard: int | None = None) -> None:
-        self.service.release(load_id, _shard(shard))
+        self.service.release(load_id, shard=_shard(shard))
 
     def _abort_save(self, save_id: str, shard: int | None = None) -> None:
-        self.service.abort_save(save_id, _shard(shard))
+        self.service.abort_save(save_id, shard=_shard(shard))
 
     # --- connections ----------------------------------------------------------------------
     def _accept_loop(self) -> None:

@@ -215,7 +215,7 @@ class SchedulerSide:
         if fid is None:
             return 0, False
         try:
-            plan = self.client.lookup(  # type: ignore[union-attr]
+            plan = self.client.begin_load(  # type: ignore[union-attr]
                 fid, st.session.tenant, request.all_token_ids[:max_tokens], num_computed_tokens, max_tokens
             )
         except DSSError as exc:

@@ -26,16 +26,16 @@ def test_put_load_reopen_from_disk(tmp_path):
     assert n == 20 and got == pages
     store.flush()
     # Every tier counts what it holds: the write-through copies on disk too.
-    assert store.kv.residency(fid, alice, tokens) == {"host": 20, "disk": 20, "remote": 0}
+    assert store.kv.lookup.residency(fid, alice, tokens) == {"host": 20, "disk": 20, "remote": 0}
     store.check()
     store.close()
 
     store = open_store(tmp_path)
     assert store.recovery_report is not None and store.recovery_report.pages_indexed == 5
-    assert store.kv.residency(fid, alice, tokens)["disk"] == 20
+    assert store.kv.lookup.residency(fid, alice, tokens)["disk"] == 20
     n, got = store.kv.load_sequence(fid, alice, tokens)
     assert n == 20 and got == pages
-    assert store.kv.residency(fid, alice, tokens)["host"] == 20  # promoted on hit
+    assert store.kv.lookup.residency(fid, alice, tokens)["host"] == 20  # promoted on hit
     store.check()
     store.close()
 
@@ -139,13 +139,13 @@ def test_stored_kv_counts_each_own_page_once(tmp_path):
     sibling = np.concatenate([v1, np.arange(40, 44, dtype=np.int32)])  # another child: + 1
     for tokens in (v1, v2, sibling):
         store.kv.put_sequence(fid, alice, tokens, pages_for(SMALL_FP, tokens))
-    assert store.kv.stored(alice, [(fid, v1)]) == StoredKV(2, 2 * page)
+    assert store.kv.lookup.stored(alice, [(fid, v1)]) == StoredKV(2, 2 * page)
     shared_once = StoredKV(4, 4 * page)
-    assert store.kv.stored(alice, [(fid, v1), (fid, v2), (fid, sibling)]) == shared_once
+    assert store.kv.lookup.stored(alice, [(fid, v1), (fid, v2), (fid, sibling)]) == shared_once
     bob = store.identity.tenant_for("bob")
-    assert store.kv.stored(bob, [(fid, v2)]) == StoredKV(0, 0)  # the public pages are no one's
-    assert store.kv.stored(alice, [(FingerprintId("unknown"), v2)]) == StoredKV(0, 0)
-    assert store.kv.stored(alice, []) == StoredKV(0, 0)
+    assert store.kv.lookup.stored(bob, [(fid, v2)]) == StoredKV(0, 0)  # the public pages are no one's
+    assert store.kv.lookup.stored(alice, [(FingerprintId("unknown"), v2)]) == StoredKV(0, 0)
+    assert store.kv.lookup.stored(alice, []) == StoredKV(0, 0)
     store.close()
 
 

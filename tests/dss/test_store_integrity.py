@@ -129,7 +129,7 @@ def _engine_side(address: str, authkey: bytes, fp_json: str, tenant: str, q) -> 
         arenas[ref.path] = arena
         arena.view(ref.slot)[:] = pages[ps.page_index]
     written = client.commit_save(plan.save_id, [ps.page_index for ps in plan.pages])
-    load = client.lookup(fid, tenant, tokens, 0, len(tokens))
+    load = client.begin_load(fid, tenant, tokens, 0, len(tokens))
     loaded = []
     for ps in client.wait_loaded(load.load_id, 10.0):
         ref = ps.slot

@@ -4,7 +4,7 @@ The interleaving is forced with events: the call that encodes and writes a page 
 the instance so that the background write-through of one page stops inside it until the test
 releases it: `store.disk.write` when pages are encoded in the owner process, the helper call
 `store.pages.encoder.encode_to_file` when a codec process does it (both are run). Only public
-behaviour is used (Store methods, `store.disk`, `store.pages.encoder`, `store.kv.residency`).
+behaviour is used (Store methods, `store.disk`, `store.pages.encoder`, `store.kv.lookup.residency`).
 
 1. A lookup of a page that is already in the host tier must not wait for a disk write in
    flight (encode, encrypt, write, fsync can take tens of ms for a real page; lookups must not
@@ -165,7 +165,9 @@ def test_evicting_disk_write_and_lookup_do_not_deadlock(paused: Opener, op: str)
     assert disk is not None
     per_page = disk.used_bytes / max(1, len(list(disk.keys())))
     assert disk.used_bytes + per_page > disk.capacity_bytes, "precondition: the disk tier is full"
-    assert store.kv.residency(fid, tenant, HOT)["host"] == len(HOT), "precondition: HOT is in the host tier"
+    assert store.kv.lookup.residency(fid, tenant, HOT)["host"] == len(HOT), (
+        "precondition: HOT is in the host tier"
+    )
 
     try:
         _pause_writer_on_new_page(store, pw, fid, tenant)

@@ -159,7 +159,7 @@ def test_finish_saves_only_new_pages_and_settles_the_next_turn(store: Store, sid
     # The session's next turn waits until the worker reports the save done...
     nxt = request("r2", [*r.all_token_ids, 7, 7], tenant)
     assert side.get_num_new_matched_tokens(nxt, 0) == (None, False)
-    store.kv.abort_save(save.save_id)
+    store.kv.saves.abort_save(save.save_id)
     side.update_connector_output(KVConnectorOutput(finished_sending={"r1"}))
     # ...then matches what the store has (the aborted pages are simply not there).
     assert side.get_num_new_matched_tokens(nxt, 0) == (2 * BS, False)
@@ -183,7 +183,7 @@ def test_prompt_pages_are_saved_when_prefill_completes(store: Store, side: Sched
     assert save.page_indexes == (0, 1, 2) and save.block_ids == ((4, 5, 6),) and not save.on_finish
     assert save.tail_tokens == 0  # after prefill: whole pages only
     assert step(side, {"r1": 1}).saves == []
-    store.kv.abort_save(save.save_id)
+    store.kv.saves.abort_save(save.save_id)
 
 
 def test_a_hung_owner_is_a_miss_within_the_deadline(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -233,7 +233,7 @@ def test_a_turn_loads_the_previous_turns_tail_page_and_computes_only_new_tokens(
     for idx, slot in zip(save.page_indexes, save.span.slots, strict=True):
         ref = SlotRef(save.span.arena_path, save.span.slot_nbytes, slot)
         store.pages.host.slot_array(ref)[:] = np.frombuffer(written[idx], dtype=np.uint8)
-    assert store.kv.commit_save(save.save_id, save.page_indexes) == 3
+    assert store.kv.saves.commit_save(save.save_id, save.page_indexes) == 3
     side.update_connector_output(KVConnectorOutput(finished_sending={"r1"}))
 
     nxt = request("r2", [*prev, 9, 7, 7, 7], tenant)

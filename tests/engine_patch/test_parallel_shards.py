@@ -158,13 +158,13 @@ def test_a_page_is_published_only_when_every_rank_committed_it(store: Store) -> 
     plan = store.kv.plan_save(fid, ALICE, tokens, 3)
     assert len(plan.pages) == 3
     _fill(store, [p.slot for p in plan.pages], 7)
-    assert store.kv.commit_save(plan.save_id, [0, 1, 2], shard=0) == 0  # rank 1 has not reported
+    assert store.kv.saves.commit_save(plan.save_id, [0, 1, 2], shard=0) == 0  # rank 1 has not reported
     assert store.kv.match(fid, ALICE, tokens).n_tokens == 0
-    assert len(store.kv.pending_slots()) == 3
+    assert len(store.kv.saves.pending_slots()) == 3
     # Rank 1 copied only pages 0 and 1: page 2 is not whole, so it is not published.
-    assert store.kv.commit_save(plan.save_id, [0, 1], shard=1) == 2
+    assert store.kv.saves.commit_save(plan.save_id, [0, 1], shard=1) == 2
     assert store.kv.match(fid, ALICE, tokens).n_tokens == 8
-    assert store.kv.pending_slots() == []
+    assert store.kv.saves.pending_slots() == []
 
 
 def test_one_rank_aborting_publishes_nothing_and_frees_after_the_last_report(store: Store) -> None:
@@ -172,15 +172,15 @@ def test_one_rank_aborting_publishes_nothing_and_frees_after_the_last_report(sto
     tokens = np.arange(1, 9, dtype=np.int32)
     before = store.pages.used_bytes()
     plan = store.kv.plan_save(fid, ALICE, tokens, 2)
-    store.kv.abort_save(plan.save_id, shard=1)
+    store.kv.saves.abort_save(plan.save_id, shard=1)
     # Rank 0 may still be copying into the slots: they stay reserved until it reports.
-    assert len(store.kv.pending_slots()) == 2
-    assert store.kv.commit_save(plan.save_id, [0, 1], shard=0) == 0
-    assert store.kv.pending_slots() == []
+    assert len(store.kv.saves.pending_slots()) == 2
+    assert store.kv.saves.commit_save(plan.save_id, [0, 1], shard=0) == 0
+    assert store.kv.saves.pending_slots() == []
     assert store.pages.used_bytes() == before
     assert store.kv.match(fid, ALICE, tokens).n_tokens == 0
     with pytest.raises(InvalidInput):
-        store.kv.commit_save(store.kv.plan_save(fid, ALICE, tokens, 2).save_id, [0], shard=2)
+        store.kv.saves.commit_save(store.kv.plan_save(fid, ALICE, tokens, 2).save_id, [0], shard=2)
 
 
 def test_a_load_stays_pinned_until_every_rank_released_it(store: Store) -> None:
@@ -188,16 +188,16 @@ def test_a_load_stays_pinned_until_every_rank_released_it(store: Store) -> None:
     tokens = np.arange(1, 13, dtype=np.int32)
     plan = store.kv.plan_save(fid, ALICE, tokens, 3)
     _fill(store, [p.slot for p in plan.pages], 3)
-    store.kv.commit_save(plan.save_id, [0, 1, 2], shard=0)
-    store.kv.commit_save(plan.save_id, [0, 1, 2], shard=1)
+    store.kv.saves.commit_save(plan.save_id, [0, 1, 2], shard=0)
+    store.kv.saves.commit_save(plan.save_id, [0, 1, 2], shard=1)
     load = store.kv.begin_load(fid, ALICE, tokens, 0, len(tokens) - 1)
     assert load is not None and load.n_tokens >= 8
-    got = store.kv.wait_loaded(load.load_id, 0.0, release=True, shard=0)
+    got = store.kv.loads.wait_loaded(load.load_id, 0.0, release=True, shard=0)
     assert all(p is not None for p in got)
     assert store.kv.stats()["leases"] == 1
-    store.kv.release(load.load_id, shard=0)  # a repeated release by the same rank counts once
+    store.kv.loads.release(load.load_id, shard=0)  # a repeated release by the same rank counts once
     assert store.kv.stats()["leases"] == 1
-    store.kv.release(load.load_id, shard=1)
+    store.kv.loads.release(load.load_id, shard=1)
     assert store.kv.stats()["leases"] == 0
 
 
@@ -209,8 +209,8 @@ def test_a_parallel_engines_pages_load_from_disk_after_a_restart(tmp_path: Path)
     tokens = np.arange(1, 13, dtype=np.int32)
     plan = s.kv.plan_save(fid, ALICE, tokens, 3)
     _fill(s, [p.slot for p in plan.pages], 5)
-    s.kv.commit_save(plan.save_id, [0, 1, 2], shard=0)
-    s.kv.commit_save(plan.save_id, [0, 1, 2], shard=1)
+    s.kv.saves.commit_save(plan.save_id, [0, 1, 2], shard=0)
+    s.kv.saves.commit_save(plan.save_id, [0, 1, 2], shard=1)
     s.close()
     s = open_store(tmp_path / "data")
     try:
@@ -230,7 +230,7 @@ def test_a_parallel_engines_pages_load_from_disk_after_a_restart(tmp_path: Path)
         for c in clients:
             c.close()
         for shard in (0, 1):
-            got = s.kv.wait_loaded(load.load_id, 0.0, release=True, shard=shard)
+            got = s.kv.loads.wait_loaded(load.load_id, 0.0, release=True, shard=shard)
             assert all(p is not None for p in got), got
             assert (s.pages.host.slot_array(got[0].slot) == 5).all()  # type: ignore[union-attr,arg-type]
         assert s.kv.stats()["leases"] == 0

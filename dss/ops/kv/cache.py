@@ -3,29 +3,31 @@
 The named primitives follow vLLM's offloading connector: `match` (how much is stored),
 `begin_load` / `wait_loaded` / `release` (pin pages, promote them into the host arena, validate
 the engine's copies, unpin), and `plan_save` / `commit_save` / `abort_save` (reserve host slots
-for the pages the store lacks, publish them once the engine copied them). This class only puts
-its parts together and is the one surface callers use (the RPC's `EngineCalls`, `Store.kv`):
+for the pages the store lacks, publish them once the engine copied them). This class builds its
+parts and owns what needs more than one of them: the store being open, and expiring the leases
+and saves of engines that never came back before a new load or save (`match`, `begin_load`,
+`plan_save`). Every other operation is called on the part that owns it, each a public attribute:
 
-- `KVLookup` (`lookup.py`): match, residency, a tenant's stored KV, `forget`;
-- `KVLoads` (`loads.py`): loads and their leases, the loader threads, remote adoption;
-- `KVSaves` (`saves.py`): saves pending and published, and the erasure's side of them;
+- `lookup` (`KVLookup`, `lookup.py`): `residency`, a tenant's `stored` KV, `forget`;
+- `loads` (`KVLoads`, `loads.py`): `wait_loaded`, `release`, the loader threads, remote adoption;
+- `saves` (`KVSaves`, `saves.py`): `commit_save`, `abort_save`, `pending_slots`, and the
+  erasure's side of saves (`erasing`);
+- `pins` (`PublicPins`, `pins.py`): `set_pins`, the public prefixes kept pinned;
 - `TenantGate` (`gate.py`): which tenants may save now, and their saves in flight;
-- `PublicPins` (`pins.py`): the public prefixes kept pinned;
-- the `DiskWriter` (`dss/ops/writeback.py`) when write-through is on.
+- `writer`: the `DiskWriter` (`dss/ops/writeback.py`) when write-through is on.
 
 Locks: each part's lock is a leaf around its own registry; no part calls another while holding
 its lock. The order of calls between the parts, never nested: index → page table → tiers (inside
 `TieredPages`) → index again (`KVLookup.forget`).
 
-Erasure cooperates through `erasing(tenant)`: while it is held, saves of the tenant are refused
+Erasure cooperates through `saves.erasing(tenant)`: while it is held, saves of the tenant are refused
 and the saves already in flight have finished, so nothing of the tenant is published behind the
 erasure's back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -35,15 +37,15 @@ from dss.index.fingerprints import FingerprintRegistry
 from dss.index.prefix_index import PrefixIndex
 from dss.ops.kv.gate import TenantGate
 from dss.ops.kv.loads import KVLoads
-from dss.ops.kv.lookup import KVLookup, StoredKV
+from dss.ops.kv.lookup import KVLookup
 from dss.ops.kv.matching import MatchInfo
 from dss.ops.kv.pins import PublicPins
 from dss.ops.kv.saves import KVSaves
 from dss.ops.writeback import DiskWriter
 from dss.pages.tiered import TieredPages
 from dss.tokens import as_tokens
-from dss.types import FingerprintId, PageHash, TenantId
-from dss.wire import LoadPlan, PageSlot, SavePlan, SlotRef
+from dss.types import FingerprintId, TenantId
+from dss.wire import LoadPlan, SavePlan
 
 
 class KVCache:
@@ -58,19 +60,19 @@ class KVCache:
         self._lease_timeout_s = config.lease_timeout_s
         self._fingerprints = fingerprints
         self._pages = pages
-        self._lookup = KVLookup(config, fingerprints, index, pages)
+        self.lookup = KVLookup(config, fingerprints, index, pages)
         write_through = config.write_through and (pages.disk is not None or pages.remote is not None)
-        self.writer = DiskWriter(pages, self._lookup.forget) if write_through else None
+        self.writer = DiskWriter(pages, self.lookup.forget) if write_through else None
         gate = TenantGate(is_retired)
-        self._pins = PublicPins(self._lookup, pages)
+        self.pins = PublicPins(self.lookup, pages)
         threads = config.loader_threads
-        self._loads = KVLoads(fingerprints, index, pages, self._lookup, gate, self.writer, threads)
-        self._saves = KVSaves(fingerprints, index, pages, self._lookup, gate, self.writer, self._pins.apply)
+        self.loads = KVLoads(fingerprints, index, pages, self.lookup, gate, self.writer, threads)
+        self.saves = KVSaves(fingerprints, index, pages, self.lookup, gate, self.writer, self.pins.apply)
         self._closed = False
 
     def close(self) -> None:
         self._closed = True
-        self._loads.close()
+        self.loads.close()
         if self.writer is not None:
             self.writer.close()
 
@@ -82,34 +84,18 @@ class KVCache:
     def _expire_stale(self) -> None:
         """Free leases and reserved save slots whose engine never came back (it died mid-load or
         mid-save): otherwise their pages could never be evicted."""
-        self._loads.expire_stale(self._lease_timeout_s)
-        self._saves.expire_stale(self._lease_timeout_s)
+        self.loads.expire_stale(self._lease_timeout_s)
+        self.saves.expire_stale(self._lease_timeout_s)
 
-    # ------------------------------------------------------------------ reads (`KVLookup`)
+    # ------------------------------------------------------------------ what needs the whole cache
     def match(
         self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray, touch: bool = True
     ) -> MatchInfo:
-        """`KVLookup.match`: the longest stored prefix of `tokens` for the tenant."""
+        """The longest stored prefix of `tokens` for the tenant (`KVLookup.stored_prefix`), once the
+        store is open."""
         self.ensure_open()
-        return self._lookup.match(fid, tenant, tokens, touch)
+        return self.lookup.stored_prefix(fid, tenant, tokens, touch)
 
-    def residency(
-        self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray
-    ) -> dict[str, int]:
-        """`KVLookup.residency`: tokens of `tokens` whose KV each tier holds now."""
-        return self._lookup.residency(fid, tenant, tokens)
-
-    def stored(
-        self, tenant: TenantId, sequences: Iterable[tuple[FingerprintId, Sequence[int] | np.ndarray]]
-    ) -> StoredKV:
-        """`KVLookup.stored`: the tenant's own pages for these sequences, each once."""
-        return self._lookup.stored(tenant, sequences)
-
-    def forget(self, gone: Sequence[PageHash]) -> None:
-        """`KVLookup.forget`: pages that left the page table leave the index."""
-        self._lookup.forget(gone)
-
-    # ------------------------------------------------------------------ loads (`KVLoads`)
     def begin_load(
         self,
         fid: FingerprintId,
@@ -118,57 +104,27 @@ class KVCache:
         start_token: int = 0,
         max_tokens: int | None = None,
     ) -> LoadPlan | None:
-        """`KVLoads.begin_load`: match and pin the pages after `start_token`."""
+        """Match and pin the pages after `start_token` (`KVLoads.pin`), once the store is open and
+        stale leases and saves are expired."""
         self.ensure_open()
         self._expire_stale()
-        return self._loads.begin_load(fid, tenant, tokens, start_token, max_tokens)
+        return self.loads.pin(fid, tenant, tokens, start_token, max_tokens)
 
-    def wait_loaded(
-        self, load_id: str, timeout_s: float = 30.0, release: bool = False, shard: int | None = None
-    ) -> tuple[PageSlot | None, ...]:
-        """`KVLoads.wait_loaded`: the plan's pages with their host slots (None: not to be had)."""
-        return self._loads.wait_loaded(load_id, timeout_s, release, shard)
-
-    def release(self, load_id: str, shard: int | None = None) -> None:
-        """`KVLoads.release`: end rank `shard`'s part of a lease (None: all of it)."""
-        self._loads.release(load_id, shard)
-
-    # ------------------------------------------------------------------ saves (`KVSaves`)
     def plan_save(
         self,
         fid: FingerprintId,
         tenant: TenantId,
         tokens: Sequence[int] | np.ndarray,
         n_pages: int,
+        *,
         with_tail: bool = False,
     ) -> SavePlan:
-        """`KVSaves.plan_save`: reserve host slots for the pages the store lacks."""
+        """Reserve host slots for the pages the store lacks (`KVSaves.reserve`), once the store is
+        open and stale leases and saves are expired."""
         self.ensure_open()
         self._expire_stale()
-        return self._saves.plan_save(fid, tenant, tokens, n_pages, with_tail)
+        return self.saves.reserve(fid, tenant, tokens, n_pages, with_tail)
 
-    def commit_save(self, save_id: str, written: Sequence[int], shard: int = 0) -> int:
-        """`KVSaves.commit_save`: rank `shard` copied `written`; returns the pages published."""
-        return self._saves.commit_save(save_id, written, shard)
-
-    def abort_save(self, save_id: str, shard: int | None = None) -> None:
-        """`KVSaves.abort_save`: rank `shard` copied nothing (None: abort the whole save)."""
-        self._saves.abort_save(save_id, shard)
-
-    def pending_slots(self) -> list[SlotRef]:
-        """Host slots reserved by saves not yet reported (`TieredPages.check` allows for them)."""
-        return self._saves.pending_slots()
-
-    def erasing(self, tenant: TenantId) -> AbstractContextManager[None]:
-        """`KVSaves.erasing`: no save of the tenant is planned, copied or published meanwhile."""
-        return self._saves.erasing(tenant)
-
-    # ------------------------------------------------------------------ pins (`PublicPins`)
-    def set_pins(self, fid: FingerprintId, token_lists: list[np.ndarray]) -> None:
-        """`PublicPins.set_pins`: the public prefixes of `fid` to keep pinned."""
-        self._pins.set_pins(fid, token_lists)
-
-    # ------------------------------------------------------------------ in-process convenience
     def put_sequence(
         self,
         fid: FingerprintId,
@@ -189,7 +145,7 @@ class KVCache:
         for ps in plan.pages:
             assert ps.slot is not None
             self._pages.host.slot_array(ps.slot)[:] = np.frombuffer(pages[ps.page_index], dtype=np.uint8)
-        return self.commit_save(plan.save_id, [ps.page_index for ps in plan.pages])
+        return self.saves.commit_save(plan.save_id, [ps.page_index for ps in plan.pages])
 
     def load_sequence(
         self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray
@@ -202,12 +158,12 @@ class KVCache:
             return 0, []
         copies: list[bytes] = []
         try:
-            for ps in self.wait_loaded(plan.load_id):
+            for ps in self.loads.wait_loaded(plan.load_id):
                 if ps is None or ps.slot is None:
                     break
                 copies.append(self._pages.host.slot_array(ps.slot).tobytes())
         finally:
-            valid = self.wait_loaded(plan.load_id, 0.0, release=True)
+            valid = self.loads.wait_loaded(plan.load_id, 0.0, release=True)
         n = 0
         for ps in valid[: len(copies)]:
             if ps is None:
@@ -216,4 +172,4 @@ class KVCache:
         return min(n * self._fingerprints.get(fid).block_size, plan.n_tokens), copies[:n]
 
     def stats(self) -> dict[str, int]:
-        return {"leases": self._loads.count(), "pending_saves": self._saves.count()}
+        return {"leases": self.loads.count(), "pending_saves": self.saves.count()}

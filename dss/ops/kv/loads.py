@@ -64,7 +64,7 @@ class KVLoads:
     def close(self) -> None:
         self._loader.shutdown(wait=True, cancel_futures=True)
 
-    def begin_load(
+    def pin(
         self,
         fid: FingerprintId,
         tenant: TenantId,

@@ -48,7 +48,7 @@ class KVLookup:
             raise LimitExceeded(f"{len(arr)} tokens exceed the limit of {self._max_tokens}")
         return arr
 
-    def match(
+    def stored_prefix(
         self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray, touch: bool = True
     ) -> MatchInfo:
         """Longest stored prefix for `tokens` in the tenant's namespace, public prefixes
@@ -65,7 +65,7 @@ class KVLookup:
     ) -> dict[str, int]:
         """Tokens of `tokens` whose KV each tier holds now. A page on two tiers (host and its
         write-through copy on disk) counts in both."""
-        m = self.match(fid, tenant, tokens)
+        m = self.stored_prefix(fid, tenant, tokens)
         bs = self._fingerprints.get(fid).block_size
         out = {t.value: 0 for t in Tier}
         for h, n in zip(m.pages, m.page_tokens(bs), strict=True):
@@ -86,7 +86,7 @@ class KVLookup:
             if fid not in self._fingerprints:
                 continue
             fp = self._fingerprints.get(fid)
-            info = self.match(fid, tenant, tokens, touch=False)
+            info = self.stored_prefix(fid, tenant, tokens, touch=False)
             for h in info.pages[info.public_tokens // fp.block_size :]:
                 if h not in seen:
                     seen.add(h)

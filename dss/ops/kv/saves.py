@@ -65,7 +65,7 @@ class KVSaves:
         self._lock = threading.Lock()
         self._saves: dict[str, PendingSave] = {}
 
-    def plan_save(
+    def reserve(
         self,
         fid: FingerprintId,
         tenant: TenantId,

@@ -16,7 +16,7 @@ a session's reclassification (`_refresh`) and its demotion (`_demote`).
 Locks: none of its own. The registry, the worker, the sweeper and the warmer each have a leaf lock;
 none is held while another is taken or while the database (`VersionStore`), the index
 (`KVCache.match`, `forget`) or the tiers (`TieredPages`) are called. Order of calls, never nested:
-versions → kv.match → registry → pages → kv.forget.
+versions → kv.match → registry → pages → kv.lookup.forget.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ class SessionRetention:
         try:
             moved = self._pages.demote_to_disk(pages, gone)
         finally:
-            self._kv.forget(gone)
+            self._kv.lookup.forget(gone)
         self.registry.count_demoted(moved)
         return moved
 

@@ -142,7 +142,7 @@ class Warmer:
         except Exception:
             log.exception("warm-up of a page failed")
         finally:
-            self._kv.forget(gone)
+            self._kv.lookup.forget(gone)
             with self._lock:
                 self._warming.discard(page)
                 if ok:

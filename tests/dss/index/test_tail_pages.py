@@ -36,7 +36,7 @@ def test_a_sequence_ending_inside_a_page_is_matched_to_its_last_token(tmp_path):
     assert store.kv.match(fid, alice, np.concatenate([tokens[:21], [7]]).astype(np.int32)).n_tokens == 21
     assert store.kv.match(fid, alice, tokens[:21]).n_tokens == 21
     assert store.kv.match(fid, alice, np.concatenate([tokens[:20], [7]]).astype(np.int32)).n_tokens == 20
-    assert store.kv.residency(fid, alice, longer)["host"] == 22
+    assert store.kv.lookup.residency(fid, alice, longer)["host"] == 22
     store.check()
     store.close()
 
@@ -78,7 +78,7 @@ def test_tail_pages_survive_a_restart_from_disk(tmp_path):
 
     store = open_store(tmp_path)
     assert store.recovery_report is not None and store.recovery_report.pages_indexed == 5
-    assert store.kv.residency(fid, alice, tokens)["disk"] == 15
+    assert store.kv.lookup.residency(fid, alice, tokens)["disk"] == 15
     n, got = store.kv.load_sequence(fid, alice, np.concatenate([tokens, [5]]).astype(np.int32))
     assert n == 15 and got == pages
     assert store.kv.load_sequence(fid, alice, short) == (2, [page_bytes(SMALL_FP, 99)])
@@ -94,7 +94,7 @@ def test_a_dropped_page_takes_the_tails_after_it(tmp_path):
     store.kv.put_sequence(fid, alice, tokens, with_tail(tokens))
     m = store.kv.match(fid, alice, tokens)
     assert m.partial_tokens == 2
-    store.kv.forget(store.pages.drop([m.pages[1]]))  # the page before the tail leaves
+    store.kv.lookup.forget(store.pages.drop([m.pages[1]]))  # the page before the tail leaves
     after = store.kv.match(fid, alice, tokens)
     assert after.n_tokens == 4 and not store.pages.contains(m.pages[2])
     store.check()
@@ -122,7 +122,7 @@ def test_a_tail_after_a_public_prefix_is_private(tmp_path):
     for ps in plan.pages:
         assert ps.slot is not None
         store.pages.host.slot_array(ps.slot)[:] = np.frombuffer(page_bytes(SMALL_FP, 5), dtype=np.uint8)
-    assert store.kv.commit_save(plan.save_id, [2]) == 1
+    assert store.kv.saves.commit_save(plan.save_id, [2]) == 1
     assert store.kv.match(fid, alice, chat).n_tokens == 10
     assert store.kv.match(fid, bob, chat).n_tokens == 8  # the public prefix only
     store.check()

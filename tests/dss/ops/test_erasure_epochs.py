@@ -35,7 +35,7 @@ def test_saves_in_flight_or_after_an_erase_store_nothing(tmp_path):
     for ps in plan.pages:
         store.host.slot_array(ps.slot)[:] = np.frombuffer(pages_for(SMALL_FP, late)[ps.page_index], np.uint8)
     receipt = store.eraser.erase_user("alice")
-    assert store.kv.commit_save(plan.save_id, [ps.page_index for ps in plan.pages]) == 0
+    assert store.kv.saves.commit_save(plan.save_id, [ps.page_index for ps in plan.pages]) == 0
     # ... and a save that arrives afterwards under the old tenant (the request was tagged before):
     again = np.arange(200, 216, dtype=np.int32)
     assert store.kv.put_sequence(fid, old, again, pages_for(SMALL_FP, again)) == 0
@@ -111,8 +111,8 @@ def test_a_save_planned_before_an_erase_keeps_its_slots_until_the_engine_reports
         store.host.slot_array(ps.slot)[:] = np.frombuffer(b_bytes[ps.page_index], np.uint8)
     for ps in a_plan.pages:  # the engine's late copy of alice's save
         store.host.slot_array(ps.slot)[:] = np.frombuffer(a_bytes[ps.page_index], np.uint8)
-    assert store.kv.commit_save(b_plan.save_id, [ps.page_index for ps in b_plan.pages]) == 4
-    assert store.kv.commit_save(a_plan.save_id, [ps.page_index for ps in a_plan.pages]) == 0
+    assert store.kv.saves.commit_save(b_plan.save_id, [ps.page_index for ps in b_plan.pages]) == 4
+    assert store.kv.saves.commit_save(a_plan.save_id, [ps.page_index for ps in a_plan.pages]) == 0
     for ps in a_plan.pages:  # freed (and zeroed) once the engine reported the save
         assert not store.host.slot_array(ps.slot).any()
     assert store.kv.load_sequence(fid, bob, b_tokens) == (16, b_bytes)

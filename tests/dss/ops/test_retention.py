@@ -68,7 +68,7 @@ def pages_of(store: Store, user: str, tokens: np.ndarray) -> tuple[PageHash, ...
 
 
 def resident(store: Store, user: str, tokens: np.ndarray) -> dict[str, int]:
-    return store.kv.residency(
+    return store.kv.lookup.residency(
         FingerprintId(store.fingerprints.register(SMALL_FP)), store.identity.tenant_for(user), tokens
     )
 

@@ -385,7 +385,7 @@ def test_a_leased_slot_is_not_reused_when_its_page_is_dropped(store: Store) -> N
     assert ref is not None and _slot_bytes(ref) == alice_page
     # While the engine holds the load, alice's page is dropped and bob's page is saved.
     gone = store.pages.drop([plan.pages[0].hash])
-    store.kv.forget(gone)
+    store.kv.lookup.forget(gone)
     assert _slot_bytes(ref) == bytes(len(alice_page))  # zeroed at once, lease or not
     store.kv.put_sequence(fid, store.identity.tenant_for("bob"), bob_tokens, [bob_page])
     copied = _slot_bytes(ref)  # the engine's copy through the ref it was given
@@ -396,7 +396,7 @@ def test_a_leased_slot_is_not_reused_when_its_page_is_dropped(store: Store) -> N
     finally:
         arena.close()
     store.check()
-    assert store.kv.wait_loaded(plan.load_id, 0.0, release=True) == (None,)
+    assert store.kv.loads.wait_loaded(plan.load_id, 0.0, release=True) == (None,)
     store.check()  # the slot was freed when the lease ended
     assert store.host.used_bytes == SMALL_FP.page_nbytes
 
@@ -412,7 +412,7 @@ def test_a_slot_parked_for_a_lease_is_freed_when_the_lease_ends(store: Store) ->
     for ps in plan.pages:
         assert ps.slot is not None and not any(_slot_bytes(ps.slot))
     store.check()
-    store.kv.release(plan.load_id)
+    store.kv.loads.release(plan.load_id)
     assert store.host.used_bytes == 0
     store.check()
 
@@ -449,7 +449,7 @@ def test_the_engine_worker_discards_a_copy_whose_slot_moved_on(store: Store) -> 
         span = span_of(plan.pages)
         assert span is not None
         # Between the scheduler's plan and the worker's copy, alice's page is dropped and bob's saved.
-        store.kv.forget(store.pages.drop([plan.pages[0].hash]))
+        store.kv.lookup.forget(store.pages.drop([plan.pages[0].hash]))
         store.kv.put_sequence(fid, store.identity.tenant_for("bob"), bob_tokens, [bob_page])
         worker._sync_load(LoadSpec("req-a", plan.load_id, ((5,),), span, False))
         assert block_bytes(5) != bob_page, "another tenant's KV reached the engine's blocks"
@@ -461,7 +461,7 @@ def test_the_engine_worker_discards_a_copy_whose_slot_moved_on(store: Store) -> 
         bob_span = span_of(bob_plan.pages)
         assert bob_span is not None and worker._copy_in(bob_span, ((3,),)) == 1
         assert block_bytes(3) == bob_page
-        store.kv.release(bob_plan.load_id)
+        store.kv.loads.release(bob_plan.load_id)
         store.check()
     finally:
         worker.shutdown()

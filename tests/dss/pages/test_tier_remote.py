@@ -238,7 +238,7 @@ def test_a_page_saved_on_one_server_loads_on_another(pg_url: str, tmp_path: Path
             s = b.stats()
             assert s["hits_pages"][Tier.REMOTE.value] == 6 and s["remote_read_bytes"] > 0
             assert b.flush()
-            assert b.kv.residency(fid, tenant, tokens)["disk"] == len(tokens)  # kept on B's disk too
+            assert b.kv.lookup.residency(fid, tenant, tokens)["disk"] == len(tokens)  # kept on B's disk too
             b.check()
             # Another tenant asking for the same tokens finds nothing of alice's.
             assert b.kv.load_sequence(fid, b.identity.tenant_for("bob"), longer)[0] == 0

@@ -19,10 +19,10 @@ from dss.derive import rpc_authkey
 from dss.errors import DSSError, SessionNotFound
 from dss.namespace import ModelFingerprint
 from dss.rpc import (
-    EngineCalls,
+    ENGINE_CALLS,
+    EngineStore,
     StoreClient,
     StoreServer,
-    StoreService,
     StoreTimeout,
     StoreUnavailable,
     socket_path_for,
@@ -49,12 +49,17 @@ class FakeService:
     def last_call(self) -> tuple[str, tuple[Any, ...]]:
         return self.calls[-1]
 
-    def register_fingerprint(self, fp: ModelFingerprint) -> str:
+    def register_fingerprint(self, fp: ModelFingerprint) -> FingerprintId:
         self.calls.append(("register_fingerprint", (fp,)))
-        return fp.id
+        return FingerprintId(fp.id)
 
     def begin_load(
-        self, fid: FingerprintId, tenant: TenantId, tokens: np.ndarray, start_token: int, max_tokens: int
+        self,
+        fid: FingerprintId,
+        tenant: TenantId,
+        tokens: Sequence[int] | np.ndarray,
+        start_token: int,
+        max_tokens: int,
     ) -> LoadPlan | None:
         self.calls.append(("begin_load", (fid, tenant, tokens, start_token, max_tokens)))
         if self.gate is not None:
@@ -71,20 +76,26 @@ class FakeService:
             time.sleep(timeout_s)
         return (PAGE, None)
 
-    def release(self, load_id: str, shard: int | None = None) -> None:
+    def release(self, load_id: str, *, shard: int | None = None) -> None:
         self.calls.append(("release", (load_id, shard)))
 
     def plan_save(
-        self, fid: FingerprintId, tenant: TenantId, tokens: np.ndarray, n_pages: int, with_tail: bool = False
+        self,
+        fid: FingerprintId,
+        tenant: TenantId,
+        tokens: Sequence[int] | np.ndarray,
+        n_pages: int,
+        *,
+        with_tail: bool = False,
     ) -> SavePlan:
         self.calls.append(("plan_save", (fid, tenant, tokens, n_pages, with_tail)))
         return SavePlan("S1", (PAGE,))
 
-    def commit_save(self, save_id: str, written: Sequence[int], shard: int = 0) -> int:
+    def commit_save(self, save_id: str, written: Sequence[int], *, shard: int = 0) -> int:
         self.calls.append(("commit_save", (save_id, written, shard)))
         return len(written)
 
-    def abort_save(self, save_id: str, shard: int | None = None) -> None:
+    def abort_save(self, save_id: str, *, shard: int | None = None) -> None:
         self.calls.append(("abort_save", (save_id, shard)))
         if save_id == "missing":
             raise SessionNotFound("no such save")
@@ -120,7 +131,7 @@ def client(server: StoreServer) -> Iterator[StoreClient]:
 
 
 def test_the_fake_is_a_store_service(service: FakeService) -> None:
-    svc: StoreService = service  # checked by mypy; at run time just a smoke test
+    svc: EngineStore = service  # checked by mypy; at run time just a smoke test
     assert svc.stats() == {"leases": 0}
 
 
@@ -130,7 +141,7 @@ def test_every_method_round_trips(client: StoreClient, service: FakeService) -> 
     assert fid == FP.id
     assert service.calls[-1] == ("register_fingerprint", (FP,))
 
-    plan = client.lookup(fid, "t1", [1, 2, 3, 4, 5], 0, 8)
+    plan = client.begin_load(fid, "t1", [1, 2, 3, 4, 5], 0, 8)
     assert isinstance(plan, LoadPlan)
     assert plan == LoadPlan("L1", 4, 0, (PAGE,), False, {"host": 4})
     assert isinstance(plan.pages[0], PageSlot) and isinstance(plan.pages[0].slot, SlotRef)
@@ -139,7 +150,7 @@ def test_every_method_round_trips(client: StoreClient, service: FakeService) -> 
     assert (name, got_fid, tenant, start, max_tokens) == ("begin_load", fid, "t1", 0, 8)
     assert isinstance(tokens, np.ndarray) and tokens.dtype == np.int32
     assert tokens.tolist() == [1, 2, 3, 4, 5]
-    assert client.lookup(fid, "t1", [], 0, 8) is None
+    assert client.begin_load(fid, "t1", [], 0, 8) is None
 
     assert client.wait_loaded("L1", 1.5) == (PAGE, None)
     assert service.calls[-1] == ("wait_loaded", ("L1", 1.5, False, None))
@@ -179,7 +190,7 @@ def test_a_hung_owner_times_out_then_backs_off_then_is_reconnected(
     try:
         t0 = time.monotonic()
         with pytest.raises(StoreTimeout):
-            client.lookup(FingerprintId("f"), "t", [1, 2, 3, 4], 0, 4, timeout_s=0.5)
+            client.begin_load(FingerprintId("f"), "t", [1, 2, 3, 4], 0, 4, timeout_s=0.5)
         elapsed = time.monotonic() - t0
         assert 0.45 <= elapsed < 1.5
         assert (client.timeouts, client.failures) == (1, 1)
@@ -194,7 +205,7 @@ def test_a_hung_owner_times_out_then_backs_off_then_is_reconnected(
         service.gate.set()
     service.gate = None
     time.sleep(1.05)
-    assert client.lookup(FingerprintId("f"), "t", [1, 2, 3, 4], 0, 4) is not None
+    assert client.begin_load(FingerprintId("f"), "t", [1, 2, 3, 4], 0, 4) is not None
     assert (client.timeouts, client.failures) == (1, 2)
     client.close()
 
@@ -360,29 +371,34 @@ def test_a_failure_is_counted_after_the_connection_lock_is_released(tmp_path: Pa
     assert connection_held and not any(connection_held)
 
 
-def test_engine_calls_serve_the_kv_cache_and_nothing_else() -> None:
-    """The adapter answers each engine call from the part that owns it."""
-    calls: list[tuple[str, tuple[Any, ...]]] = []
+def test_one_contract_the_owners_the_client_and_the_server_follow(tmp_path: Path) -> None:
+    """`EngineStore` is the one list of what an engine may call: the server's method table, the
+    client's methods and the owner's table (`Store.engine_calls`) hold exactly its calls, and
+    each part that answers one takes the contract's parameters (names, order, defaults)."""
+    import inspect
 
-    class KV:
-        def __getattr__(self, name: str) -> Any:
-            return lambda *args, **kwargs: calls.append((name, (*args, *kwargs.values())))
+    from tests.store_helpers import open_store
 
-    engine = EngineCalls(KV(), lambda fp: FingerprintId("f" + fp.model_id), lambda: {"pages": 1})  # type: ignore[arg-type]
-    assert engine.register_fingerprint(FP) == "f" + FP.model_id
-    assert engine.stats() == {"pages": 1}
-    engine.release("L1", 2)
-    engine.abort_save("S1", None)
-    engine.commit_save("S1", [0], 1)
-    assert calls == [("release", ("L1", 2)), ("abort_save", ("S1", None)), ("commit_save", ("S1", [0], 1))]
-    served = {name for name in vars(EngineCalls) if not name.startswith("_")}
-    assert served == {
-        "register_fingerprint",
-        "begin_load",
-        "wait_loaded",
-        "release",
-        "plan_save",
-        "commit_save",
-        "abort_save",
-        "stats",
-    }
+    contract = {n for n, v in vars(EngineStore).items() if inspect.isfunction(v) and not n.startswith("_")}
+    assert set(ENGINE_CALLS) == contract
+    served = {n for n, v in vars(StoreClient).items() if inspect.isfunction(v) and not n.startswith("_")}
+    served -= {"ping", "close"}
+    assert served == contract
+    store = open_store(tmp_path / "d", shm_dir=tmp_path / "shm")
+    try:
+        calls = store.engine_calls()
+        for name in contract:
+            want = inspect.signature(getattr(EngineStore, name)).parameters
+            got = inspect.signature(getattr(calls, name)).parameters
+            expected = [p for p in want.values() if p.name != "self"]
+            assert [p.name for p in got.values()][: len(expected)] == [p.name for p in expected], name
+            for p in expected:  # a default of the contract is the owner's default too
+                assert p.default is p.empty or got[p.name].default == p.default, (name, p.name)
+        address, key = store.serve_rpc()
+        client = StoreClient(address, key, timeout_s=5.0)
+        try:
+            assert client.stats()["leases"] == 0
+        finally:
+            client.close()
+    finally:
+        store.close()

@@ -1,0 +1,87 @@
+"""What an engine process may call on the store: `EngineStore`, the one contract.
+
+Defined once, here. The owner's side serves it from the parts that own each call
+(`dss.store.Store.engine_calls`, an `EngineCalls` table of their bound methods); the RPC pair
+follows it: `StoreServer` decodes each call's wire arguments and answers from an `EngineStore`,
+and `StoreClient` implements `EngineStore` over the socket (mypy checks that it does, below).
+Nothing else of the owner is reachable from an engine process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from dss.namespace import ModelFingerprint
+from dss.types import FingerprintId, TenantId
+from dss.wire import LoadPlan, PageSlot, SavePlan
+
+
+class EngineStore(Protocol):
+    """The calls of the KV path, in the order an engine makes them: a model registers its
+    fingerprint; a request's lookup pins the stored pages after what the engine holds
+    (`begin_load`), the workers wait for them and copy them (`wait_loaded`, which can `release`
+    in the same round trip) or give the lease back (`release`); a finished request reserves host
+    slots for the pages the store lacks (`plan_save`), each rank reports what it copied
+    (`commit_save`) or that it copied nothing (`abort_save`). `shard` is the engine rank
+    (tensor/pipeline parallel engines report one part each)."""
+
+    def register_fingerprint(self, fp: ModelFingerprint) -> FingerprintId: ...
+
+    def begin_load(
+        self,
+        fid: FingerprintId,
+        tenant: TenantId,
+        tokens: Sequence[int] | np.ndarray,
+        start_token: int,
+        max_tokens: int,
+    ) -> LoadPlan | None: ...
+
+    def wait_loaded(
+        self, load_id: str, timeout_s: float, release: bool = False, *, shard: int | None = None
+    ) -> tuple[PageSlot | None, ...]: ...
+
+    def release(self, load_id: str, *, shard: int | None = None) -> None: ...
+
+    def plan_save(
+        self,
+        fid: FingerprintId,
+        tenant: TenantId,
+        tokens: Sequence[int] | np.ndarray,
+        n_pages: int,
+        *,
+        with_tail: bool = False,
+    ) -> SavePlan: ...
+
+    def commit_save(self, save_id: str, written: Sequence[int], *, shard: int = 0) -> int: ...
+
+    def abort_save(self, save_id: str, *, shard: int | None = None) -> None: ...
+
+    def stats(self) -> Mapping[str, Any]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCalls:
+    """`EngineStore` answered by the parts that own each call: a table of their bound methods,
+    no method of its own (so no call is defined twice on the owner's side).
+    `tests/dss/rpc/test_rpc.py` checks that each entry takes the contract's parameters."""
+
+    register_fingerprint: Callable[[ModelFingerprint], FingerprintId]
+    begin_load: Callable[..., LoadPlan | None]
+    wait_loaded: Callable[..., tuple[PageSlot | None, ...]]
+    release: Callable[..., None]
+    plan_save: Callable[..., SavePlan]
+    commit_save: Callable[..., int]
+    abort_save: Callable[..., None]
+    stats: Callable[[], Mapping[str, Any]]
+
+
+ENGINE_CALLS: tuple[str, ...] = tuple(f.name for f in fields(EngineCalls))
+
+if TYPE_CHECKING:  # mypy checks that the table serves the contract
+
+    def _table_serves_the_contract(calls: EngineCalls) -> EngineStore:
+        return calls
