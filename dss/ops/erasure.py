@@ -290,7 +290,7 @@ class Eraser:
                     s.commit()
                 except BaseException:
                     s.rollback()
-                    self._pages.abandon(detached)  # nothing was erased; recovery finds the files
+                    self._pages.copies.abandon(detached)  # nothing was erased; recovery finds the files
                     for t in doomed:
                         self._keyring.unretire(t)
                     raise
@@ -298,7 +298,7 @@ class Eraser:
                 # Committed: now the irreversible part.
                 for t in doomed:
                     self._keyring.forget_cached(t)
-                self._pages.destroy(detached, rows_deleted=True)
+                self._pages.copies.destroy(detached, rows_deleted=True)
         out = dict(counts)
         remote_keys = self._erase_remote_all(doomed)
         fleet: FleetReport | None = None
@@ -337,10 +337,10 @@ class Eraser:
         promotion) have settled and deleted their own copies. Returns what was held per tier and
         the detached entries, whose copies the caller destroys (after its commit, if any)."""
         usage = self._pages.tenant_usage(tenant)
-        detached, gone = self._pages.detach(self._pages.table.pages_of_tenant(tenant))
+        detached, gone = self._pages.copies.detach(self._pages.table.pages_of_tenant(tenant))
         self._index.drop_tenant(tenant)
         mine = {e.meta.hash for e in detached}
-        if not self._pages.wait_settled([h for h in gone if h not in mine], _SETTLE_S):
+        if not self._pages.table.wait_settled([h for h in gone if h not in mine], _SETTLE_S):
             log.warning("erasure: some pages of a tenant were still being moved after %ss", _SETTLE_S)
         return usage, detached
 
@@ -387,7 +387,7 @@ class Eraser:
             self._keyring.forget_cached(tenant)
             # Rows too (not `rows_deleted`): the erasing server deleted them, but a write-back
             # here may have recorded one after its commit.
-            self._pages.destroy(detached)
+            self._pages.copies.destroy(detached)
             # Until now this server did not know the tenant was erased: a data key it created
             # meanwhile (a first request here) and what its writer sent to the remote tier after
             # the erasing server emptied it go too.

@@ -141,4 +141,4 @@ def _rebuild_index(
         # the per-page bound (a crash between an insert and its drop) go now.
         pushed_out = index.insert(ns, fingerprints.get(leaf_meta.fingerprint).block_size, tokens, path)
         if pushed_out:
-            pages.drop(pushed_out)
+            pages.copies.drop(pushed_out)

@@ -131,7 +131,7 @@ def delete_session(
     dropped = 0
     for fid, ns in spaces.items():
         if doomed[fid]:
-            dropped += len(pages.drop(index.remove_paths(ns, drop[fid], keep[fid])))
+            dropped += len(pages.copies.drop(index.remove_paths(ns, drop[fid], keep[fid])))
     log.info("deleted a session with %d versions and %d cached pages", n_versions, dropped)
     return dropped
 

@@ -438,7 +438,7 @@ def _host_pages(store: Store) -> int:
 def _drop_paths(store: Store, fid: FingerprintId, tenant: str, seqs: list[np.ndarray]) -> int:
     """What deleting a session does with its paths: cut them from the index, drop the pages."""
     cut = store.index.remove_paths(make_namespace(fid, TenantId(tenant)), seqs, [])
-    return len(store.pages.drop(cut))
+    return len(store.pages.copies.drop(cut))
 
 
 def test_dropping_a_sequence_keeps_public_prefix_pages(tmp_path: Path) -> None:

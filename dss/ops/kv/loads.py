@@ -113,7 +113,7 @@ class KVLoads:
         gone: list[PageHash] = []
         from_remote = self._pages.tiers_of(page) == {Tier.REMOTE}
         try:
-            ref = self._pages.promote_to_host(page, gone)
+            ref = self._pages.promoter.promote_to_host(page, gone)
             if ref is not None and from_remote and self._writer is not None:
                 self._writer.enqueue(page)  # this server's disk keeps a copy too
             return ref
@@ -161,7 +161,7 @@ class KVLoads:
                     ref = fut.result(timeout=max(0.0, deadline - time.monotonic()))
                 except FutureTimeout:
                     ref = None
-            ok = ref is not None and self._pages.valid(lease.held[ps.page_index], ref)
+            ok = ref is not None and self._pages.table.valid(lease.held[ps.page_index], ref)
             out.append(PageSlot(ps.page_index, ps.hash, ref) if ok else None)
         if release:
             self.release(load_id, shard)

@@ -99,4 +99,4 @@ class KVLookup:
         if gone:
             orphans = self._index.unlink(gone)
             if orphans:
-                self._pages.drop(orphans)
+                self._pages.copies.drop(orphans)

@@ -32,7 +32,7 @@ class PublicPins:
             old = self._pins.get(fid, [])
             self._pins[fid] = list(token_lists)
         for tokens in old:
-            self._pages.set_pinned(self._lookup.stored_prefix(fid, PUBLIC_TENANT, tokens).pages, False)
+            self._pages.table.set_pinned(self._lookup.stored_prefix(fid, PUBLIC_TENANT, tokens).pages, False)
         self.apply(fid)
 
     def apply(self, fid: FingerprintId) -> None:
@@ -40,4 +40,4 @@ class PublicPins:
         with self._lock:
             token_lists = list(self._pins.get(fid, []))
         for tokens in token_lists:
-            self._pages.set_pinned(self._lookup.stored_prefix(fid, PUBLIC_TENANT, tokens).pages, True)
+            self._pages.table.set_pinned(self._lookup.stored_prefix(fid, PUBLIC_TENANT, tokens).pages, True)

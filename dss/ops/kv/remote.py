@@ -94,4 +94,4 @@ def index_adopted(
         pages.add_remote_resident(meta)
     pushed_out = index.insert(own_ns, bs, tokens[: find.n_tokens], path)
     if pushed_out:
-        pages.drop(pushed_out)
+        pages.copies.drop(pushed_out)

@@ -219,7 +219,7 @@ class KVSaves:
         finally:
             self._pages.unlease(held)
         if cut:
-            self._pages.drop(cut)
+            self._pages.copies.drop(cut)
 
     @contextlib.contextmanager
     def erasing(self, tenant: TenantId) -> Iterator[None]:

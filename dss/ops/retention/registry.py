@@ -14,7 +14,7 @@ another session reaches that is neither cold nor `evict` is not demoted for this
 
 Lock: `RetentionRegistry._lock` is a leaf around all of it. Nothing here reads the database, the
 index or the tiers: callers read first, then record here, then apply the classes it returns to
-the page table (`TieredPages.set_retention`) with no lock held.
+the page table (`PageTable.set_retention`) with no lock held.
 """
 
 from __future__ import annotations

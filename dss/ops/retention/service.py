@@ -7,7 +7,7 @@ remembers (`registry`), the worker thread every reclassification and demotion ru
 the idle sweep (`sweep`) and the warm-ups (`warmup`); and it holds the two jobs the others share:
 a session's reclassification (`_refresh`) and its demotion (`_demote`).
 
-- `evict`: the session's host pages move to disk now (`TieredPages.demote_to_disk`, which never
+- `evict`: the session's host pages move to disk now (`Demoter.demote_to_disk`, which never
   drops a page) and are the first eviction candidates after orphans.
 - an idle TTL: the sweep demotes the session's host pages once it was idle that long.
 - `pinned`: the pages are never evicted while pinned (within the caps), and are warmed into the
@@ -156,7 +156,7 @@ class SessionRetention:
         )
         if classes is None:
             return None  # read before the user's erasure: nothing of it is recorded
-        self._pages.set_retention(classes)
+        self._pages.table.set_retention(classes)
         if pinned:
             self._warmer.queue([h for h in pinned if self._pages.fastest_tier(h) is Tier.DISK])
         return tracked
@@ -167,14 +167,14 @@ class SessionRetention:
         pages = self.registry.go_cold(key, tracked, time.time())
         gone: list[PageHash] = []
         try:
-            moved = self._pages.demote_to_disk(pages, gone)
+            moved = self._pages.demoter.demote_to_disk(pages, gone)
         finally:
             self._kv.lookup.forget(gone)
         self.registry.count_demoted(moved)
         return moved
 
     def _forget(self, keys: Iterable[SessionKey]) -> None:
-        self._pages.set_retention(self.registry.forget(keys))
+        self._pages.table.set_retention(self.registry.forget(keys))
 
     def _forget_user(self, user: UserId) -> None:
         self._forget(self.registry.keys_of(user))

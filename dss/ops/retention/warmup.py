@@ -136,7 +136,7 @@ class Warmer:
         try:
             held = self._pages.table.lease_prefix([page])  # no eviction while it is promoted
             try:
-                ok = bool(held) and self._pages.promote_to_host(page, gone) is not None
+                ok = bool(held) and self._pages.promoter.promote_to_host(page, gone) is not None
             finally:
                 self._pages.unlease(held)
         except Exception:

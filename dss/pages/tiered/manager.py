@@ -8,7 +8,9 @@ first: write-back, `host_room`; disk-only pages dropped, `disk_room`), write-thr
 pages (called by `dss.ops.writeback`, `writer`), pins for hot public prefixes, retention classes
 and demotion on request (host → disk, for `dss.ops.retention`, `demotion`), and dropping pages
 everywhere (eviction from the last tier, erasure, corruption, `copies`). `TieredPages` composes
-those collaborators and keeps the queries, the readers' leases and the invariant check.
+those collaborators, each a public attribute a caller calls directly (`table`: presence, pins,
+retention classes, validity; `promoter`, `demoter`; `copies`: drop, detach, destroy, abandon), and
+keeps what spans several: the queries over tiers, the readers' leases, publishing, the invariant check.
 
 Every move follows one pattern: claim the page in the `PageTable` (a short critical section),
 copy / compress / encrypt / write / fsync with no lock held, then settle the result in another
@@ -25,10 +27,10 @@ from the index after the call returns. No callback runs upward.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 from dss.pages.encoder import PageCodecProcess
-from dss.pages.eviction import EvictionPolicy, PageStats, RetentionClass
+from dss.pages.eviction import EvictionPolicy, PageStats
 from dss.pages.meta import PageMeta
 from dss.pages.rows import PageRows
 from dss.pages.table import Held, PageEntry, PageTable
@@ -66,23 +68,18 @@ class TieredPages:
         self.rows = rows
         self.encoder = encoder
         self.counters = TierCounters()
-        self._copies = PageCopies(table, host, disk, rows, self.counters)
-        disk_room = DiskRoom(table, disk, policy, self._copies, self.counters) if disk is not None else None
+        self.copies = PageCopies(table, host, disk, rows, self.counters)
+        disk_room = DiskRoom(table, disk, policy, self.copies, self.counters) if disk is not None else None
         self._writer = PageWriter(
-            table, host, disk, remote, rows, data_key, encoder, disk_room, self._copies, self.counters
+            table, host, disk, remote, rows, data_key, encoder, disk_room, self.copies, self.counters
         )
-        self._host_room = HostRoom(table, host, policy, self._writer, self._copies, self.counters)
-        self._promoter = Promoter(
-            table, host, disk, remote, data_key, encoder, self._host_room, self._copies, self.counters
+        self._host_room = HostRoom(table, host, policy, self._writer, self.copies, self.counters)
+        self.promoter = Promoter(
+            table, host, disk, remote, data_key, encoder, self._host_room, self.copies, self.counters
         )
-        self._demoter = Demoter(
-            table, self._writer if disk is not None else None, self._copies, self.counters
-        )
+        self.demoter = Demoter(table, self._writer if disk is not None else None, self.copies, self.counters)
 
     # ------------------------------------------------------------------ queries
-    def contains(self, page: PageHash) -> bool:
-        return self.table.contains(page)
-
     def tiers_of(self, page: PageHash) -> frozenset[Tier]:
         e = self.table.get(page)
         return frozenset(e.tiers) if e is not None else frozenset()
@@ -129,17 +126,6 @@ class TieredPages:
         for ref in self.table.unlease(held):  # slots of pages gone while these leases lasted
             self.host.release(ref)
 
-    def valid(self, held: Held, ref: SlotRef | None) -> bool:
-        return self.table.valid(held, ref)
-
-    def set_pinned(self, pages: Iterable[PageHash], pinned: bool) -> None:
-        self.table.set_pinned(pages, pinned)
-
-    def set_retention(self, classes: Mapping[PageHash, RetentionClass]) -> int:
-        """The retention class of each present page (eviction goes class by class, see
-        `dss.pages.eviction`); returns how many pages were present."""
-        return self.table.set_retention(classes)
-
     # ------------------------------------------------------------------ writing
     def reserve_host(self, nbytes: int, gone: list[PageHash]) -> SlotRef:
         """A free host slot for a page about to be written, evicting (and writing back) if needed."""
@@ -179,38 +165,6 @@ class TieredPages:
     def write_to_disk(self, page: PageHash, gone: list[PageHash]) -> bool:
         """Write-through of one host page (`PageWriter.write_through`)."""
         return self._writer.write_through(page, gone)
-
-    # ------------------------------------------------------------------ moves
-    def promote_to_host(self, page: PageHash, gone: list[PageHash]) -> SlotRef | None:
-        """Bring a page into the host arena (`Promoter.promote_to_host`). The caller holds a lease."""
-        return self._promoter.promote_to_host(page, gone)
-
-    def demote_to_disk(self, pages: Iterable[PageHash], gone: list[PageHash]) -> int:
-        """Move these pages off the host tier onto the disk tier, never losing one
-        (`Demoter.demote_to_disk`); returns how many left the host."""
-        return self._demoter.demote_to_disk(pages, gone)
-
-    # ------------------------------------------------------------------ dropping
-    def drop(self, pages: Iterable[PageHash]) -> list[PageHash]:
-        """Remove pages from every tier now (pages being moved go when their move settles).
-        Returns the pages that were present: gone for every reader from now on."""
-        return self._copies.drop(pages)
-
-    def detach(self, pages: Iterable[PageHash]) -> tuple[list[PageEntry], list[PageHash]]:
-        """The first half of a drop (erasure): out of the table, copies still in place until
-        `destroy` (after the caller's metadata commit)."""
-        return self._copies.detach(pages)
-
-    def destroy(self, entries: list[PageEntry], rows_deleted: bool = False) -> None:
-        self._copies.destroy(entries, rows_deleted=rows_deleted)
-
-    def abandon(self, entries: list[PageEntry]) -> None:
-        """Detached entries whose copies stay (the operation that detached them failed): their
-        hashes may be stored again. Their host slots are freed; files stay for recovery."""
-        self._copies.abandon(entries)
-
-    def wait_settled(self, pages: Iterable[PageHash], timeout_s: float) -> bool:
-        return self.table.wait_settled(pages, timeout_s)
 
     # ------------------------------------------------------------------ checks
     def check(self, reserved_elsewhere: Iterable[SlotRef] = ()) -> None:

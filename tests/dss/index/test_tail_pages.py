@@ -94,9 +94,9 @@ def test_a_dropped_page_takes_the_tails_after_it(tmp_path):
     store.kv.put_sequence(fid, alice, tokens, with_tail(tokens))
     m = store.kv.match(fid, alice, tokens)
     assert m.partial_tokens == 2
-    store.kv.lookup.forget(store.pages.drop([m.pages[1]]))  # the page before the tail leaves
+    store.kv.lookup.forget(store.pages.copies.drop([m.pages[1]]))  # the page before the tail leaves
     after = store.kv.match(fid, alice, tokens)
-    assert after.n_tokens == 4 and not store.pages.contains(m.pages[2])
+    assert after.n_tokens == 4 and not store.pages.table.contains(m.pages[2])
     store.check()
 
     # Erasure takes tails along with everything else of the user.

@@ -587,7 +587,7 @@ def test_demote_to_disk_leaves_pinned_pages_alone(store: Store) -> None:
     a = _tokens(1, 2)
     turn(store, "alice", "trip", a)
     pages = pages_of(store, "alice", a)
-    store.pages.set_pinned(pages[:1], True)  # as a public prefix's pin does
-    assert store.pages.demote_to_disk(pages, []) == 1
+    store.pages.table.set_pinned(pages[:1], True)  # as a public prefix's pin does
+    assert store.pages.demoter.demote_to_disk(pages, []) == 1
     assert [store.pages.fastest_tier(h) for h in pages] == [Tier.HOST, Tier.DISK]
     store.check()

@@ -384,7 +384,7 @@ def test_a_leased_slot_is_not_reused_when_its_page_is_dropped(store: Store) -> N
     ref = plan.pages[0].slot
     assert ref is not None and _slot_bytes(ref) == alice_page
     # While the engine holds the load, alice's page is dropped and bob's page is saved.
-    gone = store.pages.drop([plan.pages[0].hash])
+    gone = store.pages.copies.drop([plan.pages[0].hash])
     store.kv.lookup.forget(gone)
     assert _slot_bytes(ref) == bytes(len(alice_page))  # zeroed at once, lease or not
     store.kv.put_sequence(fid, store.identity.tenant_for("bob"), bob_tokens, [bob_page])
@@ -449,7 +449,7 @@ def test_the_engine_worker_discards_a_copy_whose_slot_moved_on(store: Store) -> 
         span = span_of(plan.pages)
         assert span is not None
         # Between the scheduler's plan and the worker's copy, alice's page is dropped and bob's saved.
-        store.kv.lookup.forget(store.pages.drop([plan.pages[0].hash]))
+        store.kv.lookup.forget(store.pages.copies.drop([plan.pages[0].hash]))
         store.kv.put_sequence(fid, store.identity.tenant_for("bob"), bob_tokens, [bob_page])
         worker._sync_load(LoadSpec("req-a", plan.load_id, ((5,),), span, False))
         assert block_bytes(5) != bob_page, "another tenant's KV reached the engine's blocks"

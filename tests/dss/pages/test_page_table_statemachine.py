@@ -97,7 +97,7 @@ class PagesMachine(RuleBasedStateMachine):
 
     def forget(self, gone: list[PageHash]) -> None:
         for page in gone:
-            assert page not in self.pinned or not self.pages.contains(page), "a pinned page reported gone"
+            assert page not in self.pinned or not self.pages.table.contains(page), "a pinned page gone"
             self.model.pop(page, None)
 
     # ------------------------------------------------------------------ rules
@@ -131,7 +131,7 @@ class PagesMachine(RuleBasedStateMachine):
 
     @rule(page=st.sampled_from(PAGES), pinned=st.booleans())
     def pin(self, page: PageHash, pinned: bool) -> None:
-        self.pages.set_pinned([page], pinned)
+        self.pages.table.set_pinned([page], pinned)
         if pinned and page in self.model:
             self.pinned.add(page)
         else:
@@ -155,7 +155,7 @@ class PagesMachine(RuleBasedStateMachine):
         page = self.pick(data)
         gone: list[PageHash] = []
         before = self.pages.tiers_of(page)
-        moved = self.pages.demote_to_disk([page], gone)
+        moved = self.pages.demoter.demote_to_disk([page], gone)
         self.forget(gone)
         if moved:
             assert Tier.HOST in before and self.pages.tiers_of(page) == {Tier.DISK}
@@ -173,19 +173,19 @@ class PagesMachine(RuleBasedStateMachine):
                 assert not held
                 return
             gone: list[PageHash] = []
-            ref = self.pages.promote_to_host(page, gone)
+            ref = self.pages.promoter.promote_to_host(page, gone)
             self.forget(gone)
             if ref is None:  # no host room: every slot is pinned or leased
                 assert Tier.HOST not in self.pages.tiers_of(page)
                 return
-            assert self.pages.valid(held[0], ref)
+            assert self.pages.table.valid(held[0], ref)
             assert self.host.slot_array(ref).tobytes() == self.model[page]
         finally:
             self.pages.unlease(held)
 
     @rule(page=st.sampled_from(PAGES))
     def drop(self, page: PageHash) -> None:
-        gone = self.pages.drop([page])
+        gone = self.pages.copies.drop([page])
         assert gone == ([page] if page in self.model else [])
         self.model.pop(page, None)
         self.pinned.discard(page)
@@ -194,7 +194,7 @@ class PagesMachine(RuleBasedStateMachine):
     @invariant()
     def agrees_with_the_model(self) -> None:
         self.pages.check()
-        assert {p for p in PAGES if self.pages.contains(p)} == set(self.model)
+        assert {p for p in PAGES if self.pages.table.contains(p)} == set(self.model)
         assert self.host.used_bytes <= HOST_PAGES * PAGE_NBYTES
         assert self.disk.used_bytes <= self.disk.capacity_bytes
         for page in self.pinned:

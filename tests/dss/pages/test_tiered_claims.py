@@ -100,10 +100,10 @@ def test_a_failed_write_through_settles_the_page(pages: TieredPages, keys: Flaky
 def test_a_failed_demotion_on_request_settles_the_page(pages: TieredPages, keys: FlakyKeys) -> None:
     page = put(pages, 1)
     keys.failures = 1
-    assert pages.demote_to_disk([page], []) == 0  # never loses a page: it stays on the host
+    assert pages.demoter.demote_to_disk([page], []) == 0  # never loses a page: it stays on the host
     assert pages.tiers_of(page) == {Tier.HOST}
     pages.check()
-    assert pages.demote_to_disk([page], []) == 1
+    assert pages.demoter.demote_to_disk([page], []) == 1
     assert pages.tiers_of(page) == {Tier.DISK}
     pages.check()
 
@@ -116,7 +116,7 @@ def test_a_failed_write_back_while_making_room_leaves_the_host_usable(
     gone: list[PageHash] = []
     ref = pages.reserve_host(PAGE_NBYTES, gone)
     pages.release_host(ref)
-    assert gone == [first[0]] and not pages.contains(first[0])
+    assert gone == [first[0]] and not pages.table.contains(first[0])
     pages.check()
     for i in range(10, 10 + 2 * HOST_PAGES):  # every page evictable still: saves go on
         put(pages, i)
@@ -125,18 +125,18 @@ def test_a_failed_write_back_while_making_room_leaves_the_host_usable(
 
 def test_a_failed_promotion_settles_the_page(pages: TieredPages, keys: FlakyKeys) -> None:
     page = put(pages, 1)
-    assert pages.demote_to_disk([page], []) == 1
+    assert pages.demoter.demote_to_disk([page], []) == 1
     keys.failures = 1
     held = pages.lease_prefix([page])
     try:
-        assert pages.promote_to_host(page, []) is None  # not had now: the engine recomputes it
+        assert pages.promoter.promote_to_host(page, []) is None  # not had now: the engine recomputes it
     finally:
         pages.unlease(held)
     assert pages.tiers_of(page) == {Tier.DISK}
     pages.check()  # not busy, and no host slot left reserved for it
     held = pages.lease_prefix([page])
     try:
-        assert pages.promote_to_host(page, []) is not None
+        assert pages.promoter.promote_to_host(page, []) is not None
     finally:
         pages.unlease(held)
     assert pages.tiers_of(page) == {Tier.HOST, Tier.DISK}
