@@ -196,6 +196,7 @@ class Store:
             self.pages,
             self.kv,
             on_deleted=self.retention.forget_session,
+            public_prefixes=self.prefixes.registered,
         )
         self.eraser = Eraser(
             self.sf,

@@ -96,6 +96,15 @@ class PublicPrefixes:
                 raise PrefixNotFound(f"no public prefix {pid!r}")
             return np.frombuffer(row.tokens, dtype="<i4").copy()
 
+    def registered(self, fid: FingerprintId) -> list[np.ndarray]:
+        """The token ids of the prefixes registered for the model (a session's deletion computes
+        the addresses its pages were saved under after them)."""
+        with self._sf() as s:
+            rows = s.execute(
+                select(PublicPrefixRow.tokens).where(PublicPrefixRow.fingerprint == fid)
+            ).scalars()
+            return [np.frombuffer(t, dtype="<i4").copy() for t in rows]
+
     def list(self) -> list[PrefixInfo]:
         with self._sf() as s:
             rows = s.execute(

@@ -7,9 +7,16 @@ pages' recency alone, and a session deleted meanwhile stores nothing (a listing 
 for it).
 
 Deleting: the session's rows go first (one transaction); then its private pages that none of the
-user's other versions reach are cut from the index and dropped from every tier. Pages shared with
-another session of the same user stay (they are that session's cache too), and public-prefix
-pages are never touched.
+user's other versions reach are cut from the index and dropped from this server's tiers (host,
+disk, their page rows), then deleted from the remote tier (Redis, `_drop_remote`). Pages shared
+with another session of the same user stay (they are that session's cache too), and
+public-prefix pages are never touched.
+
+Which pages: those the index holds on the deleted versions' paths (`PrefixIndex.path_pages`),
+and every address a save of their tokens can have used (`dss.ops.page_addresses`: the remote
+tier is indexed by no one, and a turn's prompt leaves a tail page no version ends with), less
+what a remaining version of the user reaches. Other servers of a fleet keep their own copies in
+their host and disk tiers until they evict them (docs/privacy.md says for how long).
 
 Memory follows the session, not the user's history: its versions' token ids are read (no
 messages) a few at a time (`iter_tokens`), and when deleting, the user's other versions are
@@ -21,20 +28,26 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from dss.dialogue.versions import VersionStore
-from dss.errors import SessionNotFound
+from dss.errors import SessionNotFound, TierUnavailable
 from dss.index.fingerprints import FingerprintRegistry
 from dss.index.prefix_index import PrefixIndex
 from dss.keys.identity import Identity
 from dss.namespace import make_namespace
 from dss.ops.kv import KVCache, StoredKV
+from dss.ops.page_addresses import PublicSplits, reached_addresses, saved_addresses
 from dss.pages.tiered import TieredPages
 from dss.types import FingerprintId, Namespace, PageHash, SessionId, TenantId, Tier, UserId
 
 log = logging.getLogger("dss.sessions")
+# The token ids of the public prefixes registered for a model (`PublicPrefixes.registered`).
+PublicPrefixTokens = Callable[[FingerprintId], list[np.ndarray]]
+_SETTLE_S = 30.0
 
 
 class Sessions:
@@ -51,6 +64,7 @@ class Sessions:
         pages: TieredPages,
         kv: KVCache,
         on_deleted: Callable[[UserId, SessionId], None] = lambda _user, _sid: None,
+        public_prefixes: PublicPrefixTokens = lambda _fid: [],
     ) -> None:
         self._versions = versions
         self._identity = identity
@@ -59,6 +73,7 @@ class Sessions:
         self._pages = pages
         self._kv = kv
         self._on_deleted = on_deleted
+        self._public_prefixes = public_prefixes
 
     def stored(self, user: UserId, sid: SessionId) -> StoredKV:
         """The KV the user's own pages hold for the session's versions (each page once); nothing
@@ -99,7 +114,15 @@ class Sessions:
         """Delete a session and the cached pages only it used; returns the pages dropped.
         `epoch`: the erasure epoch the request was admitted under (`UserErased` once erased since)."""
         dropped = delete_session(
-            self._versions, self._identity, self._fingerprints, self._index, self._pages, user, sid, epoch
+            self._versions,
+            self._identity,
+            self._fingerprints,
+            self._index,
+            self._pages,
+            user,
+            sid,
+            epoch,
+            self._public_prefixes,
         )
         self._on_deleted(user, sid)
         return dropped
@@ -114,42 +137,123 @@ def delete_session(
     user: UserId,
     sid: SessionId,
     epoch: int | None = None,
+    public_prefixes: PublicPrefixTokens = lambda _fid: [],
 ) -> int:
-    """Delete session `sid` of `user` and its exclusive pages; returns the pages dropped."""
+    """Delete session `sid` of `user` and its exclusive pages; returns the pages dropped here.
+    After the rows' commit: the pages out of this server's index and tiers, then out of the
+    remote tier (`_drop_remote`)."""
     drop: dict[FingerprintId, list[np.ndarray]] = defaultdict(list)
     for v in versions.iter_tokens(user, sid):  # SessionNotFound for anyone else
         if v.fingerprint is not None:
             drop[v.fingerprint].append(v.tokens)
     n_versions = versions.delete_session(user, sid, epoch=epoch)
     tenant = identity.tenant_for(user)
-    spaces = {fid: make_namespace(fid, tenant) for fid in drop if fid in fingerprints}
-    # The pages the deleted paths reach; of the other paths, only what they share with these.
-    doomed: dict[FingerprintId, frozenset[PageHash]] = {}
-    for fid, ns in spaces.items():
-        doomed[fid] = frozenset().union(*(index.path_pages(ns, t) for t in drop[fid]))
-    keep = _kept_pages(versions, index, user, spaces, {f: d for f, d in doomed.items() if d})
-    dropped = 0
-    for fid, ns in spaces.items():
-        if doomed[fid]:
-            dropped += len(pages.copies.drop(index.remove_paths(ns, drop[fid], keep[fid])))
-    log.info("deleted a session with %d versions and %d cached pages", n_versions, dropped)
-    return dropped
+    doomed: dict[FingerprintId, _Doomed] = {}
+    for fid in drop:
+        if fid not in fingerprints:
+            continue
+        ns, bs = make_namespace(fid, tenant), fingerprints.get(fid).block_size
+        splits = _public_splits(index, fid, bs, public_prefixes(fid))
+        indexed = frozenset().union(*(index.path_pages(ns, t) for t in drop[fid]))
+        saved = frozenset(saved_addresses(ns, drop[fid], bs, splits))
+        doomed[fid] = _Doomed(ns, bs, splits, indexed, saved)
+    # Of the other paths, only what they share with the deleted ones.
+    keep = _kept_pages(versions, index, user, doomed)
+    dropped: list[PageHash] = []
+    unreached: set[PageHash] = set()
+    for fid, d in doomed.items():
+        kept = keep[fid]
+        if d.indexed:
+            dropped.extend(pages.copies.drop(index.remove_paths(d.namespace, drop[fid], kept.indexed)))
+        unreached |= d.saved - kept.saved - kept.indexed
+    # What the index has of the session off its versions' paths: tails of its turns' prompts.
+    dropped.extend(_drop_off_path(pages, index, unreached.difference(dropped)))
+    n_remote = _drop_remote(pages, dropped, unreached)
+    log.info(
+        "deleted a session with %d versions and %d cached pages (remote tier: %s)",
+        n_versions,
+        len(dropped),
+        n_remote,
+    )
+    return len(dropped)
+
+
+@dataclass(frozen=True, slots=True)
+class _Doomed:
+    """Of one model's pages of a deleted session: those the index holds on the deleted paths
+    (`indexed`), and every address a save of its versions' tokens can have used (`saved`)."""
+
+    namespace: Namespace
+    block_size: int
+    splits: PublicSplits
+    indexed: frozenset[PageHash]
+    saved: frozenset[PageHash]
+
+
+@dataclass(slots=True)
+class _Kept:
+    """Of a `_Doomed`'s pages, those a remaining version of the user reaches."""
+
+    indexed: set[PageHash] = field(default_factory=set)
+    saved: set[PageHash] = field(default_factory=set)
 
 
 def _kept_pages(
-    versions: VersionStore,
-    index: PrefixIndex,
-    user: UserId,
-    spaces: dict[FingerprintId, Namespace],
-    doomed: dict[FingerprintId, frozenset[PageHash]],
-) -> dict[FingerprintId, set[PageHash]]:
+    versions: VersionStore, index: PrefixIndex, user: UserId, doomed: dict[FingerprintId, _Doomed]
+) -> dict[FingerprintId, _Kept]:
     """Of the `doomed` pages, those a remaining version of the user still reaches."""
-    keep: dict[FingerprintId, set[PageHash]] = {fid: set() for fid in spaces}
+    keep = {fid: _Kept() for fid in doomed}
     if not doomed:
         return keep
     for v in versions.iter_tokens(user, fingerprints=doomed):
         fid = v.fingerprint
-        if fid is None or fid not in doomed or len(keep[fid]) == len(doomed[fid]):
-            continue  # every deleted page of this model is kept already
-        keep[fid] |= index.path_pages(spaces[fid], v.tokens) & doomed[fid]
+        if fid is None or fid not in doomed:
+            continue
+        d, k = doomed[fid], keep[fid]
+        if len(k.indexed) < len(d.indexed):  # else every deleted page of this model is kept already
+            k.indexed |= index.path_pages(d.namespace, v.tokens) & d.indexed
+        k.saved |= reached_addresses(d.namespace, v.tokens, d.block_size, d.splits, d.saved)
     return keep
+
+
+def _public_splits(
+    index: PrefixIndex, fid: FingerprintId, bs: int, registered: list[np.ndarray]
+) -> PublicSplits:
+    """How many leading pages of some tokens a save can have found public: as many as the index
+    holds now, and the whole pages of each registered public prefix they start with."""
+    prefixes = [p[: len(p) // bs * bs] for p in registered]
+
+    def splits(tokens: np.ndarray) -> set[int]:
+        out = {len(index.public_match(fid, tokens[: len(tokens) // bs * bs]))}
+        out.update(
+            len(p) // bs for p in prefixes if len(p) <= len(tokens) and np.array_equal(tokens[: len(p)], p)
+        )
+        return out
+
+    return splits
+
+
+def _drop_off_path(pages: TieredPages, index: PrefixIndex, doomed: AbstractSet[PageHash]) -> list[PageHash]:
+    """The pages of `doomed` this server holds, out of its tiers and its index (with what hangs
+    below them); returns those that were present."""
+    gone = pages.copies.drop(doomed)
+    orphans = index.unlink(gone)
+    return gone + pages.copies.drop(orphans) if orphans else gone
+
+
+def _drop_remote(pages: TieredPages, dropped: list[PageHash], unreached: AbstractSet[PageHash]) -> int | str:
+    """Delete from the remote tier the pages dropped here and the addresses no remaining version
+    reaches; returns how many Redis held ("unavailable" when it did not answer: the copies stay
+    until their TTL ends, `RemoteConfig.ttl_s`; 0 without a remote tier). A move of a dropped
+    page in flight (a write-behind to Redis) is waited for first, so it cannot put it back."""
+    remote = pages.remote
+    if remote is None:
+        return 0
+    doomed = set(unreached).union(dropped)
+    if not pages.table.wait_settled(dropped, _SETTLE_S):
+        log.warning("session deletion: some pages were still being moved after %ss", _SETTLE_S)
+    try:
+        return remote.delete(sorted(doomed))
+    except TierUnavailable as exc:
+        log.warning("session deletion: the remote tier did not answer (%s); its copies expire by TTL", exc)
+        return "unavailable"

@@ -275,12 +275,18 @@ class RemoteTier:
         return bool(stored)
 
     def delete(self, pages: Sequence[PageHash]) -> int:
-        """Remove pages (and their bookkeeping); returns how many Redis held."""
-        if not pages:
-            return 0
+        """Remove pages (and their bookkeeping, their tenant set's member included); returns how
+        many Redis held. In scripts of `_ERASE_CHUNK` pages, so none holds Redis up for long
+        (a deleted session's addresses may be thousands)."""
         keys = [self._meta_key, self._lru_key, self._bytes_key]
-        args = [self._prefix, *(p.hex() for p in pages)]
-        return int(self._call("delete", lambda: self._forget_script(keys=keys, args=args)))
+
+        def forget(chunk: Sequence[PageHash]) -> Callable[[], Any]:
+            return lambda: self._forget_script(keys=keys, args=[self._prefix, *(p.hex() for p in chunk)])
+
+        return sum(
+            int(self._call("delete", forget(pages[lo : lo + _ERASE_CHUNK])))
+            for lo in range(0, len(pages), _ERASE_CHUNK)
+        )
 
     # --- reading -----------------------------------------------------------------------------------------
     def get(self, page: PageHash) -> bytes:

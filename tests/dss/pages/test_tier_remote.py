@@ -20,11 +20,15 @@ import pytest
 
 from dss.config import RemoteConfig
 from dss.errors import CorruptPage, PageMissing, TierUnavailable
+from dss.index.hashing import chain_hashes, page_hash
+from dss.index.tails import tail_hash
+from dss.namespace import make_namespace, public_namespace
 from dss.pages.codec import make_codec
 from dss.pages.meta import PageMeta
 from dss.pages.pagefile import encode_page
 from dss.pages.tiers.remote import RemoteTier
-from dss.types import FingerprintId, NamespaceId, PageHash, TenantId, Tier
+from dss.store import Store
+from dss.types import PUBLIC_TENANT, FingerprintId, NamespaceId, PageHash, TenantId, Tier
 from tests.api_server import free_port
 from tests.store_helpers import SMALL_FP, open_store, page_bytes, pages_for
 
@@ -158,6 +162,16 @@ def test_erase_tenant_deletes_its_keys_only(prefix: str) -> None:
     assert tier.stats().pages == 3
 
 
+def test_delete_takes_many_pages_in_chunks_with_their_tenant_sets(prefix: str) -> None:
+    tier = RemoteTier(_config(prefix), CODEC)
+    pages = [_page(i, "t1") for i in range(1, 601)]  # more than two scripts' worth
+    for meta, _, blob in pages:
+        tier.put(meta.hash, meta.tenant, blob)
+    assert tier.delete([m.hash for m, _, _ in pages] + [PageHash(b"\x05" * 32)]) == 600
+    assert tier.stats().pages == 0 and tier.count_tenant(TenantId("t1")) == 0
+    assert not _tenant_members(prefix, TenantId("t1"))
+
+
 # ------------------------------------------------------------------------------------ outages
 @pytest.fixture
 def own_redis() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
@@ -242,3 +256,79 @@ def test_a_page_saved_on_one_server_loads_on_another(pg_url: str, tmp_path: Path
             b.check()
             # Another tenant asking for the same tokens finds nothing of alice's.
             assert b.kv.load_sequence(fid, b.identity.tenant_for("bob"), longer)[0] == 0
+
+
+# ------------------------------------------------------------------------- deleting a session
+class _Chat:
+    """A public prefix (2 pages), then alice's sessions "a" and "b" sharing one private page;
+    "a" has a page and a tail of its own, and a prompt of it was saved with a tail of its own
+    mid-way (a turn's prompt, which no version ends with). Every page is written to Redis."""
+
+    def __init__(self, store: Store) -> None:
+        self.fid = store.fingerprints.register(SMALL_FP)
+        self.tenant = store.identity.tenant_for("alice")
+        system = np.arange(500, 508, dtype=np.int32)
+        store.prefixes.register(self.fid, system, text="system prompt", pin=False)
+        store.kv.put_sequence(self.fid, PUBLIC_TENANT, system, pages_for(SMALL_FP, system))
+        shared = np.concatenate([system, [1, 2, 3, 4]]).astype(np.int32)
+        self.a = np.concatenate([shared, [30, 31, 32, 33, 34, 35]]).astype(np.int32)
+        prompt = np.concatenate([shared, [30]]).astype(np.int32)
+        self.b = np.concatenate([shared, [40]]).astype(np.int32)
+        for tokens in (prompt, self.a, self.b):
+            whole = pages_for(SMALL_FP, tokens)
+            store.kv.put_sequence(self.fid, self.tenant, tokens, [*whole, page_bytes(SMALL_FP, len(tokens))])
+        for sid, tokens in (("a", self.a), ("b", self.b)):
+            store.versions.create_session("alice", sid)
+            store.versions.commit(
+                "alice", sid, tokens=tokens, messages=[], branch="main", expected_head=0, fingerprint=self.fid
+            )
+        assert store.flush()
+        own = make_namespace(self.fid, self.tenant).id
+        self.public = chain_hashes(public_namespace(self.fid).id, system, 4)
+        self.shared = page_hash(own, self.public[-1], shared[8:])
+        a_page = page_hash(own, self.shared, self.a[12:16])
+        self.a_only = [a_page, tail_hash(own, a_page, self.a[16:]), tail_hash(own, self.shared, prompt[12:])]
+        self.b_tail = tail_hash(own, self.shared, self.b[12:])
+
+
+def _tenant_members(prefix: str, tenant: TenantId) -> set[PageHash]:
+    import redis
+
+    members = redis.Redis.from_url(REDIS_URL).smembers(f"{prefix}t:{tenant}")
+    return {PageHash(bytes.fromhex(m.decode())) for m in members}
+
+
+def test_deleting_a_session_deletes_its_own_pages_from_redis(tmp_path: Path, prefix: str) -> None:
+    """Only the pages no remaining version of the user reaches go: the other session's shared
+    page and tail stay, and so do the public prefix's pages (no one's)."""
+    with open_store(tmp_path, remote=_config(prefix)) as store:
+        chat = _Chat(store)
+        assert store.remote is not None
+        kept = [chat.shared, chat.b_tail]
+        assert all(store.remote.exists([*chat.public, *kept, *chat.a_only]))
+        assert _tenant_members(prefix, chat.tenant) == {*kept, *chat.a_only}
+        store.sessions.delete("alice", "a")
+        assert store.remote.exists(chat.a_only) == [False] * 3
+        assert all(store.remote.exists([*chat.public, *kept]))
+        assert _tenant_members(prefix, chat.tenant) == set(kept)
+        assert store.kv.match(chat.fid, chat.tenant, chat.a).n_tokens == 12  # up to the shared page
+        store.check()
+
+
+def test_a_server_that_never_saw_a_session_deletes_its_pages_from_redis(
+    pg_url: str, tmp_path: Path, prefix: str
+) -> None:
+    """The session was served by A; B, whose index holds none of its pages, deletes it: B finds
+    the pages in Redis by their content addresses, computed from the versions' tokens."""
+    key_file = tmp_path / "master.key"
+    common = {"db_url": pg_url, "master_key_file": key_file, "remote": _config(prefix)}
+    with open_store(tmp_path / "a", **common) as a:
+        chat = _Chat(a)
+        with open_store(tmp_path / "b", **common) as b:
+            assert b.remote is not None
+            b.fingerprints.register(SMALL_FP)
+            b.sessions.delete("alice", "a")
+            assert b.remote.exists(chat.a_only) == [False] * 3
+            assert all(b.remote.exists([*chat.public, chat.shared, chat.b_tail]))
+            assert _tenant_members(prefix, chat.tenant) == {chat.shared, chat.b_tail}
+            b.check()
