@@ -60,7 +60,7 @@ class FleetConfig:
 
     heartbeat_s: float = 2.0  # how often a server refreshes its `servers.last_seen`
     alive_s: float = 10.0  # a server seen within this long is alive (an erasure waits for its ack)
-    poll_s: float = 3.0  # catch-up on erasure receipts this often, besides every notification
+    poll_s: float = 3.0  # catch-up on erasure receipts and page drops this often, besides notifications
     ack_timeout_s: float = 5.0  # how long an erasure waits for the acks of the servers alive then
     reconnect_max_s: float = 5.0  # the listener's reconnect backoff grows up to this
 

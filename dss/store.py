@@ -41,6 +41,7 @@ from dss.errors import DataDirInUse
 from dss.files import try_lock_exclusive
 from dss.fleet.erasures import ErasureFollower
 from dss.fleet.members import Membership, resolve_server_id
+from dss.fleet.page_drops import PageDrops
 from dss.index.fingerprints import FingerprintRegistry
 from dss.index.prefix_index import PrefixIndex
 from dss.keys.crypto import KeyManager, forget_env_master_key
@@ -105,6 +106,7 @@ class Store:
         self.server_id = ""
         self.membership: Membership | None = None  # None: one server (SQLite)
         self.follower: ErasureFollower | None = None
+        self.page_drops: PageDrops | None = None  # a fleet: sessions deleted reach every server
 
     # ================================================================== lifecycle
     @classmethod
@@ -137,6 +139,7 @@ class Store:
             fleet = cfg.fleet
             self.membership = Membership(self.sf, self.server_id, fleet.heartbeat_s, fleet.alive_s)
             self.membership.register()
+            self.page_drops = PageDrops(self.sf, self.server_id, fleet.alive_s)
         # Page rows commit without an fsync (see `PageRows`): the disk writer records a row per
         # page, and through an fsync each would hold SQLite's write lock that rollbacks wait for.
         self._db_relaxed = make_engine(url, durable_commits=False) if is_sqlite_file(url) else None
@@ -197,6 +200,7 @@ class Store:
             self.kv,
             on_deleted=self.retention.forget_session,
             public_prefixes=self.prefixes.registered,
+            pages_deleted=self.page_drops.record if self.page_drops is not None else None,
         )
         self.eraser = Eraser(
             self.sf,
@@ -224,6 +228,7 @@ class Store:
                 self.eraser.apply_fleet_erasure,
                 poll_s=cfg.fleet.poll_s,
                 reconnect_max_s=cfg.fleet.reconnect_max_s,
+                also_catch_up=self._catch_up_page_drops,
             )
             self.follower.start()
 
@@ -245,6 +250,11 @@ class Store:
         if self._db_relaxed is not None:
             self._db_relaxed.dispose()
         self._release_owner_lock()
+
+    def _catch_up_page_drops(self) -> int:
+        """On the follower thread: the other servers' deleted sessions' pages go here too."""
+        assert self.page_drops is not None and self.follower is not None
+        return self.page_drops.catch_up(self.sessions.apply_fleet_drop, self.follower.stopping)
 
     def _stop_fleet(self) -> None:
         if self.follower is not None:

@@ -354,7 +354,23 @@ class ServerRow(Base):
     started_at: Mapped[datetime] = _timestamp()
     last_seen: Mapped[datetime] = _timestamp()
     erasure_seq: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    # The highest `page_drops.seq` up to which it has applied the fleet's page drops (migration 0014).
+    page_drop_seq: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
     host: Mapped[str | None] = mapped_column(String(256), nullable=True)  # a note for operators
+
+
+class PageDropRow(Base):
+    """Pages one server deleted with a session (`dss.fleet.page_drops`): every other server of the
+    fleet drops its own copies of them. Deleted once every live server has applied it (its
+    `servers.page_drop_seq` is past it); the rows hold a tenant and page hashes, never tokens."""
+
+    __tablename__ = "page_drops"
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    server: Mapped[str] = mapped_column(String(SERVER_ID_LEN), nullable=False)
+    tenant: Mapped[str] = mapped_column(String(64), nullable=False)
+    hashes: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)  # HASH_LEN bytes each
+    created_at: Mapped[datetime] = _timestamp()
 
 
 class ErasureAckRow(Base):

@@ -143,11 +143,15 @@ class ErasureFollower:
         apply: ApplyErasure,
         poll_s: float = 3.0,
         reconnect_max_s: float = 5.0,
+        also_catch_up: Callable[[], int] | None = None,
     ) -> None:
+        """`also_catch_up`: run after every erasure catch-up on the same thread (the fleet's page
+        drops, `dss.fleet.page_drops`), its failures logged and retried like the erasures'."""
         self._sf = session_factory
         self._dsn = _libpq_dsn(db_url)
         self.server_id = server_id
         self._apply = apply
+        self._also_catch_up = also_catch_up
         self._poll_s = poll_s
         self._reconnect_max_s = reconnect_max_s
         self._stop = threading.Event()
@@ -161,6 +165,10 @@ class ErasureFollower:
     def application_name(self) -> str:
         """How the listening connection shows in `pg_stat_activity`."""
         return f"dss-erasures-{self.server_id}"[:63]
+
+    def stopping(self) -> bool:
+        """Whether `close` was called (a long catch-up stops between rows)."""
+        return self._stop.is_set()
 
     def start(self) -> None:
         if self._thread is None:
@@ -278,14 +286,19 @@ class ErasureFollower:
                 next_poll = time.monotonic() + self._poll_s
 
     def _catch_up_logged(self) -> None:
-        try:
-            self.catch_up()
-        except SQLAlchemyError as exc:  # the database is down; the next poll tries again
-            self.errors += 1
-            log.warning("fleet erasure catch-up of %s failed: %s", self.server_id, exc)
-        except Exception:  # an apply that failed (saves that did not finish): next poll again
-            self.errors += 1
-            log.exception("fleet erasure catch-up of %s failed; retried at the next poll", self.server_id)
+        for what, step in (("erasure", self.catch_up), ("page drop", self._also_catch_up)):
+            if step is None:
+                continue
+            try:
+                step()
+            except SQLAlchemyError as exc:  # the database is down; the next poll tries again
+                self.errors += 1
+                log.warning("fleet %s catch-up of %s failed: %s", what, self.server_id, exc)
+            except Exception:  # an apply that failed (saves that did not finish): next poll again
+                self.errors += 1
+                log.exception(
+                    "fleet %s catch-up of %s failed; retried at the next poll", what, self.server_id
+                )
 
 
 def _libpq_dsn(db_url: str) -> str:

@@ -15,8 +15,9 @@ public-prefix pages are never touched.
 Which pages: those the index holds on the deleted versions' paths (`PrefixIndex.path_pages`),
 and every address a save of their tokens can have used (`dss.ops.page_addresses`: the remote
 tier is indexed by no one, and a turn's prompt leaves a tail page no version ends with), less
-what a remaining version of the user reaches. Other servers of a fleet keep their own copies in
-their host and disk tiers until they evict them (docs/privacy.md says for how long).
+what a remaining version of the user reaches. In a fleet, the other servers are then told
+(`dss.fleet.page_drops`): their page rows of those pages go in that transaction, and each server's
+follower drops its own copies within a poll (`apply_fleet_drop`).
 
 Memory follows the session, not the user's history: its versions' token ids are read (no
 messages) a few at a time (`iter_tokens`), and when deleting, the user's other versions are
@@ -35,6 +36,7 @@ import numpy as np
 
 from dss.dialogue.versions import VersionStore
 from dss.errors import SessionNotFound, TierUnavailable
+from dss.fleet.page_drops import PageDrop
 from dss.index.fingerprints import FingerprintRegistry
 from dss.index.prefix_index import PrefixIndex
 from dss.keys.identity import Identity
@@ -47,13 +49,17 @@ from dss.types import FingerprintId, Namespace, PageHash, SessionId, TenantId, T
 log = logging.getLogger("dss.sessions")
 # The token ids of the public prefixes registered for a model (`PublicPrefixes.registered`).
 PublicPrefixTokens = Callable[[FingerprintId], list[np.ndarray]]
+# Tells the other servers of a fleet which pages of a tenant a deletion dropped.
+PagesDeleted = Callable[[TenantId, AbstractSet[PageHash]], object]
 _SETTLE_S = 30.0
 
 
 class Sessions:
     """A session's cached KV over the parts that hold it: `stored`, `resident`,
-    `resident_versions`, and `delete(user, sid)`. `on_deleted(user, sid)` runs after a deletion
-    (retention forgets the session's hints)."""
+    `resident_versions`, `delete(user, sid)`, and `apply_fleet_drop` (another server's deletion).
+    `on_deleted(user, sid)` runs after a deletion (retention forgets the session's hints);
+    `pages_deleted(tenant, pages)` (a fleet: `dss.fleet.page_drops.PageDrops.record`) tells the
+    other servers which pages to drop."""
 
     def __init__(
         self,
@@ -65,6 +71,7 @@ class Sessions:
         kv: KVCache,
         on_deleted: Callable[[UserId, SessionId], None] = lambda _user, _sid: None,
         public_prefixes: PublicPrefixTokens = lambda _fid: [],
+        pages_deleted: PagesDeleted | None = None,
     ) -> None:
         self._versions = versions
         self._identity = identity
@@ -74,6 +81,7 @@ class Sessions:
         self._kv = kv
         self._on_deleted = on_deleted
         self._public_prefixes = public_prefixes
+        self._pages_deleted = pages_deleted
 
     def stored(self, user: UserId, sid: SessionId) -> StoredKV:
         """The KV the user's own pages hold for the session's versions (each page once); nothing
@@ -123,9 +131,20 @@ class Sessions:
             sid,
             epoch,
             self._public_prefixes,
+            self._pages_deleted,
         )
         self._on_deleted(user, sid)
         return dropped
+
+    def apply_fleet_drop(self, drop: PageDrop) -> int:
+        """Another server of the fleet deleted a session: this server's copies of its pages go
+        (out of the tiers, their rows and the index, with what hangs below them), then out of
+        the remote tier once a move of one in flight here settled (a write-behind could put it
+        back). Returns the pages that were here. Idempotent."""
+        gone = _drop_off_path(self._pages, self._index, frozenset(drop.pages))
+        if gone:
+            _drop_remote(self._pages, gone, frozenset())
+        return len(gone)
 
 
 def delete_session(
@@ -138,10 +157,11 @@ def delete_session(
     sid: SessionId,
     epoch: int | None = None,
     public_prefixes: PublicPrefixTokens = lambda _fid: [],
+    pages_deleted: PagesDeleted | None = None,
 ) -> int:
     """Delete session `sid` of `user` and its exclusive pages; returns the pages dropped here.
     After the rows' commit: the pages out of this server's index and tiers, then out of the
-    remote tier (`_drop_remote`)."""
+    remote tier (`_drop_remote`), then the other servers are told (`pages_deleted`)."""
     drop: dict[FingerprintId, list[np.ndarray]] = defaultdict(list)
     for v in versions.iter_tokens(user, sid):  # SessionNotFound for anyone else
         if v.fingerprint is not None:
@@ -169,6 +189,8 @@ def delete_session(
     # What the index has of the session off its versions' paths: tails of its turns' prompts.
     dropped.extend(_drop_off_path(pages, index, unreached.difference(dropped)))
     n_remote = _drop_remote(pages, dropped, unreached)
+    if pages_deleted is not None:
+        pages_deleted(tenant, unreached.union(dropped))
     log.info(
         "deleted a session with %d versions and %d cached pages (remote tier: %s)",
         n_versions,

@@ -21,8 +21,6 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0013_erasure_subjects"
-# Another branch of issue 28 adds 0012 (fleet page drops): whoever merges second rebases this
-# onto it (down_revision "0012_...").
 down_revision: str | None = "0011_identity_sources"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None

@@ -41,6 +41,7 @@ EXPECTED_TABLES = {
     "responses",
     "servers",
     "erasure_acks",
+    "page_drops",
     "chain_checkpoints",
     "frontends",
     "admin_audit",

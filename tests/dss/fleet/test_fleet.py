@@ -19,7 +19,7 @@ import pytest
 from sqlalchemy import func, select, text
 
 from dss.config import FleetConfig, RemoteConfig, StoreConfig
-from dss.db.models import ErasureAckRow, PageRow, ServerRow
+from dss.db.models import ErasureAckRow, PageDropRow, PageRow, ServerRow
 from dss.errors import StaleHead
 from dss.fleet.erasures import fleet_report
 from dss.store import Store
@@ -396,3 +396,46 @@ def _fast() -> dict[str, float]:
 
 def page_files_at(data_dir: Path, _closed: Store) -> int:
     return sum(1 for _ in (data_dir / "pages").rglob("*.page"))
+
+
+# ------------------------------------------------------------------------------ fleet-wide deletion
+def test_deleting_a_session_on_one_server_drops_the_other_servers_copies(fleet: Fleet) -> None:
+    """A session deleted through A: B's host and disk copies of its pages go too (B's follower
+    applies A's page drop), with B's page rows; another session's pages of the user stay, and a
+    restarted B does not bring the dropped ones back."""
+    a = fleet.open("a")
+    b = fleet.open("b")
+    fid = a.fingerprints.register(SMALL_FP)
+    assert b.fingerprints.register(SMALL_FP) == fid
+    tenant = a.identity.tenant_for("alice")
+    doomed = np.arange(1000, 1008, dtype=np.int32)
+    kept = np.arange(2000, 2008, dtype=np.int32)
+    for sid, tokens in (("doomed", doomed), ("kept", kept)):
+        a.versions.create_session("alice", sid)
+        a.versions.commit(
+            "alice", sid, tokens=tokens, messages=[{"role": "user", "content": sid}], fingerprint=fid
+        )
+        b.kv.put_sequence(fid, tenant, tokens, pages_for(SMALL_FP, tokens))
+    assert b.flush()
+    assert rows_of(b, "b") == 4 and b.kv.match(fid, tenant, doomed).n_tokens == 8
+
+    a.sessions.delete("alice", "doomed")
+    assert wait_for(lambda: b.kv.match(fid, tenant, doomed).n_tokens == 0, timeout_s=10.0)
+    assert b.kv.match(fid, tenant, kept).n_tokens == 8
+    assert rows_of(b, "b") == 2 and page_files(b, tenant) == 2
+    b.check()
+    b.close()
+    b2 = fleet.open("b")
+    assert b2.kv.match(fid, tenant, doomed).n_tokens == 0
+    assert b2.kv.match(fid, tenant, kept).n_tokens == 8
+    # A's next deletion cleans up the row every live server has applied (A stepped over its own).
+    assert wait_for(lambda: _page_drop_seqs(b2) == {"a": 1, "b": 1})
+    b2.sessions.delete("alice", "kept")
+    assert wait_for(lambda: _page_drop_seqs(b2) == {"a": 2, "b": 2})
+    with b2.sf() as s:
+        assert s.scalars(select(PageDropRow.seq)).all() == [2]
+
+
+def _page_drop_seqs(store: Store) -> dict[str, int]:
+    with store.sf() as s:
+        return dict(s.execute(select(ServerRow.id, ServerRow.page_drop_seq)).tuples().all())
