@@ -186,3 +186,27 @@ def test_the_unknown_key_memory_is_bounded_expires_and_yields_to_a_new_key(
         assert caller is not None and caller.user == "alice"
     finally:
         engine.dispose()
+
+
+def test_a_users_share_of_the_slots_comes_back_with_each_slot() -> None:
+    from api.errors import EngineOverloaded, UserSlotsExhausted
+    from api.llm.slots import GenerationSlots
+    from api.settings import EngineGroup
+
+    assert [EngineGroup(max_inflight=n).slots_per_user for n in (1, 2, 3, 64)] == [1, 1, 1, 32]
+    assert EngineGroup(max_inflight=4, max_slots_per_user=9).slots_per_user == 4
+    slots = GenerationSlots(limit=3, retry_after_s=2, per_user=2)
+    a1, a2 = slots.admit("alice"), slots.admit("alice")
+    with pytest.raises(UserSlotsExhausted) as refused:
+        slots.admit("alice")
+    assert refused.value.status == 429 and refused.value.code == "too_many_user_generations"
+    b = slots.admit("bob")
+    with pytest.raises(EngineOverloaded):
+        slots.admit("carol")
+    a1.release()
+    a1.release()  # once only
+    assert (slots.inflight, slots.held_by) == (2, {"alice": 1, "bob": 1})
+    a3 = slots.admit("alice")
+    for s in (a2, a3, b):
+        s.release()
+    assert (slots.inflight, slots.held_by) == (0, {})
