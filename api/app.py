@@ -223,7 +223,14 @@ async def _open(app: FastAPI, settings: Settings, startup: Startup) -> None:
     config = replace(settings.store_config(), forget_env_master_key=True)
     store = await asyncio.to_thread(Store.open, config, aborter)
     try:
-        keys = ApiKeys(store.sf, settings.auth.key_cache_ttl_s)
+        auth = settings.auth
+        keys = ApiKeys(
+            store.sf,
+            auth.key_cache_ttl_s,
+            unknown_ttl_s=auth.unknown_key_cache_ttl_s,
+            unknown_max=auth.unknown_key_cache_size,
+            on_lookup=metrics.observe_key_lookup,
+        )
         await asyncio.to_thread(log_auth_mode, settings, keys)
         if warning is not None:
             log.warning("%s", warning)

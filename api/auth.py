@@ -31,6 +31,8 @@ import secrets
 import threading
 import time
 import uuid
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Literal, cast
@@ -51,6 +53,11 @@ KEY_PREFIX = "dss-"
 ADMIN_USER = UserId("admin")
 KeyKind = Literal["user", "admin", "frontend"]
 _ANY_KEY_TTL_S = 2.0
+# How a key look-up that reached `ApiKeys.authenticate` ended (the `dss_api_key_lookups_total`
+# outcomes): found in the database, unknown there, answered from the memory of unknown tokens
+# (no query), or not a DSS key at all (no query).
+LookupOutcome = Literal["found", "unknown", "remembered_unknown", "not_a_key"]
+LOOKUP_OUTCOMES: tuple[LookupOutcome, ...] = ("found", "unknown", "remembered_unknown", "not_a_key")
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,17 +150,35 @@ def check_user_name(user: str) -> UserId:
 
 
 class ApiKeys:
-    """The `api_keys` table, with a short-lived cache of validated keys."""
+    """The `api_keys` table, with a short-lived cache of validated keys and a short-lived memory
+    of unknown tokens (a client repeating a wrong or revoked key costs one query per
+    `unknown_ttl_s`, not one per request). Lock: `_lock` is a leaf around both; no I/O under it."""
 
-    def __init__(self, session_factory: sessionmaker[Session], cache_ttl_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        session_factory: sessionmaker[Session],
+        cache_ttl_s: float = 10.0,
+        unknown_ttl_s: float = 5.0,
+        unknown_max: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+        on_lookup: Callable[[LookupOutcome], object] | None = None,
+    ) -> None:
         self._sf = session_factory
         self._ttl = cache_ttl_s
+        self._unknown_ttl = unknown_ttl_s
+        self._unknown_max = unknown_max
+        self._clock = clock
+        self._on_lookup = on_lookup
         self._lock = threading.Lock()
         self._cache: dict[str, tuple[float, Caller]] = {}
+        # Digests of tokens the database did not know -> when that answer expires; oldest first.
+        self._unknown: OrderedDict[str, float] = OrderedDict()
         # Bumped by every `forget_cached`: a caller read from the database before it is not
         # cached, so a revocation or a frontend's new headers cannot be undone by a look-up
         # that was in flight while they were committed.
         self._generation = 0
+        # Bumped by every `create`: an "unknown" read before a key was made is not remembered.
+        self._creations = 0
         self._any: tuple[float, bool] | None = None
 
     def create(
@@ -193,32 +218,44 @@ class ApiKeys:
             )
         with self._lock:
             self._any = None
+            self._creations += 1
+            self._unknown.pop(hash_key(key), None)
         return CreatedKey(kid, key, owner, admin, frontend)
 
     def cached(self, key: str) -> Caller | None:
         """The caller of a key validated within the cache's lifetime, else None (then ask
         `authenticate`). No I/O: the event loop may call it."""
         digest = hash_key(key)
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             hit = self._cache.get(digest)
         return hit[1] if hit is not None and hit[0] > now else None
 
     def authenticate(self, key: str) -> Caller | None:
         """The caller of an active key, or None for an unknown or revoked one (or a frontend
-        key whose frontend is gone)."""
+        key whose frontend is gone). A token the database did not know a moment ago is answered
+        None without asking it again, and one that is not a DSS key at all is never looked up."""
         hit = self.cached(key)
         if hit is not None:
             return hit
+        if not key.startswith(KEY_PREFIX):  # every key is made with the prefix
+            self._report("not_a_key")
+            return None
         digest = hash_key(key)
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
-            generation = self._generation
+            generation, creations = self._generation, self._creations
+            remembered = self._unknown_until(digest, now)
+        if remembered:
+            self._report("remembered_unknown")
+            return None
         with transaction(self._sf) as db:
             row = db.scalar(
                 select(ApiKeyRow).where(ApiKeyRow.key_hash == digest, ApiKeyRow.revoked_at.is_(None))
             )
             if row is None:
+                self._remember_unknown(digest, now, creations)
+                self._report("unknown")
                 return None
             if row.frontend is not None and not row.is_admin:
                 fe = db.get(FrontendRow, row.frontend)
@@ -246,7 +283,33 @@ class ApiKeys:
                 if len(self._cache) > 10_000:
                     self._cache.clear()
                 self._cache[digest] = (now + self._ttl, caller)
+        self._report("found")
         return caller
+
+    def _unknown_until(self, digest: str, now: float) -> bool:
+        """Under `_lock`: whether `digest` is remembered unknown at `now` (an expired entry goes)."""
+        until = self._unknown.get(digest)
+        if until is None:
+            return False
+        if until > now:
+            return True
+        del self._unknown[digest]
+        return False
+
+    def _remember_unknown(self, digest: str, now: float, creations: int) -> None:
+        if self._unknown_ttl <= 0:
+            return
+        with self._lock:
+            if self._creations != creations:
+                return  # a key was made meanwhile: it may be this one
+            self._unknown[digest] = now + self._unknown_ttl
+            self._unknown.move_to_end(digest)
+            while len(self._unknown) > self._unknown_max:
+                self._unknown.popitem(last=False)
+
+    def _report(self, outcome: LookupOutcome) -> None:
+        if self._on_lookup is not None:
+            self._on_lookup(outcome)
 
     def forget_cached(self) -> None:
         """Drop the validated keys: a frontend's headers changed (or a key was revoked)."""
@@ -255,7 +318,7 @@ class ApiKeys:
             self._generation += 1
 
     def any_active(self) -> bool:
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             if self._any is not None and self._any[0] > now:
                 return self._any[1]

@@ -178,6 +178,18 @@ class EngineOverloaded(ApiError):
         super().__init__(message, code="engine_overloaded", headers={"Retry-After": str(retry_after_s)})
 
 
+class UserSlotsExhausted(ApiError):
+    """The user already holds their share of the generation slots (`max_slots_per_user`)."""
+
+    status = 429
+    type = "rate_limit_error"
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(
+            message, code="too_many_user_generations", headers={"Retry-After": str(retry_after_s)}
+        )
+
+
 class ServerStarting(ApiError):
     """The server listens but its store is not open yet (`/readyz` says why)."""
 

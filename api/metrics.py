@@ -22,11 +22,13 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from api.auth import LOOKUP_OUTCOMES
 from dss.types import Tier
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Where a prompt token's KV came from: the engine's own prefix cache, or a DSS tier.
 HIT_SOURCES = ("engine", *(t.value for t in Tier))
+CUT_REASONS = ("header_timeout", "send_timeout")  # `api.connections`
 _LATENCY_BUCKETS = (
     0.001,
     0.0025,
@@ -84,6 +86,26 @@ class Metrics:
         self.rejected = Counter(
             "dss_generations_rejected_total", "Generations refused with 503 (overload)", registry=r
         )
+        self.rejected_user_share = Counter(
+            "dss_generations_rejected_user_share_total",
+            "Generations refused with 429: their user held max_slots_per_user already",
+            registry=r,
+        )
+        # Connections the server closed on a slow client (`api.connections`): a request head not
+        # complete within header_timeout_s, a response not written for send_timeout_s.
+        self.connections_cut = Counter(
+            "dss_connections_cut_total",
+            "Connections closed on a slow client, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.key_lookups = Counter(
+            "dss_api_key_lookups_total",
+            "API key look-ups past the cache of valid keys, by outcome (found and unknown: one "
+            "database query each; remembered_unknown and not_a_key: none)",
+            ["outcome"],
+            registry=r,
+        )
         self.inflight = Gauge("dss_generations_inflight", "Generations running now", registry=r)
         # 0 until an engine whose KV DSS caches is running: also 0 without an engine, and for an
         # engine served uncached (DSS_ENGINE__ALLOW_UNCACHED), which would otherwise look healthy.
@@ -120,6 +142,16 @@ class Metrics:
         )
         for source in HIT_SOURCES:
             self.tokens_hit.labels(source)
+        for reason in CUT_REASONS:
+            self.connections_cut.labels(reason)
+        for outcome in LOOKUP_OUTCOMES:
+            self.key_lookups.labels(outcome)
+
+    def observe_key_lookup(self, outcome: str) -> None:
+        self.key_lookups.labels(outcome).inc()
+
+    def observe_cut(self, reason: str) -> None:
+        self.connections_cut.labels(reason).inc()
 
     def observe_prompt(self, prompt_tokens: int, engine_cached: int, loaded_from: dict[str, int]) -> None:
         self.prompt_tokens.inc(prompt_tokens)

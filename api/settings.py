@@ -42,6 +42,12 @@ class ServerSettings(BaseModel):
     max_body_bytes: int = Field(default=8 * MiB, ge=1024)
     # Seconds a stopping server waits for streams in flight before it cuts them.
     graceful_shutdown_s: float = Field(default=10.0, ge=0)
+    # Seconds a connection has to send a whole request head (request line and headers), from its
+    # first byte or from the connection's start; slower ones are closed (`api.connections`).
+    header_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    # Seconds a response may stay unable to write, its client not reading (the socket's buffers
+    # full); then the connection is aborted, which stops a stream like a client that left.
+    send_timeout_s: float = Field(default=30.0, gt=0, le=3600)
 
     @property
     def is_loopback(self) -> bool:
@@ -194,6 +200,9 @@ class EngineGroup(BaseModel):
     extra_args: dict[str, Any] = Field(default_factory=dict)
     # Generations admitted at once; more answer 503 with Retry-After instead of queueing forever.
     max_inflight: int = Field(default=64, ge=1)
+    # Of those, how many one user (an end user of a frontend key) may hold at once; more answer
+    # 429 `too_many_user_generations`. None: half of `max_inflight` (at least 1).
+    max_slots_per_user: int | None = Field(default=None, ge=1)
     retry_after_s: int = Field(default=1, ge=1)
     # Nice value of the engine's processes (0: unchanged); keeps API latency low under load.
     nice: int = Field(default=10, ge=0, le=19)
@@ -201,6 +210,12 @@ class EngineGroup(BaseModel):
     # A model or parallel layout DSS cannot cache refuses to start (one line, the reason); True
     # serves it as plain vLLM, with `/readyz` `kv_caching: false` and `dss_kv_caching_enabled 0`.
     allow_uncached: bool = False
+
+    @property
+    def slots_per_user(self) -> int:
+        """The generation slots one user may hold: `max_slots_per_user`, else half the slots."""
+        share = self.max_slots_per_user if self.max_slots_per_user is not None else self.max_inflight // 2
+        return max(1, min(share, self.max_inflight))
 
     def engine_settings(self, model_path: Path) -> EngineSettings:
         """The engine factory's settings for `model_path`: these values where given, the
@@ -283,6 +298,12 @@ class AuthSettings(BaseModel):
     dev_allowed_hosts: list[str] = Field(default_factory=list)
     # Seconds a validated key stays cached; a revoked key stops working within this delay.
     key_cache_ttl_s: float = Field(default=10.0, ge=0)
+    # Seconds an unknown `dss-` token is remembered, so that repeating it costs no database query
+    # (0: off), and how many are remembered (the oldest forgotten first). A key created by this
+    # server works at once; one created elsewhere in a fleet, within this delay (its token cannot
+    # have been tried before it existed unless it was chosen, not drawn: keys are 256 random bits).
+    unknown_key_cache_ttl_s: float = Field(default=5.0, ge=0, le=300)
+    unknown_key_cache_size: int = Field(default=10_000, ge=1, le=1_000_000)
 
 
 class LeadSettings(BaseModel):

@@ -99,6 +99,7 @@ def serve(
         check_startup,
         create_app,
     )
+    from api.connections import guarded_protocol
     from api.state import Startup
     from dss.errors import DataDirInUse
     from dss.store import Store
@@ -131,13 +132,16 @@ def serve(
     level = settings.server.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)
+    srv = settings.server
     config = uvicorn.Config(
         app,
-        host=settings.server.host,
-        port=settings.server.port,
-        log_level=settings.server.log_level.lower(),
+        host=srv.host,
+        port=srv.port,
+        log_level=srv.log_level.lower(),
         access_log=False,  # ours (api.middleware) logs route templates, not paths with user ids
-        timeout_graceful_shutdown=int(settings.server.graceful_shutdown_s),
+        timeout_graceful_shutdown=int(srv.graceful_shutdown_s),
+        # Bounds on a slow request head and on a response nobody reads (api.connections).
+        http=guarded_protocol(srv.header_timeout_s, srv.send_timeout_s, app.state.metrics.observe_cut),
     )
     server = uvicorn.Server(config)
     failed: list[Startup] = []

@@ -43,6 +43,7 @@ class ChatEngine:
         max_inflight: int,
         retry_after_s: int,
         tag_key: bytes,
+        slots_per_user: int | None = None,
         default_sampling: Mapping[str, Any] | None = None,
         tool_call_parser: str | None = None,
     ) -> None:
@@ -58,7 +59,7 @@ class ChatEngine:
         self.created = int(time.time())
         # Accepted in a request's `model`: the served name, "default", or the model folder.
         self.model_names = {model_name, "default"}
-        self.slots = GenerationSlots(max_inflight, retry_after_s)
+        self.slots = GenerationSlots(max_inflight, retry_after_s, slots_per_user)
         self.tenant_aborts = TenantAborts()
         # Why DSS does not cache this engine's KV (served as plain vLLM); None: caching is on.
         self.uncached_reason: str | None = None

@@ -1,9 +1,11 @@
-"""Generation slots: a bounded number of generations at once.
+"""Generation slots: a bounded number of generations at once, and a bounded share for one user.
 
 Beyond the limit a request gets `EngineOverloaded` (503 with Retry-After) instead of waiting in an
-unbounded queue. A request takes its slot on arrival (`admit`), before any work and before its
-response starts, streaming or not; its generation then adopts that slot (`admitted`). One event
-loop runs every request: no lock is needed between a check and its increment.
+unbounded queue; a user who holds `per_user` slots already gets `UserSlotsExhausted` (429 with
+Retry-After), so that one user's burst cannot take every slot from the others. A request takes
+its slot on arrival (`admit`), before any work and before its response starts, streaming or not;
+its generation then adopts that slot (`admitted`). One event loop runs every request: no lock is
+needed between a check and its increment.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import contextvars
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from api.errors import EngineOverloaded
+from api.errors import EngineOverloaded, UserSlotsExhausted
 
 
 @dataclass(eq=False)
@@ -22,13 +24,14 @@ class Slot:
     back (once, however often it is called)."""
 
     slots: GenerationSlots
+    user: str | None = None  # whose share it counts in (`admit`)
     adopted: bool = False  # a generation of the request runs in it (`GenerationSlots.admitted`)
     released: bool = False
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.slots.release_one()
+            self.slots.release_one(self.user)
 
 
 # The slot of the request being answered: set by `admit` in the route, read by the generation
@@ -38,22 +41,34 @@ _HELD: contextvars.ContextVar[Slot | None] = contextvars.ContextVar("dss_admissi
 
 
 class GenerationSlots:
-    def __init__(self, limit: int, retry_after_s: int) -> None:
+    def __init__(self, limit: int, retry_after_s: int, per_user: int | None = None) -> None:
         self.limit = limit
         self.retry_after_s = retry_after_s
+        self.per_user = limit if per_user is None else max(1, min(per_user, limit))
         self.inflight = 0
+        self.held_by: dict[str, int] = {}  # user -> slots taken by `admit` and not given back
         self.on_change: Callable[[int], object] | None = None  # set by the app: a gauge setter
 
-    def admit(self) -> Slot:
-        """Take a generation slot for the request being answered, now, or fail with
-        `EngineOverloaded` (503, Retry-After). Counted from here on, before the response starts:
-        a stream counted only once its body began let a whole burst past the limit. The request's
+    def admit(self, user: str | None = None) -> Slot:
+        """Take a generation slot for the request being answered, for `user` (counted in their
+        share), now, or fail with `UserSlotsExhausted` (429, Retry-After) when the user holds
+        their share already, else `EngineOverloaded` (503, Retry-After) when none is free.
+        Counted from here on, before the response starts: a stream counted only once its body
+        began let a whole burst past the limit. The request's
         generation (in this context) then uses this slot: `check_capacity` passes, `admitted`
         adopts it and gives it back when the generation ends; the caller releases it as well
         (idempotent), for the requests that end before they generate."""
+        if user is not None and self.held_by.get(user, 0) >= self.per_user:
+            raise UserSlotsExhausted(
+                f"this user already runs {self.per_user} generations, the most one user may run at "
+                "once; retry when one ends",
+                self.retry_after_s,
+            )
         self._check_free()
-        slot = Slot(self)
+        slot = Slot(self, user)
         self._take()
+        if user is not None:
+            self.held_by[user] = self.held_by.get(user, 0) + 1
         _HELD.set(slot)
         return slot
 
@@ -84,8 +99,14 @@ class GenerationSlots:
         finally:
             self.release_one()
 
-    def release_one(self) -> None:
+    def release_one(self, user: str | None = None) -> None:
         self.inflight -= 1
+        if user is not None:
+            left = self.held_by.get(user, 0) - 1
+            if left > 0:
+                self.held_by[user] = left
+            else:
+                self.held_by.pop(user, None)
         self._report()
 
     def _take(self) -> None:

@@ -76,6 +76,7 @@ async def start_chat_engine(settings: Settings, store: Store) -> ChatEngine:
         fingerprint=fid,
         max_inflight=eng.max_inflight,
         retry_after_s=eng.retry_after_s,
+        slots_per_user=eng.slots_per_user,
         tag_key=tag_key(authkey),
         default_sampling=_generation_defaults(model_config),
         tool_call_parser=eng.tool_call_parser,

@@ -8,20 +8,26 @@ last byte (`HoldingSlot`); any other answer gives it back when it is answered.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncGenerator
 
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from api.errors import EngineOverloaded
+from api.errors import EngineOverloaded, UserSlotsExhausted
 from api.llm.chat_engine import ChatEngine
 from api.llm.slots import Slot
 from api.state import AppState
 from dss.types import UserId
 
 
-def take_slot(state: AppState, engine: ChatEngine) -> Slot:
+def take_slot(state: AppState, engine: ChatEngine, user: UserId) -> Slot:
+    """The request's generation slot, counted in `user`'s share (an end user of a frontend key:
+    their own share, not the frontend's)."""
     try:
-        return engine.slots.admit()
+        return engine.slots.admit(user)
+    except UserSlotsExhausted:
+        state.metrics.rejected_user_share.inc()
+        raise
     except EngineOverloaded:
         state.metrics.rejected.inc()
         raise
@@ -35,9 +41,13 @@ async def admitted_epoch(state: AppState, user: UserId) -> int:
 class HoldingSlot(Response):
     """A streaming response that gives its request's slot back however it ends. The generation
     gives it back when it finishes, but a stream whose client left before its body started never
-    runs its generator at all."""
+    runs its generator at all. A stream cut while it waited to send (its client left, or read
+    nothing for `send_timeout_s`: `api.connections`) is closed here at once, which aborts its
+    generation; Starlette leaves it to the garbage collector."""
 
-    def __init__(self, inner: Response, slot: Slot) -> None:  # no super().__init__: nothing to render
+    def __init__(
+        self, inner: StreamingResponse, slot: Slot
+    ) -> None:  # no super().__init__: nothing to render
         self.inner = inner
         self.slot = slot
         self.status_code = inner.status_code
@@ -50,3 +60,6 @@ class HoldingSlot(Response):
             await self.inner(scope, receive, send)
         finally:
             self.slot.release()
+            body = self.inner.body_iterator
+            if isinstance(body, AsyncGenerator):
+                await body.aclose()

@@ -91,7 +91,7 @@ async def serve_turn(
 ) -> Any:
     """Admit the request, resolve its turn (which checks its limits), and answer it: JSON, stopped if
     the client leaves first; or a stream that holds the slot to its end."""
-    slot = take_slot(state, engine)
+    slot = take_slot(state, engine, user)
     response: Response | None = None
     try:
         epoch = await admitted_epoch(state, user)
