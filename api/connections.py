@@ -114,9 +114,9 @@ class _Guarded(HttpToolsProtocol):
         conn = self._conn
         if conn is None or conn.is_closing():
             return
+        # No peer address: log lines name no client (docs/privacy.md, "Logs").
         log.info(
-            "closed a connection from %s: no complete request head within %.1f s (header_timeout_s)",
-            _peer(conn),
+            "closed a connection: no complete request head within %.1f s (header_timeout_s)",
             self.header_timeout_s,
         )
         type(self).on_cut("header_timeout")
@@ -130,15 +130,9 @@ class _Guarded(HttpToolsProtocol):
         if conn is None:
             return
         log.warning(
-            "aborted a connection from %s: its client read nothing of the response for %.1f s "
+            "aborted a connection: its client read nothing of the response for %.1f s "
             "(send_timeout_s); a stream on it stops as if its client had left",
-            _peer(conn),
             self.send_timeout_s,
         )
         type(self).on_cut("send_timeout")
         conn.abort()
-
-
-def _peer(conn: asyncio.BaseTransport) -> str:
-    peer = conn.get_extra_info("peername")
-    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "an unknown peer"
