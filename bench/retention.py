@@ -183,7 +183,7 @@ def run(root: Path, ops: list[Op], kinds: list[bool], host_pages: int, hints: bo
             s.tokens[v.number] = tokens
             s.head = v.number
             if hints and n % 10 == 0:
-                store.retention.sweep()  # what the sweeper does every few seconds
+                store.retention.sweeper.sweep()  # what the sweeper does every few seconds
         tally.seconds = time.perf_counter() - began
     return tally
 

@@ -218,7 +218,7 @@ class Store:
             on_user_erased=self.retention.forget_user,
         )
         self.check()
-        self.retention.start()
+        self.retention.sweeper.start()
         if self.membership is not None:
             self.membership.start()
             self.follower = ErasureFollower(

@@ -188,3 +188,54 @@ def test_the_arena_format_stands_alone() -> None:
     g = graph()
     assert g["dss.pages.tiers.host.arena"] <= allowed, g["dss.pages.tiers.host.arena"] - allowed
     assert g["dss.pages.tiers.host.shm"] <= allowed, g["dss.pages.tiers.host.shm"] - allowed
+
+
+# Methods that only pass their own call on, unchanged, to the same-named method of one of their
+# object's attributes (`def f(self, a): return self.x.f(a)`): a caller should call the owner.
+# At most this many in the source (issue 29: 33 before; a wrapper of a container's one method,
+# such as `BoundedLru.clear`, is fine).
+MAX_FORWARDERS = 5
+
+
+def _is_forwarder(fn: ast.FunctionDef) -> bool:
+    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if len(body) != 1 or not isinstance(body[0], ast.Return | ast.Expr):
+        return False
+    call = body[0].value
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)):
+        return False
+    owner = call.func.value
+    on_self = isinstance(owner, ast.Attribute) and ast.unparse(owner.value) == "self"
+    if call.func.attr != fn.name or not on_self:
+        return False
+    params = [a.arg for a in fn.args.args[1:] + fn.args.kwonlyargs]
+    passed = [a.id for a in call.args if isinstance(a, ast.Name)]
+    passed += [k.value.id for k in call.keywords if isinstance(k.value, ast.Name)]
+    return len(passed) == len(call.args) + len(call.keywords) and sorted(passed) == sorted(params)
+
+
+def forwarders() -> list[str]:
+    found = []
+    for package in ("dss", "api", "engine_patch"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for cls in ast.walk(ast.parse(path.read_text())):
+                if isinstance(cls, ast.ClassDef):
+                    found += [
+                        f"{path.relative_to(ROOT)}:{cls.name}.{f.name}"
+                        for f in cls.body
+                        if isinstance(f, ast.FunctionDef) and _is_forwarder(f)
+                    ]
+    return found
+
+
+def test_few_methods_only_pass_a_call_on() -> None:
+    found = forwarders()
+    assert len(found) <= MAX_FORWARDERS, found
+
+
+def test_the_forwarder_count_sees_one() -> None:
+    source = "class K:\n    def f(self, a, *, b):\n        '''doc'''\n        return self.x.f(a, b=b)\n"
+    tree = ast.parse(source)
+    cls = tree.body[0]
+    assert isinstance(cls, ast.ClassDef) and isinstance(cls.body[0], ast.FunctionDef)
+    assert _is_forwarder(cls.body[0])

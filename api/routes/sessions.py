@@ -150,7 +150,7 @@ def warm_session(
     """Start promoting a version's KV pages from disk into the host tier (default: the head of
     `main`); answers at once with what is being warmed and where its tokens are now."""
     target = body if body is not None else WarmRequest()
-    plan = state.store.retention.warm(
+    plan = state.store.retention.warmer.warm(
         principal.user, SessionId(session_id), version=target.version, branch=target.branch
     )
     return WarmOut(

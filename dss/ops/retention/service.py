@@ -1,8 +1,9 @@
 """The retention service: session hints applied to the page table, composed of the parts that do it.
 
 `SessionRetention` is what the store and the API call: `set_hint` (persist a session's hint and
-apply it before returning), `warm`, `sweep`, `forget_session` / `forget_user` (deletion and
-erasure), `stats`. It composes the classification rules (`classes`), the registry of what it
+apply it before returning), `forget_session` / `forget_user` (deletion and erasure), `stats`, and
+its parts as public attributes (`warmer.warm`, `warmer.idle`, `sweeper.sweep`, `sweeper.start`:
+callers call the owner). It composes the classification rules (`classes`), the registry of what it
 remembers (`registry`), the worker thread every reclassification and demotion runs on (`worker`),
 the idle sweep (`sweep`) and the warm-ups (`warmup`); and it holds the two jobs the others share:
 a session's reclassification (`_refresh`) and its demotion (`_demote`).
@@ -40,7 +41,7 @@ from dss.ops.retention.classes import (
 )
 from dss.ops.retention.registry import RetentionRegistry, SessionKey, Tracked
 from dss.ops.retention.sweep import IdleSweeper
-from dss.ops.retention.warmup import Warmer, WarmPlan
+from dss.ops.retention.warmup import Warmer
 from dss.ops.retention.worker import RetentionWorker
 from dss.pages.tiered import TieredPages
 from dss.types import PageHash, SessionId, TenantId, Tier, UserId
@@ -72,20 +73,16 @@ class SessionRetention:
         self.registry = RetentionRegistry()
         self.worker = RetentionWorker(config.wait_s)
         self._reader = SessionPageReader(versions, tenant_for, fingerprints, kv, pages.table)
-        self._warmer = Warmer(
+        self.warmer = Warmer(
             config, versions, tenant_for, fingerprints, self._reader, self.registry, kv, pages
         )
-        self._sweeper = IdleSweeper(config, versions, self.registry, self.worker, self._refresh, self._demote)
+        self.sweeper = IdleSweeper(config, versions, self.registry, self.worker, self._refresh, self._demote)
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> None:
-        """Start the sweeper thread (once; not with `sweep_interval_s` 0)."""
-        self._sweeper.start()
-
     def close(self) -> None:
         self.worker.close()  # first: a sweep in progress stops at its next job (StoreClosed)
-        self._sweeper.stop()
-        self._warmer.close()
+        self.sweeper.stop()
+        self.warmer.close()
 
     # ------------------------------------------------------------------ hints
     def set_hint(
@@ -158,7 +155,7 @@ class SessionRetention:
             return None  # read before the user's erasure: nothing of it is recorded
         self._pages.table.set_retention(classes)
         if pinned:
-            self._warmer.queue([h for h in pinned if self._pages.fastest_tier(h) is Tier.DISK])
+            self.warmer.queue([h for h in pinned if self._pages.fastest_tier(h) is Tier.DISK])
         return tracked
 
     def _demote(self, key: SessionKey, tracked: Tracked) -> int:
@@ -192,21 +189,6 @@ class SessionRetention:
         self.registry.remember_erasure(user)
         self.worker.submit_quietly(self._forget_user, user)
 
-    # ------------------------------------------------------------------ sweeps and warm-ups
-    def sweep(self) -> dict[str, int]:
-        """Run one sweep now from the calling thread and wait for it (the sweeper thread does
-        this every `sweep_interval_s`)."""
-        return self._sweeper.sweep()
-
-    def warm(
-        self, user: UserId, sid: SessionId, *, version: int | None = None, branch: str | None = None
-    ) -> WarmPlan:
-        """Start promoting a version's disk pages into the host tier (`Warmer.warm`)."""
-        return self._warmer.warm(user, sid, version=version, branch=branch)
-
-    def idle(self, timeout_s: float = 30.0) -> bool:
-        """Wait until no warm-up is in flight (tests, benchmarks). True when none is."""
-        return self._warmer.idle(timeout_s)
-
+    # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, int]:
-        return {**self.registry.stats(), **self._warmer.stats()}
+        return {**self.registry.stats(), **self.warmer.stats()}

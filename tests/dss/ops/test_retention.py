@@ -260,7 +260,7 @@ def test_pages_of_versions_no_branch_leads_to_go_first(tmp_path: Path) -> None:
         v2 = np.concatenate([v1, _tokens(2000, 2)])
         turn(s, "alice", "trip", v2)
         s.versions.rollback("alice", "trip", "main", 1)  # version 2 is off every branch now
-        s.retention.sweep()  # the rollback updated the session: reclassified
+        s.retention.sweeper.sweep()  # the rollback updated the session: reclassified
         v2_only = pages_of(s, "alice", v2)[2:]
         assert [klass(s, h) for h in v2_only] == [RetentionClass.ORPHAN] * 2
         assert {klass(s, h) for h in pages_of(s, "alice", v1)} == {RetentionClass.NORMAL}
@@ -269,7 +269,7 @@ def test_pages_of_versions_no_branch_leads_to_go_first(tmp_path: Path) -> None:
         assert resident(s, "alice", old)["host"] == 12  # older, but reachable: kept
         # A branch at version 2 makes its pages reachable again.
         s.versions.branch("alice", "trip", 2, "again")
-        s.retention.sweep()
+        s.retention.sweeper.sweep()
         assert [klass(s, h) for h in v2_only] == [RetentionClass.NORMAL] * 2
         s.check()
     finally:
@@ -281,13 +281,13 @@ def test_warm_promotes_a_versions_disk_pages_to_host(store: Store) -> None:
     a = _tokens(1, 3)
     turn(store, "alice", "trip", a)
     store.retention.set_hint("alice", "trip", "evict")
-    plan = store.retention.warm("alice", "trip")
+    plan = store.retention.warmer.warm("alice", "trip")
     assert (plan.version, plan.pages, plan.tokens) == (1, 3, 12)
     assert plan.resident == {"host": 0, "disk": 12, "remote": 0}
     assert plan.warming_pages + plan.already_warming == 3
-    assert store.retention.idle(10)
+    assert store.retention.warmer.idle(10)
     assert resident(store, "alice", a) == {"host": 12, "disk": 12, "remote": 0}
-    again = store.retention.warm("alice", "trip", version=1)
+    again = store.retention.warmer.warm("alice", "trip", version=1)
     assert (again.warming_pages, again.resident["host"]) == (0, 12)  # nothing left to warm
     assert store.stats()["retention"]["warmed_pages"] == 3
     store.check()
@@ -295,12 +295,12 @@ def test_warm_promotes_a_versions_disk_pages_to_host(store: Store) -> None:
 
 def test_warm_of_an_empty_branch_or_a_missing_version(store: Store) -> None:
     store.versions.create_session("alice", "empty")
-    plan = store.retention.warm("alice", "empty")
+    plan = store.retention.warmer.warm("alice", "empty")
     assert (plan.version, plan.pages, plan.warming_pages) == (0, 0, 0)
     with pytest.raises(VersionNotFound):
-        store.retention.warm("alice", "empty", version=9)
+        store.retention.warmer.warm("alice", "empty", version=9)
     with pytest.raises(SessionNotFound):
-        store.retention.warm("bob", "empty")
+        store.retention.warmer.warm("bob", "empty")
 
 
 def test_after_a_restart_pinned_sessions_are_warmed(tmp_path: Path) -> None:
@@ -395,10 +395,10 @@ def test_a_warm_up_blocked_on_disk_blocks_no_request(store: Store) -> None:
     disk.read = paused_read  # type: ignore[method-assign]
     try:
         began = time.monotonic()
-        plan = store.retention.warm("alice", "trip")
+        plan = store.retention.warmer.warm("alice", "trip")
         assert plan.warming_pages == 2 and time.monotonic() - began < 2.0
         assert inside.wait(10)
-        again = store.retention.warm("alice", "trip")
+        again = store.retention.warmer.warm("alice", "trip")
         assert (again.warming_pages, again.already_warming) == (0, 2)
         began = time.monotonic()
         store.retention.set_hint("alice", "other", "evict")  # the worker is not the warmers
@@ -407,7 +407,7 @@ def test_a_warm_up_blocked_on_disk_blocks_no_request(store: Store) -> None:
     finally:
         release.set()
         disk.read = real_read  # type: ignore[method-assign]
-    assert store.retention.idle(10)
+    assert store.retention.warmer.idle(10)
     assert resident(store, "alice", a)["host"] == 8
     store.check()
 
@@ -452,7 +452,7 @@ def test_a_hint_gets_in_between_the_sessions_of_a_sweep(tmp_path: Path) -> None:
             return real(*args, **kwargs)
 
         s.versions.list_versions = slow  # type: ignore[method-assign]
-        sweeper = threading.Thread(target=s.retention.sweep)
+        sweeper = threading.Thread(target=s.retention.sweeper.sweep)
         sweeper.start()
         time.sleep(0.1)
         s.retention.set_hint("bob", "b", kv_idle_ttl_s=600)  # the sweep alone takes 3.5 s
@@ -482,7 +482,7 @@ def test_a_refresh_matches_branch_heads_and_orphan_leaves_only(tmp_path: Path) -
         v4 = seq[: 5 * BS]
         s.versions.rollback("alice", "trip", "main", 4)
         calls.clear()
-        s.retention.sweep()
+        s.retention.sweeper.sweep()
         assert sorted(calls) == [len(v4), len(seq)]  # the head, and the one leaf off every branch
         s.kv.match = real  # type: ignore[method-assign]
         assert {klass(s, h) for h in pages_of(s, "alice", v4)} == {RetentionClass.NORMAL}
@@ -510,14 +510,14 @@ def test_the_registry_keeps_nothing_of_a_normal_session_but_its_orphans(tmp_path
     s = _store(tmp_path / "d")
     try:
         turn(s, "alice", "plain", _tokens(1, 3))
-        s.retention.sweep()
+        s.retention.sweeper.sweep()
         assert s.retention.stats()["tracked_sessions"] == 0  # its pages keep the default class
         assert s.retention.stats()["tracked_pages"] == 0
         v1 = _tokens(1000, 1)
         turn(s, "alice", "trip", v1)
         turn(s, "alice", "trip", np.concatenate([v1, _tokens(2000, 2)]))
         s.versions.rollback("alice", "trip", "main", 1)
-        s.retention.sweep()
+        s.retention.sweeper.sweep()
         assert s.retention.stats()["tracked_sessions"] == 1
         assert s.retention.stats()["tracked_pages"] == 2  # the two orphan pages, nothing else
     finally:
@@ -537,7 +537,7 @@ def test_orphans_of_normal_sessions_are_bounded(tmp_path: Path, monkeypatch: pyt
             turn(s, "alice", sid, v1)
             turn(s, "alice", sid, v2)
             s.versions.rollback("alice", sid, "main", 1)
-            s.retention.sweep()
+            s.retention.sweeper.sweep()
             orphans[sid] = pages_of(s, "alice", v2)[1:]
         assert s.retention.stats()["tracked_sessions"] == 1  # 4 orphan pages > 3: the older went
         assert [klass(s, h) for h in orphans["new"]] == [RetentionClass.ORPHAN] * 2
@@ -558,9 +558,9 @@ def test_a_warm_up_racing_an_erasure_records_nothing_for_the_user(store: Store) 
         return v
 
     store.versions.get_version = then_erased  # type: ignore[method-assign]
-    store.retention.warm("alice", "trip", version=1)
+    store.retention.warmer.warm("alice", "trip", version=1)
     store.versions.get_version = real  # type: ignore[method-assign]
-    assert store.retention.idle(10)
+    assert store.retention.warmer.idle(10)
     assert store.retention.registry.last_use(("alice", "trip")) is None
     assert store.retention.stats()["tracked_sessions"] == 0
 
