@@ -2,9 +2,10 @@
 clients (chat, `n` alternatives, `/messages`, Responses, session and version routes, hints,
 warm-ups, prefixes) and from end users of a frontend key (sessions, conversations, responses in
 them), while an operator erases the users under them and the frontend its end users, SIGKILLed
-once and restarted on its data directory; every acknowledged version must survive unless its user was erased after
-it was sent, nothing may hang or answer 5xx, no answer may differ from a cold recompute beyond
-rounding, no page may fail its checksum, erased users must leave nothing behind.
+once and restarted on its data directory; every acknowledged version must survive unless its
+user was erased after it was sent, nothing may hang or answer 5xx, no answer may differ from a
+cold recompute beyond rounding, no page may fail its checksum, erased users and end users must
+leave nothing behind, and no end user may see another's.
 
 About two minutes on two cores (two server starts of ~25-45 s and 40 s of traffic).
 The long campaign is the same script with `--duration-s 1200 --kill-every-s 180`
