@@ -181,6 +181,8 @@ class Controller:
                 final_checked += self.end_users.checks.verify("final")
             receipts_bad = self.verifier.reverify_receipts(self.operator.http)
             erased_hits, deleted_hits = self.verifier.db_scan(self.clients)
+            if self.end_users is not None:
+                erased_hits += self.verifier.end_user_db_scan(self.end_users.users)
         stop_rc, stop_s = self.server.stop()
         end = RunEnd(
             final_checked=final_checked,

@@ -104,7 +104,10 @@ class EndUserChecks:
         raced = [h for h in u.held.values() if h.q < er.s <= h.end]
         u.held = {k: h for k, h in u.held.items() if h.q >= end}
         if er.receipt is None and not er.held_nothing:
+            u.markers = [(m, e) for m, e in u.markers if e >= end]
             return  # no answer: it may not have run
+        u.erased_markers += [m for m, e in u.markers if e < er.s]  # none may stay in the database
+        u.markers = [(m, e) for m, e in u.markers if e >= end]
         self.eu.act_as(u)
         with contextlib.suppress(Ambiguous):
             listed = self.listed(self.as_end_user(u), "frontend_erase_check")

@@ -58,6 +58,7 @@ class EndUsers(Caller, threading.Thread):
         self.erase_period = period if period > 0 else float("inf")
         self.next_erase = self.rng.uniform(0.5, 1.5) * self.erase_period
         self.error: BaseException | None = None
+        self.pending_marker: str | None = None  # the marker of the text the next write sends
 
     # ------------------------------------------------------------------------------ the thread
     def run(self) -> None:
@@ -159,10 +160,14 @@ class EndUsers(Caller, threading.Thread):
             for h in touched:
                 h.q, h.end = self.last_q, end
             u.last_write_q = self.last_q
+            if self.pending_marker is not None:
+                u.markers.append((self.pending_marker, end))
+                self.pending_marker = None
 
     def text(self, u: EndUser) -> str:
         self.next_id += 1
-        mark = f"zfe{self.users.index(u)}x{self.rng.getrandbits(32):08x}"
+        mark = f"zfe{self.users.index(u)}x{self.rng.getrandbits(40):010x}"
+        self.pending_marker = mark
         return f"[{mark}] #{self.next_id} {self.rng.choice(QUESTIONS)}"
 
     # ----------------------------------------------------------------------------- operations

@@ -120,6 +120,8 @@ class EndUser:
     held: dict[tuple[str, str], Held] = field(default_factory=dict)
     processed: int = 0  # its erasures (ErasureLog.of) taken into account
     last_write_q: float = 0.0  # when its last write was sent, answered or not
+    markers: list[tuple[str, float]] = field(default_factory=list)  # its texts' markers, write ended
+    erased_markers: list[str] = field(default_factory=list)  # of writes ended before an erasure
 
     def of_kind(self, kind: str) -> list[Held]:
         return sorted((h for h in self.held.values() if h.kind == kind), key=lambda h: h.id)

@@ -37,7 +37,7 @@ class RunEnd:
 
     final_checked: int  # ledger entries checked at the end
     receipts_bad: int  # `Verifier.reverify_receipts`
-    erased_hits: int  # erased users' markers in the SQLite files
+    erased_hits: int  # erased users' and end users' markers in the SQLite files
     deleted_hits: int  # deleted sessions' markers (for information)
     restart_failures: int
     verified: int  # ledger entries checked over the run
