@@ -107,6 +107,7 @@ class EndUserChecks:
             u.markers = [(m, e) for m, e in u.markers if e >= end]
             return  # no answer: it may not have run
         u.erased_markers += [m for m, e in u.markers if e < er.s]  # none may stay in the database
+        self.rec.count("end_user_raced_writes", len(raced))  # how often the race was a race
         u.markers = [(m, e) for m, e in u.markers if e >= end]
         self.eu.act_as(u)
         with contextlib.suppress(Ambiguous):

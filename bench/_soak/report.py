@@ -74,6 +74,7 @@ def report(out: Path, rec: Recorder, server: Server, end: RunEnd) -> int:
         "end_user_lost": counts["end_user_lost"],
         "end_user_erasures": counts["end_user_erasures"],
         "end_user_erasures_held_nothing": counts["end_user_erasures_held_nothing"],
+        "end_user_raced_writes": counts["end_user_raced_writes"],
         "end_user_acked": counts["end_user_acked"],
         "end_user_verified": counts["end_user_verified"],
         "erasures": counts["erasures"],
