@@ -24,6 +24,15 @@ What it does (docs/operations.md, "Soak and fault campaign", says how to read th
   two or three at once; some with the user's own key, the others with the admin key), and now
   and then lists receipts (`GET /v1/erasures`), re-reads one (`GET /v1/erasures/{id}`), creates,
   lists and deletes public prefixes, reads `/healthz`, `/readyz`, `/v1/models` and the console;
+- a frontend thread (`--end-users`, 3 by default) acts for end users of one frontend key
+  (`dss keys create --frontend`), each request naming its end user by `X-DSS-User`, the
+  frontend's own user header or the body's `user`: chat turns in sessions named by the body's
+  `session_id`, `X-DSS-Session` or the frontend's session header, the Conversations API (create,
+  add items, delete an item, delete a conversation), Responses in a conversation, reads of their
+  own things, of each other's and of the plain users' (and a plain user reading theirs); every
+  `--race-erase-every-s` (+-50 %) of its traffic it erases one end user through the frontend key
+  (`DELETE /v1/users/{end user}`) while a write of that end user runs, then reads back everything
+  the end user held;
 - every `--kill-every-s` seconds of traffic (+-20 %) sends SIGKILL to the whole process group (the
   API process and the engine's children), restarts the server on the same data directory and
   waits for `/readyz`;
@@ -70,8 +79,20 @@ user whose erasure raced them answered 404, 409 or 410, or ended by an `error` e
 erasure won, as it may; never counted as errors), `interrupted` (requests cut by a kill: their
 outcome is unknown, the client re-reads and never adds an unacknowledged version).
 
+The end users' counts in the DETAIL line (`bench/_soak/end_user_checks.py`):
+`end_user_remnants` (a session, conversation, item or response of an erased end user whose last
+write ended before the erasure was sent, still visible through any route after the erasure
+answered - its `GET`s, the conversation's items, the response's input items, `GET
+/v1/sessions` - or the end user still listed by the frontend's `GET /v1/users` though it wrote
+nothing since), `end_user_pre_erasure_kept` (the same for a write sent before the erasure and
+answered after it: it was erased or refused, never kept under the old epoch), `end_user_leaks`
+(an end user reading or listing another end user's or a plain user's things, a plain user
+reading an end user's, `GET /v1/users` naming someone not of the frontend), `end_user_lost`
+(something an end user holds, written after its last erasure, that does not read back).
+
 The exit status is 1 when any of hangs, errors_5xx, lost_versions, corrupt_served, remnants,
-unexpected, remnants_at_erasure, pre_erasure_kept, leftovers or restart_failures is not 0.
+unexpected, remnants_at_erasure, pre_erasure_kept, leftovers, restart_failures,
+end_user_remnants, end_user_pre_erasure_kept, end_user_leaks or end_user_lost is not 0.
 `--out` keeps summary.json, events.jsonl (every finding with its request and answer) and
 server.log.
 

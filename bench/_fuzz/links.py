@@ -1,6 +1,7 @@
 """OpenAPI `links` added to the app's schema (the app declares none, and the campaign must not
 change the app): from a created session to its reads and turns, from a turn to its version, a
-rollback, a branch, a turn on it, from a response to its reads, deletion and continuation
+rollback, a branch, a turn on it, from a response to its reads, deletion and continuation, from a
+conversation to its items and deletion, from a frontend's list of end users to an erasure
 (`bench/schemathesis_stateful.py` lists them all)."""
 
 from __future__ import annotations
@@ -25,6 +26,16 @@ RESPONSES = ("post", "/v1/responses")
 RESPONSE = ("get", "/v1/responses/{response_id}")
 RESPONSE_DELETE = ("delete", "/v1/responses/{response_id}")
 RESPONSE_ITEMS = ("get", "/v1/responses/{response_id}/input_items")
+CONVERSATIONS = ("post", "/v1/conversations")
+CONVERSATION = ("get", "/v1/conversations/{conversation_id}")
+CONVERSATION_UPDATE = ("post", "/v1/conversations/{conversation_id}")
+CONVERSATION_DELETE = ("delete", "/v1/conversations/{conversation_id}")
+ITEMS = ("get", "/v1/conversations/{conversation_id}/items")
+ITEMS_ADD = ("post", "/v1/conversations/{conversation_id}/items")
+ITEM = ("get", "/v1/conversations/{conversation_id}/items/{item_id}")
+ITEM_DELETE = ("delete", "/v1/conversations/{conversation_id}/items/{item_id}")
+LIST_USERS = ("get", "/v1/users")
+ERASE_USER = ("delete", "/v1/users/{user_id}")
 
 SID_BODY = "$response.body#/id"
 SID_TURN = "$response.body#/session_id"
@@ -135,6 +146,36 @@ def _links() -> list[tuple[tuple[str, str], str, str, tuple[str, str], dict[str,
     return out
 
 
+def _conversation_links() -> list[tuple[tuple[str, str], str, str, tuple[str, str], dict[str, Any]]]:
+    """A conversation's life: created -> read, items added -> an item read or deleted -> the
+    conversation deleted (then read: it must stay gone); a response in it; and, for a frontend
+    key, its end users listed -> the first one erased (the end user the run acts as, usually)."""
+    cid = {"parameters": {"path.conversation_id": SID_BODY}}
+    cid_req = "$request.path.conversation_id"
+    first_item = {
+        "parameters": {"path.conversation_id": cid_req, "path.item_id": "$response.body#/data/0/id"}
+    }
+    return [
+        (CONVERSATIONS, "200", "GetIt", CONVERSATION, cid),
+        (CONVERSATIONS, "200", "ItsItems", ITEMS, cid),
+        (CONVERSATIONS, "200", "AddItems", ITEMS_ADD, cid),
+        (CONVERSATIONS, "200", "UpdateIt", CONVERSATION_UPDATE, cid),
+        (CONVERSATIONS, "200", "DeleteIt", CONVERSATION_DELETE, cid),
+        (CONVERSATIONS, "200", "RespondInIt", RESPONSES, {"requestBody": {"conversation": SID_BODY}}),
+        (ITEMS_ADD, "200", "TheItem", ITEM, first_item),
+        (ITEMS_ADD, "200", "DeleteTheItem", ITEM_DELETE, first_item),
+        (ITEMS_ADD, "200", "TheItems", ITEMS, {"parameters": {"path.conversation_id": cid_req}}),
+        (ITEMS, "200", "FirstItem", ITEM, first_item),
+        (ITEMS, "200", "DeleteFirstItem", ITEM_DELETE, first_item),
+        (ITEM_DELETE, "200", "TheItems", ITEMS, cid),
+        (ITEM_DELETE, "200", "DeleteTheConversation", CONVERSATION_DELETE, cid),
+        (CONVERSATION_UPDATE, "200", "AddItems", ITEMS_ADD, cid),
+        (CONVERSATION_DELETE, "200", "ReadItAgain", CONVERSATION, cid),
+        (LIST_USERS, "200", "EraseTheFirst", ERASE_USER, {"parameters": {"path.user_id": FIRST_ID}}),
+        (ERASE_USER, "200", "TheUsers", LIST_USERS, {}),
+    ]
+
+
 def add_links(schema: dict[str, Any]) -> int:
     """Add the links to a fetched schema (in place); returns how many were added."""
     paths = schema["paths"]
@@ -142,7 +183,7 @@ def add_links(schema: dict[str, Any]) -> int:
         (m, p): op["operationId"] for p, ops in paths.items() for m, op in ops.items() if "operationId" in op
     }
     added = 0
-    for src, status, name, dst, spec in _links():
+    for src, status, name, dst, spec in _links() + _conversation_links():
         if src not in ids or dst not in ids:
             print(f"warning: no operation {src if src not in ids else dst}; link {name} skipped", flush=True)
             continue

@@ -131,6 +131,7 @@ class Erasure:
     by: str = "admin"
     together: int = 1  # erasures of the same user sent at the same moment
     void: bool = False  # answered 4xx: it erased nothing
+    held_nothing: bool = False  # answered 200 without a receipt: the server held nothing of the user
 
 
 class Caller:
@@ -236,11 +237,12 @@ class Caller:
         expect: tuple[int, ...] = (200,),
         client: httpx.Client | None = None,
         race_ok: bool = True,
+        headers: dict[str, str] | None = None,
     ) -> httpx.Response:
         """`race_ok=False`: a request whose 4xx no racing erasure can explain (an erasure itself)."""
         gen0, t0 = self.start_request()
         try:
-            r = (client or self.http).request(method, path, json=body)
+            r = (client or self.http).request(method, path, json=body, headers=headers)
         except httpx.TimeoutException as exc:
             raise self.no_answer(kind, gen0, t0, exc, timeout=True) from None
         except httpx.TransportError as exc:

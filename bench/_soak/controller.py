@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -17,15 +18,18 @@ from _procs import free_port
 from .admin import Operator
 from .calls import Gate, Recorder
 from .client import Client
+from .end_users import END_USER_NAMES, FRONTEND, SESSION_HEADER, USER_HEADER, EndUsers
 from .erasures import ErasureLog
 from .report import RunEnd, report
-from .server import Server, create_key, try_create_key
+from .server import Server, create_frontend_key, create_key, try_create_key
 from .verify import Verifier
 
 ODD_USER = "soak@org/user-1"  # client 1's user id with --odd-user-id
 
 
 class Controller:
+    frontend_key: str  # with --end-users
+
     def __init__(self, args: argparse.Namespace, out: Path, data_dir: Path) -> None:
         self.args = args
         self.out = out
@@ -56,7 +60,13 @@ class Controller:
                 )
             users.append(user)
             keys.append(key or create_key(data_dir, user))
-        print(f"created {len(keys) + 2} API keys in {time.monotonic() - t0:.1f} s", flush=True)
+        n_end_users = min(int(args.end_users), len(END_USER_NAMES))
+        if n_end_users:
+            self.frontend_key = create_frontend_key(data_dir, FRONTEND, USER_HEADER, SESSION_HEADER)
+        print(
+            f"created {len(keys) + 2 + bool(n_end_users)} API keys in {time.monotonic() - t0:.1f} s",
+            flush=True,
+        )
         port = args.port or free_port()
         self.server = Server(data_dir, port, out / "server.log", self.admin_key)
         self.clients = [
@@ -64,6 +74,8 @@ class Controller:
         ]
         racing = dict(zip(users, keys, strict=True)) if self.race_erase_every_s > 0 else {}
         self.operator = Operator(self, args.seed, racing)
+        # One frontend key acting for a few end users, racing erasures of its own (`end_users`).
+        self.end_users = EndUsers(self, args.seed, END_USER_NAMES[:n_end_users]) if n_end_users else None
 
     def pause(self) -> None:
         if not self.gate.close(self.deadline_s * 3 + 30):
@@ -90,7 +102,11 @@ class Controller:
         self.gate.down = False
         for c in self.clients:
             c.resolve()
-        checked = self.verifier.verify_ledgers(self.clients, f"after restart {self.server.starts - 1}")
+        phase = f"after restart {self.server.starts - 1}"
+        checked = self.verifier.verify_ledgers(self.clients, phase)
+        if self.end_users is not None:
+            self.end_users.resolve()
+            checked += self.end_users.checks.verify(phase)
         self.rec.count("restarts")
         print(
             f"  restart #{self.server.starts - 1}: down {time.monotonic() - t0:.0f} s "
@@ -126,6 +142,8 @@ class Controller:
         for c in self.clients:
             c.start()
         self.operator.start()
+        if self.end_users is not None:
+            self.end_users.start()
         self.gate.open()
         run_s, kills = 0.0, 0
         next_kill = args.kill_every_s * rng.uniform(0.8, 1.2) if args.kill_every_s > 0 else float("inf")
@@ -149,7 +167,8 @@ class Controller:
         # --------------------------------------------------------------------- final checks
         self.pause()
         self.gate.stop.set()
-        for th in [*self.clients, self.operator]:
+        threads: list[threading.Thread] = [*self.clients, self.operator]
+        for th in threads + ([self.end_users] if self.end_users is not None else []):
             th.join(30)
         final_checked = receipts_bad = erased_hits = deleted_hits = 0
         if self.server.proc is not None:
@@ -157,8 +176,13 @@ class Controller:
             for c in self.clients:
                 c.resolve()
             final_checked = self.verifier.verify_ledgers(self.clients, "final")
+            if self.end_users is not None:
+                self.end_users.resolve()
+                final_checked += self.end_users.checks.verify("final")
             receipts_bad = self.verifier.reverify_receipts(self.operator.http)
             erased_hits, deleted_hits = self.verifier.db_scan(self.clients)
+            if self.end_users is not None:
+                erased_hits += self.verifier.end_user_db_scan(self.end_users.users)
         stop_rc, stop_s = self.server.stop()
         end = RunEnd(
             final_checked=final_checked,

@@ -52,6 +52,7 @@ class ErasureLog:
                 )
         with self.lock:
             er.void = void
+            er.held_nothing = receipt is not None and bool(receipt.get("held_nothing"))
             er.e = float("inf") if unknown else time.monotonic()
             if receipt is not None and isinstance(receipt.get("id"), str):
                 er.receipt = receipt["id"]

@@ -55,6 +55,13 @@ def main(argv: list[str] | None = None) -> int:
         help="mean period of erasures racing the traffic (+-50 %%; 1-3 at once); 0 = none",
     )
     p.add_argument(
+        "--end-users",
+        type=int,
+        default=3,
+        help="end users of one frontend key (at most 3; 0 = no frontend): sessions, conversations, "
+        "responses in them, erased through the frontend key while their writes run",
+    )
+    p.add_argument(
         "--server-root",
         type=Path,
         default=os.environ.get("DSS_SOAK_SERVER_ROOT") or None,

@@ -92,3 +92,36 @@ def same_content(listed: Messages, e: Entry) -> bool:
     if e.messages is not None:
         return listed == e.messages
     return bool(listed) and listed[-1].get("content") == e.text
+
+
+@dataclass
+class Held:
+    """Something an end user of the soak's frontend holds (`kind`: a session, a conversation, an
+    item of one, a response in one), acknowledged by the server. `q` and `end` are when the last
+    write naming it was sent and when it ended: an erasure of the end user sent after `end` must
+    leave nothing of it visible; one sent between `q` and `end` raced that write."""
+
+    kind: str  # "session", "conversation", "item", "response"
+    id: str
+    conv: str | None  # the conversation of an item or a response
+    q: float
+    end: float
+    messages: Messages = field(default_factory=list)  # a session's dialogue, to continue it
+    acked: bool = True  # False: a new session whose first turn got no answer (it may exist)
+
+
+@dataclass
+class EndUser:
+    """One end user of the soak's frontend key: the DSS user `<frontend>/<name>` (`label`, the
+    `ErasureLog`'s key), what it holds (by (kind, id)), its erasures taken into account."""
+
+    name: str
+    label: str
+    held: dict[tuple[str, str], Held] = field(default_factory=dict)
+    processed: int = 0  # its erasures (ErasureLog.of) taken into account
+    last_write_q: float = 0.0  # when its last write was sent, answered or not
+    markers: list[tuple[str, float]] = field(default_factory=list)  # its texts' markers, write ended
+    erased_markers: list[str] = field(default_factory=list)  # of writes ended before an erasure
+
+    def of_kind(self, kind: str) -> list[Held]:
+        return sorted((h for h in self.held.values() if h.kind == kind), key=lambda h: h.id)

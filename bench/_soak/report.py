@@ -24,6 +24,10 @@ FAIL_KEYS = (
     "remnants_at_erasure",
     "pre_erasure_kept",
     "leftovers",
+    "end_user_remnants",
+    "end_user_pre_erasure_kept",
+    "end_user_leaks",
+    "end_user_lost",
 )
 
 
@@ -33,7 +37,7 @@ class RunEnd:
 
     final_checked: int  # ledger entries checked at the end
     receipts_bad: int  # `Verifier.reverify_receipts`
-    erased_hits: int  # erased users' markers in the SQLite files
+    erased_hits: int  # erased users' and end users' markers in the SQLite files
     deleted_hits: int  # deleted sessions' markers (for information)
     restart_failures: int
     verified: int  # ledger entries checked over the run
@@ -64,6 +68,15 @@ def report(out: Path, rec: Recorder, server: Server, end: RunEnd) -> int:
         "remnants_at_erasure": counts["remnants_at_erasure"],
         "pre_erasure_kept": counts["pre_erasure_kept"],
         "leftovers": counts["leftovers"] + end.erased_hits,
+        "end_user_remnants": counts["end_user_remnants"],
+        "end_user_pre_erasure_kept": counts["end_user_pre_erasure_kept"],
+        "end_user_leaks": counts["end_user_leaks"],
+        "end_user_lost": counts["end_user_lost"],
+        "end_user_erasures": counts["end_user_erasures"],
+        "end_user_erasures_held_nothing": counts["end_user_erasures_held_nothing"],
+        "end_user_raced_writes": counts["end_user_raced_writes"],
+        "end_user_acked": counts["end_user_acked"],
+        "end_user_verified": counts["end_user_verified"],
         "erasures": counts["erasures"],
         "race_erasures": counts["race_erasures"],
         "erased_4xx": counts["erased_4xx"],

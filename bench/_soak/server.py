@@ -48,10 +48,24 @@ def code_env() -> dict[str, str]:
 
 
 def create_key(data_dir: Path, user: str | None, db_url: str | None = None) -> str:
-    """`dss keys create --user NAME` / `--admin`: the key is the last line of its stdout."""
+    """`dss keys create --user NAME` / `--admin`: the key."""
+    return _keys_create(data_dir, ["--admin"] if user is None else ["--user", user], db_url)
+
+
+def create_frontend_key(
+    data_dir: Path, frontend: str, user_header: str, session_header: str, db_url: str | None = None
+) -> str:
+    """`dss keys create --frontend NAME` (registering the frontend with the headers its keys
+    trust: `user_header` names the end user, `session_header` the session; docs/frontends.md)."""
+    who = ["--frontend", frontend, "--user-header", user_header, "--session-header", session_header]
+    return _keys_create(data_dir, who, db_url)
+
+
+def _keys_create(data_dir: Path, who: list[str], db_url: str | None) -> str:
+    """`dss keys create` for `who`: the key is the last line of its stdout."""
     cmd = [*dss_cli(), "keys", "create", "--data-dir", str(data_dir)]
     cmd += ["--db-url", db_url] if db_url else []
-    cmd += ["--admin"] if user is None else ["--user", user]
+    cmd += who
     proc = subprocess.run(
         cmd, cwd=SERVER_ROOT, env=code_env(), capture_output=True, text=True, timeout=120, check=False
     )

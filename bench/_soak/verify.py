@@ -2,7 +2,7 @@
 restart and at the end): every ledger entry must be listed by `GET /v1/sessions/{sid}/versions`
 with its parent and branch, read back by `GET .../versions/{n}` with its messages (a response: its
 answer, and `GET /v1/responses/{id}`); every erasure receipt's fresh verification must find no
-remnant; erased users' marker strings must be gone from the SQLite files.
+remnant; erased users' and end users' marker strings must be gone from the SQLite files.
 
 `lost` is the one place a version is declared lost (clients call it too, on an online read):
 never when an erasure of its user ran after its request was sent (`ErasureLog.erased_since`),
@@ -19,7 +19,7 @@ import httpx
 
 from .calls import Recorder
 from .erasures import ErasureLog
-from .model import Entry, same_content
+from .model import EndUser, Entry, same_content
 
 if TYPE_CHECKING:
     from .client import Client
@@ -140,6 +140,22 @@ class Verifier:
             for mk in c.deleted_markers:
                 deleted += blobs.count(mk.encode())
         return erased, deleted
+
+    def end_user_db_scan(self, end_users: list[EndUser]) -> int:
+        """Erased end users' marker strings in the SQLite files (texts of writes that ended before
+        an erasure of theirs was sent)."""
+        blobs = b""
+        for p in sorted(self.data_dir.glob("dss.sqlite3*")):
+            with contextlib.suppress(OSError):
+                blobs += p.read_bytes()
+        hits = 0
+        for u in end_users:
+            for mk in u.erased_markers:
+                n = blobs.count(mk.encode())
+                if n:
+                    hits += n
+                    self.rec.event("db_marker_after_erasure", user=u.label, marker=mk, hits=n)
+        return hits
 
     def reverify_receipts(self, admin: httpx.Client) -> int:
         """Every receipt's fresh verification (`GET /v1/erasures/{id}`), with the traffic settled:

@@ -79,37 +79,56 @@ def test_openapi_schema_coverage_and_fuzzing(api_server: ApiServer, tmp_path: Pa
     assert r.status_code == 200, r.text
 
 
-def test_openapi_stateful_with_erasures_racing(api_server: ApiServer, tmp_path: Path) -> None:
+@pytest.mark.parametrize("who", ["user", "end user"])
+def test_openapi_stateful_with_erasures_racing(api_server: ApiServer, tmp_path: Path, who: str) -> None:
     """The stateful phase over the links of `bench/schemathesis_stateful.py` (`bench/_fuzz/`:
-    sessions, turns, versions, branches, responses, hints, warm-ups) as a user whom a thread erases
-    every couple of seconds: no 5xx and documented answers only, whatever the erasures take between
-    two steps; every racing erasure answers a receipt without remnants, and so does each one re-read
-    at the end. Bounded: a few scenarios of a few steps (about half a minute on two cores)."""
+    sessions, turns, versions, branches, responses, hints, warm-ups, conversations and their
+    items, a frontend's end users) as a user whom a thread erases every couple of seconds (with
+    the admin key), or as an end user of a frontend key (`X-DSS-User`) whom a thread erases
+    through the frontend key, planting a conversation before each erasure: no 5xx and documented
+    answers only, whatever the erasures take between two steps; every racing erasure answers a
+    receipt without remnants, and so does each one re-read at the end; an erased end user's
+    conversation is gone after its erasure, it never reads a bystander's, and an end user of the
+    same name on another frontend keeps hers. Bounded: a few scenarios of a few steps (about
+    half a minute each on two cores)."""
     sys.path.insert(0, str(REPO / "bench"))
+    from _fuzz.end_users import Bystander, EndUserProbe, frontend_key
     from _fuzz.links import add_links
     from _fuzz.race import EraseRacer
-    from _fuzz.runs import RACE_CHECKS, run_schemathesis
+    from _fuzz.runs import FRONTEND_EXCLUDED, RACE_CHECKS, run_schemathesis
 
-    user = "st-race"
-    key = api_server.key(user)
-    schema = httpx.get(api_server.base_url + "/openapi.json", timeout=30).json()
-    assert add_links(schema) >= 40
+    base, admin_key = api_server.base_url, api_server.admin_key
+    probe: EndUserProbe | None = None
+    examples = "3" if who == "user" else "12"  # the end user's scenarios end sooner (~3 s for 12)
+    if who == "user":
+        user = "st-race"
+        key, extra = api_server.key(user), ["--exclude-operation-id-regex", ADMIN_ONLY]
+        racer = EraseRacer(base, admin_key, user, period=2.0, deadline=120.0)
+    else:
+        user = "st-fe-race"
+        key, key_b = frontend_key(base, admin_key, "st-fe"), frontend_key(base, admin_key, "st-fe-b")
+        extra = ["--header", f"X-DSS-User: {user}", "--exclude-operation-id-regex", FRONTEND_EXCLUDED]
+        bystanders = [Bystander(key, "st-fe-bystander", False), Bystander(key_b, user, True)]
+        probe = EndUserProbe(base, key, user, bystanders, 120.0)
+        # Every second: the per-end-user limit on erasure checks (a burst of 5) holds for a run this short.
+        racer = EraseRacer(base, admin_key, user, period=1.0, deadline=120.0, erase_key=key, probe=probe)
+    schema = httpx.get(base + "/openapi.json", timeout=30).json()
+    assert add_links(schema) >= 55
     schema_path = tmp_path / "openapi-with-links.json"
     schema_path.write_text(json.dumps(schema))
     (tmp_path / "schemathesis.toml").write_text("[phases.stateful]\nmax-steps = 4\n")
-    racer = EraseRacer(api_server.base_url, api_server.admin_key, user, period=2.0, deadline=120.0)
     racer.start()
     try:
         rc, out = run_schemathesis(
             schema_path,
-            api_server.base_url,
+            base,
             key,
             tmp_path,
             tmp_path / "report.json",
             "--phases", "stateful",
-            "--max-examples", os.environ.get("DSS_SCHEMA_RACE_EXAMPLES", "3"),
+            "--max-examples", os.environ.get("DSS_SCHEMA_RACE_EXAMPLES", examples),
             "--seed", "20250102",
-            "--exclude-operation-id-regex", ADMIN_ONLY,
+            *extra,
             timeout=400,
             checks=RACE_CHECKS,
         )  # fmt: skip
@@ -117,9 +136,19 @@ def test_openapi_stateful_with_erasures_racing(api_server: ApiServer, tmp_path: 
         racer.stop.set()
         racer.join(150)
     remnants = racer.reverify()
+    findings = racer.findings + (probe.findings if probe is not None else [])
+    print(*[ln for ln in out.splitlines() if "API Links" in ln or "Scenarios" in ln], sep="\n")
+    print(
+        f"{who}: erasures {racer.counts}, remnants_at_erasure={racer.remnants_at_erasure} remnants={remnants}"
+    )
     assert rc == 0, out[-8000:]
-    assert racer.counts["erasures"] >= 1, (racer.counts, racer.findings, out[-3000:])
+    assert racer.counts["erasures"] >= 1, (racer.counts, findings, out[-3000:])
     assert {k: racer.counts[k] for k in ("errors_5xx", "hangs", "other")} == dict.fromkeys(
         ("errors_5xx", "hangs", "other"), 0
-    ), racer.findings
-    assert (racer.remnants_at_erasure, remnants) == (0, 0), racer.findings
+    ), findings
+    assert (racer.remnants_at_erasure, remnants) == (0, 0), findings
+    if probe is not None:
+        print(f"end user: {probe.counts}")
+        zero = ("remnants_visible", "leaks", "lost", "other")
+        assert {k: probe.counts.get(k, 0) for k in zero} == dict.fromkeys(zero, 0), findings
+        assert probe.counts["planted"] >= 1, (probe.counts, findings)

@@ -1,9 +1,11 @@
 """A short soak (`bench/soak.py`): the real server under mixed traffic on every route from a few
 clients (chat, `n` alternatives, `/messages`, Responses, session and version routes, hints,
-warm-ups, prefixes) while an operator erases their users under them, SIGKILLed once and restarted
-on its data directory; every acknowledged version must survive unless its user was erased after
-it was sent, nothing may hang or answer 5xx, no answer may differ from a cold recompute beyond
-rounding, no page may fail its checksum, erased users must leave nothing behind.
+warm-ups, prefixes) and from end users of a frontend key (sessions, conversations, responses in
+them), while an operator erases the users under them and the frontend its end users, SIGKILLed
+once and restarted on its data directory; every acknowledged version must survive unless its
+user was erased after it was sent, nothing may hang or answer 5xx, no answer may differ from a
+cold recompute beyond rounding, no page may fail its checksum, erased users and end users must
+leave nothing behind, and no end user may see another's.
 
 About two minutes on two cores (two server starts of ~25-45 s and 40 s of traffic).
 The long campaign is the same script with `--duration-s 1200 --kill-every-s 180`
@@ -26,7 +28,17 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 RESULT_KEYS = ["requests", "hangs", "errors_5xx", "lost_versions", "corrupt_served", "remnants", "restarts"]
 MUST_BE_ZERO = ("hangs", "errors_5xx", "lost_versions", "corrupt_served", "remnants")
-DETAIL_ZERO = ("unexpected", "restart_failures", "remnants_at_erasure", "pre_erasure_kept", "leftovers")
+DETAIL_ZERO = (
+    "unexpected",
+    "restart_failures",
+    "remnants_at_erasure",
+    "pre_erasure_kept",
+    "leftovers",
+    "end_user_remnants",
+    "end_user_pre_erasure_kept",
+    "end_user_leaks",
+    "end_user_lost",
+)
 
 
 def parse_line(out: str, tag: str) -> dict[str, str]:
@@ -65,4 +77,6 @@ def test_short_soak_with_one_kill(tmp_path: Path) -> None:
     assert int(detail["acked_versions"]) >= 10, out[-6000:]
     assert int(detail["verified_versions"]) >= 5, out[-6000:]  # checked after the restart and at the end
     assert int(detail["erasures"]) >= 1 and int(detail["race_erasures"]) >= 1, out[-6000:]
+    # The frontend's end users: written to, erased through the frontend key while a write ran.
+    assert int(detail["end_user_acked"]) >= 3 and int(detail["end_user_erasures"]) >= 1, out[-6000:]
     assert proc.returncode == 0, out[-6000:]
