@@ -77,6 +77,9 @@ def find_model(data_dir: Path | None = None) -> Path | None:
     return None
 
 
+NOT_PREPARED = "the default model is not prepared: run `make model` (or set DSS_MODEL_DIR)"
+
+
 def _is_hf_folder(path: Path) -> bool:
     has_weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
     return (path / "config.json").is_file() and has_weights
