@@ -170,9 +170,9 @@ class WorkerSide:
     def start_load_kv(self, meta: DSSConnectorMetadata) -> None:
         for spec in meta.loads:
             if spec.is_async:
-                self._loader.submit(self._async_load, spec)
+                self._loader.submit(self._load, spec)
             else:
-                self._sync_load(spec)
+                self._load(spec)
 
     def _copy_in(self, span: SlotSpan, block_ids: tuple[tuple[int, ...], ...]) -> int:
         """Copy slots into blocks; returns how many pages, from the first, are still the pages
@@ -194,58 +194,49 @@ class WorkerSide:
             )
         return unchanged
 
-    def _sync_load(self, spec: LoadSpec) -> None:
+    def _load(self, spec: LoadSpec) -> None:
+        """One load, on the forward pass's thread (sync: the plan named every slot) or on the
+        loader thread (async: the store promotes pages first and names their slots now). Copy,
+        then validate the copies and release the lease in one round trip; any failure is a miss
+        from the first page not known good, recomputed by vLLM."""
+        client = self._loader_client if spec.is_async else self._client
+        kind = "async" if spec.is_async else "sync"
         n_ok = 0
         released = False
         try:
-            if not self.ready or spec.span is None or self._client is None:
+            if not self.ready or client is None or (spec.span is None and not spec.is_async):
                 raise DSSError("connector not ready for loads")
-            n_copied = self._copy_in(spec.span, spec.block_ids)
-            # Validate (after the copy) and release in one round trip.
-            got = self._client.wait_loaded(spec.load_id, 0.0, release=True, shard=self.shard)
-            released = True
-            n_ok = min(n_copied, _usable_prefix(got, spec.n_pages))
-        except Exception as exc:
-            logger.warning("DSS sync load %s for %s failed, recomputing: %s", spec.load_id, spec.req_id, exc)
-            n_ok = 0
-        finally:
-            if not released:
-                self._release(self._client, spec.load_id, self.shard)
-        self._record_load(spec, n_ok, async_done=False)
-
-    def _async_load(self, spec: LoadSpec) -> None:
-        n_ok = 0
-        released = False
-        try:
-            if not self.ready or self._loader_client is None:
-                raise DSSError("connector not ready for loads")
-            got = self._loader_client.wait_loaded(spec.load_id, self.load_timeout_s)
-            n_ok = _usable_prefix(got, spec.n_pages)
-            if n_ok < spec.n_pages:
-                logger.warning(
-                    "DSS async load %s for %s: %d of %d pages could not be had, recomputing from page %d",
-                    spec.load_id,
-                    spec.req_id,
-                    spec.n_pages - n_ok,
-                    spec.n_pages,
-                    n_ok,
-                )
-            if n_ok:
-                span = span_of(got[:n_ok])
-                if span is None:
+            span = spec.span
+            n_ok = spec.n_pages
+            if spec.is_async:
+                got = client.wait_loaded(spec.load_id, self.load_timeout_s)
+                n_ok = _usable_prefix(got, spec.n_pages)
+                if n_ok < spec.n_pages:
+                    logger.warning(
+                        "DSS async load %s for %s: %d of %d pages could not be had, recomputing from page %d",
+                        spec.load_id,
+                        spec.req_id,
+                        spec.n_pages - n_ok,
+                        spec.n_pages,
+                        n_ok,
+                    )
+                span = span_of(got[:n_ok]) if n_ok else None
+                if n_ok and span is None:
                     raise DSSError("promoted pages came back without slots in one arena")
+            if n_ok and span is not None:
                 n_copied = self._copy_in(span, tuple(ids[:n_ok] for ids in spec.block_ids))
-                # Validate the copies (and release) in one round trip.
-                valid = self._loader_client.wait_loaded(spec.load_id, 0.0, release=True, shard=self.shard)
+                valid = client.wait_loaded(spec.load_id, 0.0, release=True, shard=self.shard)
                 released = True
                 n_ok = min(n_copied, _usable_prefix(valid, n_ok))
         except Exception as exc:
-            logger.warning("DSS async load %s for %s failed, recomputing: %s", spec.load_id, spec.req_id, exc)
+            logger.warning(
+                "DSS %s load %s for %s failed, recomputing: %s", kind, spec.load_id, spec.req_id, exc
+            )
             n_ok = 0
         finally:
             if not released:
-                self._release(self._loader_client, spec.load_id, self.shard)
-        self._record_load(spec, n_ok, async_done=True)
+                self._release(client, spec.load_id, self.shard)
+        self._record_load(spec, n_ok, async_done=spec.is_async)
 
     def _record_load(self, spec: LoadSpec, n_ok: int, async_done: bool) -> None:
         if n_ok < spec.n_pages and self.groups is not None and self.groups.hybrid:
