@@ -13,7 +13,7 @@ by an end client) are touched; every other request is left exactly to plain vLLM
 failure (an error, or an RPC past its deadline) is a cache miss, never an error of the request;
 each one is counted in the request's `dss.wire.TurnReport`.
 
-Store round trips per session turn from this process: one `lookup` when the request is first
+Store round trips per session turn from this process: one `begin_load` when the request is first
 scheduled (unless vLLM's own cache covers all but the last prompt token), one `plan_save` when
 its prefill completes (its whole prompt pages), and one `plan_save` at finish (the pages decoding
 completed and the tail).
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
@@ -36,6 +36,7 @@ from dss.types import FingerprintId, Tier
 from dss.wire import LoadPlan, SessionTag, TurnReport, span_of
 from engine_patch.connector.groups import KVGroups, complete_prefix
 from engine_patch.connector.metadata import DSSConnectorMetadata, DSSWorkerMetadata, LoadSpec, SaveSpec
+from engine_patch.connector.request_state import BlockIds, Claim, RequestState, session_key, tokens_by_tier
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -44,50 +45,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger("vllm.dss_connector")
-
-
-BlockIds = tuple[list[int], ...]  # a request's engine block ids, one list per KV cache group
-
-
-def _key(tag: SessionTag) -> tuple[str, str]:
-    return (tag.tenant, tag.session_id)
-
-
-@dataclass(slots=True)
-class _Claim:
-    """A lookup answered for a waiting request: its pages are pinned in the store."""
-
-    plan: LoadPlan
-    start_token: int
-
-
-@dataclass(slots=True)
-class _RequestState:
-    """Everything the scheduler side holds for one session request, from its first lookup to its
-    finish, where it becomes the request's `TurnReport`. Requests without a (verified) session
-    have none: they are plain vLLM."""
-
-    request: Request
-    session: SessionTag
-    saves_prompt: bool = False  # its whole prompt pages are saved when its prefill completes
-    windowed: bool = False  # its pages are saved before they leave a sliding window
-    claim: _Claim | None = None  # a lookup's pinned pages, until vLLM allocates the blocks
-    deferred_since: float | None = None  # first "ask again" while the session's last save settles
-    loading_async: bool = False  # pages still arriving on the worker's loader thread
-    hit_sources: dict[CacheHitSource, int] = field(default_factory=dict)  # for vLLM's hit metrics
-    # What the connector did so far (the report):
-    engine_cached: int = 0  # vLLM's own prefix-cache hit when the store was asked
-    page_tiers: list[str] = field(default_factory=list)  # tier of each page handed to the worker
-    loaded_tokens: int = 0  # tokens those pages hold (the last one may be a tail page)
-    found_in: dict[str, int] = field(default_factory=dict)  # what the store had, by tier
-    failed_tokens: int = 0
-    stored_pages: int = 0
-    planned_tokens: int = 0  # tokens covered by a save plan already (prompt pages after prefill)
-    store_errors: int = 0
-
-    @property
-    def req_id(self) -> str:
-        return str(self.request.request_id)
 
 
 class SchedulerSide:
@@ -120,7 +77,7 @@ class SchedulerSide:
         self.save_after_prefill = save_after_prefill and block_ids_of is not None
         self._block_ids_of = block_ids_of
         self._fid: FingerprintId | None = None
-        self._requests: dict[str, _RequestState] = {}  # running session requests, by request id
+        self._requests: dict[str, RequestState] = {}  # running session requests, by request id
         # session -> {request id: when its finish-time save was handed to the worker}; kept past
         # the request's finish, until the worker reports the copy done.
         self._saving: dict[tuple[str, str], dict[str, float]] = {}
@@ -161,7 +118,7 @@ class SchedulerSide:
                 return None
         return self._fid
 
-    def _release(self, st: _RequestState, load_id: str) -> None:
+    def _release(self, st: RequestState, load_id: str) -> None:
         if self.client is None:
             return
         try:
@@ -182,7 +139,7 @@ class SchedulerSide:
             session = self.session_of(request)
             if session is None:
                 return 0, False
-            st = self._requests[req_id] = _RequestState(
+            st = self._requests[req_id] = RequestState(
                 request,
                 session,
                 saves_prompt=self.save_after_prefill and request.num_output_tokens == 0,
@@ -196,7 +153,7 @@ class SchedulerSide:
                 return st.claim.plan.n_tokens, self._is_async(st.claim.plan)
             # vLLM's own cache moved under us: the old plan no longer starts where we load.
             self._drop_claim(st)
-        if self._save_in_flight(_key(st.session)):
+        if self._save_in_flight(session_key(st.session)):
             # A previous turn of this session is still being saved (its pages are copied in the
             # next engine step); ask again then, so the new turn sees them. Bounded, in case the
             # save never completes.
@@ -227,7 +184,7 @@ class SchedulerSide:
         if not self._plan_is_sane(plan, num_computed_tokens, max_tokens):
             self._release(st, plan.load_id)
             return 0, False
-        st.claim = _Claim(plan, num_computed_tokens)
+        st.claim = Claim(plan, num_computed_tokens)
         st.found_in = {k: v for k, v in plan.tier_tokens.items() if v}
         return plan.n_tokens, self._is_async(plan)
 
@@ -295,7 +252,7 @@ class SchedulerSide:
         ]
         st.loaded_tokens = min(num_external_tokens, claim.plan.n_tokens)
         st.loading_async = is_async
-        per_tier = _tokens_by_tier(st.page_tiers, st.loaded_tokens, bs)
+        per_tier = tokens_by_tier(st.page_tiers, st.loaded_tokens, bs)
         st.hit_sources = {
             source: n
             for source, n in (
@@ -329,7 +286,7 @@ class SchedulerSide:
         self._loads, self._saves = [], []
         return meta
 
-    def _save_finished_prefill(self, st: _RequestState, n_scheduled: int) -> None:
+    def _save_finished_prefill(self, st: RequestState, n_scheduled: int) -> None:
         """Save the prompt pages of a request whose prefill completes in this step.
 
         The worker copies them after this step's forward, so the next turn, a branch or a
@@ -346,7 +303,7 @@ class SchedulerSide:
         n_whole = request.num_prompt_tokens // self.block_size * self.block_size
         self._queue_save(st, self._plan_save(st, n_whole, self._block_ids_of(st.req_id), on_finish=False))
 
-    def _save_pages_leaving_windows(self, st: _RequestState, n_scheduled: int) -> None:
+    def _save_pages_leaving_windows(self, st: RequestState, n_scheduled: int) -> None:
         """Save the whole pages of a running request whose oldest unsaved page loses its
         sliding-window blocks at the next step (vLLM frees the blocks below the window of the
         tokens computed by then): a page is stored only with every group's KV, so this is its last
@@ -362,13 +319,13 @@ class SchedulerSide:
             st, self._plan_save(st, n_after // bs * bs, self._block_ids_of(st.req_id), on_finish=False)
         )
 
-    def _queue_save(self, st: _RequestState, spec: SaveSpec | None) -> None:
+    def _queue_save(self, st: RequestState, spec: SaveSpec | None) -> None:
         if spec is not None:
             self._saves.append(spec)
             st.stored_pages += len(spec.page_indexes)
 
     def _plan_save(
-        self, st: _RequestState, n_tokens: int, block_ids: BlockIds, on_finish: bool
+        self, st: RequestState, n_tokens: int, block_ids: BlockIds, on_finish: bool
     ) -> SaveSpec | None:
         """Ask the store which pages of the first `n_tokens` tokens it lacks (whole pages, then
         the tail page when `n_tokens` ends inside a block); None when there is nothing to copy.
@@ -440,7 +397,7 @@ class SchedulerSide:
             session = self.session_of(request)
             if session is None:
                 return False, None
-            st = _RequestState(request, session)  # finished before the connector was asked
+            st = RequestState(request, session)  # finished before the connector was asked
         self._drop_claim(st)
         delay_free = False
         # Aborted while its pages were still arriving: its blocks hold nothing to save yet.
@@ -449,27 +406,13 @@ class SchedulerSide:
             spec = self._plan_save(st, int(request.num_computed_tokens), block_ids, on_finish=True)
             if spec is not None:
                 self._queue_save(st, spec)
-                self._saving.setdefault(_key(st.session), {})[req_id] = time.monotonic()
+                self._saving.setdefault(session_key(st.session), {})[req_id] = time.monotonic()
                 delay_free = True
         return delay_free, self._report(st).to_params()
 
-    def _report(self, st: _RequestState) -> TurnReport:
-        bs = self.block_size
-        n_ok = max(0, len(st.page_tiers) - (st.failed_tokens + bs - 1) // bs) if bs else 0
-        # Failed pages are the last ones: vLLM recomputes from there.
-        loaded = _tokens_by_tier(st.page_tiers[:n_ok], min(st.loaded_tokens, n_ok * bs), bs)
-        return TurnReport(
-            session_id=st.session.session_id,
-            fingerprint=self.fingerprint.id if self.fingerprint is not None else None,
-            engine_cached_tokens=st.engine_cached,
-            loaded_from=loaded,
-            found_in=st.found_in,
-            failed_tokens=st.failed_tokens,
-            stored_pages=st.stored_pages,
-            computed_tokens=int(st.request.num_computed_tokens),
-            store_errors=st.store_errors,
-            caching_off=self.off_reason,
-        )
+    def _report(self, st: RequestState) -> TurnReport:
+        fid = self.fingerprint.id if self.fingerprint is not None else None
+        return st.report(self.block_size, fid, self.off_reason)
 
     @property
     def disabled(self) -> bool:
@@ -479,7 +422,7 @@ class SchedulerSide:
         logger.error("DSS connector off: %s; no more loads or saves", reason)
         self.off_reason = reason
 
-    def _abort(self, st: _RequestState, save_id: str) -> None:
+    def _abort(self, st: RequestState, save_id: str) -> None:
         try:
             self.client.abort_save(save_id)  # type: ignore[union-attr]
         except DSSError as exc:
@@ -492,17 +435,7 @@ class SchedulerSide:
         if self.client is not None:
             self.client.close()
 
-    def _drop_claim(self, st: _RequestState) -> None:
+    def _drop_claim(self, st: RequestState) -> None:
         claim, st.claim = st.claim, None
         if claim is not None:
             self._release(st, claim.plan.load_id)
-
-
-def _tokens_by_tier(tiers: list[str], n_tokens: int, block_size: int) -> dict[str, int]:
-    """`n_tokens` spread over pages of `block_size` read from `tiers` (the last may be partial)."""
-    out: dict[str, int] = {}
-    for i, tier in enumerate(tiers):
-        n = min(block_size, n_tokens - i * block_size)
-        if n > 0:
-            out[tier] = out.get(tier, 0) + n
-    return out
