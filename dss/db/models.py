@@ -331,7 +331,7 @@ class FrontendRow(Base):
 
 class AdminAuditRow(Base):
     """Append-only: who (a key id, or `cli`) did what to keys and frontends, and when. An erasure
-    replaces its user's id in `detail` by a pseudonym (`dss.ops.erasure.pseudonymise_audit`)."""
+    replaces its user's id in `detail` by a pseudonym (`api.keys.store_tables`)."""
 
     __tablename__ = "admin_audit"
 
