@@ -26,6 +26,7 @@ from fastapi import Depends, FastAPI
 from api.auth import ApiKeys, check_user_name
 from api.deps import authenticate_before_body, check_request_text
 from api.errors import UncachedModel, install_error_handlers
+from api.keys.store_tables import StoreTables
 from api.metrics import Metrics
 from api.middleware import AuthBeforeBody, BodyLimit, DevHostGuard, RequestMetrics, ServerIdHeader
 from api.routes import (
@@ -221,7 +222,7 @@ async def _open(app: FastAPI, settings: Settings, startup: Startup) -> None:
     # The server's processes (vLLM's engine core and workers, the page codec) never need the
     # master key: it leaves this process's environment once read, before any of them starts.
     config = replace(settings.store_config(), forget_env_master_key=True)
-    store = await asyncio.to_thread(Store.open, config, aborter)
+    store = await asyncio.to_thread(Store.open, config, aborter, StoreTables())
     try:
         auth = settings.auth
         keys = ApiKeys(

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import fcntl
 import os
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from sqlalchemy import Engine, orm
 
@@ -47,9 +47,11 @@ from dss.index.prefix_index import PrefixIndex
 from dss.keys.crypto import KeyManager, forget_env_master_key
 from dss.keys.identity import Identity, load_master_key
 from dss.keys.keyring import Keyring
-from dss.keys.upgrade import upgrade_derivation
 from dss.ops import recovery
-from dss.ops.erasure import Eraser, ErasureReceipt, OnTenantErased, Verification
+from dss.ops.derivation_upgrade import upgrade_derivation
+from dss.ops.erasure import Eraser, OnTenantErased
+from dss.ops.erasure_receipts import ErasureReceipt
+from dss.ops.erasure_verify import Verification
 from dss.ops.kv import KVCache, MatchInfo
 from dss.ops.prefixes import PrefixInfo, PublicPrefixes
 from dss.ops.retention import SessionRetention
@@ -57,16 +59,30 @@ from dss.ops.sessions import Sessions
 from dss.pages.codec import make_codec
 from dss.pages.encoder import PageCodecProcess
 from dss.pages.eviction import make_policy
-from dss.pages.rows import PageRows
+from dss.pages.rows import PageRows, delete_pages_in
 from dss.pages.table import PageTable
 from dss.pages.tiered import TieredPages
 from dss.pages.tiers.disk import DiskTier
 from dss.pages.tiers.host import HostTier
 from dss.pages.tiers.remote import RemoteTier
 from dss.rpc import EngineCalls, StoreServer, socket_path_for
-from dss.types import Tier
+from dss.types import Tier, UserId
 
 __all__ = ["ErasureReceipt", "MatchInfo", "PrefixInfo", "Store", "Verification"]
+
+
+class ApiTables(Protocol):
+    """What the store must do to the API's own tables (`api_keys`, `admin_audit`: their owner is
+    `api`, `dss.db.models.TABLE_OWNERS`), each in the store's transaction: the API passes it to
+    `Store.open`, since `dss` never imports `api`."""
+
+    def users_in(self, db: orm.Session) -> set[UserId]:
+        """The users the API's keys act as (the tenant-derivation upgrade moves their epochs)."""
+        ...
+
+    def pseudonymise_audit_in(self, db: orm.Session, user: UserId, pseudonym: str) -> int:
+        """An erasure: the audit entries naming `user` name `pseudonym` instead; how many."""
+        ...
 
 
 class Store:
@@ -95,9 +111,15 @@ class Store:
     eraser: Eraser  # erasure, receipts, verification, `holds_user`
     retention: SessionRetention
 
-    def __init__(self, config: StoreConfig, on_tenant_erased: OnTenantErased | None = None) -> None:
+    def __init__(
+        self,
+        config: StoreConfig,
+        on_tenant_erased: OnTenantErased | None = None,
+        api_tables: ApiTables | None = None,
+    ) -> None:
         self.config = config
         self._on_tenant_erased = on_tenant_erased
+        self._api_tables = api_tables
         self._closed = False
         self._owner_lock: IO[bytes] | None = None
         self._rpc_server: StoreServer | None = None
@@ -110,10 +132,16 @@ class Store:
 
     # ================================================================== lifecycle
     @classmethod
-    def open(cls, config: StoreConfig, on_tenant_erased: OnTenantErased | None = None) -> Store:
+    def open(
+        cls,
+        config: StoreConfig,
+        on_tenant_erased: OnTenantErased | None = None,
+        api_tables: ApiTables | None = None,
+    ) -> Store:
         """`on_tenant_erased(tenant)`: called (on a store thread) when another server of the fleet
-        erased a tenant, before this server drops its copies: stop its running generations."""
-        store = cls(config, on_tenant_erased)
+        erased a tenant, before this server drops its copies: stop its running generations.
+        `api_tables`: the API's own tables (None: a store without the API, which has none)."""
+        store = cls(config, on_tenant_erased, api_tables)
         try:
             store._open()
         except BaseException:
@@ -139,7 +167,7 @@ class Store:
             fleet = cfg.fleet
             self.membership = Membership(self.sf, self.server_id, fleet.heartbeat_s, fleet.alive_s)
             self.membership.register()
-            self.page_drops = PageDrops(self.sf, self.server_id, fleet.alive_s)
+            self.page_drops = PageDrops(self.sf, self.server_id, fleet.alive_s, delete_pages_in)
         # Page rows commit without an fsync (see `PageRows`): the disk writer records a row per
         # page, and through an fsync each would hold SQLite's write lock that rollbacks wait for.
         self._db_relaxed = make_engine(url, durable_commits=False) if is_sqlite_file(url) else None
@@ -149,7 +177,8 @@ class Store:
             forget_env_master_key()  # before the page codec's process (below) and any engine start
         self.identity = Identity.load(self.sf, self.keys, cfg.identity_cache_entries)
         # A store made under the first (ambiguous) derivation: before anything reads a tenant.
-        upgrade_derivation(self.sf, self.identity)
+        api = self._api_tables
+        upgrade_derivation(self.sf, self.identity, api.users_in if api is not None else None)
         # Every write of a user's rows is fenced by the user's erasure epoch (`Identity.fence_in`).
         self.versions = VersionStore(
             self.sf, self.config.quotas, self.config.json_limits, fence=self.identity
@@ -184,7 +213,7 @@ class Store:
             self.remote,
         )
         self.recovery_report = recovery.rebuild(
-            self.sf, self.disk, self.pages, self.index, self.fingerprints, self.keyring.data_key
+            self.disk, self.pages, self.index, self.fingerprints, self.keyring
         )
         self.kv = KVCache(cfg, self.fingerprints, self.index, self.pages, self.keyring.is_retired)
         self.prefixes = PublicPrefixes(self.sf, self.fingerprints, self.kv, self.config.json_limits)
@@ -216,6 +245,7 @@ class Store:
             ack_timeout_s=cfg.fleet.ack_timeout_s,
             on_tenant_erased=self._on_tenant_erased,
             on_user_erased=self.retention.forget_user,
+            pseudonymise_audit_in=api.pseudonymise_audit_in if api is not None else None,
         )
         self.check()
         self.retention.sweeper.start()

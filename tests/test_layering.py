@@ -1,7 +1,8 @@
 """The import graph of `dss`, `engine_patch` and `api`, lazy imports (inside functions) included:
-no module imports one that imports it back, the rooms import one way only
+no module imports one that imports it back (`bench` and `deploy` walked too), the rooms import one way only
 (`api` → `engine_patch.setup` → `engine_patch.connector` → `dss`), and `api` imports from `dss`
-only what the rule in docs/architecture.md ("What `api/` may import from `dss`") allows."""
+only what the rule in docs/architecture.md ("What `api/` may import from `dss`") allows. And
+one owner per table: only it names the table's model class (`test_only_a_tables_owner_reaches_it`)."""
 
 from __future__ import annotations
 
@@ -59,9 +60,15 @@ API_MAY_IMPORT = (
 )
 
 
-def modules() -> dict[str, Path]:
+# The cycle check also walks these (scripts and their helpers, importing the packages above).
+# Imports under `if TYPE_CHECKING:` never run and are left out everywhere: bench/_soak's modules
+# name each other's classes in annotations that way (a cycle of names, not of imports).
+CYCLE_WALKED = (*PACKAGES, "deploy", "bench")
+
+
+def modules(packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
     out = {}
-    for pkg in PACKAGES:
+    for pkg in packages:
         for path in (ROOT / pkg).rglob("*.py"):
             parts = list(path.relative_to(ROOT).with_suffix("").parts)
             if parts[-1] == "__init__":
@@ -98,8 +105,8 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> Iterator[str]:
                 yield t
 
 
-def graph() -> dict[str, set[str]]:
-    known = modules()
+def graph(packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
+    known = modules(packages)
     return {name: set(imports(name, path, known)) for name, path in known.items()}
 
 
@@ -141,8 +148,8 @@ def test_the_api_rule_catches_a_reach_into_the_machinery() -> None:
     ]
 
 
-def test_no_import_cycles() -> None:
-    g = graph()
+def import_cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of `g` (its strongly connected components of more than one module)."""
     # A package's __init__ re-exporting its modules is not a cycle of concepts: edges from a
     # package to its own submodules are left out.
     g = {m: {t for t in ts if not t.startswith(m + ".")} for m, ts in g.items()}
@@ -178,7 +185,17 @@ def test_no_import_cycles() -> None:
     for v in sorted(g):
         if v not in index:
             strong(v)
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    cycles = import_cycles(graph(CYCLE_WALKED))
     assert not cycles, "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_sees_a_cycle() -> None:
+    g = {"bench.a": {"bench.b"}, "bench.b": {"bench.a"}, "bench.c": {"bench.a"}}
+    assert import_cycles(g) == [["bench.a", "bench.b"]]
 
 
 def test_the_arena_format_stands_alone() -> None:
@@ -239,3 +256,126 @@ def test_the_forwarder_count_sees_one() -> None:
     cls = tree.body[0]
     assert isinstance(cls, ast.ClassDef) and isinstance(cls.body[0], ast.FunctionDef)
     assert _is_forwarder(cls.body[0])
+
+
+# One owner per table. `dss.db.models.TABLE_OWNERS` names, for each table, the module or package
+# whose code alone reads and writes it; every other part asks the owner (a method that takes the
+# caller's transaction where the work must stay in one). A module that names a model class
+# (`select(X)`, `delete(X)`, `X.column`, `db.get(X, ...)`, `X(...)`) outside its table's owner
+# is a reach into another part's data, which the import rules above cannot see.
+# (module prefix, table) pairs allowed to reach anyway, each with its reason:
+TABLE_REACHES_ALLOWED = {
+    # The schema: the models themselves and the migrations that build and move the tables.
+    ("dss.db.models", "*"): "the schema",
+    ("migrations", "*"): "the schema's history",
+    # Benchmarks measure and fabricate rows as tests do (tests are not walked).
+    ("bench.verify", "erasure_receipts"): "fabricates 20,000 receipts to time a verification",
+    ("bench.dialogue_commits", "versions"): "measures the bytes the versions table holds",
+}
+TABLE_WALKED = ("dss", "api", "engine_patch", "deploy", "bench", "migrations")
+
+
+def _model_tables() -> dict[str, str]:
+    """Model class name -> table name, from `dss/db/models.py`."""
+    out = {}
+    for node in ast.parse((ROOT / "dss/db/models.py").read_text()).body:
+        if isinstance(node, ast.ClassDef):
+            for stmt in node.body:
+                if (
+                    isinstance(stmt, ast.Assign)
+                    and [ast.unparse(t) for t in stmt.targets] == ["__tablename__"]
+                    and isinstance(stmt.value, ast.Constant)
+                ):
+                    out[node.name] = str(stmt.value.value)
+    return out
+
+
+def _table_owners() -> dict[str, str]:
+    """`TABLE_OWNERS` of `dss/db/models.py`, read without importing it."""
+    for node in ast.parse((ROOT / "dss/db/models.py").read_text()).body:
+        if isinstance(node, ast.AnnAssign | ast.Assign):
+            target = node.target if isinstance(node, ast.AnnAssign) else node.targets[0]
+            if ast.unparse(target) == "TABLE_OWNERS" and node.value is not None:
+                owners = ast.literal_eval(node.value)
+                assert isinstance(owners, dict)
+                return owners
+    raise AssertionError("dss/db/models.py declares no TABLE_OWNERS")
+
+
+def tables_referenced(source: str, tables: dict[str, str]) -> set[str]:
+    """The tables whose model classes `source` names (imports aside): `X` imported from
+    `dss.db.models`, or `m.X` with `m` the module imported under any name."""
+    tree = ast.parse(source)
+    direct: dict[str, str] = {}  # local name -> model class
+    module_names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "dss.db.models":
+            direct.update({a.asname or a.name: a.name for a in node.names if a.name in tables})
+        elif isinstance(node, ast.ImportFrom) and node.module == "dss.db":
+            module_names.update(a.asname or a.name for a in node.names if a.name == "models")
+        elif isinstance(node, ast.Import):
+            module_names.update(a.asname or a.name for a in node.names if a.name == "dss.db.models")
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id in direct:
+            found.add(tables[direct[node.id]])
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr in tables
+            and ast.unparse(node.value) in module_names
+        ):
+            found.add(tables[node.attr])
+    return found
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def table_reaches(sources: dict[str, str], owners: dict[str, str], tables: dict[str, str]) -> list[str]:
+    return sorted(
+        f"{module} reaches {table} (owned by {owners[table]})"
+        for module, source in sources.items()
+        for table in tables_referenced(source, tables)
+        if not _within(module, owners[table])
+        and not any(
+            _within(module, prefix) and allowed in (table, "*") for prefix, allowed in TABLE_REACHES_ALLOWED
+        )
+    )
+
+
+def _sources(packages: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for pkg in packages:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path.read_text()
+    return out
+
+
+def test_every_table_has_one_owner() -> None:
+    owners, tables = _table_owners(), _model_tables()
+    assert sorted(owners) == sorted(tables.values()), "tables without an owner, or owners of no table"
+
+
+def test_only_a_tables_owner_reaches_it() -> None:
+    bad = table_reaches(_sources(TABLE_WALKED), _table_owners(), _model_tables())
+    assert not bad, "\n".join(bad)
+
+
+def test_the_owner_check_sees_every_kind_of_reach() -> None:
+    tables = {"PageRow": "pages", "DataKey": "data_keys", "SessionRow": "sessions"}
+    owners = {"pages": "dss.pages", "data_keys": "dss.keys", "sessions": "dss.dialogue"}
+    sources = {
+        "dss.ops.a": "from dss.db.models import PageRow as P\ndelete(P).where(P.tenant == t)\n",
+        "dss.ops.b": "from dss.db import models as m\ns.get(m.DataKey, t)\n",
+        "dss.ops.c": "import dss.db.models\nx = dss.db.models.SessionRow(id='s')\n",
+        "dss.pages.rows": "from dss.db.models import PageRow\nselect(PageRow)\n",
+    }
+    assert table_reaches(sources, owners, tables) == [
+        "dss.ops.a reaches pages (owned by dss.pages)",
+        "dss.ops.b reaches data_keys (owned by dss.keys)",
+        "dss.ops.c reaches sessions (owned by dss.dialogue)",
+    ]

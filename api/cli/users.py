@@ -16,7 +16,7 @@ from api.cli.common import DataDirOpt, DbUrlOpt, settings_or_exit
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
-    from dss.ops.erasure import Verification
+    from dss.ops.erasure_verify import Verification
     from dss.store import Store
 
 users_app = typer.Typer(
@@ -34,13 +34,14 @@ _CLI_HOST_CAPACITY = 16 << 20
 def _open_store(command: str, data_dir: Path | None, db_url: str | None) -> Iterator[Store]:
     """The store of the server's data directory, opened by this process; exit 2 with one line
     when a server owns it (the owner lock)."""
+    from api.keys.store_tables import StoreTables
     from dss.errors import DataDirInUse
     from dss.store import Store
 
     settings = settings_or_exit(command, store={"data_dir": data_dir, "db_url": db_url})
     config = replace(settings.store.to_config(), host_capacity_bytes=_CLI_HOST_CAPACITY, codec_process=False)
     try:
-        store = Store.open(config)
+        store = Store.open(config, api_tables=StoreTables())
     except DataDirInUse:
         typer.echo(
             f"{command}: a running server owns the data directory {config.data_dir}; ask it instead "

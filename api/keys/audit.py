@@ -5,7 +5,8 @@ Invariant: an entry is written in the same transaction as the change it records 
 the caller's open session), so there is no change without its entry and no entry for a change
 that rolled back. Entries are never deleted, and updated only by an erasure: they name keys by
 id and users by the id the key acts as (never a secret), and the erasure of a user names it
-`erased:<tenant>` instead, in its transaction (`dss.ops.erasure.pseudonymise_audit`).
+`erased:<tenant>` instead, in its transaction (`api.keys.store_tables`, which the store's
+`Eraser` calls).
 """
 
 from __future__ import annotations

@@ -331,7 +331,7 @@ class FrontendRow(Base):
 
 class AdminAuditRow(Base):
     """Append-only: who (a key id, or `cli`) did what to keys and frontends, and when. An erasure
-    replaces its user's id in `detail` by a pseudonym (`dss.ops.erasure.pseudonymise_audit`)."""
+    replaces its user's id in `detail` by a pseudonym (`api.keys.store_tables`)."""
 
     __tablename__ = "admin_audit"
 
@@ -386,3 +386,31 @@ class ErasureAckRow(Base):
     acked_at: Mapped[datetime | None] = _timestamp(nullable=True)
     counts: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
     remnants: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+# The one owner of each table: the module or package whose code alone reads and writes it (a
+# part of `dss` counts as one owner: its modules share its tables). Everyone else asks the owner,
+# through a method that takes the caller's transaction where the work must stay in one (an
+# erasure). Tables two parts both need are owned below both (`dss.db.meta`, `dss.db.receipts`);
+# the API's own tables by `api`, which the store reaches only through what the API passes in
+# (`dss.store.ApiTables`). `tests/test_layering.py` (`test_only_a_tables_owner_reaches_it`) checks
+# that no other module names a model class.
+TABLE_OWNERS: dict[str, str] = {
+    "store_meta": "dss.db.meta",
+    "data_keys": "dss.keys",
+    "erasure_epochs": "dss.keys",
+    "sessions": "dss.dialogue",
+    "branches": "dss.dialogue",
+    "versions": "dss.dialogue",
+    "responses": "dss.dialogue",
+    "pages": "dss.pages",
+    "public_prefixes": "dss.ops.prefixes",
+    "erasure_receipts": "dss.db.receipts",
+    "chain_checkpoints": "dss.ops.receipt_chain",
+    "api_keys": "api",
+    "frontends": "api",
+    "admin_audit": "api",
+    "servers": "dss.fleet",
+    "page_drops": "dss.fleet",
+    "erasure_acks": "dss.fleet",
+}

@@ -1,4 +1,5 @@
-"""The users the dialogue state names: every user id with a session or a stored response.
+"""The users the dialogue state names: every user id with a session or a stored response; and,
+for an erasure's verification, the rows of one user still there (`rows_created_by`).
 
 A user exists in the store by what it holds (there is no table of users): sessions and stored
 responses name their owner in clear; data keys and erasure epochs name only salted hashes, so
@@ -10,6 +11,9 @@ is compared as a string (`substr`), never as a `LIKE` pattern: `_` and `%` are o
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
 
 from sqlalchemy import ColumnElement, func, select, true, union
 from sqlalchemy.orm import InstrumentedAttribute, Session, sessionmaker
@@ -51,3 +55,43 @@ def holds_users_under(sf: sessionmaker[Session], prefix: str) -> bool:
             if db.scalar(query) is not None:
                 return True
     return False
+
+
+def every_stored_user_in(db: Session) -> set[UserId]:
+    """Every user with a session or a stored response, in the caller's transaction (the
+    tenant-derivation upgrade rekeys their erasure epochs)."""
+    return {
+        UserId(u) for table in (SessionRow, ResponseRow) for u in db.scalars(select(table.user_id).distinct())
+    }
+
+
+OwnersAmong = Callable[[list[UserId]], list[UserId]]
+"""Which of these users are the one being looked for (`Identity.users_having`, for a tenant)."""
+
+
+def rows_created_by(
+    db: Session, user_subject: str | None, cutoff: datetime, owners_among: OwnersAmong
+) -> dict[str, int]:
+    """How many sessions and stored responses (`{"session": n, "stored response": n}`) of one
+    user were created by `cutoff`: an erasure's verification. Found by the user's subject hash
+    (`user_subject`, which every row written since migration 0013 carries: an indexed lookup);
+    rows without one (older) by their owners' ids, of which `owners_among` picks the user's
+    (every row's owner, when the receipt names no subject)."""
+    found = {}
+    for what, table in (("session", SessionRow), ("stored response", ResponseRow)):
+        before = table.created_at <= cutoff
+        n = 0
+        if user_subject is not None:
+            n += db.execute(
+                select(func.count()).select_from(table).where(table.subject == user_subject, before)
+            ).scalar_one()
+        # The rows the lookup above cannot find: those without a subject (all, without one).
+        unmarked = [] if user_subject is None else [table.subject.is_(None)]
+        users = [UserId(u) for u in db.execute(select(table.user_id).where(*unmarked).distinct()).scalars()]
+        mine = owners_among(users) if users else []
+        if mine:
+            n += db.execute(
+                select(func.count()).select_from(table).where(table.user_id.in_(mine), before, *unmarked)
+            ).scalar_one()
+        found[what] = int(n)
+    return found

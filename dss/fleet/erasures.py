@@ -36,8 +36,9 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from dss.db import receipts
 from dss.db.connect import transaction
-from dss.db.models import ErasureAckRow, ErasureReceiptRow, ServerRow
+from dss.db.models import ErasureAckRow, ServerRow
 from dss.types import TenantId
 
 log = logging.getLogger("dss.fleet")
@@ -187,35 +188,25 @@ class ErasureFollower:
         with self._sf() as s:
             row = s.get(ServerRow, self.server_id)
             after = int(row.erasure_seq) if row is not None else 0
-            receipts = list(
-                s.execute(
-                    select(
-                        ErasureReceiptRow.id,
-                        ErasureReceiptRow.seq,
-                        ErasureReceiptRow.subject,
-                        ErasureReceiptRow.counts,
-                    )
-                    .where(ErasureReceiptRow.seq > after)
-                    .order_by(ErasureReceiptRow.seq)
-                ).all()
-            )
+            pending = receipts.after_in(s, after)
             acked = set(
                 s.execute(
                     select(ErasureAckRow.receipt_id).where(
                         ErasureAckRow.server == self.server_id,
                         ErasureAckRow.acked_at.is_not(None),
-                        ErasureAckRow.receipt_id.in_([r.id for r in receipts]),
+                        ErasureAckRow.receipt_id.in_([r.id for r in pending]),
                     )
                 ).scalars()
             )
         applied = 0
-        for rid, seq, subject, counts in receipts:
+        for record in pending:
             if self._stop.is_set():
                 break
-            if rid in acked:  # this server wrote it (it erased the user) or acknowledged it before
-                self._advance(seq)
+            if record.id in acked:  # this server wrote it (it erased the user) or acknowledged it before
+                self._advance(record.seq)
                 continue
-            receipt = PendingReceipt(rid, seq, TenantId(subject), "epoch" in (counts or {}))
+            retires = "epoch" in (record.counts or {})
+            receipt = PendingReceipt(record.id, record.seq, TenantId(record.subject), retires)
             local = self._apply(receipt)
             self._acknowledge(receipt, local)
             applied += 1

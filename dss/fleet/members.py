@@ -29,8 +29,9 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from dss.db import receipts
 from dss.db.connect import transaction
-from dss.db.models import SERVER_ID_LEN, ErasureReceiptRow, ServerRow
+from dss.db.models import SERVER_ID_LEN, ServerRow
 
 log = logging.getLogger("dss.fleet")
 
@@ -100,7 +101,7 @@ class Membership:
 
     def last_receipt_seq(self) -> int:
         with self._sf() as s:
-            return int(s.execute(select(func.coalesce(func.max(ErasureReceiptRow.seq), 0))).scalar_one())
+            return receipts.last_seq_in(s)
 
     def beat(self) -> None:
         with transaction(self._sf) as s:
@@ -108,8 +109,7 @@ class Membership:
 
     def alive_in(self, session: Session) -> list[str]:
         """Servers seen within `alive_s` (this one included), read in the caller's transaction."""
-        since = func.now() - timedelta(seconds=self._alive_s)
-        return sorted(session.execute(select(ServerRow.id).where(ServerRow.last_seen >= since)).scalars())
+        return servers_alive_in(session, self._alive_s)
 
     def erasure_seq(self) -> int:
         with self._sf() as s:
@@ -138,3 +138,10 @@ class Membership:
             except SQLAlchemyError as exc:  # the database is down: try again next beat
                 self.heartbeat_errors += 1
                 log.warning("fleet heartbeat of %s failed: %s", self.server_id, exc)
+
+
+def servers_alive_in(s: Session, alive_s: float) -> list[str]:
+    """The ids of the servers seen within `alive_s`, by the database's clock, in the caller's
+    transaction (a master-key rotation refuses while any is)."""
+    since = func.now() - timedelta(seconds=alive_s)
+    return sorted(s.execute(select(ServerRow.id).where(ServerRow.last_seen >= since)).scalars())

@@ -27,13 +27,12 @@ from sqlalchemy import delete, func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.db.connect import transaction
-from dss.db.models import HASH_LEN, PageDropRow, PageRow, ServerRow
+from dss.db.models import HASH_LEN, PageDropRow, ServerRow
 from dss.fleet.erasures import CHANNEL
 from dss.types import PageHash, TenantId
 
 log = logging.getLogger("dss.fleet")
 
-_CHUNK = 500  # bound parameters per IN (...) list
 _BATCH = 200  # rows one catch-up reads at a time
 
 
@@ -47,14 +46,24 @@ class PageDrop:
 
 
 ApplyPageDrop = Callable[[PageDrop], int]
+DeletePageRowsIn = Callable[[Session, TenantId, list[PageHash]], None]
 
 
 class PageDrops:
     """This server's side of the fleet's page drops: `record` (after a deletion here) and
     `catch_up` (the follower thread applies the others')."""
 
-    def __init__(self, session_factory: sessionmaker[Session], server_id: str, alive_s: float) -> None:
+    def __init__(
+        self,
+        session_factory: sessionmaker[Session],
+        server_id: str,
+        alive_s: float,
+        delete_page_rows_in: DeletePageRowsIn,
+    ) -> None:
+        """`delete_page_rows_in(db, tenant, pages)`: every server's rows of those pages, in the
+        caller's transaction (`dss.pages.rows.delete_pages_in`; the `pages` table is not ours)."""
         self._sf = session_factory
+        self._delete_page_rows_in = delete_page_rows_in
         self.server_id = server_id
         self._alive_s = alive_s
         self.applied = 0  # written by the follower thread only (an int: no torn reads)
@@ -67,12 +76,7 @@ class PageDrops:
         if not hashes:
             return None
         with transaction(self._sf) as s:
-            for i in range(0, len(hashes), _CHUNK):
-                s.execute(
-                    delete(PageRow)
-                    .where(PageRow.tenant == tenant, PageRow.hash.in_(hashes[i : i + _CHUNK]))
-                    .execution_options(synchronize_session=False)
-                )
+            self._delete_page_rows_in(s, tenant, hashes)
             row = PageDropRow(server=self.server_id, tenant=tenant, hashes=b"".join(hashes))
             s.add(row)
             s.flush()

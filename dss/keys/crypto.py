@@ -5,7 +5,7 @@ keys; pages are encrypted under their tenant's data key. Erasing a tenant destro
 data key in the database, which makes every page of that tenant unreadable at once, wherever
 copies of the files went (crypto-shredding).
 
-The master key rotates (`dss.keys.rotation`): every wrapped key is re-wrapped under a new one
+The master key rotates (`dss.ops.master_rotation`): every wrapped key is re-wrapped under a new one
 and the old key file is overwritten. The new key is first written next to the file as a
 pending key (`pending_key_path`), so a rotation killed after its commit is finished by the next
 `load_master_key`, never leaving a store that no key opens.

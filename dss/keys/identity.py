@@ -16,13 +16,13 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.config import DEFAULT_CACHE_ENTRIES
-from dss.db.meta import meta_get, meta_set_default
-from dss.db.models import ErasureEpoch, StoreMeta
+from dss.db.meta import meta_get, meta_set_default, meta_value_in
+from dss.db.models import ErasureEpoch
 from dss.derive import keyed_blake2b, rpc_authkey
 from dss.errors import MasterKeyRotated, UserErased, WrongMasterKey
 from dss.keys.bounded import BoundedLru
@@ -36,7 +36,7 @@ MASTER_VERIFIER_META = "master_key_verifier"
 SERVER_SECRET_META = "server_secret_wrapped"
 SERVER_SECRET_AAD = "server-secret"  # the "tenant" the server secret is wrapped as
 # The derivation of tenants and subjects this store's data was made under (`dss.derive`): absent
-# in a store made before fields were length-prefixed, which `dss.keys.upgrade` upgrades at open;
+# in a store made before fields were length-prefixed, which `dss.ops.derivation_upgrade` upgrades at open;
 # DERIVATION_LEGACY_META says the store was upgraded and holds receipts of the first derivation.
 DERIVATION_META = "derivation"
 DERIVATION = "2"
@@ -46,7 +46,7 @@ DERIVATION_LEGACY_META = "derivation_upgraded_from"
 def load_master_key(sf: sessionmaker[Session], key_file: Path, create_if_missing: bool) -> KeyManager:
     """The master key, checked against the store's verifier. On PostgreSQL the verifier is read
     under a shared lock of its row, which a rotation holds exclusively for its whole transaction
-    (`dss.keys.rotation.rewrap_all`): a server starting during a rotation waits for it and then
+    (`dss.ops.master_rotation.rewrap_all`): a server starting during a rotation waits for it and then
     reads the new verifier. Its registration in `servers` (`Membership.register`) came first, so
     a rotation that takes the row after this read sees the server alive and refuses."""
     verifier = _read_verifier(sf)
@@ -84,11 +84,7 @@ def verifier_in(session: Session) -> str | None:
     """The master-key verifier, read in the caller's transaction; on PostgreSQL under a shared
     lock of its row (`FOR SHARE`) held until that transaction ends, so that no rotation commits
     in between (a rotation locks the row `FOR UPDATE` first)."""
-    q = select(StoreMeta.value).where(StoreMeta.key == MASTER_VERIFIER_META)
-    if session.get_bind().dialect.name == "postgresql":
-        q = q.with_for_update(read=True)
-    value = session.scalar(q)
-    return None if value is None else str(value)
+    return meta_value_in(session, MASTER_VERIFIER_META, lock="share")
 
 
 def check_master_in(session: Session, keys: KeyManager) -> None:
@@ -179,7 +175,7 @@ class Identity:
             wrapped = meta_set_default(sf, SERVER_SECRET_META, mine)
             if wrapped == mine:
                 return cls(secret, sf, epoch_cache_entries=epoch_cache_entries)
-        # Not upgraded yet (`dss.keys.upgrade` runs next), or upgraded with old receipts to honour.
+        # Not upgraded yet (`dss.ops.derivation_upgrade` runs next), or upgraded with old receipts to honour.
         legacy = (
             meta_get(sf, DERIVATION_META) != DERIVATION or meta_get(sf, DERIVATION_LEGACY_META) is not None
         )
@@ -307,10 +303,27 @@ class Identity:
 
     def legacy_subject_hash(self, user: UserId) -> str:
         """The first derivation's subject hash: what `erasure_epochs` and the oldest receipts
-        were keyed by before the upgrade (`dss.keys.upgrade`)."""
+        were keyed by before the upgrade (`dss.ops.derivation_upgrade`)."""
         return hashlib.blake2b(
             b"dss-subject\x00" + user.encode(), key=self._secret[:32], digest_size=20
         ).hexdigest()
+
+    def rekey_legacy_epochs_in(self, s: Session, users: Iterable[UserId]) -> tuple[int, int]:
+        """The tenant-derivation upgrade, in its transaction: the erasure epoch of each of `users`
+        moves from the first derivation's subject hash to the current one. Returns how many
+        moved, and how many epoch rows stay under an old hash (users no table names)."""
+        n = 0
+        for user in sorted(set(users)):
+            old = s.get(ErasureEpoch, self.legacy_subject_hash(user))
+            if old is None:
+                continue
+            epoch = old.epoch
+            s.delete(old)
+            s.flush()
+            s.add(ErasureEpoch(subject=self.subject_hash(user), epoch=epoch))
+            n += 1
+        total = int(s.scalar(select(func.count()).select_from(ErasureEpoch)) or 0)
+        return n, total - n
 
     def receipt_subjects(self, user: UserId) -> set[str]:
         """What the user's erasure receipts may name: every tenant the user had (and, for receipts

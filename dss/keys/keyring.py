@@ -23,6 +23,7 @@ it is what refuses an erased tenant a new key, and grows with erasures, not with
 from __future__ import annotations
 
 import threading
+from datetime import datetime
 from typing import Any, cast
 
 from sqlalchemy import CursorResult, delete, select
@@ -30,8 +31,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.config import DEFAULT_CACHE_ENTRIES
+from dss.db import receipts
 from dss.db.connect import transaction
-from dss.db.models import DataKey, ErasureReceiptRow
+from dss.db.models import DataKey
 from dss.errors import KeyDestroyed
 from dss.keys.bounded import BoundedLru
 from dss.keys.crypto import KeyManager
@@ -51,10 +53,7 @@ class Keyring:
         self._cache: BoundedLru[TenantId, bytes] = BoundedLru(cache_entries)
         self._lock = threading.Lock()
         with session_factory() as s:
-            receipts = s.execute(select(ErasureReceiptRow.subject, ErasureReceiptRow.counts)).all()
-        self._retired: set[TenantId] = {
-            TenantId(sub) for sub, counts in receipts if "epoch" in (counts or {})
-        }
+            self._retired: set[TenantId] = {TenantId(sub) for sub in receipts.retired_subjects_in(s)}
 
     def is_retired(self, tenant: TenantId) -> bool:
         with self._lock:
@@ -112,6 +111,18 @@ class Keyring:
         with self._sf() as s:
             return s.scalar(select(DataKey.tenant).where(DataKey.tenant == tenant)) is not None
 
+    def key_created_by(self, tenant: TenantId, cutoff: datetime) -> bool:
+        """Whether `tenant` has a data key created by `cutoff` (an erasure's verification)."""
+        with self._sf() as s:
+            q = select(DataKey.tenant).where(DataKey.tenant == tenant, DataKey.created_at <= cutoff)
+            return s.scalar(q) is not None
+
+    def tenants_with_keys(self) -> set[TenantId]:
+        """Every tenant with a stored data key (recovery asks `data_key` only for those: it would
+        create a missing one)."""
+        with self._sf() as s:
+            return {TenantId(t) for t in s.execute(select(DataKey.tenant)).scalars()}
+
     def destroy_in(self, session: Session, tenant: TenantId) -> int:
         """Delete the wrapped key inside the caller's transaction; forget the cached copy."""
         n = cast(CursorResult[Any], session.execute(delete(DataKey).where(DataKey.tenant == tenant))).rowcount
@@ -126,3 +137,20 @@ class Keyring:
         """How many unwrapped data keys are cached now (at most `cache_entries`)."""
         with self._lock:
             return len(self._cache)
+
+
+def rewrap_data_keys_in(s: Session, old: KeyManager, new: KeyManager) -> int:
+    """In the caller's transaction (a master-key rotation): every data key, its row locked,
+    unwrapped under `old` and wrapped under `new`; returns how many."""
+    n = 0
+    for row in s.execute(select(DataKey).with_for_update()).scalars():
+        row.wrapped = new.wrap(old.unwrap(bytes(row.wrapped), row.tenant), row.tenant)
+        n += 1
+    return n
+
+
+def delete_all_but_in(s: Session, kept: TenantId) -> int:
+    """In the caller's transaction: every data key but `kept`'s (the tenant-derivation upgrade
+    keeps the public tenant's); returns how many."""
+    done = s.execute(delete(DataKey).where(DataKey.tenant != kept))
+    return int(cast(CursorResult[Any], done).rowcount)

@@ -8,20 +8,14 @@ commits; then the irreversible steps run (zeroing host slots, unlinking files).
 Destroying the data key is what makes any copy of the user's pages that we cannot reach (a
 backup) unreadable. Public-prefix pages are not user data and stay.
 
-A receipt records counts, a time and the subject's salted hash (its tenant id), never content.
-Receipts form an append-only hash chain; `verify` re-scans the database and every tier for
-anything of the subject older than the erasure, and checks the chain up to the receipt.
+Receipts (`dss.ops.erasure_receipts`) form an append-only hash chain; `verify`
+(`dss.ops.erasure_verify`) re-scans the database and every tier for anything of the subject
+older than the erasure, and checks the chain up to the receipt.
 
-What one verification costs follows what its receipt covers, not all data: the chain since the
-last sealed checkpoint before the receipt (`dss.ops.receipt_chain`: one every 64 receipts,
-sealed by the first verification that passes it); the tenant's entries in the page table and its
-files on the disk tier (the tier indexes files by tenant; only files it does not know are
-opened); counts by indexed columns; and no blocking WAL checkpoint (`dss.ops.wal_scrub`: the
-erasure scrubs, a verification reads what was done); and the erased user's sessions and stored
-responses by the subject hash the receipt and each such row carry (`user_subject`, `subject`,
-migration 0013), not by hashing every user id of the store. Only rows written before that
-migration are still matched that way (`Identity.users_having`, over their owners alone).
-`verify(..., full=True)` is the audit that walks everything.
+Every table is changed by its owner (`dss.db.models.TABLE_OWNERS`), inside this one transaction:
+the dialogue's rows by `VersionStore.delete_user_sessions`, the page rows by `dss.pages.rows`,
+the data keys by `Keyring.destroy_in`, the epoch by `Identity`, the receipt by
+`dss.db.receipts`, and the API's audit trail by what the API passes in (`pseudonymise_audit_in`).
 
 Several servers on one PostgreSQL database (`dss.fleet`): the rows and the data key are shared
 and go in the one transaction; each server's own copies (host arena, disk tier) are dropped by
@@ -35,27 +29,23 @@ tier (Redis, shared by the fleet) is emptied of the tenant by the erasing server
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any
 
-from sqlalchemy import CursorResult, Engine, delete, func, select, text
+from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from dss.db import models as m
 from dss.db.connect import transaction
 from dss.dialogue.versions import VersionStore
-from dss.errors import ReceiptNotFound, TierUnavailable
+from dss.errors import TierUnavailable
 from dss.fleet.erasures import (
     FleetReport,
     LocalErasure,
     PendingReceipt,
-    fleet_report,
     record_erasure_in,
     update_own_counts,
     wait_for_acks,
@@ -64,9 +54,18 @@ from dss.fleet.members import Membership
 from dss.index.prefix_index import PrefixIndex
 from dss.keys.identity import Identity
 from dss.keys.keyring import Keyring
+from dss.ops.erasure_receipts import (
+    ErasureReceipt,
+    append_receipt,
+    erased_pseudonym,
+    get_receipt,
+    list_receipts,
+    never_erased,
+)
+from dss.ops.erasure_verify import Verification, local_remnants, verify
 from dss.ops.kv import KVCache
-from dss.ops.receipt_chain import GENESIS, check_chain, entry_hash
 from dss.ops.wal_scrub import WalScrubber
+from dss.pages.rows import delete_tenants_in
 from dss.pages.table import PageEntry
 from dss.pages.tiered import TieredPages
 from dss.types import PUBLIC_TENANT, TenantId, Tier, UserId
@@ -74,9 +73,6 @@ from dss.types import PUBLIC_TENANT, TenantId, Tier, UserId
 log = logging.getLogger("dss.erasure")
 _SETTLE_S = 30.0
 
-# Arbitrary constant naming the advisory lock that serialises appends to the receipt chain
-# across the servers of a fleet and the threads of each (see `_append_receipt`).
-_CHAIN_LOCK_KEY = 0x44535302
 # The first key of the two-key advisory locks that serialise erasures of one user across the
 # fleet (the second: 32 bits of the user's subject hash). PostgreSQL keeps two-key locks apart
 # from one-key ones such as the chain's, so the two never collide.
@@ -112,48 +108,10 @@ class _OneErasurePerUser:
                     self._locks[subject] = (lock, n - 1)
 
 
-@dataclass(frozen=True, slots=True)
-class ErasureReceipt:
-    id: str
-    seq: int
-    erased_at: datetime
-    subject: str
-    counts: dict[str, Any]
-    prev_hash: str
-    entry_hash: str
-    # Whether SQLite's WAL was checkpointed and truncated after the erasure (None: not SQLite,
-    # or a receipt read back later; `verify` checks again). Not part of the hashed entry.
-    database_scrubbed: bool | None = None
-    # Per server of the fleet, what it dropped, and who has not acknowledged (None: one server,
-    # SQLite). From `erasure_acks`, not part of the hashed entry either.
-    fleet: FleetReport | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Verification:
-    receipt_id: str
-    checked_at: datetime
-    remnants: int
-    details: tuple[str, ...]
-    chain_ok: bool
-    database_scrubbed: bool | None = None
-
-
-def _receipt(row: m.ErasureReceiptRow, fleet: FleetReport | None = None) -> ErasureReceipt:
-    erased = m.aware(row.erased_at)
-    counts = dict(row.counts)
-    if fleet is not None:
-        # Deleted after the commit by the erasing server, so not in the hashed entry: it is in
-        # that server's acknowledgement (the remote tier is the fleet's, only it erases there).
-        remote = [c["remote_keys"] for c in fleet.servers.values() if "remote_keys" in c]
-        if remote:
-            counts["remote_keys"] = remote[0]
-    return ErasureReceipt(
-        row.id, row.seq, erased, row.subject, counts, row.prev_hash, row.entry_hash, fleet=fleet
-    )
-
-
 OnTenantErased = Callable[[TenantId], None]
+PseudonymiseIn = Callable[[Session, UserId, str], int]
+"""In the erasure's transaction: the entries of a table outside `dss` (the API's admin audit
+trail) that name the user now name the pseudonym instead; returns how many."""
 
 
 class Eraser:
@@ -163,6 +121,7 @@ class Eraser:
     `erase_user` does not wait for anyone. `on_tenant_erased` is called when another server's
     erasure is applied here, before this server's copies are dropped (the API stops the tenant's
     running generations with it); it runs on the fleet follower thread, with no lock held.
+    `pseudonymise_audit_in`: the API's (its audit trail is its own table); None, no audit trail.
     """
 
     def __init__(
@@ -180,6 +139,7 @@ class Eraser:
         ack_timeout_s: float = 5.0,
         on_tenant_erased: OnTenantErased | None = None,
         on_user_erased: Callable[[UserId], None] | None = None,
+        pseudonymise_audit_in: PseudonymiseIn | None = None,
     ) -> None:
         self._sf = session_factory
         self._db = db
@@ -194,6 +154,7 @@ class Eraser:
         self._ack_timeout_s = ack_timeout_s
         self._on_tenant_erased = on_tenant_erased
         self._on_user_erased = on_user_erased  # after a local erasure (retention forgets the user)
+        self._pseudonymise_audit_in = pseudonymise_audit_in
         self._wal = WalScrubber(db)
         self._one_per_user = _OneErasurePerUser()
 
@@ -255,7 +216,7 @@ class Eraser:
             tenant = tenants[-1]
             if PUBLIC_TENANT in tenants:  # cannot happen (an HMAC is hex), but never erase shared pages
                 raise ValueError("refusing to erase the public tenant")
-            doomed = [*_never_erased(s, tenants[:-1]), tenant]
+            doomed = [*never_erased(s, tenants[:-1]), tenant]
             with ExitStack() as erasing:
                 for t in doomed:
                     erasing.enter_context(self._kv.saves.erasing(t))
@@ -276,14 +237,16 @@ class Eraser:
                     counts = _delete_rows(s, user, doomed, self._versions, self._keyring, usage)
                     # The admin audit trail names users by id (a key created for them): those
                     # entries now name the erased tenant instead, the receipt's subject.
-                    counts["audit_entries"] = pseudonymise_audit(s, user, erased_pseudonym(tenant))
+                    pseudonymise = self._pseudonymise_audit_in
+                    audit = pseudonymise(s, user, erased_pseudonym(tenant)) if pseudonymise is not None else 0
+                    counts["audit_entries"] = audit
                     if if_held and self._membership is None and not _held_any(counts):
                         s.commit()  # the epoch's move alone
                         self._identity.forget(user)
                         return None
                     # The user's next tenant: a re-created user starts cold everywhere.
                     counts["epoch"] = new_epoch
-                    seq, prev, entry = _append_receipt(s, rid, erased_at, tenant, counts, subject)
+                    seq, prev, entry = append_receipt(s, rid, erased_at, tenant, counts, subject)
                     if self._membership is not None:
                         alive = self._membership.alive_in(s)
                         record_erasure_in(s, rid, self._server_id, alive, _local_counts(usage))
@@ -398,7 +361,7 @@ class Eraser:
         if remote_keys is not None:
             counts["remote_keys"] = remote_keys
         try:
-            left = len(_local_remnants(self._pages, tenant, float("inf")))
+            left = len(local_remnants(self._pages, tenant, float("inf")))
         except TierUnavailable:  # an unreadable disk must not stop the catch-up: ack, say unknown
             left = -1
         return LocalErasure(counts, left)
@@ -411,112 +374,12 @@ class Eraser:
 
     def verify(self, receipt_id: str, full: bool = False) -> Verification:
         """`full`: the audit (the chain from its start, every page file's header), O(all data)."""
-        return verify(self._sf, self._wal, self._identity, self._pages, receipt_id, full)
-
-
-def _user_rows_left(s: Session, identity: Identity, receipt: ErasureReceipt, tenant: TenantId) -> list[str]:
-    """The erased user's sessions and stored responses created before the erasure (after it,
-    they belong to the user's next epoch). Found by the user's subject hash, which the receipt
-    and every row written since migration 0013 carry: indexed lookups, whatever the number of
-    users. Rows without one (older) are matched the old way, by hashing their owners' ids
-    (`Identity.users_having`): only theirs, or every user's for a receipt without a subject."""
-    user_subject = s.scalar(
-        select(m.ErasureReceiptRow.user_subject).where(m.ErasureReceiptRow.id == receipt.id)
-    )
-    details = []
-    for what, table in (("session", m.SessionRow), ("stored response", m.ResponseRow)):
-        before = table.created_at <= receipt.erased_at
-        old = 0
-        if user_subject is not None:
-            old += s.execute(
-                select(func.count()).select_from(table).where(table.subject == user_subject, before)
-            ).scalar_one()
-        # The rows the lookup above cannot find: those without a subject (all, without one).
-        unmarked = [] if user_subject is None else [table.subject.is_(None)]
-        users = [UserId(u) for u in s.execute(select(table.user_id).where(*unmarked).distinct()).scalars()]
-        mine = identity.users_having(tenant, users) if users else []
-        if mine:
-            old += s.execute(
-                select(func.count()).select_from(table).where(table.user_id.in_(mine), before, *unmarked)
-            ).scalar_one()
-        if old:
-            details.append(f"database: {old} {what}(s) created before the erasure")
-    return details
+        return verify(self._sf, self._wal, self._identity, self._keyring, self._pages, receipt_id, full)
 
 
 def _local_counts(usage: dict[Tier, tuple[int, int]]) -> dict[str, Any]:
     """One server's copies of a tenant, per tier: what its acknowledgement reports."""
     return {"pages": {t.value: usage[t][0] for t in Tier}, "bytes": {t.value: usage[t][1] for t in Tier}}
-
-
-def _local_remnants(pages: TieredPages, tenant: TenantId, cutoff_ts: float, full: bool = False) -> list[str]:
-    """What this server's page table and disk tier still hold of `tenant` (written by `cutoff_ts`).
-
-    The disk tier's files of the tenant (`DiskTier.tenant_files`): those it wrote or scanned for
-    the tenant, a racing writer's late file included, and any file it does not know whose header
-    names the tenant (a restored backup); no header of another tenant's known file is read.
-    `full`: every file's header instead (`DiskTier.scan`, which also removes corrupt files)."""
-    details: list[str] = []
-    for e in pages.table.snapshot(tenant):
-        if e.created_wall <= cutoff_ts:
-            details.append(f"{'/'.join(sorted(t.value for t in e.tiers))}: page {e.meta.hash.hex()[:16]}")
-    disk = pages.disk
-    if disk is not None:
-        if full:
-            files = [h for h, header, _size in disk.scan() if header.tenant == tenant]
-        else:
-            files = disk.tenant_files(tenant)
-        for h in files:
-            try:
-                mtime = os.path.getmtime(disk.path_of(h))
-            except FileNotFoundError:
-                continue  # deleted meanwhile
-            if mtime <= cutoff_ts:
-                details.append(f"disk: page file {h.hex()[:16]}")
-    return details
-
-
-def _never_erased(s: Session, tenants: list[TenantId]) -> list[TenantId]:
-    """Those of `tenants` no receipt names: none, unless an erasure ran before erasures of
-    a user were serialised. (A tenant a receipt names is erased, and retired, by the erasure
-    that wrote it, and on every other server of the fleet by its follower.)"""
-    if not tenants:
-        return []
-    named = set(
-        s.scalars(select(m.ErasureReceiptRow.subject).where(m.ErasureReceiptRow.subject.in_(tenants)))
-    )
-    return [t for t in tenants if t not in named]
-
-
-def erased_pseudonym(tenant: TenantId) -> str:
-    """What the audit trail names an erased user by: the tenant its erasure retired (a keyed hash
-    of the id and the epoch, the receipt's `subject`), never the id."""
-    return f"erased:{tenant}"
-
-
-def _replaced(value: Any, user: str, pseudonym: str) -> Any:
-    """`value` (JSON) with every string equal to `user` replaced by `pseudonym`."""
-    if isinstance(value, str):
-        return pseudonym if value == user else value
-    if isinstance(value, list):
-        return [_replaced(v, user, pseudonym) for v in value]
-    if isinstance(value, dict):
-        return {k: _replaced(v, user, pseudonym) for k, v in value.items()}
-    return value
-
-
-def pseudonymise_audit(s: Session, user: UserId, pseudonym: str) -> int:
-    """In the caller's transaction: the admin audit entries whose detail names `user` (`"user"`:
-    the user a key was created for) name `pseudonym` instead; returns how many. The trail is
-    otherwise never changed; this keeps who did what to which key, not to whom. Idempotent.
-    Reads the entries that name the user (the trail is as long as the admin operations)."""
-    rows = s.scalars(select(m.AdminAuditRow).where(m.AdminAuditRow.detail["user"].as_string() == user))
-    n = 0
-    for row in rows:
-        row.detail = _replaced(dict(row.detail), user, pseudonym)
-        n += 1
-    s.flush()
-    return n
 
 
 def _held_any(counts: dict[str, Any]) -> bool:
@@ -543,147 +406,15 @@ def _delete_rows(
     usage: dict[Tier, tuple[int, int]],
 ) -> dict[str, Any]:
     dialogue = versions.delete_user_sessions(user, s)
-    n_page_rows = cast(
-        CursorResult[Any], s.execute(delete(m.PageRow).where(m.PageRow.tenant.in_(tenants)))
-    ).rowcount
+    n_page_rows = delete_tenants_in(s, tenants)
     n_keys = sum(keyring.destroy_in(s, t) for t in tenants)
     return {
         "sessions": dialogue["sessions"],
         "versions": dialogue["versions"],
         "branches": dialogue["branches"],
         "responses": dialogue["responses"],
-        "page_rows": int(n_page_rows),
+        "page_rows": n_page_rows,
         "data_keys_destroyed": n_keys,
         "pages": {t.value: usage[t][0] for t in Tier},
         "bytes": {t.value: usage[t][1] for t in Tier},
     }
-
-
-def _append_receipt(
-    s: Session,
-    rid: str,
-    erased_at: datetime,
-    subject: str,
-    counts: dict[str, Any],
-    user_subject: str | None = None,
-) -> tuple[int, str, str]:
-    """Append the receipt of tenant `subject`; `user_subject`: the erased user's subject hash
-    (outside the hashed entry), by which `verify` finds the user's rows."""
-    # One chain: two erasures' receipts never interleave, serialised by the database rather
-    # than by a Python lock (no lock of this process is held across the queries below). On
-    # PostgreSQL, by an advisory lock held until the transaction ends (threads and servers alike);
-    # on SQLite, by its one write lock, which the caller's transaction already holds (its first
-    # write, the epoch row's, came before) and keeps until it commits.
-    if s.get_bind().dialect.name == "postgresql":
-        s.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _CHAIN_LOCK_KEY})
-    last = s.execute(select(m.ErasureReceiptRow).order_by(m.ErasureReceiptRow.seq.desc()).limit(1)).scalar()
-    seq = (last.seq + 1) if last else 1
-    prev = last.entry_hash if last else GENESIS
-    entry = entry_hash(prev, rid, seq, erased_at, subject, counts)
-    s.add(
-        m.ErasureReceiptRow(
-            id=rid,
-            seq=seq,
-            erased_at=erased_at,
-            subject=subject,
-            counts=counts,
-            prev_hash=prev,
-            entry_hash=entry,
-            user_subject=user_subject,
-        )
-    )
-    s.flush()
-    return seq, prev, entry
-
-
-def get_receipt(sf: sessionmaker[Session], receipt_id: str) -> ErasureReceipt:
-    with sf() as s:
-        row = s.get(m.ErasureReceiptRow, receipt_id)
-        if row is None:
-            raise ReceiptNotFound(f"no erasure receipt {receipt_id!r}")
-    return _receipt(row, fleet_report(sf, receipt_id))
-
-
-def list_receipts(
-    sf: sessionmaker[Session], limit: int, after: str | None = None
-) -> tuple[list[ErasureReceipt], bool]:
-    """Receipts newest first (by chain position), `limit` of them after the receipt `after`;
-    and whether more follow. The fleet sections are left out (`get_receipt` has them)."""
-    with sf() as s:
-        q = select(m.ErasureReceiptRow).order_by(m.ErasureReceiptRow.seq.desc()).limit(limit + 1)
-        if after is not None:
-            cursor = s.get(m.ErasureReceiptRow, after)
-            if cursor is None:
-                raise ReceiptNotFound(f"no erasure receipt {after!r}")
-            q = q.where(m.ErasureReceiptRow.seq < cursor.seq)
-        rows = list(s.scalars(q))
-    return [_receipt(r) for r in rows[:limit]], len(rows) > limit
-
-
-def verify(
-    sf: sessionmaker[Session],
-    wal: WalScrubber,
-    identity: Identity,
-    pages: TieredPages,
-    receipt_id: str,
-    full: bool = False,
-) -> Verification:
-    """Re-scan the database and every tier for anything of the receipt's subject (since the erasure
-    retired it: anything at all; for receipts older than erasure epochs: what predates them), check
-    the chain up to the receipt, and report whether the WAL is scrubbed of it.
-
-    Its cost follows the receipt, not all data (see the module docstring); `full` walks the whole
-    chain and reads every page file's header instead (an audit)."""
-    receipt = get_receipt(sf, receipt_id)
-    tenant = TenantId(receipt.subject)
-    # A receipt that moved the user's epoch retired its tenant for good: anything of that tenant,
-    # whenever it was written, is a remnant. Older receipts (before epochs) count what predates them.
-    retired = "epoch" in receipt.counts
-    cutoff = datetime.max.replace(tzinfo=UTC) if retired else receipt.erased_at
-    cutoff_ts = float("inf") if retired else cutoff.timestamp()
-    details: list[str] = []
-    with sf() as s:
-        details.extend(_user_rows_left(s, identity, receipt, tenant))
-        rows = s.execute(
-            select(func.count())
-            .select_from(m.PageRow)
-            .where(m.PageRow.tenant == tenant, m.PageRow.created_at <= cutoff)
-        ).scalar_one()
-        if rows:
-            details.append(f"database: {rows} page row(s)")
-        keys = s.execute(
-            select(func.count())
-            .select_from(m.DataKey)
-            .where(m.DataKey.tenant == tenant, m.DataKey.created_at <= cutoff)
-        ).scalar_one()
-        if keys:
-            details.append("database: the data key still exists")
-    chain = check_chain(sf, identity, receipt.seq, full=full)
-    if chain.problem is not None:
-        details.append(chain.problem)
-    details.extend(_local_remnants(pages, tenant, cutoff_ts, full=full))
-    if receipt.fleet is not None:
-        # Servers alive at the erasure that have not dropped their copies yet (down, or slow).
-        details.extend(f"server {sid}: has not acknowledged the erasure" for sid in receipt.fleet.unanswered)
-        details.extend(
-            f"server {sid}: "
-            + (
-                "its disk tier could not be scanned after it applied the erasure"
-                if n < 0
-                else f"{n} cop(ies) left after it applied the erasure"
-            )
-            for sid, n in sorted(receipt.fleet.remnants.items())
-            if n
-        )
-    if pages.remote is not None:
-        try:
-            left = pages.remote.count_tenant(tenant)
-        except TierUnavailable as exc:
-            details.append(f"remote: not checked, the remote tier did not answer ({exc})")
-        else:
-            if left:
-                details.append(f"remote: {left} key(s) of the tenant")
-    scrubbed = wal.scrubbed(receipt.seq)
-    if scrubbed is False:
-        details.append("database: a reader keeps the WAL from being checkpointed; erased rows may linger")
-    return Verification(receipt.id, datetime.now(UTC), len(details), tuple(details), chain.ok, scrubbed)

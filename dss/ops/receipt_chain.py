@@ -42,8 +42,10 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from dss.db import receipts
 from dss.db.connect import transaction
-from dss.db.models import ChainCheckpointRow, ErasureReceiptRow
+from dss.db.models import ChainCheckpointRow
+from dss.db.receipts import ReceiptRecord
 from dss.keys.identity import Identity
 
 log = logging.getLogger("dss.erasure")
@@ -72,7 +74,7 @@ def _iso(t: datetime) -> str:
     return t.astimezone(UTC).isoformat(timespec="microseconds")
 
 
-def _row_hash(row: ErasureReceiptRow) -> str:
+def _row_hash(row: ReceiptRecord) -> str:
     try:
         return entry_hash(row.prev_hash, row.id, row.seq, row.erased_at, row.subject, dict(row.counts))
     except (TypeError, ValueError):  # a row edited into something no receipt is: not intact
@@ -117,13 +119,7 @@ def check_chain(
         if start is not None and not _sealed(identity, start):
             return ChainCheck(False, f"audit chain: checkpoint #{start.seq} is not sealed by this server", 0)
         first_seq = start.seq if start is not None else 1
-        rows = list(
-            s.execute(
-                select(ErasureReceiptRow)
-                .where(ErasureReceiptRow.seq >= first_seq, ErasureReceiptRow.seq <= upto_seq)
-                .order_by(ErasureReceiptRow.seq)
-            ).scalars()
-        )
+        rows = receipts.between_in(s, first_seq, upto_seq)
     n_read = len(rows)
     prev, expected = GENESIS, 1
     if start is not None:

@@ -10,18 +10,15 @@ trusts page bytes: they are verified against their checksum when they are loaded
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from sqlalchemy import select
-from sqlalchemy.orm import Session, sessionmaker
 
-from dss.db.models import DataKey
 from dss.errors import KeyDestroyed, WrongMasterKey
 from dss.index.fingerprints import FingerprintRegistry
 from dss.index.hashing import ROOT_PARENT
 from dss.index.prefix_index import PrefixIndex
+from dss.keys.keyring import Keyring
 from dss.namespace import make_namespace
 from dss.pages.meta import PageMeta
 from dss.pages.tiered import TieredPages
@@ -41,30 +38,28 @@ class RecoveryReport:
 
 
 def rebuild(
-    sf: sessionmaker[Session],
     disk: DiskTier | None,
     pages: TieredPages,
     index: PrefixIndex,
     fingerprints: FingerprintRegistry,
-    data_key: Callable[[TenantId], bytes],
+    keyring: Keyring,
 ) -> RecoveryReport:
-    """Runs at open, before any other thread uses the store. `data_key` is the keyring's lookup:
-    the rows' token ids are sealed under their tenant's key (`dss.pages.rows`); it is asked only
-    for tenants that have a stored key (it would create a missing one)."""
+    """Runs at open, before any other thread uses the store. The rows' token ids are sealed under
+    their tenant's key (`dss.pages.rows`); the keyring is asked for the keys of the tenants that
+    have one stored (`data_key` would create a missing one)."""
     temp_removed = disk.gc_temp() if disk is not None else 0
     files: dict[PageHash, int] = {}
     if disk is not None:
         for h, _header, size in disk.scan():
             files[h] = size
 
-    with sf() as s:
-        keyed = set(s.execute(select(DataKey.tenant)).scalars())
+    keyed = keyring.tenants_with_keys()
 
     def key_of(tenant: TenantId) -> bytes | None:
         if tenant not in keyed:
             return None
         try:
-            return data_key(tenant)
+            return keyring.data_key(tenant)
         except (KeyDestroyed, WrongMasterKey):  # erased, or a wrapped key that does not open
             return None
 

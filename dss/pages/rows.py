@@ -1,8 +1,12 @@
 """The `pages` table: one durable row per page on the disk tier (the index is rebuilt from them).
 
 Rows are per server (`server`, this store's `Store.server_id`): servers that share one database
-each have their own disk tier, so `add`, `delete` and `all` touch this server's rows only. Only
-an erasure deletes rows of every server (`dss.ops.erasure`, by tenant, in its own transaction).
+each have their own disk tier, so `add`, `delete` and `all` touch this server's rows only. The
+functions below the class touch every server's rows, in the caller's transaction: an erasure
+(`delete_tenants_in`, by tenant), a session's deletion reaching the fleet (`delete_pages_in`,
+`dss.fleet.page_drops`), the tenant-derivation upgrade (`delete_all_in`), and an erasure's
+verification (`count_tenant_in`). This module is the `pages` table's one owner
+(`dss.db.models.TABLE_OWNERS`).
 
 A row holds the page's token ids sealed (AES-GCM) under its tenant's data key, never in the
 clear: they are user content (a sessionless chat's prompt) and a database backup must not show
@@ -20,10 +24,11 @@ that undoes it leaves an orphan too). No lock here: each call is its own short t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
-from sqlalchemy import CursorResult, delete, select, update
+from sqlalchemy import CursorResult, delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -166,6 +171,34 @@ class PageRows:
                 )
                 n += int(cast(CursorResult[Any], done).rowcount)
         return n
+
+
+def delete_tenants_in(s: Session, tenants: Iterable[TenantId]) -> int:
+    """Every server's rows of `tenants` (an erasure); returns how many."""
+    done = s.execute(delete(PageRow).where(PageRow.tenant.in_(list(tenants))))
+    return int(cast(CursorResult[Any], done).rowcount)
+
+
+def delete_pages_in(s: Session, tenant: TenantId, pages: Iterable[PageHash]) -> None:
+    """Every server's rows of the tenant's `pages` (a session deleted on one server of a fleet)."""
+    hashes = list(pages)
+    for i in range(0, len(hashes), _CHUNK):
+        s.execute(
+            delete(PageRow)
+            .where(PageRow.tenant == tenant, PageRow.hash.in_(hashes[i : i + _CHUNK]))
+            .execution_options(synchronize_session=False)
+        )
+
+
+def delete_all_in(s: Session) -> int:
+    """Every row of every server (the tenant-derivation upgrade: the KV cache starts cold)."""
+    return int(cast(CursorResult[Any], s.execute(delete(PageRow))).rowcount)
+
+
+def count_tenant_in(s: Session, tenant: TenantId, created_by: datetime) -> int:
+    """How many rows of `tenant`, on any server, were created by `created_by`."""
+    q = select(func.count()).select_from(PageRow)
+    return int(s.execute(q.where(PageRow.tenant == tenant, PageRow.created_at <= created_by)).scalar_one())
 
 
 def meta_of(row: PageRow, tokens: np.ndarray) -> PageMeta:

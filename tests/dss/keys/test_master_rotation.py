@@ -18,8 +18,8 @@ from dss.config import StoreConfig
 from dss.db.connect import SQLITE_FILENAME
 from dss.db.models import DataKey
 from dss.errors import DataDirInUse, WrongMasterKey
-from dss.keys import rotation
 from dss.keys.crypto import KeyManager
+from dss.ops import master_rotation as rotation
 from tests.store_helpers import SMALL_FP, open_store, pages_for
 
 TOKS = np.arange(1, 17, dtype=np.int32)

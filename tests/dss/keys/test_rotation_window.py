@@ -17,8 +17,8 @@ from sqlalchemy import select, text
 from dss.config import StoreConfig
 from dss.db.models import DataKey
 from dss.errors import MasterKeyRotated, WrongMasterKey
-from dss.keys import rotation
 from dss.keys.crypto import KeyManager
+from dss.ops import master_rotation as rotation
 from dss.store import Store
 from dss.types import UserId
 from tests.store_helpers import open_store

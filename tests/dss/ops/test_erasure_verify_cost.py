@@ -17,7 +17,7 @@ from sqlalchemy import event, select
 
 import dss.pages.tiers.disk as disk_module
 from dss.db.models import ErasureReceiptRow
-from dss.ops.erasure import _append_receipt
+from dss.ops.erasure_receipts import append_receipt
 from dss.pages.meta import PageMeta
 from dss.store import Store
 from dss.types import NamespaceId, PageHash
@@ -28,7 +28,7 @@ def _extend_chain(store: Store, n: int) -> None:
     """`n` receipts of other erasures, as a long-lived server accumulates them."""
     with store.sf() as s, s.begin():
         for i in range(n):
-            _append_receipt(s, f"era_filler{i:08d}", datetime.now(UTC), "f" * 64, {"sessions": 0})
+            append_receipt(s, f"era_filler{i:08d}", datetime.now(UTC), "f" * 64, {"sessions": 0})
 
 
 @contextlib.contextmanager

@@ -19,34 +19,35 @@ header and associated data name the tenant). So, in one transaction at open:
 Every server of a fleet must run the new code: stop them all, start one, then the others (an old
 server would go on deriving the old tenants). Two servers upgrading at once: one inserts the
 version row first, the other's transaction fails on it and finds the upgrade done.
+
+An operation over the parts (in `ops`): each table is changed by its owner, in this one
+transaction: the epochs by `Identity`, the data keys by `dss.keys.keyring`, the page rows by
+`dss.pages.rows`, the users named by `dss.dialogue.users` and, for API keys, by what the API
+passes in (`users_elsewhere_in`; its tables are its own).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
 
-from sqlalchemy import CursorResult, delete, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from dss.db import receipts
 from dss.db.connect import transaction
-from dss.db.meta import meta_get
-from dss.db.models import (
-    ApiKeyRow,
-    DataKey,
-    ErasureEpoch,
-    ErasureReceiptRow,
-    PageRow,
-    ResponseRow,
-    SessionRow,
-    StoreMeta,
-)
+from dss.db.meta import meta_get, meta_insert_in, meta_value_in
+from dss.dialogue.users import every_stored_user_in
 from dss.keys.identity import DERIVATION, DERIVATION_LEGACY_META, DERIVATION_META, Identity
+from dss.keys.keyring import delete_all_but_in
+from dss.pages.rows import delete_all_in
 from dss.types import PUBLIC_TENANT, UserId
 
-log = logging.getLogger("dss.keys")
+log = logging.getLogger("dss.keys")  # the logger operators know the upgrade's warning by
+
+UsersIn = Callable[[Session], set[UserId]]
+"""Users a table outside `dss` names (the API's keys), read in the upgrade's transaction."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,48 +58,34 @@ class DerivationUpgrade:
     data_keys_deleted: int
 
 
-def upgrade_derivation(sf: sessionmaker[Session], identity: Identity) -> DerivationUpgrade | None:
-    """Upgrade once; None when the store is already on the current derivation."""
+def upgrade_derivation(
+    sf: sessionmaker[Session], identity: Identity, users_elsewhere_in: UsersIn | None = None
+) -> DerivationUpgrade | None:
+    """Upgrade once; None when the store is already on the current derivation.
+    `users_elsewhere_in`: the users of the API's keys, whose epochs move too."""
     if meta_get(sf, DERIVATION_META) == DERIVATION:
         return None
     try:
         with transaction(sf) as s:
-            if s.get(StoreMeta, DERIVATION_META) is not None:
+            if meta_value_in(s, DERIVATION_META) is not None:
                 return None
-            s.add(StoreMeta(key=DERIVATION_META, value=DERIVATION))
-            s.flush()  # a second upgrader blocks here until we commit, then fails on the key
-            if s.scalar(select(func.count()).select_from(ErasureReceiptRow)):
-                s.add(StoreMeta(key=DERIVATION_LEGACY_META, value="1"))
-            rekeyed = _rekey_epochs(s, identity)
-            unknown = int(s.scalar(select(func.count()).select_from(ErasureEpoch)) or 0) - rekeyed
-            pages = cast(CursorResult[Any], s.execute(delete(PageRow))).rowcount
-            keys = cast(
-                CursorResult[Any], s.execute(delete(DataKey).where(DataKey.tenant != PUBLIC_TENANT))
-            ).rowcount
+            # A second upgrader blocks here until we commit, then fails on the key.
+            meta_insert_in(s, DERIVATION_META, DERIVATION)
+            if receipts.any_in(s):
+                meta_insert_in(s, DERIVATION_LEGACY_META, "1")
+            users = every_stored_user_in(s)
+            if users_elsewhere_in is not None:
+                users |= users_elsewhere_in(s)
+            rekeyed, unknown = identity.rekey_legacy_epochs_in(s, users)
+            pages = delete_all_in(s)
+            keys = delete_all_but_in(s, PUBLIC_TENANT)
     except IntegrityError:
         if meta_get(sf, DERIVATION_META) == DERIVATION:
             return None  # another server upgraded meanwhile
         raise
     identity.forget_all()
-    report = DerivationUpgrade(rekeyed, unknown, int(pages), int(keys))
+    report = DerivationUpgrade(rekeyed, unknown, pages, keys)
     log.warning(
         "upgraded this store to length-prefixed tenant derivation: %s; the KV cache starts cold", report
     )
     return report
-
-
-def _rekey_epochs(s: Session, identity: Identity) -> int:
-    users: set[UserId] = {UserId(u) for u in s.execute(select(SessionRow.user_id).distinct()).scalars()}
-    users |= {UserId(u) for u in s.execute(select(ResponseRow.user_id).distinct()).scalars()}
-    users |= {UserId(u) for u in s.execute(select(ApiKeyRow.user_id).distinct()).scalars() if u}
-    n = 0
-    for user in sorted(users):
-        old = s.get(ErasureEpoch, identity.legacy_subject_hash(user))
-        if old is None:
-            continue
-        epoch = old.epoch
-        s.delete(old)
-        s.flush()
-        s.add(ErasureEpoch(subject=identity.subject_hash(user), epoch=epoch))
-        n += 1
-    return n

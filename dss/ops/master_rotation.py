@@ -29,17 +29,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
-from sqlalchemy import func, select, text
+from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.config import StoreConfig
 from dss.db.connect import make_engine, make_session_factory, transaction, upgrade_to_head
-from dss.db.models import DataKey, ServerRow, StoreMeta
+from dss.db.meta import meta_put_in, meta_value_in
 from dss.errors import DataDirInUse, WrongMasterKey
 from dss.files import try_lock_exclusive
+from dss.fleet.members import servers_alive_in
 from dss.keys.crypto import (
     DEFAULT_ENV_VAR,
     KeyManager,
@@ -49,8 +49,9 @@ from dss.keys.crypto import (
     pending_key_path,
 )
 from dss.keys.identity import MASTER_VERIFIER_META, SERVER_SECRET_AAD, SERVER_SECRET_META, load_master_key
+from dss.keys.keyring import rewrap_data_keys_in
 
-log = logging.getLogger("dss.keys")
+log = logging.getLogger("dss.keys")  # the logger operators know rotation by
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +80,7 @@ def rotate_master(config: StoreConfig, new_key_file: Path | None = None) -> Rota
             alive_s = config.fleet.alive_s
             if engine.dialect.name == "postgresql":  # early, before a new key file is written
                 with sf() as s:
-                    _refuse_if_alive(_servers_alive_in(s, alive_s), alive_s)
+                    _refuse_if_alive(servers_alive_in(s, alive_s), alive_s)
             current = load_master_key(sf, config.resolved_key_file, create_if_missing=False)
             report = _rotate(sf, current, new_key_file, alive_s)
             if engine.dialect.name == "sqlite":
@@ -105,21 +106,18 @@ def rewrap_all(
     (`DataDirInUse`) when a server of the fleet was seen within it; a server registers before it
     reads the verifier, so none can slip between this check and the commit."""
     with transaction(sf) as s:
-        verifier = s.get(StoreMeta, MASTER_VERIFIER_META, with_for_update=True)
+        verifier = meta_value_in(s, MASTER_VERIFIER_META, lock="update")
         if verifier is None:
             raise WrongMasterKey("this store has no master-key verifier yet: open it once first")
         if alive_s is not None and s.get_bind().dialect.name == "postgresql":
-            _refuse_if_alive(_servers_alive_in(s, alive_s), alive_s)
-        old.check_verifier(bytes.fromhex(verifier.value))
-        n = 0
-        for row in s.execute(select(DataKey).with_for_update()).scalars():
-            row.wrapped = new.wrap(old.unwrap(bytes(row.wrapped), row.tenant), row.tenant)
-            n += 1
-        secret = s.get(StoreMeta, SERVER_SECRET_META)
+            _refuse_if_alive(servers_alive_in(s, alive_s), alive_s)
+        old.check_verifier(bytes.fromhex(verifier))
+        n = rewrap_data_keys_in(s, old, new)
+        secret = meta_value_in(s, SERVER_SECRET_META)
         if secret is not None:
-            plain = old.unwrap(bytes.fromhex(secret.value), SERVER_SECRET_AAD)
-            secret.value = new.wrap(plain, SERVER_SECRET_AAD).hex()
-        verifier.value = new.make_verifier().hex()
+            plain = old.unwrap(bytes.fromhex(secret), SERVER_SECRET_AAD)
+            meta_put_in(s, SERVER_SECRET_META, new.wrap(plain, SERVER_SECRET_AAD).hex())
+        meta_put_in(s, MASTER_VERIFIER_META, new.make_verifier().hex())
     return n
 
 
@@ -151,11 +149,6 @@ def _rotate(
         except OSError as exc:  # committed already: the old key opens nothing now, but say so
             log.warning("could not remove the old master key file %s (%s): delete it", current.file, exc)
     return RotationReport(n, new_file, removed)
-
-
-def _servers_alive_in(s: Session, alive_s: float) -> list[str]:
-    since = func.now() - timedelta(seconds=alive_s)
-    return sorted(s.execute(select(ServerRow.id).where(ServerRow.last_seen >= since)).scalars())
 
 
 def _refuse_if_alive(alive: list[str], alive_s: float) -> None:
