@@ -55,7 +55,7 @@ def _open(d: Path) -> Store:
 
 
 def _fill_chain(store: Store, n: int) -> None:
-    """`n` receipts of earlier erasures, hash-chained as `dss.ops.erasure_receipts.append_receipt` writes them."""
+    """`n` receipts of earlier erasures, hash-chained as `erasure_receipts.append_receipt` writes them."""
     prev, at = GENESIS, datetime.now(UTC)
     with transaction(store.sf) as s:
         for seq in range(1, n + 1):
