@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dss.config import StoreConfig
 from dss.namespace import ModelFingerprint
 from dss.store import Store
+from tests.store_helpers import put_sequence
 
 FP = ModelFingerprint(
     model_id="bench",
@@ -50,7 +51,7 @@ def main() -> None:
         base_v = store.versions.commit(
             "bench-user", sid, tokens=base, messages=[{"role": "user", "content": "b"}]
         )
-        store.kv.put_sequence(fid, tenant, base, [page] * (BASE_TOKENS // FP.block_size))
+        put_sequence(store, fid, tenant, base, [page] * (BASE_TOKENS // FP.block_size))
         for i in range(n_branches):
             name = f"b{i}"
             store.versions.branch("bench-user", sid, base_v.number, name)
@@ -58,7 +59,7 @@ def main() -> None:
             store.versions.commit(
                 "bench-user", sid, tokens=seq, messages=[{"role": "user", "content": name}], branch=name
             )
-            store.kv.put_sequence(fid, tenant, seq, [page] * (len(seq) // FP.block_size))
+            put_sequence(store, fid, tenant, seq, [page] * (len(seq) // FP.block_size))
         stored = store.stats()["bytes"]["host"]
         ideal = (BASE_TOKENS + n_branches * SUFFIX_TOKENS) // FP.block_size * FP.page_nbytes
         naive = n_branches * (BASE_TOKENS + SUFFIX_TOKENS) // FP.block_size * FP.page_nbytes

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dss.config import StoreConfig
 from dss.namespace import ModelFingerprint
 from dss.store import Store
+from tests.store_helpers import put_sequence
 
 FP = ModelFingerprint(
     model_id="bench",
@@ -49,7 +50,7 @@ def main() -> None:
                 store.versions.commit(
                     user, sid, tokens=tokens, messages=[{"role": "user", "content": str(v)}]
                 )
-            store.kv.put_sequence(fid, tenant, tokens, [page] * (len(tokens) // FP.block_size))
+            put_sequence(store, fid, tenant, tokens, [page] * (len(tokens) // FP.block_size))
         store.flush()
         fill_s = time.perf_counter() - t0
         t0 = time.perf_counter()

@@ -33,6 +33,7 @@ from api.settings import load_settings
 from dss.namespace import ModelFingerprint
 from dss.store import Store
 from tests.db_helpers import count_user_rows
+from tests.store_helpers import put_sequence
 
 FP = ModelFingerprint(
     model_id="bench", revision="1", dtype="bfloat16", num_layers=1, num_kv_heads=1, head_size=8, block_size=16
@@ -84,7 +85,7 @@ def fill(store: Store, sessions: int, versions: int, n_tokens: int) -> None:
             msgs = [{"role": "user", "content": f"turn {v} " + "x" * 200}]
             store.versions.commit(USER, sid, tokens=tokens, messages=msgs, fingerprint=fid)
             head = tokens[: 4 * FP.block_size]
-            store.kv.put_sequence(fid, tenant, head, [page] * 4)
+            put_sequence(store, fid, tenant, head, [page] * 4)
 
 
 def main() -> None:

@@ -38,6 +38,7 @@ from dss.errors import PinnedCapExceeded
 from dss.namespace import ModelFingerprint
 from dss.store import Store
 from dss.types import FingerprintId, Tier
+from tests.store_helpers import load_sequence, put_sequence
 
 FP = ModelFingerprint(
     model_id="bench-retention", revision="r1", dtype="bfloat16",
@@ -172,11 +173,11 @@ def run(root: Path, ops: list[Op], kinds: list[bool], host_pages: int, hints: bo
                 else:
                     tally.missed += BS
             tally.missed += len(history) - len(m.pages) * BS
-            store.kv.load_sequence(fid, tenant, history)
+            load_sequence(store, fid, tenant, history)
             new = np.arange(counter, counter + op.new_pages * BS, dtype=np.int32)
             counter += op.new_pages * BS
             tokens = np.concatenate([history, new])
-            store.kv.put_sequence(fid, tenant, tokens, [page] * (len(tokens) // BS))
+            put_sequence(store, fid, tenant, tokens, [page] * (len(tokens) // BS))
             v = store.versions.commit(
                 s.user, s.sid, tokens=tokens, messages=[{"role": "user", "content": str(n)}], fingerprint=fid
             )

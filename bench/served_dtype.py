@@ -53,6 +53,7 @@ from dss.namespace import ModelFingerprint
 from dss.pages.codec import BytePlaneZstdCodec
 from dss.types import FingerprintId
 from engine_patch.setup.sanity import DEFAULT_MIN_CORRECT, SANITY_SET, SanityReport, ask, score
+from tests.store_helpers import load_sequence
 
 CONTEXT_TOKENS = 1000
 DECODE_TOKENS = 128
@@ -200,7 +201,7 @@ def main() -> None:
                 side.decode_tps.append(decode_rate(side.engine, prompts[side.dtype]))
 
         for side in sides:
-            n, pages = served.store.kv.load_sequence(side.fid, tenant, prompts[side.dtype])
+            n, pages = load_sequence(served.store, side.fid, tenant, prompts[side.dtype])
             pages = pages[: n // BS]  # whole blocks only
             if not pages:
                 raise RuntimeError(f"[{side.dtype}] the store returned no whole page")

@@ -37,7 +37,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dss.namespace import ModelFingerprint
-from tests.store_helpers import open_store, open_stress_store, run_stress, thread_stacks
+from tests.store_helpers import open_store, open_stress_store, put_sequence, run_stress, thread_stacks
 
 SAMPLE = (
     next(
@@ -118,7 +118,7 @@ def lookup_phase(data_dir: Path, backlog_pages: int, codec_process: bool) -> tup
     flush = store.flush
     n_tok = PAGES_PER_SEQ * FP.block_size
     hot = np.arange(1, n_tok + 1, dtype=np.int32)
-    store.kv.put_sequence(fid, tenant, hot, real[:PAGES_PER_SEQ])
+    put_sequence(store, fid, tenant, hot, real[:PAGES_PER_SEQ])
     flush()
     assert store.kv.match(fid, tenant, hot).n_tokens == n_tok
 
@@ -137,7 +137,7 @@ def lookup_phase(data_dir: Path, backlog_pages: int, codec_process: bool) -> tup
     t0 = time.perf_counter()
     for s in range(n_seqs - 1):
         toks = np.arange(1, n_tok + 1, dtype=np.int32) + (s + 1) * 1_000_000
-        store.kv.put_sequence(fid, tenant, toks, [real[i % len(real)] for i in range(PAGES_PER_SEQ)])
+        put_sequence(store, fid, tenant, toks, [real[i % len(real)] for i in range(PAGES_PER_SEQ)])
         state.progress = time.monotonic()
     put_s = time.perf_counter() - t0
     state.phase = "busy"

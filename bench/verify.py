@@ -37,6 +37,7 @@ from dss.namespace import ModelFingerprint
 from dss.ops.receipt_chain import GENESIS, entry_hash
 from dss.store import Store
 from dss.types import UserId
+from tests.store_helpers import put_sequence
 
 FP = ModelFingerprint(
     model_id="bench",
@@ -74,7 +75,7 @@ def _fill_pages(store: Store, user: str, n_pages: int, seed: int) -> None:
     page = rng.integers(0, 255, FP.page_nbytes, dtype=np.uint8).tobytes()
     for _ in range(max(1, n_pages // PAGES_PER_SEQUENCE)):
         tokens = rng.integers(0, 50_000, PAGES_PER_SEQUENCE * FP.block_size, dtype=np.int32)
-        store.kv.put_sequence(fid, tenant, tokens, [page] * PAGES_PER_SEQUENCE)
+        put_sequence(store, fid, tenant, tokens, [page] * PAGES_PER_SEQUENCE)
 
 
 def _evict(root: Path) -> None:

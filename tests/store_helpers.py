@@ -10,7 +10,7 @@ import time
 import traceback
 import zlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,8 +18,11 @@ import numpy as np
 from sqlalchemy import Engine, text
 
 from dss.config import StoreConfig
+from dss.errors import PageShapeMismatch
 from dss.namespace import ModelFingerprint
 from dss.store import Store
+from dss.tokens import as_tokens
+from dss.types import FingerprintId, TenantId
 
 SMALL_FP = ModelFingerprint(
     model_id="tiny-test",
@@ -47,6 +50,55 @@ def pages_for(fp: ModelFingerprint, tokens: np.ndarray, salt: int = 0) -> list[b
         seed = zlib.crc32(np.ascontiguousarray(tokens[: (i + 1) * bs]).tobytes()) + salt
         out.append(page_bytes(fp, seed))
     return out
+
+
+def put_sequence(
+    store: Store,
+    fid: FingerprintId,
+    tenant: TenantId,
+    tokens: Sequence[int] | np.ndarray,
+    pages: Sequence[bytes | memoryview],
+) -> int:
+    """Store pages for `tokens` as an engine would (plan, copy into the slots, commit): page i =
+    bytes of block i; when `tokens` end inside the last page, that page is stored as their tail
+    page. Returns the new pages stored."""
+    fp = store.fingerprints.get(fid)
+    for p in pages:
+        if len(p) != fp.page_nbytes:
+            raise PageShapeMismatch(f"page of {len(p)} bytes; fingerprint {fid} needs {fp.page_nbytes}")
+    n_tokens = len(as_tokens(tokens))
+    with_tail = n_tokens % fp.block_size != 0 and len(pages) == n_tokens // fp.block_size + 1
+    n_whole = len(pages) - 1 if with_tail else len(pages)
+    plan = store.kv.plan_save(fid, tenant, tokens, n_whole, with_tail=with_tail)
+    for ps in plan.pages:
+        assert ps.slot is not None
+        store.pages.host.slot_array(ps.slot)[:] = np.frombuffer(pages[ps.page_index], dtype=np.uint8)
+    return store.kv.saves.commit_save(plan.save_id, [ps.page_index for ps in plan.pages])
+
+
+def load_sequence(
+    store: Store, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray
+) -> tuple[int, list[bytes]]:
+    """Load `tokens` as an engine would: tokens matched (a tail page counts its valid tokens)
+    and a copy of each matched page's bytes (stops at a failed page), validated after they are
+    taken."""
+    plan = store.kv.begin_load(fid, tenant, tokens)
+    if plan is None:
+        return 0, []
+    copies: list[bytes] = []
+    try:
+        for ps in store.kv.loads.wait_loaded(plan.load_id):
+            if ps is None or ps.slot is None:
+                break
+            copies.append(store.pages.host.slot_array(ps.slot).tobytes())
+    finally:
+        valid = store.kv.loads.wait_loaded(plan.load_id, 0.0, release=True)
+    n = 0
+    for ps in valid[: len(copies)]:
+        if ps is None:
+            break
+        n += 1
+    return min(n * store.fingerprints.get(fid).block_size, plan.n_tokens), copies[:n]
 
 
 def open_store(data_dir: Path, **overrides: object) -> Store:
@@ -184,10 +236,10 @@ def run_stress(store: Store, seconds: float, watchdog_s: float, n_workers: int =
                 tenant = store.identity.tenant_for(f"u{u}")
                 if rng.random() < 0.5:
                     with user_locks[u]:
-                        store.kv.put_sequence(fid, tenant, tokens, pages(u, gen[u], s))
+                        put_sequence(store, fid, tenant, tokens, pages(u, gen[u], s))
                 else:
                     g0 = gen[u]
-                    n, got = store.kv.load_sequence(fid, tenant, tokens)
+                    n, got = load_sequence(store, fid, tenant, tokens)
                     g1 = gen[u]
                     if n != len(got) * _BS:
                         raise AssertionError(f"load_sequence said {n} tokens for {len(got)} pages")

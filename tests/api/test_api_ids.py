@@ -39,7 +39,7 @@ from dss.errors import InvalidSessionId, InvalidUserId
 from dss.inputs import check_session_id, check_stored_user_id, check_user_id
 from dss.types import UserId
 from tests.api_server import ApiServer
-from tests.store_helpers import SMALL_FP, pages_for
+from tests.store_helpers import SMALL_FP, pages_for, put_sequence
 
 DEV = {"dev_mode": True, "dev_allowed_hosts": ["testserver"]}
 
@@ -204,7 +204,7 @@ def test_a_legacy_user_with_a_slash_is_erasable(tmp_path: Path) -> None:
         store = c.app.state.dss.store  # type: ignore[attr-defined]
         fid = store.fingerprints.register(SMALL_FP)
         toks = np.arange(100, 116, dtype=np.int32)
-        store.kv.put_sequence(fid, store.identity.tenant_for("org/kv"), toks, pages_for(SMALL_FP, toks))
+        put_sequence(store, fid, store.identity.tenant_for("org/kv"), toks, pages_for(SMALL_FP, toks))
         assert store.flush()
         r = c.delete("/v1/users/org%2Fkv", headers=bearer(admin))
         assert r.status_code == 200, r.text

@@ -23,7 +23,7 @@ import pytest
 from dss.config import StoreConfig
 from dss.store import Store
 from tests.api_server import ApiServer, chat, get_server, user_msg
-from tests.store_helpers import SMALL_FP, pages_for
+from tests.store_helpers import SMALL_FP, pages_for, put_sequence
 
 BS = SMALL_FP.block_size
 TRIP = np.arange(1, 1 + 3 * BS, dtype=np.int32)  # 3 pages
@@ -41,7 +41,7 @@ def _seed(data_dir: Path) -> None:
             store.versions.commit(
                 "alice", sid, tokens=tokens, messages=[{"role": "user", "content": sid}], fingerprint=fid
             )
-            store.kv.put_sequence(fid, tenant, tokens, pages_for(SMALL_FP, tokens))
+            put_sequence(store, fid, tenant, tokens, pages_for(SMALL_FP, tokens))
         store.versions.create_session("alice", "empty")
         store.flush()
 

@@ -27,7 +27,7 @@ from dss.db.connect import make_engine, make_session_factory, sqlite_url_for, up
 from dss.namespace import make_namespace
 from dss.store import Store
 from dss.types import FingerprintId, TenantId
-from tests.store_helpers import SMALL_FP, pages_for
+from tests.store_helpers import SMALL_FP, pages_for, put_sequence
 
 
 def settings_for(data_dir: Path, **groups: dict[str, Any]) -> Settings:
@@ -448,10 +448,10 @@ def test_dropping_a_sequence_keeps_public_prefix_pages(tmp_path: Path) -> None:
         fid = store.fingerprints.register(SMALL_FP)
         public = np.arange(1, 9, dtype=np.int32)  # two pages
         store.prefixes.register(fid, public)
-        store.kv.put_sequence(fid, "public", public, pages_for(SMALL_FP, public))  # type: ignore[arg-type]
+        put_sequence(store, fid, "public", public, pages_for(SMALL_FP, public))  # type: ignore[arg-type]
         tenant = store.identity.tenant_for("pat")
         mine = np.concatenate([public, np.arange(50, 58, dtype=np.int32)])
-        store.kv.put_sequence(fid, tenant, mine, pages_for(SMALL_FP, mine))
+        put_sequence(store, fid, tenant, mine, pages_for(SMALL_FP, mine))
         assert store.kv.match(fid, tenant, mine).n_tokens == 16
         assert _drop_paths(store, fid, "public", [public]) == 0  # public pages go with their prefix
         assert _drop_paths(store, fid, tenant, [mine]) == 2
@@ -473,7 +473,7 @@ def test_deleting_a_session_drops_only_its_own_pages(client: TestClient) -> None
         store.versions.commit(
             "dana", sid, tokens=toks, messages=[{"role": "user", "content": sid}], fingerprint=fid
         )
-        store.kv.put_sequence(fid, tenant, toks, pages_for(SMALL_FP, toks))
+        put_sequence(store, fid, tenant, toks, pages_for(SMALL_FP, toks))
     assert _pages_on_path(store, tenant, only_a) == 5 and _pages_on_path(store, tenant, only_b) == 4
     before = _host_pages(store)
     assert client.delete("/v1/sessions/a", headers=as_user("dana")).status_code == 200

@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from dss.store import Store
 from tests.api.test_api_unit import DEV, as_user, settings_for, started, state_of
-from tests.store_helpers import SMALL_FP, open_store, pages_for
+from tests.store_helpers import SMALL_FP, open_store, pages_for, put_sequence
 
 T = TypeVar("T")
 BS = SMALL_FP.block_size
@@ -64,7 +64,7 @@ def fill(store: Store, user: str, sessions: int, versions: int, n_tokens: int) -
                 fingerprint=fid,
             )
         head = session_tokens(s, 0, n_tokens)[: 4 * BS]
-        store.kv.put_sequence(fid, tenant, head, pages_for(SMALL_FP, head))
+        put_sequence(store, fid, tenant, head, pages_for(SMALL_FP, head))
 
 
 def _deleting_one_session(data_dir: Path, sessions: int) -> int:

@@ -11,7 +11,7 @@ import pytest
 from dss.errors import StorageError, WrongMasterKey
 from dss.ops.kv import StoredKV
 from dss.types import PUBLIC_TENANT, FingerprintId, Tier
-from tests.store_helpers import SMALL_FP, open_store, pages_for
+from tests.store_helpers import SMALL_FP, load_sequence, open_store, pages_for, put_sequence
 
 
 def test_put_load_reopen_from_disk(tmp_path):
@@ -20,9 +20,9 @@ def test_put_load_reopen_from_disk(tmp_path):
     alice = store.identity.tenant_for("alice")
     tokens = np.arange(1, 23, dtype=np.int32)  # 5 full pages of 4 + 2 tokens
     pages = pages_for(SMALL_FP, tokens)
-    assert store.kv.put_sequence(fid, alice, tokens, pages) == 5
-    assert store.kv.put_sequence(fid, alice, tokens, pages) == 0  # dedup by content address
-    n, got = store.kv.load_sequence(fid, alice, tokens)
+    assert put_sequence(store, fid, alice, tokens, pages) == 5
+    assert put_sequence(store, fid, alice, tokens, pages) == 0  # dedup by content address
+    n, got = load_sequence(store, fid, alice, tokens)
     assert n == 20 and got == pages
     store.flush()
     # Every tier counts what it holds: the write-through copies on disk too.
@@ -33,7 +33,7 @@ def test_put_load_reopen_from_disk(tmp_path):
     store = open_store(tmp_path)
     assert store.recovery_report is not None and store.recovery_report.pages_indexed == 5
     assert store.kv.lookup.residency(fid, alice, tokens)["disk"] == 20
-    n, got = store.kv.load_sequence(fid, alice, tokens)
+    n, got = load_sequence(store, fid, alice, tokens)
     assert n == 20 and got == pages
     assert store.kv.lookup.residency(fid, alice, tokens)["host"] == 20  # promoted on hit
     store.check()
@@ -46,7 +46,7 @@ def test_tenants_and_fingerprints_never_share(tmp_path):
     other_fp = store.fingerprints.register(dataclasses.replace(SMALL_FP, isa="amx"))
     alice, bob = store.identity.tenant_for("alice"), store.identity.tenant_for("bob")
     tokens = np.arange(100, 116, dtype=np.int32)
-    store.kv.put_sequence(fid, alice, tokens, pages_for(SMALL_FP, tokens))
+    put_sequence(store, fid, alice, tokens, pages_for(SMALL_FP, tokens))
     assert store.kv.match(fid, alice, tokens).n_tokens == 16
     assert store.kv.match(fid, bob, tokens).n_tokens == 0
     assert store.kv.match(other_fp, alice, tokens).n_tokens == 0
@@ -58,11 +58,11 @@ def test_public_prefix_shared_rest_private(tmp_path):
     fid = store.fingerprints.register(SMALL_FP)
     system = np.arange(500, 508, dtype=np.int32)  # two pages
     store.prefixes.register(fid, system, text="system prompt", pin=True)
-    store.kv.put_sequence(fid, PUBLIC_TENANT, system, pages_for(SMALL_FP, system))
+    put_sequence(store, fid, PUBLIC_TENANT, system, pages_for(SMALL_FP, system))
     alice, bob = store.identity.tenant_for("alice"), store.identity.tenant_for("bob")
     a_tokens = np.concatenate([system, np.arange(1, 9, dtype=np.int32)])
     assert store.kv.match(fid, alice, a_tokens).n_tokens == 8  # the public pages
-    store.kv.put_sequence(fid, alice, a_tokens, pages_for(SMALL_FP, a_tokens))
+    put_sequence(store, fid, alice, a_tokens, pages_for(SMALL_FP, a_tokens))
     assert store.kv.match(fid, alice, a_tokens).n_tokens == 16
     m = store.kv.match(fid, bob, a_tokens)
     assert m.n_tokens == 8 and m.public_tokens == 8
@@ -82,10 +82,10 @@ def test_host_pressure_demotes_to_disk_then_promotes(tmp_path):
     t = store.identity.tenant_for("alice")
     seqs = [np.arange(i * 1000, i * 1000 + 8, dtype=np.int32) for i in range(6)]  # 12 pages > 4 slots
     for s in seqs:
-        store.kv.put_sequence(fid, t, s, pages_for(SMALL_FP, s))
+        put_sequence(store, fid, t, s, pages_for(SMALL_FP, s))
     assert store.pages.counters.evictions[Tier.HOST] >= 8
     for s in seqs:
-        n, got = store.kv.load_sequence(fid, t, s)
+        n, got = load_sequence(store, fid, t, s)
         assert n == 8 and got == pages_for(SMALL_FP, s)
     store.check()
     store.close()
@@ -114,7 +114,7 @@ def test_a_new_data_directory_is_private_to_its_owner(tmp_path):
     store = open_store(data, shm_dir=tmp_path / "shm")
     fid = store.fingerprints.register(SMALL_FP)
     tokens = np.arange(1, 9, dtype=np.int32)
-    store.kv.put_sequence(fid, store.identity.tenant_for("alice"), tokens, pages_for(SMALL_FP, tokens))
+    put_sequence(store, fid, store.identity.tenant_for("alice"), tokens, pages_for(SMALL_FP, tokens))
     store.versions.create_session("alice", "s")
     store.flush()
     modes = {p: stat.S_IMODE(p.stat().st_mode) for p in [data, *data.rglob("*")]}
@@ -132,13 +132,13 @@ def test_stored_kv_counts_each_own_page_once(tmp_path):
     page = SMALL_FP.page_nbytes
     system = np.arange(500, 508, dtype=np.int32)  # two public pages
     store.prefixes.register(fid, system, text="system prompt", pin=True)
-    store.kv.put_sequence(fid, PUBLIC_TENANT, system, pages_for(SMALL_FP, system))
+    put_sequence(store, fid, PUBLIC_TENANT, system, pages_for(SMALL_FP, system))
     alice = store.identity.tenant_for("alice")
     v1 = np.concatenate([system, np.arange(1, 9, dtype=np.int32)])  # + 2 own pages
     v2 = np.concatenate([v1, np.arange(9, 13, dtype=np.int32)])  # its child: + 1 own page
     sibling = np.concatenate([v1, np.arange(40, 44, dtype=np.int32)])  # another child: + 1
     for tokens in (v1, v2, sibling):
-        store.kv.put_sequence(fid, alice, tokens, pages_for(SMALL_FP, tokens))
+        put_sequence(store, fid, alice, tokens, pages_for(SMALL_FP, tokens))
     assert store.kv.lookup.stored(alice, [(fid, v1)]) == StoredKV(2, 2 * page)
     shared_once = StoredKV(4, 4 * page)
     assert store.kv.lookup.stored(alice, [(fid, v1), (fid, v2), (fid, sibling)]) == shared_once
@@ -157,12 +157,12 @@ def test_a_session_stores_its_users_own_pages_of_its_versions(tmp_path):
     fid = store.fingerprints.register(SMALL_FP)
     page = SMALL_FP.page_nbytes
     system = np.arange(500, 508, dtype=np.int32)  # two public pages
-    store.kv.put_sequence(fid, PUBLIC_TENANT, system, pages_for(SMALL_FP, system))
+    put_sequence(store, fid, PUBLIC_TENANT, system, pages_for(SMALL_FP, system))
     v1 = np.concatenate([system, np.arange(1, 9, dtype=np.int32)])  # + 2 own pages
     v2 = np.concatenate([v1, np.arange(9, 13, dtype=np.int32)])  # + 1 own page
     store.versions.create_session("alice", "s")
     for head, tokens in enumerate((v1, v2)):
-        store.kv.put_sequence(fid, store.identity.tenant_for("alice"), tokens, pages_for(SMALL_FP, tokens))
+        put_sequence(store, fid, store.identity.tenant_for("alice"), tokens, pages_for(SMALL_FP, tokens))
         store.versions.commit(
             "alice", "s", tokens=tokens, messages=[], branch="main", expected_head=head, fingerprint=fid
         )

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from tests.store_helpers import SMALL_FP, open_store, pages_for
+from tests.store_helpers import SMALL_FP, load_sequence, open_store, pages_for
 
 WRITER = textwrap.dedent(
     """
@@ -31,7 +31,7 @@ WRITER = textwrap.dedent(
         msgs = [{"role": "user", "content": str(v)}]
         info = store.versions.commit("writer", sid, tokens=tokens, messages=msgs)
         print(f"COMMITTED {sid} {info.number} {len(tokens)}", flush=True)
-        store.kv.put_sequence(fid, tenant, tokens, pages_for(SMALL_FP, tokens))
+        put_sequence(store, fid, tenant, tokens, pages_for(SMALL_FP, tokens))
     """
 )
 
@@ -70,7 +70,7 @@ def test_kill_9_during_commits_recovers(tmp_path):
             assert numbers[:last] == list(range(1, last + 1)), f"{sid}: committed version lost"
             info = store.versions.get_version("writer", sid, last)
             tokens = info.tokens
-            _n, got = store.kv.load_sequence(fid, tenant, tokens)
+            _n, got = load_sequence(store, fid, tenant, tokens)
             # whatever KV survived must be byte-exact; the rest is recomputed
             assert got == pages_for(SMALL_FP, np.asarray(tokens))[: len(got)]
         assert not list(data.rglob("*.tmp-*")), "half-written temp files must be collected"

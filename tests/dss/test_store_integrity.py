@@ -11,7 +11,7 @@ import pytest
 
 from dss.config import StoreConfig
 from dss.store import Store
-from tests.store_helpers import SMALL_FP, open_store, pages_for
+from tests.store_helpers import SMALL_FP, load_sequence, open_store, pages_for, put_sequence
 
 
 def _disk_only_store(tmp_path):
@@ -20,7 +20,7 @@ def _disk_only_store(tmp_path):
     tenant = store.identity.tenant_for("alice")
     tokens = np.arange(1, 41, dtype=np.int32)  # 10 pages
     pages = pages_for(SMALL_FP, tokens)
-    store.kv.put_sequence(fid, tenant, tokens, pages)
+    put_sequence(store, fid, tenant, tokens, pages)
     store.close()  # flushes write-through; the host tier is gone after this
     return tokens, pages
 
@@ -45,15 +45,15 @@ def test_corrupt_page_is_never_served(tmp_path, damage):
         blob[-64:] = b"\x00" * 64
     path.write_bytes(bytes(blob))
 
-    n, got = store.kv.load_sequence(fid, tenant, tokens)
+    n, got = load_sequence(store, fid, tenant, tokens)
     assert n == victim_index * SMALL_FP.block_size
     assert got == pages[:victim_index]  # exact bytes up to the damaged page, nothing after
     assert store.stats()["corrupt_pages"] >= 1
     assert not path.exists(), "a corrupt page file is deleted"
     store.check()
     # the KV is recomputable: storing it again heals the sequence
-    store.kv.put_sequence(fid, tenant, tokens, pages)
-    assert store.kv.load_sequence(fid, tenant, tokens) == (40, pages)
+    put_sequence(store, fid, tenant, tokens, pages)
+    assert load_sequence(store, fid, tenant, tokens) == (40, pages)
     store.close()
 
 
@@ -63,7 +63,7 @@ def test_missing_page_file_is_a_miss_after_restart(tmp_path):
     files[0].unlink()  # some page vanished (operator error, fs damage)
     store = open_store(tmp_path)
     fid = store.fingerprints.register(SMALL_FP)
-    _n, got = store.kv.load_sequence(fid, store.identity.tenant_for("alice"), tokens)
+    _n, got = load_sequence(store, fid, store.identity.tenant_for("alice"), tokens)
     assert got == pages[: len(got)]
     assert store.recovery_report.rows_without_file == 1
     store.check()
@@ -81,11 +81,11 @@ def test_unusable_disk_tier_keeps_serving_from_memory(tmp_path):
             d.write_bytes(b"")
     tokens = np.arange(1, 17, dtype=np.int32)
     pages = pages_for(SMALL_FP, tokens)
-    store.kv.put_sequence(fid, tenant, tokens, pages)
+    put_sequence(store, fid, tenant, tokens, pages)
     store.flush()
     stats = store.stats()
     assert stats["disk_available"] is False and stats["disk_write_errors"] >= 1
-    assert store.kv.load_sequence(fid, tenant, tokens) == (16, pages)
+    assert load_sequence(store, fid, tenant, tokens) == (16, pages)
     store.close()
 
 
@@ -99,10 +99,10 @@ def test_store_on_postgresql(tmp_path, pg_url):
     tokens = np.arange(1, 25, dtype=np.int32)
     store.versions.commit("alice", sid, tokens=tokens, messages=[{"role": "user", "content": "hi"}])
     pages = pages_for(SMALL_FP, tokens)
-    store.kv.put_sequence(fid, tenant, tokens, pages)
+    put_sequence(store, fid, tenant, tokens, pages)
     store.close()
     store = Store.open(cfg)
-    assert store.kv.load_sequence(fid, tenant, tokens) == (24, pages)
+    assert load_sequence(store, fid, tenant, tokens) == (24, pages)
     receipt = store.eraser.erase_user("alice")
     assert store.eraser.verify(receipt.id).remnants == 0
     assert receipt.counts["versions"] == 1 and receipt.counts["pages"]["disk"] == 6
@@ -153,7 +153,7 @@ def test_rpc_from_another_process(tmp_path):
     assert (written, n_loaded, same) == (5, 5, True)
     fid = SMALL_FP.id
     tokens = np.arange(50, 70, dtype=np.int32)
-    assert store.kv.load_sequence(fid, tenant, tokens) == (20, pages_for(SMALL_FP, tokens))
+    assert load_sequence(store, fid, tenant, tokens) == (20, pages_for(SMALL_FP, tokens))
     assert store.stats()["leases"] == 0
     store.check()
     store.close()
@@ -176,7 +176,7 @@ def test_abandoned_leases_and_saves_expire(tmp_path):
     fid = store.fingerprints.register(SMALL_FP)
     tenant = store.identity.tenant_for("alice")
     tokens = np.arange(1, 9, dtype=np.int32)
-    store.kv.put_sequence(fid, tenant, tokens, pages_for(SMALL_FP, tokens))
+    put_sequence(store, fid, tenant, tokens, pages_for(SMALL_FP, tokens))
     store.kv.begin_load(fid, tenant, tokens)  # an engine that died before releasing
     store.kv.plan_save(fid, tenant, np.arange(100, 108, dtype=np.int32), 2)  # ... or before committing
     assert store.stats()["leases"] == 1 and store.stats()["pending_saves"] == 1

@@ -31,8 +31,10 @@ from tests.store_helpers import (
     SMALL_FP,
     call_bounded,
     exit_hard_at_shutdown,
+    load_sequence,
     open_store,
     pages_for,
+    put_sequence,
     thread_stacks,
 )
 
@@ -100,7 +102,7 @@ def _operations(store: Store, fid: Any, tenant: TenantId) -> dict[str, Callable[
     hot_pages = pages_for(SMALL_FP, HOT)
 
     def load() -> object:
-        n, got = store.kv.load_sequence(fid, tenant, HOT)
+        n, got = load_sequence(store, fid, tenant, HOT)
         assert n == len(HOT) and got == hot_pages
         return n
 
@@ -111,14 +113,14 @@ def _operations(store: Store, fid: Any, tenant: TenantId) -> dict[str, Callable[
     return {
         "match": match,
         "load_sequence": load,
-        "put_existing": lambda: store.kv.put_sequence(fid, tenant, HOT, hot_pages),
+        "put_existing": lambda: put_sequence(store, fid, tenant, HOT, hot_pages),
     }
 
 
 def _pause_writer_on_new_page(store: Store, pw: PausedWriter, fid: Any, tenant: TenantId) -> None:
     pw.armed = True
     # The put itself may (wrongly) block behind the paused writer: run it aside.
-    call_bounded(lambda: store.kv.put_sequence(fid, tenant, NEW, pages_for(SMALL_FP, NEW)), 0.0)
+    call_bounded(lambda: put_sequence(store, fid, tenant, NEW, pages_for(SMALL_FP, NEW)), 0.0)
     assert pw.entered.wait(LOOKUP_S), f"write-through never reached {pw.method}"
 
 
@@ -128,7 +130,7 @@ def test_host_lookup_does_not_wait_for_disk_write(paused: Opener, op: str) -> No
     store, pw = paused(fsync=True)
     fid = store.fingerprints.register(SMALL_FP)
     tenant = store.identity.tenant_for("alice")
-    store.kv.put_sequence(fid, tenant, HOT, pages_for(SMALL_FP, HOT))
+    put_sequence(store, fid, tenant, HOT, pages_for(SMALL_FP, HOT))
     _flush(store)
     try:
         _pause_writer_on_new_page(store, pw, fid, tenant)
@@ -157,9 +159,9 @@ def test_evicting_disk_write_and_lookup_do_not_deadlock(paused: Opener, op: str)
     tenant = store.identity.tenant_for("alice")
     for base in (100, 200, 300):  # 2-page sequences: the first one ends up disk-only
         toks = np.arange(base, base + 8, dtype=np.int32)
-        store.kv.put_sequence(fid, tenant, toks, pages_for(SMALL_FP, toks))
+        put_sequence(store, fid, tenant, toks, pages_for(SMALL_FP, toks))
         _flush(store)
-    store.kv.put_sequence(fid, tenant, HOT, pages_for(SMALL_FP, HOT))
+    put_sequence(store, fid, tenant, HOT, pages_for(SMALL_FP, HOT))
     _flush(store)
     disk = store.disk
     assert disk is not None

@@ -23,7 +23,7 @@ from dss.types import TenantId
 from dss.wire import SessionTag, SlotRef, TurnReport, tag_key
 from engine_patch.connector.metadata import DSSConnectorMetadata, DSSWorkerMetadata
 from engine_patch.connector.scheduler_side import SchedulerSide
-from tests.store_helpers import SMALL_FP, open_store, pages_for
+from tests.store_helpers import SMALL_FP, open_store, pages_for, put_sequence
 
 BS = SMALL_FP.block_size
 # The key the API signs session tags with; in the server it derives from the store's authkey.
@@ -78,7 +78,7 @@ def blocks_of(ids: list[int]) -> KVCacheBlocks:
 
 def stored(store: Store, tenant: str, n_tokens: int, seed: int = 0) -> list[int]:
     tokens = np.arange(seed, seed + n_tokens, dtype=np.int32)
-    store.kv.put_sequence(SMALL_FP.id, tenant, tokens, pages_for(SMALL_FP, tokens))
+    put_sequence(store, SMALL_FP.id, tenant, tokens, pages_for(SMALL_FP, tokens))
     return [int(t) for t in tokens]
 
 

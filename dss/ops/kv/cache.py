@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from dss.config import StoreConfig
-from dss.errors import PageShapeMismatch, StoreClosed
+from dss.errors import StoreClosed
 from dss.index.fingerprints import FingerprintRegistry
 from dss.index.prefix_index import PrefixIndex
 from dss.ops.kv.gate import TenantGate
@@ -43,7 +43,6 @@ from dss.ops.kv.pins import PublicPins
 from dss.ops.kv.saves import KVSaves
 from dss.ops.writeback import DiskWriter
 from dss.pages.tiered import TieredPages
-from dss.tokens import as_tokens
 from dss.types import FingerprintId, TenantId
 from dss.wire import LoadPlan, SavePlan
 
@@ -124,52 +123,6 @@ class KVCache:
         self.ensure_open()
         self._expire_stale()
         return self.saves.reserve(fid, tenant, tokens, n_pages, with_tail)
-
-    def put_sequence(
-        self,
-        fid: FingerprintId,
-        tenant: TenantId,
-        tokens: Sequence[int] | np.ndarray,
-        pages: Sequence[bytes | memoryview],
-    ) -> int:
-        """Store pages for `tokens` (page i = bytes of block i; when `tokens` end inside the last
-        page, that page is stored as their tail page). Returns new pages stored."""
-        fp = self._fingerprints.get(fid)
-        for p in pages:
-            if len(p) != fp.page_nbytes:
-                raise PageShapeMismatch(f"page of {len(p)} bytes; fingerprint {fid} needs {fp.page_nbytes}")
-        n_tokens = len(as_tokens(tokens))
-        with_tail = n_tokens % fp.block_size != 0 and len(pages) == n_tokens // fp.block_size + 1
-        n_whole = len(pages) - 1 if with_tail else len(pages)
-        plan = self.plan_save(fid, tenant, tokens, n_whole, with_tail=with_tail)
-        for ps in plan.pages:
-            assert ps.slot is not None
-            self._pages.host.slot_array(ps.slot)[:] = np.frombuffer(pages[ps.page_index], dtype=np.uint8)
-        return self.saves.commit_save(plan.save_id, [ps.page_index for ps in plan.pages])
-
-    def load_sequence(
-        self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray
-    ) -> tuple[int, list[bytes]]:
-        """Tokens matched (a tail page counts its valid tokens) and a copy of each matched page's
-        bytes (stops at a failed page). The copies are validated after they are taken, like an
-        engine's."""
-        plan = self.begin_load(fid, tenant, tokens)
-        if plan is None:
-            return 0, []
-        copies: list[bytes] = []
-        try:
-            for ps in self.loads.wait_loaded(plan.load_id):
-                if ps is None or ps.slot is None:
-                    break
-                copies.append(self._pages.host.slot_array(ps.slot).tobytes())
-        finally:
-            valid = self.loads.wait_loaded(plan.load_id, 0.0, release=True)
-        n = 0
-        for ps in valid[: len(copies)]:
-            if ps is None:
-                break
-            n += 1
-        return min(n * self._fingerprints.get(fid).block_size, plan.n_tokens), copies[:n]
 
     def stats(self) -> dict[str, int]:
         return {"leases": self.loads.count(), "pending_saves": self.saves.count()}

@@ -24,7 +24,7 @@ from dss.errors import StaleHead
 from dss.fleet.erasures import fleet_report
 from dss.store import Store
 from dss.types import PageHash, TenantId
-from tests.store_helpers import SMALL_FP, open_store, pages_for
+from tests.store_helpers import SMALL_FP, open_store, pages_for, put_sequence
 
 pytestmark = pytest.mark.pg
 
@@ -93,7 +93,7 @@ def fill(store: Store, user: str, base: int, n_seq: int = 2) -> list[np.ndarray]
     seqs = []
     for i in range(n_seq):
         tokens = np.arange(base + 100 * i, base + 100 * i + 8, dtype=np.int32)
-        store.kv.put_sequence(fid, tenant, tokens, pages_for(SMALL_FP, tokens))
+        put_sequence(store, fid, tenant, tokens, pages_for(SMALL_FP, tokens))
         seqs.append(tokens)
     assert store.flush()
     return seqs
@@ -415,7 +415,7 @@ def test_deleting_a_session_on_one_server_drops_the_other_servers_copies(fleet: 
         a.versions.commit(
             "alice", sid, tokens=tokens, messages=[{"role": "user", "content": sid}], fingerprint=fid
         )
-        b.kv.put_sequence(fid, tenant, tokens, pages_for(SMALL_FP, tokens))
+        put_sequence(b, fid, tenant, tokens, pages_for(SMALL_FP, tokens))
     assert b.flush()
     assert rows_of(b, "b") == 4 and b.kv.match(fid, tenant, doomed).n_tokens == 8
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from dss.types import PUBLIC_TENANT
-from tests.store_helpers import SMALL_FP, open_store, page_bytes, pages_for
+from tests.store_helpers import SMALL_FP, load_sequence, open_store, page_bytes, pages_for, put_sequence
 
 BS = SMALL_FP.block_size  # 4
 
@@ -22,13 +22,13 @@ def test_a_sequence_ending_inside_a_page_is_matched_to_its_last_token(tmp_path):
     alice = store.identity.tenant_for("alice")
     tokens = np.arange(1, 23, dtype=np.int32)  # 5 whole pages + 2 tokens
     pages = with_tail(tokens)
-    assert store.kv.put_sequence(fid, alice, tokens, pages) == 6
-    assert store.kv.put_sequence(fid, alice, tokens, pages) == 0  # the tail is content-addressed too
+    assert put_sequence(store, fid, alice, tokens, pages) == 6
+    assert put_sequence(store, fid, alice, tokens, pages) == 0  # the tail is content-addressed too
 
     longer = np.concatenate([tokens, [900, 901, 902, 903, 904]]).astype(np.int32)
     m = store.kv.match(fid, alice, longer)
     assert (m.n_tokens, m.partial_tokens, len(m.pages)) == (22, 2, 6)
-    n, got = store.kv.load_sequence(fid, alice, longer)
+    n, got = load_sequence(store, fid, alice, longer)
     assert n == 22 and got == pages
 
     # A query that leaves the tail's tokens, or stops inside them, gets the tokens it shares:
@@ -50,14 +50,14 @@ def test_the_longest_tail_under_a_page_wins_and_short_sequences_have_root_tails(
     three = np.concatenate([base, [50, 51, 52]]).astype(np.int32)
     other = np.concatenate([base, [60, 61]]).astype(np.int32)
     for seq, salt in ((one, 1), (three, 2), (other, 3)):
-        store.kv.put_sequence(fid, alice, seq, with_tail(seq, salt))
+        put_sequence(store, fid, alice, seq, with_tail(seq, salt))
     q = np.concatenate([three, [99, 98]]).astype(np.int32)
     assert store.kv.match(fid, alice, q).n_tokens == 11
     assert store.kv.match(fid, alice, np.concatenate([base, [50, 51, 7]]).astype(np.int32)).n_tokens == 10
     assert store.kv.match(fid, alice, np.concatenate([other, [1]]).astype(np.int32)).n_tokens == 10
 
     short = np.asarray([70, 71, 72], dtype=np.int32)  # under one page: a tail of the root
-    store.kv.put_sequence(fid, alice, short, [page_bytes(SMALL_FP, 7)])
+    put_sequence(store, fid, alice, short, [page_bytes(SMALL_FP, 7)])
     assert store.kv.match(fid, alice, np.asarray([70, 71, 72, 73, 74], dtype=np.int32)).n_tokens == 3
     assert store.kv.match(fid, store.identity.tenant_for("bob"), short).n_tokens == 0  # tenants never share
     store.check()
@@ -70,18 +70,18 @@ def test_tail_pages_survive_a_restart_from_disk(tmp_path):
     alice = store.identity.tenant_for("alice")
     tokens = np.arange(1, 16, dtype=np.int32)  # 3 whole pages + 3 tokens
     pages = with_tail(tokens)
-    store.kv.put_sequence(fid, alice, tokens, pages)
+    put_sequence(store, fid, alice, tokens, pages)
     short = np.asarray([40, 41], dtype=np.int32)
-    store.kv.put_sequence(fid, alice, short, [page_bytes(SMALL_FP, 99)])
+    put_sequence(store, fid, alice, short, [page_bytes(SMALL_FP, 99)])
     assert store.flush()
     store.close()
 
     store = open_store(tmp_path)
     assert store.recovery_report is not None and store.recovery_report.pages_indexed == 5
     assert store.kv.lookup.residency(fid, alice, tokens)["disk"] == 15
-    n, got = store.kv.load_sequence(fid, alice, np.concatenate([tokens, [5]]).astype(np.int32))
+    n, got = load_sequence(store, fid, alice, np.concatenate([tokens, [5]]).astype(np.int32))
     assert n == 15 and got == pages
-    assert store.kv.load_sequence(fid, alice, short) == (2, [page_bytes(SMALL_FP, 99)])
+    assert load_sequence(store, fid, alice, short) == (2, [page_bytes(SMALL_FP, 99)])
     store.check()
     store.close()
 
@@ -91,7 +91,7 @@ def test_a_dropped_page_takes_the_tails_after_it(tmp_path):
     fid = store.fingerprints.register(SMALL_FP)
     alice = store.identity.tenant_for("alice")
     tokens = np.arange(1, 11, dtype=np.int32)  # 2 whole pages + 2 tokens
-    store.kv.put_sequence(fid, alice, tokens, with_tail(tokens))
+    put_sequence(store, fid, alice, tokens, with_tail(tokens))
     m = store.kv.match(fid, alice, tokens)
     assert m.partial_tokens == 2
     store.kv.lookup.forget(store.pages.copies.drop([m.pages[1]]))  # the page before the tail leaves
@@ -100,7 +100,7 @@ def test_a_dropped_page_takes_the_tails_after_it(tmp_path):
     store.check()
 
     # Erasure takes tails along with everything else of the user.
-    store.kv.put_sequence(fid, alice, tokens, with_tail(tokens))
+    put_sequence(store, fid, alice, tokens, with_tail(tokens))
     assert store.kv.match(fid, alice, tokens).n_tokens == 10
     receipt = store.eraser.erase_user("alice")
     assert store.eraser.verify(receipt.id).remnants == 0
@@ -114,7 +114,7 @@ def test_a_tail_after_a_public_prefix_is_private(tmp_path):
     fid = store.fingerprints.register(SMALL_FP)
     system = np.arange(500, 508, dtype=np.int32)  # two public pages
     store.prefixes.register(fid, system, text="system prompt", pin=True)
-    store.kv.put_sequence(fid, PUBLIC_TENANT, system, pages_for(SMALL_FP, system))
+    put_sequence(store, fid, PUBLIC_TENANT, system, pages_for(SMALL_FP, system))
     alice, bob = store.identity.tenant_for("alice"), store.identity.tenant_for("bob")
     chat = np.concatenate([system, [1, 2]]).astype(np.int32)
     plan = store.kv.plan_save(fid, alice, chat, 2, with_tail=True)
@@ -136,8 +136,8 @@ def test_deleting_a_session_drops_its_tail_but_not_a_kept_one(tmp_path):
     shared = np.arange(1, 9, dtype=np.int32)
     a = np.concatenate([shared, [30, 31]]).astype(np.int32)
     b = np.concatenate([shared, [40]]).astype(np.int32)
-    store.kv.put_sequence(fid, alice, a, with_tail(a, 1))
-    store.kv.put_sequence(fid, alice, b, with_tail(b, 2))
+    put_sequence(store, fid, alice, a, with_tail(a, 1))
+    put_sequence(store, fid, alice, b, with_tail(b, 2))
     for sid, seq in (("a", a), ("b", b)):
         store.versions.create_session("alice", sid)
         store.versions.commit(
@@ -155,7 +155,7 @@ def test_a_namespace_holding_only_tails_is_matched(tmp_path):
     store = open_store(tmp_path)
     fid = store.fingerprints.register(SMALL_FP)
     alice = store.identity.tenant_for("alice")
-    store.kv.put_sequence(fid, alice, np.asarray([5, 6], dtype=np.int32), [page_bytes(SMALL_FP, 1)])
+    put_sequence(store, fid, alice, np.asarray([5, 6], dtype=np.int32), [page_bytes(SMALL_FP, 1)])
     assert store.kv.match(fid, alice, np.asarray([5, 6, 7], dtype=np.int32)).n_tokens == 2
     store.close()
 
@@ -201,17 +201,17 @@ def test_a_whole_page_serves_the_tokens_a_prompt_shares_with_it(tmp_path):
     alice = store.identity.tenant_for("alice")
     tokens = np.arange(1, 17, dtype=np.int32)  # 4 whole pages
     pages = pages_for(SMALL_FP, tokens)
-    store.kv.put_sequence(fid, alice, tokens, pages)
+    put_sequence(store, fid, alice, tokens, pages)
     assert store.kv.match(fid, alice, tokens[:10]).n_tokens == 10  # ends inside page 2
     edited = np.concatenate([tokens[:9], [99, 98, 97, 96]]).astype(np.int32)
     m = store.kv.match(fid, alice, edited)
     assert (m.n_tokens, m.partial_tokens, len(m.pages)) == (9, 1, 3)
-    n, got = store.kv.load_sequence(fid, alice, edited)
+    n, got = load_sequence(store, fid, alice, edited)
     assert n == 9 and got == pages[:3]  # the third page's bytes, used for its first token
 
     # A sibling branch: the prompt leaves the stored path inside the first page of a child.
     other = np.concatenate([tokens[:8], [9, 10, 50, 51, 52]]).astype(np.int32)
-    store.kv.put_sequence(fid, alice, other, pages_for(SMALL_FP, other, salt=3)[:3])
+    put_sequence(store, fid, alice, other, pages_for(SMALL_FP, other, salt=3)[:3])
     q = np.concatenate([tokens[:8], [9, 10, 11, 7]]).astype(np.int32)
     assert store.kv.match(fid, alice, q).n_tokens == 11  # tokens 9-11 of the first branch's page
     store.check()

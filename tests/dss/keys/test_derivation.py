@@ -22,7 +22,7 @@ from dss.keys.identity import Identity
 from dss.namespace import namespace_id, tenant_for_user
 from dss.types import FingerprintId, NamespaceId, TenantId
 from dss.wire import SessionTag
-from tests.store_helpers import SMALL_FP, open_store, pages_for
+from tests.store_helpers import SMALL_FP, load_sequence, open_store, pages_for, put_sequence
 
 SECRET = b"s" * 32
 
@@ -70,11 +70,11 @@ def _old_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, obj
         toks = np.arange(1, 17, dtype=np.int32)
         for user in ("alice", "bob", "carol"):
             store.versions.create_session(user, f"{user}-s")
-            store.kv.put_sequence(fid, store.identity.tenant_for(user), toks, pages_for(SMALL_FP, toks))
+            put_sequence(store, fid, store.identity.tenant_for(user), toks, pages_for(SMALL_FP, toks))
         bob_receipt = store.eraser.erase_user("bob")
         carol_receipt = store.eraser.erase_user("carol")
         store.versions.create_session("bob", "bob-again")
-        store.kv.put_sequence(fid, store.identity.tenant_for("bob"), toks, pages_for(SMALL_FP, toks, salt=1))
+        put_sequence(store, fid, store.identity.tenant_for("bob"), toks, pages_for(SMALL_FP, toks, salt=1))
         assert store.identity.tenant_for("bob") == _old_tenant(secret, "bob", 1)
         assert store.flush()
         store.close()
@@ -113,9 +113,9 @@ def test_a_store_made_under_the_old_derivation_is_upgraded_at_open(
     assert store.disk is not None and list(store.disk.scan()) == []
     # bob, erased before the upgrade, and everyone else: cold, whatever the tenant asked for.
     for user in ("alice", "bob", "carol"):
-        assert store.kv.load_sequence(fid, store.identity.tenant_for(user), toks)[0] == 0
+        assert load_sequence(store, fid, store.identity.tenant_for(user), toks)[0] == 0
         for e in (0, 1):
-            assert store.kv.load_sequence(fid, _old_tenant(secret, user, e), toks)[0] == 0
+            assert load_sequence(store, fid, _old_tenant(secret, user, e), toks)[0] == 0
     # Old receipts still verify, and are still their user's.
     for name in ("bob", "carol"):
         receipt = old[name]
@@ -124,7 +124,7 @@ def test_a_store_made_under_the_old_derivation_is_upgraded_at_open(
         assert receipt.subject in store.identity.receipt_subjects(name)  # type: ignore[attr-defined]
     # The upgraded store works: alice saves and loads under her new tenant, erasures still chain.
     alice = store.identity.tenant_for("alice")
-    assert store.kv.put_sequence(fid, alice, toks, pages_for(SMALL_FP, toks)) == 4
+    assert put_sequence(store, fid, alice, toks, pages_for(SMALL_FP, toks)) == 4
     receipt = store.eraser.erase_user("bob")
     assert store.identity.tenant_for("bob") == tenant_for_user(secret, "bob", 2)
     assert store.eraser.verify(receipt.id).remnants == 0
@@ -133,6 +133,6 @@ def test_a_store_made_under_the_old_derivation_is_upgraded_at_open(
     # Once: a second open changes nothing.
     store = open_store(tmp_path / "data", shm_dir=tmp_path / "shm")
     assert store.recovery_report is not None and store.recovery_report.pages_indexed == 4
-    assert store.kv.load_sequence(fid, alice, toks)[0] == 16
+    assert load_sequence(store, fid, alice, toks)[0] == 16
     assert store.identity.tenant_for("bob") == tenant_for_user(secret, "bob", 2)
     store.close()

@@ -20,7 +20,7 @@ from dss.db.models import DataKey
 from dss.errors import DataDirInUse, WrongMasterKey
 from dss.keys.crypto import KeyManager
 from dss.ops import master_rotation as rotation
-from tests.store_helpers import SMALL_FP, open_store, pages_for
+from tests.store_helpers import SMALL_FP, load_sequence, open_store, pages_for, put_sequence
 
 TOKS = np.arange(1, 17, dtype=np.int32)
 
@@ -45,8 +45,8 @@ def test_rotation_rewraps_everything_and_the_old_master_no_longer_opens(
     store = open_store(data, shm_dir=tmp_path / "shm")
     fid = store.fingerprints.register(SMALL_FP)
     alice, bob = store.identity.tenant_for("alice"), store.identity.tenant_for("bob")
-    store.kv.put_sequence(fid, alice, TOKS, pages_for(SMALL_FP, TOKS))
-    store.kv.put_sequence(fid, bob, TOKS, pages_for(SMALL_FP, TOKS, salt=7))
+    put_sequence(store, fid, alice, TOKS, pages_for(SMALL_FP, TOKS))
+    put_sequence(store, fid, bob, TOKS, pages_for(SMALL_FP, TOKS, salt=7))
     assert store.flush()
     store.close()
     old_key_text = (data / "master.key").read_text()
@@ -61,7 +61,7 @@ def test_rotation_rewraps_everything_and_the_old_master_no_longer_opens(
     new = KeyManager(bytes.fromhex(new_key_text.strip()), "new master")
 
     store = open_store(data, shm_dir=tmp_path / "shm")  # the new key file opens it; pages still load
-    assert store.kv.load_sequence(fid, alice, TOKS) == (16, pages_for(SMALL_FP, TOKS))
+    assert load_sequence(store, fid, alice, TOKS) == (16, pages_for(SMALL_FP, TOKS))
     receipt = store.eraser.erase_user("bob")  # an erasure AFTER the rotation
     assert store.eraser.verify(receipt.id).remnants == 0
     store.close()
@@ -97,7 +97,7 @@ def test_a_rotation_interrupted_after_its_commit_is_finished_at_the_next_open(
     store = open_store(tmp_path / "data", shm_dir=tmp_path / "shm")
     fid = store.fingerprints.register(SMALL_FP)
     alice = store.identity.tenant_for("alice")
-    store.kv.put_sequence(fid, alice, TOKS, pages_for(SMALL_FP, TOKS))
+    put_sequence(store, fid, alice, TOKS, pages_for(SMALL_FP, TOKS))
     assert store.flush()
     store.close()
 
@@ -109,7 +109,7 @@ def test_a_rotation_interrupted_after_its_commit_is_finished_at_the_next_open(
         with pytest.raises(KeyboardInterrupt):
             rotation.rotate_master(_cfg(tmp_path))
     store = open_store(tmp_path / "data", shm_dir=tmp_path / "shm")
-    assert store.kv.load_sequence(fid, alice, TOKS)[0] == 16
+    assert load_sequence(store, fid, alice, TOKS)[0] == 16
     store.close()
     assert not list((tmp_path / "data").glob("*.rotating*"))
 

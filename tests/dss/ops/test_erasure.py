@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 
 from dss.types import PUBLIC_TENANT
-from tests.store_helpers import SMALL_FP, open_store, pages_for
+from tests.store_helpers import SMALL_FP, open_store, pages_for, put_sequence
 
 MARKER = "zebra-umbrella-7731"  # a message text we grep for after the erase
 
@@ -26,7 +26,7 @@ def _fill_user(store, fid, user: str, n_sessions: int = 3, n_versions: int = 3) 
             store.versions.commit(
                 user, info.id, tokens=tokens, messages=[{"role": "user", "content": f"{MARKER} turn {v}"}]
             )
-            store.kv.put_sequence(fid, tenant, tokens, pages_for(SMALL_FP, tokens))
+            put_sequence(store, fid, tenant, tokens, pages_for(SMALL_FP, tokens))
         seqs.append(tokens)
     return seqs
 
@@ -50,7 +50,7 @@ def test_erase_user_leaves_no_remnants(tmp_path):
     fid = store.fingerprints.register(SMALL_FP)
     seqs = _fill_user(store, fid, "alice")
     bob_tokens = np.arange(9000, 9016, dtype=np.int32)
-    store.kv.put_sequence(fid, store.identity.tenant_for("bob"), bob_tokens, pages_for(SMALL_FP, bob_tokens))
+    put_sequence(store, fid, store.identity.tenant_for("bob"), bob_tokens, pages_for(SMALL_FP, bob_tokens))
     store.flush()
     alice_page = pages_for(SMALL_FP, seqs[0])[0]
     assert _grep(tmp_path / "shm", alice_page[:64]), "the test must see the page in shared memory first"
@@ -129,7 +129,7 @@ def test_recreated_user_starts_cold(tmp_path):
     receipt = store.eraser.erase_user("dave")
     tenant = store.identity.tenant_for("dave")
     assert store.kv.match(fid, tenant, seqs[0]).n_tokens == 0
-    store.kv.put_sequence(fid, tenant, seqs[0], pages_for(SMALL_FP, seqs[0]))  # new data after the erase
+    put_sequence(store, fid, tenant, seqs[0], pages_for(SMALL_FP, seqs[0]))  # new data after the erase
     assert store.eraser.verify(receipt.id).remnants == 0  # new data is not a remnant
     assert store.kv.match(fid, PUBLIC_TENANT, seqs[0]).n_tokens == 0
     store.close()

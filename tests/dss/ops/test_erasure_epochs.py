@@ -13,7 +13,7 @@ from dss.db.models import DataKey, PageRow
 from dss.errors import KeyDestroyed
 from dss.pages.meta import PageMeta
 from dss.types import NamespaceId, PageHash
-from tests.store_helpers import SMALL_FP, open_store, pages_for
+from tests.store_helpers import SMALL_FP, load_sequence, open_store, pages_for, put_sequence
 
 
 def _rows(store, tenant) -> tuple[int, int]:
@@ -28,7 +28,7 @@ def test_saves_in_flight_or_after_an_erase_store_nothing(tmp_path):
     fid = store.fingerprints.register(SMALL_FP)
     old = store.identity.tenant_for("alice")
     first = np.arange(1, 17, dtype=np.int32)
-    store.kv.put_sequence(fid, old, first, pages_for(SMALL_FP, first))
+    put_sequence(store, fid, old, first, pages_for(SMALL_FP, first))
     # A generation's save planned before the erase and committed after it:
     late = np.arange(100, 116, dtype=np.int32)
     plan = store.kv.plan_save(fid, old, late, 4)
@@ -38,7 +38,7 @@ def test_saves_in_flight_or_after_an_erase_store_nothing(tmp_path):
     assert store.kv.saves.commit_save(plan.save_id, [ps.page_index for ps in plan.pages]) == 0
     # ... and a save that arrives afterwards under the old tenant (the request was tagged before):
     again = np.arange(200, 216, dtype=np.int32)
-    assert store.kv.put_sequence(fid, old, again, pages_for(SMALL_FP, again)) == 0
+    assert put_sequence(store, fid, old, again, pages_for(SMALL_FP, again)) == 0
     with pytest.raises(KeyDestroyed):
         store.keyring.data_key(old)
     store.flush()
@@ -49,16 +49,16 @@ def test_saves_in_flight_or_after_an_erase_store_nothing(tmp_path):
     # The re-created user is a new tenant: cold in the store, and in vLLM's own cache (the salt).
     new = store.identity.tenant_for("alice")
     assert new != old and store.identity.cache_salt("alice") == new
-    assert store.kv.load_sequence(fid, new, first) == (0, [])
-    assert store.kv.put_sequence(fid, new, first, pages_for(SMALL_FP, first)) == 4
-    assert store.kv.load_sequence(fid, new, first)[0] == 16
+    assert load_sequence(store, fid, new, first) == (0, [])
+    assert put_sequence(store, fid, new, first, pages_for(SMALL_FP, first)) == 4
+    assert load_sequence(store, fid, new, first)[0] == 16
     store.check()
     store.close()
     # Durable: after a restart the old tenant is still refused and the new one still in use.
     store = open_store(tmp_path / "data", shm_dir=tmp_path / "shm")
     assert store.identity.tenant_for("alice") == new
-    assert store.kv.put_sequence(fid, old, again, pages_for(SMALL_FP, again)) == 0
-    assert store.kv.load_sequence(fid, new, first)[0] == 16
+    assert put_sequence(store, fid, old, again, pages_for(SMALL_FP, again)) == 0
+    assert load_sequence(store, fid, new, first)[0] == 16
     store.close()
 
 
@@ -68,7 +68,7 @@ def test_verification_counts_rows_written_after_the_erase(tmp_path):
     fid = store.fingerprints.register(SMALL_FP)
     old = store.identity.tenant_for("bob")
     tokens = np.arange(1, 9, dtype=np.int32)
-    store.kv.put_sequence(fid, old, tokens, pages_for(SMALL_FP, tokens))
+    put_sequence(store, fid, old, tokens, pages_for(SMALL_FP, tokens))
     receipt = store.eraser.erase_user("bob")
     assert store.eraser.verify(receipt.id).remnants == 0
     planted = PageMeta(
@@ -115,6 +115,6 @@ def test_a_save_planned_before_an_erase_keeps_its_slots_until_the_engine_reports
     assert store.kv.saves.commit_save(a_plan.save_id, [ps.page_index for ps in a_plan.pages]) == 0
     for ps in a_plan.pages:  # freed (and zeroed) once the engine reported the save
         assert not store.host.slot_array(ps.slot).any()
-    assert store.kv.load_sequence(fid, bob, b_tokens) == (16, b_bytes)
+    assert load_sequence(store, fid, bob, b_tokens) == (16, b_bytes)
     store.check()
     store.close()

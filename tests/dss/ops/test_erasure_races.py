@@ -29,7 +29,7 @@ from dss.ops.erasure_receipts import ErasureReceipt
 from dss.store import Store
 from dss.types import TenantId
 from tests.db_helpers import count_user_rows
-from tests.store_helpers import SMALL_FP, open_store, pages_for
+from tests.store_helpers import SMALL_FP, open_store, pages_for, put_sequence
 
 ERASURES = 20
 WRITERS = 2
@@ -283,7 +283,7 @@ def _put_kv(store: Store, user: str, stop: threading.Event, failures: list[BaseE
         i += 1
         tokens = np.arange(1000 * i, 1000 * i + 8, dtype=np.int32)
         try:
-            store.kv.put_sequence(fid, store.identity.tenant_for(user), tokens, pages_for(SMALL_FP, tokens))
+            put_sequence(store, fid, store.identity.tenant_for(user), tokens, pages_for(SMALL_FP, tokens))
         except BaseException as exc:
             failures.append(exc)
             return
@@ -375,7 +375,7 @@ def test_parallel_erasures_of_one_user_on_two_servers(tmp_path: Path, pg_url: st
         tokens = np.arange(1, 9, dtype=np.int32)
         for s in stores:
             fid = s.fingerprints.register(SMALL_FP)
-            s.kv.put_sequence(fid, s.identity.tenant_for(user), tokens, pages_for(SMALL_FP, tokens))
+            put_sequence(s, fid, s.identity.tenant_for(user), tokens, pages_for(SMALL_FP, tokens))
         receipts = _erase_at_once(stores, user, 2)
         for s in stores:
             assert s.follower is not None

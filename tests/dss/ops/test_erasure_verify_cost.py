@@ -21,7 +21,7 @@ from dss.ops.erasure_receipts import append_receipt
 from dss.pages.meta import PageMeta
 from dss.store import Store
 from dss.types import NamespaceId, PageHash
-from tests.store_helpers import SMALL_FP, open_store, pages_for
+from tests.store_helpers import SMALL_FP, open_store, pages_for, put_sequence
 
 
 def _extend_chain(store: Store, n: int) -> None:
@@ -51,7 +51,7 @@ def _fill(store: Store, user: str, n_sequences: int, base: int) -> None:
     tenant = store.identity.tenant_for(user)
     for i in range(n_sequences):
         tokens = np.arange(base + 100 * i, base + 100 * i + 16, dtype=np.int32)
-        store.kv.put_sequence(fid, tenant, tokens, pages_for(SMALL_FP, tokens))
+        put_sequence(store, fid, tenant, tokens, pages_for(SMALL_FP, tokens))
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from dss.pages.eviction import RetentionClass
 from dss.store import Store
 from dss.types import FingerprintId, PageHash, Tier
 from tests.db_helpers import HEAD_REVISION
-from tests.store_helpers import SMALL_FP, open_store, pages_for, seed_one_version
+from tests.store_helpers import SMALL_FP, load_sequence, open_store, pages_for, put_sequence, seed_one_version
 
 BS = SMALL_FP.block_size
 PAGE = SMALL_FP.page_nbytes
@@ -58,7 +58,7 @@ def turn(store: Store, user: str, sid: str, tokens: np.ndarray, branch: str = "m
         user, sid, tokens=tokens, messages=[{"role": "user", "content": f"{len(tokens)}"}],
         branch=branch, fingerprint=fid,
     )  # fmt: skip
-    store.kv.put_sequence(fid, store.identity.tenant_for(user), tokens, pages_for(SMALL_FP, tokens))
+    put_sequence(store, fid, store.identity.tenant_for(user), tokens, pages_for(SMALL_FP, tokens))
     return v.number
 
 
@@ -150,7 +150,7 @@ def test_evict_moves_the_sessions_host_pages_to_disk_now(store: Store) -> None:
     assert {klass(store, h) for h in pages_of(store, "alice", a)} == {RetentionClass.EVICT}
     assert store.stats()["demoted_pages"] == 3
     fid = store.fingerprints.register(SMALL_FP)
-    n, copies = store.kv.load_sequence(fid, store.identity.tenant_for("alice"), a)  # still served, from disk
+    n, copies = load_sequence(store, fid, store.identity.tenant_for("alice"), a)  # still served, from disk
     assert n == 12 and copies == pages_for(SMALL_FP, a)
     store.check()
 
@@ -574,7 +574,7 @@ def test_public_prefix_pages_are_never_classed_or_demoted(store: Store) -> None:
     system = np.arange(500, 500 + BS + 2, dtype=np.int32)  # one whole page and a tail
     store.prefixes.register(fid, system, text="system prompt", pin=True)
     public_pages = [*pages_for(SMALL_FP, system), pages_for(SMALL_FP, _tokens(9000, 1))[0]]
-    store.kv.put_sequence(fid, PUBLIC_TENANT, system, public_pages)
+    put_sequence(store, fid, PUBLIC_TENANT, system, public_pages)
     m = store.kv.match(fid, store.identity.tenant_for("alice"), system)
     assert m.n_tokens == len(system) and len(m.pages) == 2  # the public tail page matches
     turn(store, "alice", "trip", system)

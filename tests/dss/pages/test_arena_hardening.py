@@ -41,7 +41,7 @@ from dss.wire import SlotRef
 from engine_patch.connector.copy import ArenaViews
 from tests.dss.pages.test_tier_disk import bf16_page, make_meta
 from tests.paths import REPO
-from tests.store_helpers import SMALL_FP, open_store, pages_for
+from tests.store_helpers import SMALL_FP, open_store, pages_for, put_sequence
 
 SLOT = 4096
 MiB = 1 << 20
@@ -138,9 +138,7 @@ def test_a_symlink_planted_at_the_old_predictable_store_path_is_never_followed(t
         try:
             fid = store.fingerprints.register(SMALL_FP)
             tokens = np.arange(1, 9, dtype=np.int32)
-            store.kv.put_sequence(
-                fid, store.identity.tenant_for("alice"), tokens, pages_for(SMALL_FP, tokens)
-            )
+            put_sequence(store, fid, store.identity.tenant_for("alice"), tokens, pages_for(SMALL_FP, tokens))
             arena_dir = store.host.directory
             assert arena_dir.resolve() != attacker.resolve() and arena_dir != planted
         finally:
@@ -378,7 +376,7 @@ def test_a_leased_slot_is_not_reused_when_its_page_is_dropped(store: Store) -> N
     bob_tokens = np.arange(900, 904, dtype=np.int32)
     (alice_page,) = pages_for(SMALL_FP, alice_tokens)
     (bob_page,) = pages_for(SMALL_FP, bob_tokens, salt=7)
-    store.kv.put_sequence(fid, store.identity.tenant_for("alice"), alice_tokens, [alice_page])
+    put_sequence(store, fid, store.identity.tenant_for("alice"), alice_tokens, [alice_page])
     plan = store.kv.begin_load(fid, store.identity.tenant_for("alice"), alice_tokens)
     assert plan is not None and not plan.is_async
     ref = plan.pages[0].slot
@@ -387,7 +385,7 @@ def test_a_leased_slot_is_not_reused_when_its_page_is_dropped(store: Store) -> N
     gone = store.pages.copies.drop([plan.pages[0].hash])
     store.kv.lookup.forget(gone)
     assert _slot_bytes(ref) == bytes(len(alice_page))  # zeroed at once, lease or not
-    store.kv.put_sequence(fid, store.identity.tenant_for("bob"), bob_tokens, [bob_page])
+    put_sequence(store, fid, store.identity.tenant_for("bob"), bob_tokens, [bob_page])
     copied = _slot_bytes(ref)  # the engine's copy through the ref it was given
     assert copied != bob_page, "a load was handed another tenant's page"
     arena = HostArena.attach(ref.path, ref.slot_nbytes, ref.n_slots)
@@ -404,7 +402,7 @@ def test_a_leased_slot_is_not_reused_when_its_page_is_dropped(store: Store) -> N
 def test_a_slot_parked_for_a_lease_is_freed_when_the_lease_ends(store: Store) -> None:
     fid = SMALL_FP.id
     tokens = np.arange(1, 9, dtype=np.int32)
-    store.kv.put_sequence(fid, store.identity.tenant_for("alice"), tokens, pages_for(SMALL_FP, tokens))
+    put_sequence(store, fid, store.identity.tenant_for("alice"), tokens, pages_for(SMALL_FP, tokens))
     plan = store.kv.begin_load(fid, store.identity.tenant_for("alice"), tokens)
     assert plan is not None
     store.eraser.erase_user("alice")
@@ -441,8 +439,8 @@ def test_the_engine_worker_discards_a_copy_whose_slot_moved_on(store: Store) -> 
         return torch.cat(parts).numpy().tobytes()
 
     try:
-        store.kv.put_sequence(
-            fid, store.identity.tenant_for("alice"), alice_tokens, pages_for(SMALL_FP, alice_tokens)
+        put_sequence(
+            store, fid, store.identity.tenant_for("alice"), alice_tokens, pages_for(SMALL_FP, alice_tokens)
         )
         plan = store.kv.begin_load(fid, store.identity.tenant_for("alice"), alice_tokens)
         assert plan is not None
@@ -450,7 +448,7 @@ def test_the_engine_worker_discards_a_copy_whose_slot_moved_on(store: Store) -> 
         assert span is not None
         # Between the scheduler's plan and the worker's copy, alice's page is dropped and bob's saved.
         store.kv.lookup.forget(store.pages.copies.drop([plan.pages[0].hash]))
-        store.kv.put_sequence(fid, store.identity.tenant_for("bob"), bob_tokens, [bob_page])
+        put_sequence(store, fid, store.identity.tenant_for("bob"), bob_tokens, [bob_page])
         worker._load(LoadSpec("req-a", plan.load_id, ((5,),), span, False))
         assert block_bytes(5) != bob_page, "another tenant's KV reached the engine's blocks"
         assert worker.get_block_ids_with_load_errors() == {5}  # recomputed, not served

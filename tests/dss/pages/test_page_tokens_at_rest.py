@@ -13,7 +13,7 @@ from sqlalchemy import select, text
 
 from dss.db.connect import SQLITE_FILENAME
 from dss.db.models import PageRow
-from tests.store_helpers import SMALL_FP, open_store, pages_for
+from tests.store_helpers import SMALL_FP, load_sequence, open_store, pages_for, put_sequence
 
 # Distinctive ids, so a hit in the raw bytes cannot be a coincidence.
 TOKENS = np.arange(987_654_000, 987_654_016, dtype=np.int32)  # 4 pages of 4
@@ -38,7 +38,7 @@ def test_page_token_ids_never_reach_the_database_in_the_clear(tmp_path: Path) ->
     store = open_store(data, shm_dir=tmp_path / "shm")
     fid = store.fingerprints.register(SMALL_FP)
     tenant = store.identity.tenant_for("alice")
-    assert store.kv.put_sequence(fid, tenant, TOKENS, pages_for(SMALL_FP, TOKENS)) == 4
+    assert put_sequence(store, fid, tenant, TOKENS, pages_for(SMALL_FP, TOKENS)) == 4
     assert store.flush()
     raw = _raw_database(data)
     for arr in _page_arrays(TOKENS, SMALL_FP.block_size):
@@ -55,7 +55,7 @@ def test_page_token_ids_never_reach_the_database_in_the_clear(tmp_path: Path) ->
     # A restart rebuilds the index from the rows: the same pages are served, byte for byte.
     store = open_store(data, shm_dir=tmp_path / "shm")
     assert store.recovery_report is not None and store.recovery_report.pages_indexed == 4
-    n, got = store.kv.load_sequence(fid, tenant, TOKENS)
+    n, got = load_sequence(store, fid, tenant, TOKENS)
     assert n == 16 and got == pages_for(SMALL_FP, TOKENS)
     store.check()
     store.close()
@@ -68,8 +68,8 @@ def test_rows_whose_tokens_cannot_be_opened_are_dropped_at_recovery(tmp_path: Pa
     store = open_store(data, shm_dir=tmp_path / "shm")
     fid = store.fingerprints.register(SMALL_FP)
     a, b = store.identity.tenant_for("a"), store.identity.tenant_for("b")
-    store.kv.put_sequence(fid, a, TOKENS[:8], pages_for(SMALL_FP, TOKENS[:8]))
-    store.kv.put_sequence(fid, b, PUBLIC, pages_for(SMALL_FP, PUBLIC))
+    put_sequence(store, fid, a, TOKENS[:8], pages_for(SMALL_FP, TOKENS[:8]))
+    put_sequence(store, fid, b, PUBLIC, pages_for(SMALL_FP, PUBLIC))
     assert store.flush()
     with store.sf.begin() as s:
         row_a = s.execute(select(PageRow).where(PageRow.tenant == a, PageRow.page_index == 0)).scalar_one()
@@ -79,7 +79,7 @@ def test_rows_whose_tokens_cannot_be_opened_are_dropped_at_recovery(tmp_path: Pa
     store = open_store(data, shm_dir=tmp_path / "shm")
     report = store.recovery_report
     assert report is not None and report.pages_indexed == 0 and report.rows_unusable == 4
-    assert store.kv.load_sequence(fid, a, TOKENS[:8])[0] == 0
+    assert load_sequence(store, fid, a, TOKENS[:8])[0] == 0
     assert len(os.listdir(data / "pages")) == 0 or not any(
         f for _r, _d, files in os.walk(data / "pages") for f in files
     )
@@ -94,7 +94,7 @@ def test_page_rows_hold_no_token_ids_on_postgresql(tmp_path: Path, pg_url: str) 
     store = open_store(data, shm_dir=tmp_path / "shm", db_url=pg_url)
     fid = store.fingerprints.register(SMALL_FP)
     tenant = store.identity.tenant_for("alice")
-    assert store.kv.put_sequence(fid, tenant, TOKENS, pages_for(SMALL_FP, TOKENS)) == 4
+    assert put_sequence(store, fid, tenant, TOKENS, pages_for(SMALL_FP, TOKENS)) == 4
     assert store.flush()
     with store.db.connect() as conn:
         dump = conn.execute(text("SELECT * FROM pages")).all()
@@ -103,6 +103,6 @@ def test_page_rows_hold_no_token_ids_on_postgresql(tmp_path: Path, pg_url: str) 
     assert not any(arr in cells for arr in _page_arrays(TOKENS, SMALL_FP.block_size))
     store.close()
     store = open_store(data, shm_dir=tmp_path / "shm", db_url=pg_url)
-    assert store.kv.load_sequence(fid, tenant, TOKENS) == (16, pages_for(SMALL_FP, TOKENS))
+    assert load_sequence(store, fid, tenant, TOKENS) == (16, pages_for(SMALL_FP, TOKENS))
     store.check()
     store.close()

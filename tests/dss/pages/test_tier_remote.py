@@ -30,7 +30,7 @@ from dss.pages.tiers.remote import RemoteTier
 from dss.store import Store
 from dss.types import PUBLIC_TENANT, FingerprintId, NamespaceId, PageHash, TenantId, Tier
 from tests.api_server import free_port
-from tests.store_helpers import SMALL_FP, open_store, page_bytes, pages_for
+from tests.store_helpers import SMALL_FP, load_sequence, open_store, page_bytes, pages_for, put_sequence
 
 REDIS_URL = os.environ.get("DSS_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 KEY = os.urandom(32)  # an AES-256 data key
@@ -215,11 +215,11 @@ def test_redis_stopped_mid_run_makes_the_tier_unavailable_then_back(
         fid = store.fingerprints.register(SMALL_FP)
         tenant = store.identity.tenant_for("alice")
         tokens = np.arange(1, 4 * SMALL_FP.block_size + 1, dtype=np.int32)
-        assert store.kv.put_sequence(fid, tenant, tokens, pages_for(SMALL_FP, tokens)) == 4
+        assert put_sequence(store, fid, tenant, tokens, pages_for(SMALL_FP, tokens)) == 4
         store.flush()
-        assert store.kv.load_sequence(fid, tenant, tokens)[0] == len(tokens)
+        assert load_sequence(store, fid, tenant, tokens)[0] == len(tokens)
         other = np.arange(500, 500 + 2 * SMALL_FP.block_size, dtype=np.int32)
-        assert store.kv.load_sequence(fid, tenant, other)[0] == 0  # a miss, not an error
+        assert load_sequence(store, fid, tenant, other)[0] == 0  # a miss, not an error
         s = store.stats()
         assert s["remote_available"] is False and s["remote_error"]
         assert s["remote_write_errors"] >= 1
@@ -239,14 +239,14 @@ def test_a_page_saved_on_one_server_loads_on_another(pg_url: str, tmp_path: Path
     with open_store(tmp_path / "a", **common) as a:
         fid = a.fingerprints.register(SMALL_FP)
         tenant = a.identity.tenant_for("alice")
-        assert a.kv.put_sequence(fid, tenant, tokens, [*pages, tail]) == 6
+        assert put_sequence(a, fid, tenant, tokens, [*pages, tail]) == 6
         assert a.flush()
         assert a.stats()["remote_writes"] == 6
         with open_store(tmp_path / "b", **common) as b:
             assert b.identity.tenant_for("alice") == tenant
             b.fingerprints.register(SMALL_FP)
             longer = np.concatenate([tokens, np.arange(900, 900 + 2 * bs, dtype=np.int32)])
-            n, copies = b.kv.load_sequence(fid, tenant, longer)
+            n, copies = load_sequence(b, fid, tenant, longer)
             assert n == len(tokens)
             assert copies[:5] == pages and copies[5] == tail
             s = b.stats()
@@ -255,7 +255,7 @@ def test_a_page_saved_on_one_server_loads_on_another(pg_url: str, tmp_path: Path
             assert b.kv.lookup.residency(fid, tenant, tokens)["disk"] == len(tokens)  # kept on B's disk too
             b.check()
             # Another tenant asking for the same tokens finds nothing of alice's.
-            assert b.kv.load_sequence(fid, b.identity.tenant_for("bob"), longer)[0] == 0
+            assert load_sequence(b, fid, b.identity.tenant_for("bob"), longer)[0] == 0
 
 
 # ------------------------------------------------------------------------- deleting a session
@@ -269,14 +269,14 @@ class _Chat:
         self.tenant = store.identity.tenant_for("alice")
         system = np.arange(500, 508, dtype=np.int32)
         store.prefixes.register(self.fid, system, text="system prompt", pin=False)
-        store.kv.put_sequence(self.fid, PUBLIC_TENANT, system, pages_for(SMALL_FP, system))
+        put_sequence(store, self.fid, PUBLIC_TENANT, system, pages_for(SMALL_FP, system))
         shared = np.concatenate([system, [1, 2, 3, 4]]).astype(np.int32)
         self.a = np.concatenate([shared, [30, 31, 32, 33, 34, 35]]).astype(np.int32)
         prompt = np.concatenate([shared, [30]]).astype(np.int32)
         self.b = np.concatenate([shared, [40]]).astype(np.int32)
         for tokens in (prompt, self.a, self.b):
             whole = pages_for(SMALL_FP, tokens)
-            store.kv.put_sequence(self.fid, self.tenant, tokens, [*whole, page_bytes(SMALL_FP, len(tokens))])
+            put_sequence(store, self.fid, self.tenant, tokens, [*whole, page_bytes(SMALL_FP, len(tokens))])
         for sid, tokens in (("a", self.a), ("b", self.b)):
             store.versions.create_session("alice", sid)
             store.versions.commit(
