@@ -7,7 +7,7 @@ with one job and its own leaf lock (see each module and the "Locks" section of d
 - `responses` (`dss.dialogue.response_store`): stored Responses API responses, each holding a version;
 - `conversations` (`dss.dialogue.conversations`): the Conversations API's view of sessions;
 - `index` (`dss.index.prefix_index`): a radix trie per namespace (model fingerprint + tenant);
-- `pages` (`dss.pages.tiered` over `dss.pages.table`): the page table and the tiers;
+- `pages` (`dss.pages.placement` over `dss.pages.table`): the page table and the tiers;
 - `kv` (`dss.ops.kv`): matches, loads, saves and leases for engines, with the disk writer;
 - `eraser`, `prefixes`, `sessions`, `dss.ops.recovery`: operations over several parts;
 - `retention` (`dss.ops.retention`): session retention hints, idle demotion, warm-ups (own threads);
@@ -59,9 +59,9 @@ from dss.ops.sessions import Sessions
 from dss.pages.codec import make_codec
 from dss.pages.encoder import PageCodecProcess
 from dss.pages.eviction import make_policy
+from dss.pages.placement import TieredPages
 from dss.pages.rows import PageRows, delete_pages_in
 from dss.pages.table import PageTable
-from dss.pages.tiered import TieredPages
 from dss.pages.tiers.disk import DiskTier
 from dss.pages.tiers.host import HostTier
 from dss.pages.tiers.remote import RemoteTier

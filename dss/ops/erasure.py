@@ -65,9 +65,9 @@ from dss.ops.erasure_receipts import (
 from dss.ops.erasure_verify import Verification, local_remnants, verify
 from dss.ops.kv import KVCache
 from dss.ops.wal_scrub import WalScrubber
+from dss.pages.placement import TieredPages
 from dss.pages.rows import delete_tenants_in
 from dss.pages.table import PageEntry
-from dss.pages.tiered import TieredPages
 from dss.types import PUBLIC_TENANT, TenantId, Tier, UserId
 
 log = logging.getLogger("dss.erasure")

@@ -32,8 +32,8 @@ from dss.keys.keyring import Keyring
 from dss.ops.erasure_receipts import get_receipt, user_subject_of
 from dss.ops.receipt_chain import check_chain
 from dss.ops.wal_scrub import WalScrubber
+from dss.pages.placement import TieredPages
 from dss.pages.rows import count_tenant_in
-from dss.pages.tiered import TieredPages
 from dss.types import TenantId
 
 

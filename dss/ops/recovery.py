@@ -21,7 +21,7 @@ from dss.index.prefix_index import PrefixIndex
 from dss.keys.keyring import Keyring
 from dss.namespace import make_namespace
 from dss.pages.meta import PageMeta
-from dss.pages.tiered import TieredPages
+from dss.pages.placement import TieredPages
 from dss.pages.tiers.disk import DiskTier
 from dss.types import PageHash, TenantId
 

@@ -43,7 +43,7 @@ from dss.keys.identity import Identity
 from dss.namespace import make_namespace
 from dss.ops.kv import KVCache, StoredKV
 from dss.ops.page_addresses import PublicSplits, reached_addresses, saved_addresses
-from dss.pages.tiered import TieredPages
+from dss.pages.placement import TieredPages
 from dss.types import FingerprintId, Namespace, PageHash, SessionId, TenantId, Tier, UserId
 
 log = logging.getLogger("dss.sessions")

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from dss.pages.tiered import TieredPages
+from dss.pages.placement import TieredPages
 from dss.types import PageHash
 
 log = logging.getLogger("dss.writeback")

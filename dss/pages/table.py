@@ -3,7 +3,7 @@
 Lock: `PageTable._lock` is a **leaf**. Every method takes it for a few dictionary operations and
 returns; nothing called under it takes another lock, touches a tier, does I/O or calls back into
 a caller. Tier work (copies, compression, encryption, files, database rows) is done by
-`dss.pages.tiered` outside the lock, on pages it has claimed here first.
+`dss.pages.placement` outside the lock, on pages it has claimed here first.
 
 Per page, two counters keep that work safe without holding the lock:
 - `leases`: readers in flight (a load being copied by an engine, a save being linked into the

@@ -42,7 +42,7 @@ from dss.ops.kv.matching import MatchInfo
 from dss.ops.kv.pins import PublicPins
 from dss.ops.kv.saves import KVSaves
 from dss.ops.writeback import DiskWriter
-from dss.pages.tiered import TieredPages
+from dss.pages.placement import TieredPages
 from dss.types import FingerprintId, TenantId
 from dss.wire import LoadPlan, SavePlan
 

@@ -33,7 +33,7 @@ from dss.ops.kv.matching import match_info, with_partial
 from dss.ops.kv.records import Lease
 from dss.ops.kv.remote import index_adopted, remote_pages_after
 from dss.ops.writeback import DiskWriter
-from dss.pages.tiered import TieredPages
+from dss.pages.placement import TieredPages
 from dss.types import FingerprintId, PageHash, TenantId, Tier
 from dss.wire import LoadPlan, PageSlot, SlotRef
 

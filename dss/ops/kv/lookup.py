@@ -18,7 +18,7 @@ from dss.errors import LimitExceeded
 from dss.index.fingerprints import FingerprintRegistry
 from dss.index.prefix_index import PrefixIndex
 from dss.ops.kv.matching import MatchInfo, match_info, with_partial
-from dss.pages.tiered import TieredPages
+from dss.pages.placement import TieredPages
 from dss.tokens import as_tokens
 from dss.types import FingerprintId, PageHash, TenantId, Tier
 

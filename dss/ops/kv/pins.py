@@ -15,7 +15,7 @@ import threading
 import numpy as np
 
 from dss.ops.kv.lookup import KVLookup
-from dss.pages.tiered import TieredPages
+from dss.pages.placement import TieredPages
 from dss.types import PUBLIC_TENANT, FingerprintId
 
 

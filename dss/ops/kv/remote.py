@@ -14,7 +14,7 @@ from dss.index.prefix_index import IndexMatch, PrefixIndex
 from dss.index.tails import tail_hash
 from dss.namespace import ModelFingerprint
 from dss.pages.meta import PageMeta
-from dss.pages.tiered import TieredPages
+from dss.pages.placement import TieredPages
 from dss.pages.tiers.remote import RemoteTier
 from dss.types import FingerprintId, Namespace, PageHash
 

@@ -35,7 +35,7 @@ from dss.ops.kv.lookup import KVLookup
 from dss.ops.kv.records import PendingSave
 from dss.ops.writeback import DiskWriter
 from dss.pages.meta import PageMeta
-from dss.pages.tiered import TieredPages
+from dss.pages.placement import TieredPages
 from dss.types import PUBLIC_TENANT, FingerprintId, PageHash, TenantId
 from dss.wire import PageSlot, SavePlan, SlotRef
 

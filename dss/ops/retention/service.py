@@ -43,7 +43,7 @@ from dss.ops.retention.registry import RetentionRegistry, SessionKey, Tracked
 from dss.ops.retention.sweep import IdleSweeper
 from dss.ops.retention.warmup import Warmer
 from dss.ops.retention.worker import RetentionWorker
-from dss.pages.tiered import TieredPages
+from dss.pages.placement import TieredPages
 from dss.types import PageHash, SessionId, TenantId, Tier, UserId
 
 

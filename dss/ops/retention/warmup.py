@@ -26,7 +26,7 @@ from dss.index.fingerprints import FingerprintRegistry
 from dss.ops.kv import KVCache
 from dss.ops.retention.classes import SessionPageReader
 from dss.ops.retention.registry import RetentionRegistry
-from dss.pages.tiered import TieredPages
+from dss.pages.placement import TieredPages
 from dss.types import PageHash, SessionId, TenantId, Tier, UserId
 
 log = logging.getLogger("dss.retention")

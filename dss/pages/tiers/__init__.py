@@ -1,7 +1,7 @@
 """Page tiers: where page bytes live.
 
 Each backend stores opaque page bytes by `PageHash` within a byte capacity and knows nothing of
-the trie, versions or eviction policy (those live in `dss.pages.tiered`). Fast to slow:
+the trie, versions or eviction policy (those live in `dss.pages.placement`). Fast to slow:
 `host` (shared-memory arena readable by other processes), `disk` (compressed, checksummed,
 encrypted files), `remote` (Redis, shared by a fleet).
 

@@ -3,7 +3,7 @@ by page hash.
 
 Slots are handed out in two steps so a writer in another process can fill one before anybody
 can read it: `reserve` gives a slot nobody else uses and the writer fills it. The page store
-(`dss.pages.tiered`) keeps its pages in reserved slots and names them by `SlotRef` in its own
+(`dss.pages.placement`) keeps its pages in reserved slots and names them by `SlotRef` in its own
 page table; `publish`/`get`/`delete` by page hash are a small keyed layer for tools and tests.
 A slot is zeroed before it is free again: erased data must not linger in shared memory.
 

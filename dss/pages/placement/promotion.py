@@ -14,11 +14,11 @@ import logging
 
 from dss.errors import CapacityError, CorruptPage, KeyDestroyed, PageMissing, StorageError, TierUnavailable
 from dss.pages.encoder import PageCodecProcess
+from dss.pages.placement.copies import PageCopies
+from dss.pages.placement.counters import TierCounters
+from dss.pages.placement.host_room import HostRoom
+from dss.pages.placement.writer import DataKeyLookup
 from dss.pages.table import PageEntry, PageTable
-from dss.pages.tiered.copies import PageCopies
-from dss.pages.tiered.counters import TierCounters
-from dss.pages.tiered.host_room import HostRoom
-from dss.pages.tiered.writer import DataKeyLookup
 from dss.pages.tiers.disk import DiskTier
 from dss.pages.tiers.host import HostTier
 from dss.pages.tiers.remote import RemoteTier

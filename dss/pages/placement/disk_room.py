@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dss.errors import CapacityError
 from dss.pages.eviction import EvictionPolicy
+from dss.pages.placement.copies import PageCopies
+from dss.pages.placement.counters import TierCounters
 from dss.pages.table import PageEntry, PageTable
-from dss.pages.tiered.copies import PageCopies
-from dss.pages.tiered.counters import TierCounters
 from dss.pages.tiers.disk import DiskTier
 from dss.types import PageHash, Tier
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from dss.pages.placement.counters import TierCounters
 from dss.pages.rows import PageRows
 from dss.pages.table import PageEntry, PageTable
-from dss.pages.tiered.counters import TierCounters
 from dss.pages.tiers.disk import DiskTier
 from dss.pages.tiers.host import HostTier
 from dss.types import PageHash, Tier

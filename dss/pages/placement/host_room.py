@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from dss.errors import CapacityError
 from dss.pages.eviction import EvictionPolicy
+from dss.pages.placement.copies import PageCopies
+from dss.pages.placement.counters import TierCounters
+from dss.pages.placement.writer import PageWriter
 from dss.pages.table import PageEntry, PageTable
-from dss.pages.tiered.copies import PageCopies
-from dss.pages.tiered.counters import TierCounters
-from dss.pages.tiered.writer import PageWriter
 from dss.pages.tiers.host import HostTier
 from dss.types import PageHash, Tier
 from dss.wire import SlotRef

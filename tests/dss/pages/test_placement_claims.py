@@ -19,9 +19,9 @@ from dss.db.connect import make_engine, make_session_factory, sqlite_url_for, up
 from dss.pages.codec import DEFAULT_CODEC, make_codec
 from dss.pages.eviction import make_policy
 from dss.pages.meta import PageMeta
+from dss.pages.placement import TieredPages
 from dss.pages.rows import PageRows
 from dss.pages.table import PageTable
-from dss.pages.tiered import TieredPages
 from dss.pages.tiers.disk import DiskTier
 from dss.pages.tiers.host import HostTier
 from dss.types import FingerprintId, NamespaceId, PageHash, TenantId, Tier

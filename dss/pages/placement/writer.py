@@ -20,11 +20,11 @@ from dss.errors import CapacityError, CorruptPage, KeyDestroyed, TierUnavailable
 from dss.pages.encoder import PageCodecProcess
 from dss.pages.meta import PageMeta
 from dss.pages.pagefile import encode_page
+from dss.pages.placement.copies import PageCopies
+from dss.pages.placement.counters import TierCounters
+from dss.pages.placement.disk_room import DiskRoom
 from dss.pages.rows import PageRows
 from dss.pages.table import PageEntry, PageTable
-from dss.pages.tiered.copies import PageCopies
-from dss.pages.tiered.counters import TierCounters
-from dss.pages.tiered.disk_room import DiskRoom
 from dss.pages.tiers.disk import DiskTier
 from dss.pages.tiers.host import HostTier
 from dss.pages.tiers.remote import RemoteTier

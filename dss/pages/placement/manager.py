@@ -32,15 +32,15 @@ from collections.abc import Iterable
 from dss.pages.encoder import PageCodecProcess
 from dss.pages.eviction import EvictionPolicy, PageStats
 from dss.pages.meta import PageMeta
+from dss.pages.placement.copies import PageCopies
+from dss.pages.placement.counters import TierCounters
+from dss.pages.placement.demotion import Demoter
+from dss.pages.placement.disk_room import DiskRoom
+from dss.pages.placement.host_room import HostRoom
+from dss.pages.placement.promotion import Promoter
+from dss.pages.placement.writer import DataKeyLookup, PageWriter
 from dss.pages.rows import PageRows
 from dss.pages.table import Held, PageEntry, PageTable
-from dss.pages.tiered.copies import PageCopies
-from dss.pages.tiered.counters import TierCounters
-from dss.pages.tiered.demotion import Demoter
-from dss.pages.tiered.disk_room import DiskRoom
-from dss.pages.tiered.host_room import HostRoom
-from dss.pages.tiered.promotion import Promoter
-from dss.pages.tiered.writer import DataKeyLookup, PageWriter
 from dss.pages.tiers.disk import DiskTier
 from dss.pages.tiers.host import HostTier
 from dss.pages.tiers.remote import RemoteTier

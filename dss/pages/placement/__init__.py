@@ -11,8 +11,8 @@
 - `counters`: `TierCounters`.
 """
 
-from dss.pages.tiered.counters import TierCounters
-from dss.pages.tiered.manager import TieredPages
-from dss.pages.tiered.writer import DataKeyLookup
+from dss.pages.placement.counters import TierCounters
+from dss.pages.placement.manager import TieredPages
+from dss.pages.placement.writer import DataKeyLookup
 
 __all__ = ["DataKeyLookup", "TierCounters", "TieredPages"]

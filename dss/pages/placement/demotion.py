@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from dss.pages.eviction import RetentionClass
+from dss.pages.placement.copies import PageCopies
+from dss.pages.placement.counters import TierCounters
+from dss.pages.placement.writer import CORRUPT, PageWriter
 from dss.pages.table import PageEntry, PageTable
-from dss.pages.tiered.copies import PageCopies
-from dss.pages.tiered.counters import TierCounters
-from dss.pages.tiered.writer import CORRUPT, PageWriter
 from dss.types import PageHash, Tier
 
 
