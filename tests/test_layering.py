@@ -239,3 +239,22 @@ def test_the_forwarder_count_sees_one() -> None:
     cls = tree.body[0]
     assert isinstance(cls, ast.ClassDef) and isinstance(cls.body[0], ast.FunctionDef)
     assert _is_forwarder(cls.body[0])
+
+
+def test_the_turn_imports_no_shape() -> None:
+    """The turn pipeline (`api.turn`) runs a turn and yields its events; the wire shapes
+    (`api.shapes`) format them and import the turn, never the reverse: no module of `api.turn`
+    imports one of `api.shapes`, lazily or not, so the two packages form no cycle."""
+    g = graph()
+
+    def edges(src: str, dst: str) -> list[str]:
+        return sorted(
+            f"{m} imports {t}"
+            for m, targets in g.items()
+            if m.startswith(src + ".")
+            for t in targets
+            if t == dst or t.startswith(dst + ".")
+        )
+
+    assert not edges("api.turn", "api.shapes")
+    assert edges("api.shapes", "api.turn"), "the shapes format the turn's events"
