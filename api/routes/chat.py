@@ -63,6 +63,7 @@ async def create_chat_completion(
     if session_id is None and lead.mode != "off":
         # A chat that names no session is named by its content, so its turns find each other.
         session_id = content_session_id(messages)
+    shape = ChatCompletionShape(engine, body.include_usage)
     ask = ChatTurn(
         user=who.user,
         params=turn_params(body),
@@ -73,4 +74,4 @@ async def create_chat_completion(
         state_version=body.state_version,
         lead=lead,
     )
-    return await serve_turn(state, engine, request, ask, ChatCompletionShape(engine, body.include_usage))
+    return await serve_turn(state, engine, request, ask, shape)

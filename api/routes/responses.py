@@ -22,8 +22,7 @@ from api.shapes.openai_responses import (
     stored_items,
 )
 from api.turn.lead import policy_for, requested_mode
-from api.turn.pipeline import TurnParams
-from api.turn.request import ConversationTurn, ResponseTurn, TurnRequest
+from api.turn.request import ConversationTurn, ResponseTurn, TurnParams, TurnRequest
 from api.turn.serve import serve_turn
 from dss.dialogue.conversations import item_message
 from dss.errors import ModelNotFound
@@ -81,7 +80,6 @@ async def create_response(
             new=[item_message(i) for i in plan.input_items],
             answer_item_id=plan.item_id,
             lead=lead,
-            record=shape.record,
         )
     else:
         ask = ResponseTurn(
@@ -95,7 +93,6 @@ async def create_response(
             new=item_messages(items),
             store=body.store,
             lead=lead,
-            record=shape.record,
         )
     return await serve_turn(state, engine, request, ask, shape)
 

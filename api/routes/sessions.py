@@ -204,6 +204,7 @@ async def post_message(
     # The dialogue is the stored one: `messages` here would be silently replaced, so it is refused.
     check_fields(fields, own=(), honoured=HONOURED_CHAT - {"messages"}, refused=_MESSAGE_REFUSED)
 
+    shape = ChatCompletionShape(engine, body.include_usage)
     ask = MessageTurn(
         user=who.user,
         params=turn_params(body),
@@ -215,4 +216,4 @@ async def post_message(
         version=body.version,
         text=body.text(),
     )
-    return await serve_turn(state, engine, request, ask, ChatCompletionShape(engine, body.include_usage))
+    return await serve_turn(state, engine, request, ask, shape)

@@ -19,7 +19,8 @@ from api.llm.chat_engine import ChatEngine
 from api.llm.generation import Finished
 from api.shapes.schemas import AssistantMessage, ChatCompletion, Choice, GenerationParams
 from api.shapes.usage import dss_info, usage
-from api.turn.pipeline import Answer, Delta, Done, Failed, Prepared, Started, Turn, TurnEvent, TurnParams
+from api.turn.pipeline import Answer, Delta, Done, Failed, Prepared, Started, TurnEvent
+from api.turn.request import Turn, TurnParams
 from dss.dialogue.turn_commits import Committed
 
 _SESSION_KEYS = ("session_id", "state_version", "parent_version", "branch")
@@ -36,6 +37,7 @@ class ChatCompletionShape:
     request's `stream_options.include_usage` (a stream's usage chunk)."""
 
     client_gone = "the client went away before the turn was committed"
+    record = None  # a chat completion keeps no record besides its versions
 
     def __init__(self, engine: ChatEngine, include_usage: bool = False) -> None:
         self.engine = engine
@@ -132,6 +134,7 @@ def _session_fields(turn: Turn, committed: Sequence[Committed | None]) -> dict[s
 
 def _completion(engine: ChatEngine, done: Done) -> ChatCompletion:
     prep = done.prep
+    use, info = usage(done), dss_info(done)
     choices = [
         Choice(
             index=a.fin.index,
@@ -148,9 +151,9 @@ def _completion(engine: ChatEngine, done: Done) -> ChatCompletion:
         created=int(time.time()),
         model=engine.model_name,
         choices=choices,
-        usage=usage(prep, done.fins),
+        usage=use,
         system_fingerprint=system_fingerprint(engine),
-        dss=dss_info(prep, done.fins),
+        dss=info,
         **_session_fields(done.turn, done.versions),
     )
 
@@ -221,8 +224,8 @@ class _ChunkStream:
                 )
             )
         if self.include_usage:
-            use = usage(prep, done.fins).model_dump(exclude={"completion_tokens_details"})  # as vLLM's
-            dss = dss_info(prep, done.fins).model_dump()
+            use = usage(done).model_dump(exclude={"completion_tokens_details"})  # as vLLM's stream
+            dss = dss_info(done).model_dump()
             out.append(
                 _sse(
                     {

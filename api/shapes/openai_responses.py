@@ -31,9 +31,8 @@ from api.llm.chat_engine import ChatEngine
 from api.shapes.openai_fields import check_fields
 from api.shapes.schemas import LeadUpdatesField, join_text
 from api.shapes.usage import dss_info
-from api.turn.pipeline import Answer, Delta, Done, Failed, Prepared, Started, Turn, TurnEvent
+from api.turn.pipeline import Delta, Done, Failed, Started, TurnEvent
 from dss.dialogue.response_store import ResponseRecord, new_response_id
-from dss.dialogue.turn_commits import Committed
 from dss.jsonlimits import JsonLimits, check_items, check_json
 from dss.types import SessionId, UserId
 
@@ -298,16 +297,15 @@ def response_body(record: ResponseRecord) -> dict[str, Any]:
     }
 
 
-def response_record(
-    plan: ResponsePlan, model: str, turn: Turn, prep: Prepared, ans: Answer, committed: Committed | None
-) -> ResponseRecord:
-    """The record of a response: its answer, and the version it became (None: not stored)."""
+def response_record(plan: ResponsePlan, model: str, done: Done) -> ResponseRecord:
+    """The record of a response: its (one) answer, and the version it became (if stored)."""
+    turn, ans, committed = done.turn, done.answers[0], done.versions[0]
     fin = ans.fin
     complete = fin.finish_reason != "length"
     body = plan.body
     session_id = turn.target.session_id if turn.target is not None else None
-    n_prompt, n_out = len(prep.prompt_ids), len(fin.output_ids)
-    info = dss_info(prep, [fin])
+    n_prompt, n_out = done.split.prompt_tokens, len(fin.output_ids)
+    info = dss_info(done)
     dss: dict[str, Any] = {"cached_tokens": info.cached_tokens, "loaded_tokens": info.loaded_tokens}
     if info.lead_update is not None:
         dss["lead_update"] = info.lead_update.model_dump()
@@ -379,8 +377,8 @@ class ResponseShape:
         self.model = engine.model_name
         self.user = user
 
-    def record(self, turn: Turn, prep: Prepared, ans: Answer, committed: Committed | None) -> ResponseRecord:
-        return response_record(self.plan, self.model, turn, prep, ans, committed)
+    def record(self, done: Done) -> ResponseRecord:
+        return response_record(self.plan, self.model, done)
 
     def body(self, done: Done) -> Response:
         assert done.record is not None, "a Responses turn makes its record"

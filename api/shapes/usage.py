@@ -3,18 +3,17 @@ where the prompt's KV came from."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
-from api.llm.generation import Finished
 from api.shapes.schemas import DssInfo, LeadUpdateInfo, PromptTokensDetails, TierTokens, Usage
 from api.turn.lead import LeadReport
-from api.turn.pipeline import Prepared, prompt_split
+from api.turn.pipeline import Done
 
 
-def usage(prep: Prepared, fins: Sequence[Finished]) -> Usage:
+def usage(done: Done) -> Usage:
     """OpenAI's counting: the prompt once, every choice's output tokens."""
-    split = prompt_split(prep, fins)
-    n_out = sum(len(f.output_ids) for f in fins)
+    split = done.split
+    n_out = sum(len(a.fin.output_ids) for a in done.answers)
     return Usage(
         prompt_tokens=split.prompt_tokens,
         completion_tokens=n_out,
@@ -23,17 +22,17 @@ def usage(prep: Prepared, fins: Sequence[Finished]) -> Usage:
     )
 
 
-def dss_info(prep: Prepared, fins: Sequence[Finished]) -> DssInfo:
+def dss_info(done: Done) -> DssInfo:
     """The split as the connector reported it (`api.turn.pipeline.PromptSplit`)."""
-    split = prompt_split(prep, fins)
+    split, plan = done.split, done.prep.plan
     return DssInfo(
         cached_tokens=split.cached,
         engine_cached_tokens=split.engine_cached,
         loaded_tokens=split.loaded,
         loaded_from=_tiers(split.loaded_from),
         resident=_tiers(split.found_in),
-        lead_update=_lead(prep.lead),
-        truncated_messages=prep.truncated,
+        lead_update=_lead(plan.lead),
+        truncated_messages=plan.truncated,
     )
 
 

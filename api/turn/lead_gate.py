@@ -19,8 +19,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from api.errors import ApiError
@@ -28,30 +27,20 @@ from api.llm.chat_engine import ChatEngine
 from api.llm.generation import Finished, generate
 from api.state import AppState
 from api.turn.lead import PromptPlan
+from api.turn.request import Turn
 from dss.dialogue.lead.gate import Check, total_variation
 from dss.dialogue.lead.view import ModelView
 from dss.errors import DSSError
-from dss.types import TenantId
 
 log = logging.getLogger("dss.api.lead")
 TOP = 20
 _RUNNING: set[asyncio.Task[None]] = set()  # referenced until done (the loop keeps weak refs only)
 
 
-@dataclass(frozen=True, slots=True)
-class ServedLead:
-    """A committed turn, as a check of its prompt needs it."""
-
-    messages: list[dict[str, Any]]  # the whole dialogue, with the new lead
-    fields: Mapping[str, Any]  # the request's honoured OpenAI fields
-    plan: PromptPlan  # the prompt as served
-    tenant: TenantId
-    salt: str
-
-
-def maybe_check(state: AppState, engine: ChatEngine, turn: ServedLead) -> None:
-    """Start a shadow check of this turn when it was served as a lead update and is sampled."""
-    lead = turn.plan.lead
+def maybe_check(state: AppState, engine: ChatEngine, turn: Turn, plan: PromptPlan) -> None:
+    """Start a shadow check of this turn (its prompt as served: `plan`) when it was served as a
+    lead update and is sampled."""
+    lead = plan.lead
     settings = state.settings.lead
     if lead is None or not lead.served or settings.gate_sample <= 0 or turn.fields.get("tools"):
         return  # (a turn with tools: the exact prompt would need them rendered too; not sampled)
@@ -60,13 +49,12 @@ def maybe_check(state: AppState, engine: ChatEngine, turn: ServedLead) -> None:
     if engine.slots.inflight >= engine.slots.limit:
         state.metrics.lead_gate_checks.labels("skipped").inc()
         return
-    task = asyncio.create_task(_check(state, engine, turn), context=contextvars.Context())
+    task = asyncio.create_task(_check(state, engine, turn, plan), context=contextvars.Context())
     _RUNNING.add(task)
     task.add_done_callback(_RUNNING.discard)
 
 
-async def _check(state: AppState, engine: ChatEngine, turn: ServedLead) -> None:
-    plan = turn.plan
+async def _check(state: AppState, engine: ChatEngine, turn: Turn, plan: PromptPlan) -> None:
     assert plan.lead is not None
     frontend = plan.lead.frontend
     k = state.settings.lead.gate_tokens
@@ -98,14 +86,14 @@ async def _check(state: AppState, engine: ChatEngine, turn: ServedLead) -> None:
         )
 
 
-async def _first_tokens(engine: ChatEngine, turn: ServedLead, ids: Sequence[int], sampling: Any) -> Finished:
+async def _first_tokens(engine: ChatEngine, turn: Turn, ids: Sequence[int], sampling: Any) -> Finished:
     async with engine.slots.admitted(strict=True):
         events = generate(
             engine,
             ids,
             sampling,
-            tenant=turn.tenant,
-            cache_salt=turn.salt,
+            tenant=turn.admitted.tenant,
+            cache_salt=turn.admitted.salt,
             session_id=None,
             arrived=time.perf_counter(),
             persist=False,

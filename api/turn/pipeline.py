@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -28,89 +28,27 @@ from api.llm.chat_engine import ChatEngine
 from api.llm.generation import Delta, Finished, generate
 from api.llm.sampling import Sampling
 from api.state import AppState
-from api.turn.lead import LeadReport, PromptPlan, plan_prompt
-from api.turn.lead_gate import ServedLead, maybe_check
+from api.turn.lead import PromptPlan, plan_prompt
+from api.turn.lead_gate import maybe_check
+from api.turn.request import Turn
 from api.turn.truncate import shortened
 from dss.dialogue.response_store import ResponseRecord
-from dss.dialogue.turn_commits import Committed, TurnTarget, add_response, commit_alternatives
+from dss.dialogue.turn_commits import Committed, add_response, commit_alternatives
 from dss.errors import DSSError
 from dss.tokens import TOKEN_DTYPE
-from dss.types import TenantId, UserId
 
 __all__ = ["Delta"]  # the generation's own event, passed on as it is
 
 
 # ------------------------------------------------------------------------------------- the turn
 @dataclass(frozen=True, slots=True)
-class Admitted:
-    """Who a turn runs as, read once when it is admitted (`api.turn.request.admit`): the user's
-    erasure epoch, and that epoch's tenant and prefix-cache salt. Every write the turn makes is
-    refused (`UserErased`) once the user was erased since, however far the turn got."""
-
-    epoch: int
-    tenant: TenantId
-    salt: str
-
-
-@dataclass(frozen=True, slots=True)
-class TurnParams:
-    """What DSS itself reads of a request's generation fields (vLLM reads the rest: `fields`)."""
-
-    max_tokens: int | None = None  # as asked for (None: the server's default)
-    stop: tuple[str, ...] = ()
-    n: int = 1
-
-
-@dataclass(frozen=True, slots=True)
-class Turn:
-    """A turn resolved (`api.turn.request`): whose, its whole dialogue, where it commits."""
-
-    user: UserId
-    admitted: Admitted
-    messages: list[dict[str, Any]]  # the whole dialogue the prompt renders
-    params: TurnParams
-    target: TurnTarget | None  # None: a plain chat without a session, or an unstored response
-    # The request's honoured OpenAI fields (`api.shapes.openai_fields`), converted by vLLM's
-    # request model.
-    fields: Mapping[str, Any] = field(default_factory=dict)
-    # False: the store neither loads nor saves this turn's KV (a Responses `store: false`).
-    persist: bool = True
-    # `truncation: "auto"`: a dialogue that outgrew the context is shortened (`api.turn.truncate`).
-    truncate: bool = False
-    # The id its answer is stored with (a conversation's output item: `dss.dialogue.conversations`
-    # keeps each item's id in its message). None: the answer is stored without one.
-    answer_item_id: str | None = None
-    # A Responses turn: its record, made from its answer (`api.shapes.openai_responses`) and
-    # stored with its version in the commit's one step (`add_response`).
-    record: RecordResponse | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class Prepared:
-    """The turn's prompt and its sampling, as vLLM validated them."""
+    """The turn's prompt (its ids, what the model saw, its lead's report, the messages a
+    truncation left out: `api.turn.lead.PromptPlan`) and its sampling, as vLLM validated them."""
 
     plan: PromptPlan
     sampling: Sampling
     completion_id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
-
-    @property
-    def prompt_ids(self) -> list[int]:
-        return self.plan.ids
-
-    @property
-    def seen(self) -> dict[str, Any] | None:
-        """What the model saw of the committed messages where it differs (`dss.dialogue.lead.view`)."""
-        return self.plan.seen
-
-    @property
-    def lead(self) -> LeadReport | None:
-        """The turn's lead changed: served as a lead update or not, and why (`api.turn.lead`)."""
-        return self.plan.lead
-
-    @property
-    def truncated(self) -> int:
-        """History messages the prompt left out (`truncation: "auto"`)."""
-        return self.plan.truncated
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,10 +72,6 @@ class Answer:
         return self.stored_message if item_id is None else {**self.stored_message, "id": item_id}
 
 
-# A Responses turn's record of its (one) answer and the version it became (None: not stored).
-RecordResponse = Callable[[Turn, Prepared, Answer, Committed | None], ResponseRecord]
-
-
 @dataclass(frozen=True, slots=True)
 class PromptSplit:
     """Where the prompt's KV came from, as the connector reported it (the prompt was matched once,
@@ -145,23 +79,21 @@ class PromptSplit:
 
     prompt_tokens: int
     cached: int  # engine prefix cache and the store's loads
+    engine_cached: int  # vLLM's own prefix cache
     loaded: int  # from the store's tiers
     loaded_from: Mapping[str, int]  # tokens per tier
     found_in: Mapping[str, int]  # where the store found them
 
-    @property
-    def engine_cached(self) -> int:
-        return max(0, self.cached - self.loaded)
-
 
 def prompt_split(prep: Prepared, fins: Sequence[Finished]) -> PromptSplit:
-    n_prompt = len(prep.prompt_ids)
+    n_prompt = len(prep.plan.ids)
     cached = min(max((f.num_cached_tokens for f in fins), default=0), n_prompt)
     reports = [f.report for f in fins if f.report is not None]
     report = max(reports, key=lambda r: r.loaded_tokens, default=None)
     if report is None:
-        return PromptSplit(n_prompt, cached, 0, {}, {})
-    return PromptSplit(n_prompt, cached, report.loaded_tokens, report.loaded_from, report.found_in)
+        return PromptSplit(n_prompt, cached, cached, 0, {}, {})
+    loaded = report.loaded_tokens
+    return PromptSplit(n_prompt, cached, max(0, cached - loaded), loaded, report.loaded_from, report.found_in)
 
 
 # ----------------------------------------------------------------------------------- the events
@@ -189,11 +121,13 @@ class Done:
     prep: Prepared
     answers: tuple[Answer, ...]
     versions: tuple[Committed | None, ...]  # per answer
+    split: PromptSplit
     record: ResponseRecord | None = None  # a Responses turn's
 
-    @property
-    def fins(self) -> list[Finished]:
-        return [a.fin for a in self.answers]
+
+# A Responses turn's record, made from its `Done` (its one answer, the version it became:
+# `api.shapes.openai_responses`) and stored with that version in the commit's one step.
+RecordResponse = Callable[[Done], ResponseRecord]
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,16 +172,24 @@ def prompt_for(
 
 
 async def run_turn(
-    state: AppState, engine: ChatEngine, turn: Turn, prep: Prepared, arrived: float, *, strict: bool
+    state: AppState,
+    engine: ChatEngine,
+    turn: Turn,
+    prep: Prepared,
+    arrived: float,
+    *,
+    strict: bool,
+    record: RecordResponse | None = None,
 ) -> AsyncGenerator[TurnEvent, None]:
     """The prepared turn's events, from its generation to its commit (see the module's doc).
     `strict`: fail with `EngineOverloaded` when no generation slot is free; otherwise take one
-    anyway (a stream, whose capacity was checked before its 200 went out)."""
+    anyway (a stream, whose capacity was checked before its 200 went out). `record`: a Responses
+    turn's record maker (`commit`)."""
     fins: list[Finished] = []
     target = turn.target
     generation = generate(
         engine,
-        prep.prompt_ids,
+        prep.plan.ids,
         prep.sampling,
         tenant=turn.admitted.tenant,
         cache_salt=turn.admitted.salt,
@@ -264,8 +206,7 @@ async def run_turn(
                 yield ev
     answers = tuple(answer(engine, prep, f) for f in sorted(fins, key=lambda f: f.index))
     yield Answered(answers)
-    versions, record = await commit(state, engine, turn, prep, answers)
-    yield Done(turn, prep, answers, versions, record)
+    yield await commit(state, engine, turn, prep, answers, record)
 
 
 def answer(engine: ChatEngine, prep: Prepared, fin: Finished) -> Answer:
@@ -276,26 +217,31 @@ def answer(engine: ChatEngine, prep: Prepared, fin: Finished) -> Answer:
 
 
 async def commit(
-    state: AppState, engine: ChatEngine, turn: Turn, prep: Prepared, answers: Sequence[Answer]
-) -> tuple[tuple[Committed | None, ...], ResponseRecord | None]:
+    state: AppState,
+    engine: ChatEngine,
+    turn: Turn,
+    prep: Prepared,
+    answers: tuple[Answer, ...],
+    record: RecordResponse | None = None,
+) -> Done:
     """Observe the turn in the metrics and, in a session, commit each choice as a version (all
     or nothing, `commit_alternatives`): the first where the turn attaches, every other as a
     sibling on a branch of its own, so each alternative can be continued. A Responses turn's
-    record is added in the same worker-thread step (`add_response`: no version is left without
-    its record); unstored, it is only made.
+    record (`record`) is added in the same worker-thread step (`add_response`: no version is
+    left without its record); unstored, it is only made.
 
     The commit is the point of no return: once it has started, a client that goes away (which
     cancels the request) no longer stops it; the request waits for it and answers as usual, so
     that "nothing was committed" is only ever said when it is true."""
-    observe(state, prep, [a.fin for a in answers])
-    record_of = turn.record
+    split = prompt_split(prep, [a.fin for a in answers])
+    observe(state, prep, split, answers)
     if turn.target is None:
-        record = record_of(turn, prep, answers[0], None) if record_of is not None else None
-        return (None,) * len(answers), record
+        done = Done(turn, prep, answers, (None,) * len(answers), split)
+        return replace(done, record=record(done)) if record is not None else done
     target = turn.target
     choices = [
         (
-            np.asarray([*prep.prompt_ids, *a.fin.output_ids], dtype=TOKEN_DTYPE),
+            np.asarray([*prep.plan.ids, *a.fin.output_ids], dtype=TOKEN_DTYPE),
             [*turn.messages, a.stored_as(turn.answer_item_id)],
         )
         for a in answers
@@ -303,37 +249,36 @@ async def commit(
     versions, responses = state.store.versions, state.store.responses
     epoch = turn.admitted.epoch
 
-    def commit_all() -> tuple[list[Committed], ResponseRecord | None]:
-        done = commit_alternatives(versions, turn.user, target, choices, engine.fingerprint, epoch, prep.seen)
-        if record_of is None:
-            return done, None
-        record = record_of(turn, prep, answers[0], done[0])
-        add_response(versions, responses, record, epoch)
-        return done, record
+    def commit_all() -> Done:
+        seen = prep.plan.seen
+        committed = commit_alternatives(versions, turn.user, target, choices, engine.fingerprint, epoch, seen)
+        done = Done(turn, prep, answers, tuple(committed), split)
+        if record is None:
+            return done
+        kept = record(done)
+        add_response(versions, responses, kept, epoch)
+        return replace(done, record=kept)
 
     work = asyncio.ensure_future(asyncio.to_thread(commit_all))
     try:
-        committed, record = await asyncio.shield(work)
+        done = await asyncio.shield(work)
     except asyncio.CancelledError:
-        committed, record = await work  # finish the commit, then answer as if nobody had gone
+        done = await work  # finish the commit, then answer as if nobody had gone
         task = asyncio.current_task()
         if task is not None:
             task.uncancel()
-    state.metrics.commits.inc(len(committed))
-    maybe_check(
-        state,
-        engine,
-        ServedLead(turn.messages, turn.fields, prep.plan, turn.admitted.tenant, turn.admitted.salt),
-    )
-    return tuple(committed), record
+    state.metrics.commits.inc(len(done.versions))
+    maybe_check(state, engine, turn, prep.plan)
+    return done
 
 
-def observe(state: AppState, prep: Prepared, fins: Sequence[Finished]) -> None:
-    split = prompt_split(prep, fins)
+def observe(state: AppState, prep: Prepared, split: PromptSplit, answers: Sequence[Answer]) -> None:
     m = state.metrics
     m.observe_prompt(split.prompt_tokens, split.engine_cached, dict(split.loaded_from))
-    if prep.lead is not None:
-        m.observe_lead(prep.lead.served, prep.lead.reason, prep.lead.update_tokens)
+    lead = prep.plan.lead
+    if lead is not None:
+        m.observe_lead(lead.served, lead.reason, lead.update_tokens)
+    fins = [a.fin for a in answers]
     m.completion_tokens.inc(sum(len(f.output_ids) for f in fins))
     ttfts = [f.ttft_s for f in fins if f.ttft_s is not None]
     if ttfts:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sized
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from api.errors import EngineOverloaded, UserSlotsExhausted
@@ -29,12 +29,53 @@ from api.llm.chat_engine import ChatEngine
 from api.llm.slots import Slot
 from api.settings import LimitsSettings
 from api.state import AppState
-from api.turn.pipeline import Admitted, RecordResponse, Turn, TurnParams
 from dss.dialogue.lead.policy import LeadPolicy
-from dss.dialogue.turn_commits import chat_target, message_target, response_target
+from dss.dialogue.turn_commits import TurnTarget, chat_target, message_target, response_target
 from dss.errors import LimitExceeded
-from dss.jsonlimits import check_items, check_json
-from dss.types import SessionId, UserId
+from dss.jsonlimits import JsonLimits, check_items, check_json
+from dss.types import SessionId, TenantId, UserId
+
+
+# ---------------------------------------------------------------------------------- the turn
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """Who a turn runs as, read once when it is admitted (`admit`): the user's erasure epoch, and
+    that epoch's tenant and prefix-cache salt. Every write the turn makes is refused
+    (`UserErased`) once the user was erased since, however far the turn got."""
+
+    epoch: int
+    tenant: TenantId
+    salt: str
+
+
+@dataclass(frozen=True, slots=True)
+class TurnParams:
+    """What DSS itself reads of a request's generation fields (vLLM reads the rest: `fields`)."""
+
+    max_tokens: int | None = None  # as asked for (None: the server's default)
+    stop: tuple[str, ...] = ()
+    n: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """A turn resolved: whose, its whole dialogue, where it commits."""
+
+    user: UserId
+    admitted: Admitted
+    messages: list[dict[str, Any]]  # the whole dialogue the prompt renders
+    params: TurnParams
+    target: TurnTarget | None  # None: a plain chat without a session, or an unstored response
+    # The request's honoured OpenAI fields (`api.shapes.openai_fields`), converted by vLLM's
+    # request model.
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    # False: the store neither loads nor saves this turn's KV (a Responses `store: false`).
+    persist: bool = True
+    # `truncation: "auto"`: a dialogue that outgrew the context is shortened (`api.turn.truncate`).
+    truncate: bool = False
+    # The id its answer is stored with (a conversation's output item: `dss.dialogue.conversations`
+    # keeps each item's id in its message). None: the answer is stored without one.
+    answer_item_id: str | None = None
 
 
 # ------------------------------------------------------------------------------ the requests
@@ -111,7 +152,6 @@ class ResponseTurn(TurnRequest):
     new: list[dict[str, Any]]
     store: bool
     lead: LeadPolicy
-    record: RecordResponse
 
     async def resolve(self, state: AppState, admitted: Admitted) -> Turn:
         planned = await asyncio.to_thread(
@@ -135,7 +175,6 @@ class ResponseTurn(TurnRequest):
             self.fields,
             persist=self.store,
             truncate=self.truncate,
-            record=self.record,
         )
 
 
@@ -150,7 +189,6 @@ class ConversationTurn(TurnRequest):
     new: list[dict[str, Any]]
     answer_item_id: str
     lead: LeadPolicy
-    record: RecordResponse
 
     async def resolve(self, state: AppState, admitted: Admitted) -> Turn:
         planned = await asyncio.to_thread(
@@ -171,7 +209,6 @@ class ConversationTurn(TurnRequest):
             self.fields,
             truncate=self.truncate,
             answer_item_id=self.answer_item_id,
-            record=self.record,
         )
 
 
@@ -217,10 +254,10 @@ def check_limits(
 ) -> None:
     """The limits table on a turn's request, before any work for it: every 400 names the field
     and the limit. `fields`: the honoured OpenAI fields passed to vLLM."""
-    json_limits = lim.json_limits()
+    json_limits, entry_limits = lim.json_limits(), lim.entry_limits()
     # First (its JSON bounds before anything walks the messages recursively).
-    check_dialogue(lim, messages)
-    for name, (setting, most) in lim.entry_limits().items():
+    _check_dialogue(lim, json_limits, messages, "messages")
+    for name, (setting, most) in entry_limits.items():
         value = (fields or {}).get(name)
         if isinstance(value, Sized) and not isinstance(value, str) and len(value) > most:
             raise LimitExceeded(
@@ -243,7 +280,13 @@ def check_dialogue(lim: LimitsSettings, messages: list[dict[str, Any]], where: s
     """The limits on a dialogue's messages (also on what a conversation stores, which every later
     turn renders): the JSON bounds (first: what follows walks the values recursively), at most
     `max_messages`, none over `max_message_chars`."""
-    check_items(where, messages, lim.json_limits())
+    _check_dialogue(lim, lim.json_limits(), messages, where)
+
+
+def _check_dialogue(
+    lim: LimitsSettings, json_limits: JsonLimits, messages: list[dict[str, Any]], where: str
+) -> None:
+    check_items(where, messages, json_limits)
     if len(messages) > lim.max_messages:
         raise LimitExceeded(f"{len(messages)} messages exceed the limit of {lim.max_messages}", field=where)
     longest = max((len(str(m.get("content") or "")) for m in messages), default=0)

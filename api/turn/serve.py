@@ -24,8 +24,8 @@ from api.errors import ApiError, BadRequest
 from api.llm.chat_engine import ChatEngine
 from api.llm.slots import Slot
 from api.state import AppState
-from api.turn.pipeline import Answered, Done, Failed, Turn, TurnEvent, prepare, run_turn
-from api.turn.request import TurnRequest, admit
+from api.turn.pipeline import Answered, Done, Failed, RecordResponse, TurnEvent, prepare, run_turn
+from api.turn.request import Turn, TurnRequest, admit
 from dss.errors import DSSError
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -36,6 +36,11 @@ class Shape(Protocol):
 
     # What a request is told whose client left before its turn was committed.
     client_gone: str
+
+    @property
+    def record(self) -> RecordResponse | None:
+        """A Responses turn's record maker (the turn stores the record with its version)."""
+        ...
 
     def body(self, done: Done) -> Response:
         """The whole answer as one body, from the turn's last event."""
@@ -60,7 +65,7 @@ async def serve_turn(
         arrived = time.perf_counter()
         prep = await prepare(state, engine, turn)
         engine.slots.check_capacity()
-        events = run_turn(state, engine, turn, prep, arrived, strict=False)
+        events = run_turn(state, engine, turn, prep, arrived, strict=False, record=shape.record)
         body = _streamed(shape, _reported(state, turn, events))
         response = HoldingSlot(
             StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS), slot
@@ -75,7 +80,8 @@ async def _whole(state: AppState, engine: ChatEngine, turn: Turn, request: Reque
     arrived = time.perf_counter()
     prep = await prepare(state, engine, turn)
     engine.slots.check_capacity()
-    async with contextlib.aclosing(run_turn(state, engine, turn, prep, arrived, strict=True)) as events:
+    run = run_turn(state, engine, turn, prep, arrived, strict=True, record=shape.record)
+    async with contextlib.aclosing(run) as events:
         async for ev in events:
             if isinstance(ev, Answered) and turn.target is not None and await request.is_disconnected():
                 state.metrics.aborted.inc()

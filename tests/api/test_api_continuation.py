@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from api.llm.chat_engine import ChatEngine
-from api.turn.pipeline import Admitted, Turn, TurnParams, prompt_for
+from api.turn.pipeline import prompt_for
+from api.turn.request import Admitted, Turn, TurnParams
 from dss.dialogue.turn_commits import TurnTarget
 from dss.dialogue.versions import VersionInfo
 from dss.types import FingerprintId, SessionId, TenantId, UserId
