@@ -16,10 +16,10 @@ from fastapi.responses import JSONResponse, Response
 
 from api.errors import response_for
 from api.llm.chat_engine import ChatEngine
-from api.llm.generation import Finished
+from api.llm.generation import Delta, Finished
 from api.shapes.schemas import AssistantMessage, ChatCompletion, Choice, GenerationParams
 from api.shapes.usage import dss_info, usage
-from api.turn.pipeline import Answer, Delta, Done, Failed, Prepared, Started, TurnEvent
+from api.turn.pipeline import Answer, Done, Failed, Prepared, Started, TurnEvent
 from api.turn.request import Turn, TurnParams
 from dss.dialogue.turn_commits import Committed
 

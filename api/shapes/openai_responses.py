@@ -28,10 +28,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from api.errors import BadRequest, response_for
 from api.llm.chat_engine import ChatEngine
+from api.llm.generation import Delta
 from api.shapes.openai_fields import check_fields
 from api.shapes.schemas import LeadUpdatesField, join_text
 from api.shapes.usage import dss_info
-from api.turn.pipeline import Delta, Done, Failed, Started, TurnEvent
+from api.turn.pipeline import Done, Failed, Started, TurnEvent
 from dss.dialogue.response_store import ResponseRecord, new_response_id
 from dss.jsonlimits import JsonLimits, check_items, check_json
 from dss.types import SessionId, UserId

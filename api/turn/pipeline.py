@@ -1,5 +1,5 @@
-"""A turn, admitted and resolved (`Turn`), run: prompt → generate → answer → commit, written once,
-as a stream of typed events that every API only formats (`api.shapes`).
+"""A turn, admitted and resolved (`api.turn.request.Turn`), run: prompt → generate → answer →
+commit, written once, as a stream of typed events that every API only formats (`api.shapes`).
 
 `run_turn` yields `Started` (the prompt is built and the generation running), a `Delta` as each
 choice's text arrives, `Answered` once every choice finished (tool calls split off), then `Done`
@@ -36,8 +36,6 @@ from dss.dialogue.response_store import ResponseRecord
 from dss.dialogue.turn_commits import Committed, add_response, commit_alternatives
 from dss.errors import DSSError
 from dss.tokens import TOKEN_DTYPE
-
-__all__ = ["Delta"]  # the generation's own event, passed on as it is
 
 
 # ------------------------------------------------------------------------------------- the turn
@@ -137,6 +135,7 @@ class Failed:
     error: ApiError | DSSError
 
 
+# `Delta` is the generation's own event (`api.llm.generation`), passed on as it is.
 TurnEvent = Started | Delta | Answered | Done | Failed
 
 
