@@ -379,3 +379,22 @@ def test_the_owner_check_sees_every_kind_of_reach() -> None:
         "dss.ops.b reaches data_keys (owned by dss.keys)",
         "dss.ops.c reaches sessions (owned by dss.dialogue)",
     ]
+
+
+def test_the_turn_imports_no_shape() -> None:
+    """The turn pipeline (`api.turn`) runs a turn and yields its events; the wire shapes
+    (`api.shapes`) format them and import the turn, never the reverse: no module of `api.turn`
+    imports one of `api.shapes`, lazily or not, so the two packages form no cycle."""
+    g = graph()
+
+    def edges(src: str, dst: str) -> list[str]:
+        return sorted(
+            f"{m} imports {t}"
+            for m, targets in g.items()
+            if m.startswith(src + ".")
+            for t in targets
+            if t == dst or t.startswith(dst + ".")
+        )
+
+    assert not edges("api.turn", "api.shapes")
+    assert edges("api.shapes", "api.turn"), "the shapes format the turn's events"

@@ -3,24 +3,23 @@
 frontend key's session header; `api.deps.session_id_of`).
 
 The request takes its generation slot on arrival, and a client that goes away stops its
-generation (`api.turn.pipeline`, shared with the stateful `/messages` route and Responses).
+generation (`api.turn.serve`, shared with the stateful `/messages` route and Responses).
 """
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
 
 from api.deps import CallerDep, EngineDep, SessionHeadersDep, StateDep, acting_principal, session_id_of
 from api.errors import BadRequest, error_responses
-from api.shapes.chat_completion import ChatReply
+from api.shapes.chat_completion import ChatCompletionShape, turn_params
 from api.shapes.openai_fields import check_fields
 from api.shapes.schemas import ChatCompletion, ChatCompletionRequest
 from api.turn.lead import policy_for, requested_mode
-from api.turn.pipeline import serve_turn
-from api.turn.target import chat_turn
+from api.turn.request import ChatTurn
+from api.turn.serve import serve_turn
 from dss.dialogue.lead.match import content_session_id
 from dss.errors import ModelNotFound
 
@@ -64,7 +63,15 @@ async def create_chat_completion(
     if session_id is None and lead.mode != "off":
         # A chat that names no session is named by its content, so its turns find each other.
         session_id = content_session_id(messages)
-    resolve = partial(
-        chat_turn, state, who.user, messages, body, fields, session_id, body.state_version, lead
+    shape = ChatCompletionShape(engine, body.include_usage)
+    ask = ChatTurn(
+        user=who.user,
+        params=turn_params(body),
+        fields=fields,
+        stream=bool(body.stream),
+        messages=messages,
+        session_id=session_id,
+        state_version=body.state_version,
+        lead=lead,
     )
-    return await serve_turn(state, engine, request, who.user, bool(body.stream), resolve, ChatReply())
+    return await serve_turn(state, engine, request, ask, shape)

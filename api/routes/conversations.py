@@ -25,7 +25,7 @@ from api.shapes.conversations import (
 )
 from api.shapes.openai_responses import stored_items
 from api.state import AppState
-from api.turn.limits import check_dialogue
+from api.turn.request import check_dialogue
 from dss.dialogue.conversations import item_message
 from dss.types import SessionId, UserId
 

@@ -7,7 +7,6 @@ response with `conversation` is a version on that conversation's `main` (`api.ro
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -17,15 +16,14 @@ from api.errors import SessionHeaderOnResponses, error_responses
 from api.shapes.openai_responses import (
     ResponseCreate,
     ResponsePlan,
-    ResponseReply,
+    ResponseShape,
     item_messages,
     response_body,
     stored_items,
 )
-from api.shapes.schemas import GenerationParams
 from api.turn.lead import policy_for, requested_mode
-from api.turn.pipeline import Resolve, serve_turn
-from api.turn.target import conversation_turn, response_turn
+from api.turn.request import ConversationTurn, ResponseTurn, TurnParams, TurnRequest
+from api.turn.serve import serve_turn
 from dss.dialogue.conversations import item_message
 from dss.errors import ModelNotFound
 
@@ -61,43 +59,42 @@ async def create_response(
     items = body.items()
     plan = ResponsePlan(body, stored_items(items))
     plan.check_json(state.settings.limits.json_limits())
-    params = GenerationParams(max_tokens=body.max_output_tokens, stream=body.stream)
+    params = TurnParams(max_tokens=body.max_output_tokens)
     fields = body.sampling_fields()
-
+    shape = ResponseShape(plan, engine, who.user)
     lead = policy_for(
         state.settings.lead, state.lead_gate, caller, requested_mode(body.lead_updates, request.headers)
     )
-    resolve: Resolve
+    truncate = body.truncation == "auto"
+    ask: TurnRequest
     conversation = body.conversation_id
     if conversation is not None:
-        resolve = partial(
-            conversation_turn,
-            state,
-            who.user,
-            conversation,
-            body.instructions,
-            [item_message(i) for i in plan.input_items],
-            plan.item_id,
-            params,
-            fields,
-            body.truncation == "auto",
-            lead,
+        ask = ConversationTurn(
+            user=who.user,
+            params=params,
+            fields=fields,
+            stream=body.stream,
+            truncate=truncate,
+            conversation_id=conversation,
+            instructions=body.instructions,
+            new=[item_message(i) for i in plan.input_items],
+            answer_item_id=plan.item_id,
+            lead=lead,
         )
     else:
-        resolve = partial(
-            response_turn,
-            state,
-            who.user,
-            body.previous_response_id,
-            body.instructions,
-            item_messages(items),
-            body.store,
-            params,
-            fields,
-            lead,
-            body.truncation == "auto",
+        ask = ResponseTurn(
+            user=who.user,
+            params=params,
+            fields=fields,
+            stream=body.stream,
+            truncate=truncate,
+            previous_response_id=body.previous_response_id,
+            instructions=body.instructions,
+            new=item_messages(items),
+            store=body.store,
+            lead=lead,
         )
-    return await serve_turn(state, engine, request, who.user, body.stream, resolve, ResponseReply(plan))
+    return await serve_turn(state, engine, request, ask, shape)
 
 
 @router.get("/v1/responses/{response_id}", responses=error_responses(400, 401, 404))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Annotated, Any, cast
 
 from fastapi import APIRouter, Body, Query, Request, status
@@ -17,7 +16,7 @@ from api.deps import (
     session_id_of,
 )
 from api.errors import error_responses
-from api.shapes.chat_completion import ChatReply
+from api.shapes.chat_completion import ChatCompletionShape, turn_params
 from api.shapes.openai_fields import HONOURED_CHAT, REFUSED, check_fields
 from api.shapes.schemas import (
     BranchOut,
@@ -34,8 +33,8 @@ from api.shapes.schemas import (
     WarmRequest,
 )
 from api.state import AppState
-from api.turn.pipeline import serve_turn
-from api.turn.target import message_turn
+from api.turn.request import MessageTurn
+from api.turn.serve import serve_turn
 from dss.dialogue.versions import SessionInfo
 from dss.errors import ModelNotFound
 from dss.ops.retention import KEEP
@@ -205,16 +204,16 @@ async def post_message(
     # The dialogue is the stored one: `messages` here would be silently replaced, so it is refused.
     check_fields(fields, own=(), honoured=HONOURED_CHAT - {"messages"}, refused=_MESSAGE_REFUSED)
 
-    resolve = partial(
-        message_turn,
-        state,
-        who.user,
-        SessionId(session_id),
-        body.branch,
-        body.version,
-        body.text(),
-        body,
-        fields,
-        body.truncation == "auto",
+    shape = ChatCompletionShape(engine, body.include_usage)
+    ask = MessageTurn(
+        user=who.user,
+        params=turn_params(body),
+        fields=fields,
+        stream=bool(body.stream),
+        truncate=body.truncation == "auto",
+        session_id=SessionId(session_id),
+        branch=body.branch,
+        version=body.version,
+        text=body.text(),
     )
-    return await serve_turn(state, engine, request, who.user, bool(body.stream), resolve, ChatReply())
+    return await serve_turn(state, engine, request, ask, shape)

@@ -9,38 +9,43 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
-from api.errors import ApiError, response_for
+from api.errors import response_for
 from api.llm.chat_engine import ChatEngine
-from api.llm.generation import Finished
-from api.shapes.schemas import AssistantMessage, ChatCompletion, Choice
+from api.llm.generation import Delta, Finished
+from api.shapes.schemas import AssistantMessage, ChatCompletion, Choice, GenerationParams
 from api.shapes.usage import dss_info, usage
-from api.turn.pipeline import AfterCommit, TurnRun
-from api.turn.types import Answer, Prepared, Turn
+from api.turn.pipeline import Answer, Done, Failed, Prepared, Started, TurnEvent
+from api.turn.request import Turn, TurnParams
 from dss.dialogue.turn_commits import Committed
-from dss.errors import DSSError
 
 _SESSION_KEYS = ("session_id", "state_version", "parent_version", "branch")
 _MIN_LOGPROB = -9999.0  # as vLLM clamps -inf
 
 
-class ChatReply:
-    """A turn's answer as a chat completion (`api.turn.pipeline.Reply`)."""
+def turn_params(body: GenerationParams) -> TurnParams:
+    """What the turn reads of a chat request's generation fields."""
+    return TurnParams(max_tokens=body.requested_max_tokens, stop=tuple(body.stop or ()), n=body.n)
+
+
+class ChatCompletionShape:
+    """A turn's events as a chat completion (`api.turn.serve.Shape`). `include_usage`: the
+    request's `stream_options.include_usage` (a stream's usage chunk)."""
 
     client_gone = "the client went away before the turn was committed"
+    record = None  # a chat completion keeps no record besides its versions
 
-    def after_commit(self, run: TurnRun, answers: Sequence[Answer]) -> AfterCommit | None:
-        return None
+    def __init__(self, engine: ChatEngine, include_usage: bool = False) -> None:
+        self.engine = engine
+        self.include_usage = include_usage
 
-    def body(
-        self, run: TurnRun, answers: Sequence[Answer], committed: Sequence[Committed | None]
-    ) -> Response:
-        turn = run.turn
-        body = _completion(run.engine, turn, run.prep, answers, committed).model_dump(mode="json")
+    def body(self, done: Done) -> Response:
+        turn = done.turn
+        body = _completion(self.engine, done).model_dump(mode="json")
         for choice in body["choices"]:
             if not choice["message"]["tool_calls"]:
                 del choice["message"]["tool_calls"]
@@ -52,8 +57,8 @@ class ChatReply:
                 choice.pop("branch", None)
         return JSONResponse(body)
 
-    def stream(self, run: TurnRun) -> AsyncIterator[str]:
-        return _stream(run)
+    def stream(self, events: AsyncIterator[TurnEvent]) -> AsyncGenerator[str, None]:
+        return _ChunkStream(self.engine, self.include_usage).format(events)
 
 
 def system_fingerprint(engine: ChatEngine) -> str | None:
@@ -127,14 +132,9 @@ def _session_fields(turn: Turn, committed: Sequence[Committed | None]) -> dict[s
     }
 
 
-def _completion(
-    engine: ChatEngine,
-    turn: Turn,
-    prep: Prepared,
-    answers: Sequence[Answer],
-    committed: Sequence[Committed | None],
-) -> ChatCompletion:
-    fins = [a.fin for a in answers]
+def _completion(engine: ChatEngine, done: Done) -> ChatCompletion:
+    prep = done.prep
+    use, info = usage(done), dss_info(done)
     choices = [
         Choice(
             index=a.fin.index,
@@ -144,30 +144,106 @@ def _completion(
             stop_reason=a.fin.stop_reason,
             **_version_fields(c),
         )
-        for a, c in zip(answers, committed, strict=True)
+        for a, c in zip(done.answers, done.versions, strict=True)
     ]
     return ChatCompletion(
         id=prep.completion_id,
         created=int(time.time()),
         model=engine.model_name,
         choices=choices,
-        usage=usage(prep, fins),
+        usage=use,
         system_fingerprint=system_fingerprint(engine),
-        dss=dss_info(prep, fins),
-        **_session_fields(turn, committed),
+        dss=info,
+        **_session_fields(done.turn, done.versions),
     )
 
 
-async def _stream(run: TurnRun) -> AsyncIterator[str]:
-    state, engine, turn, prep = run.state, run.engine, run.turn, run.prep
-    cid = prep.completion_id
-    created = int(time.time())
-    base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": engine.model_name}
-    session = {"session_id": turn.target.session_id} if turn.target is not None else {}
-    top_n = prep.sampling.logprobs
-    buffered = prep.sampling.parse_tools  # tool calls are known only once the text is whole
+class _ChunkStream:
+    """One stream's SSE chunks, as vLLM's server writes them: a role chunk per choice, a chunk
+    per delta (or, with a tool parser, each choice's text whole once it is known), a finish chunk
+    per choice carrying the version it became, the usage chunk when asked for, `[DONE]`; an
+    error after the 200 as an error chunk."""
 
-    def chunk(
+    def __init__(self, engine: ChatEngine, include_usage: bool) -> None:
+        self.engine = engine
+        self.include_usage = include_usage
+        self.base: dict[str, Any] = {}
+        self.session: dict[str, Any] = {}
+
+    async def format(self, events: AsyncIterator[TurnEvent]) -> AsyncGenerator[str, None]:
+        prep: Prepared | None = None
+        async for ev in events:
+            if isinstance(ev, Started):
+                prep = ev.prep
+                for text in self._started(ev):
+                    yield text
+            elif isinstance(ev, Delta) and prep is not None and not prep.sampling.parse_tools:
+                top_n = prep.sampling.logprobs
+                lp = None
+                if top_n is not None:
+                    lp = {"content": logprobs_content(self.engine, ev.token_ids, ev.logprobs, top_n)}
+                yield self._chunk(ev.index, {"content": ev.text}, logprobs=lp)
+            elif isinstance(ev, Done):
+                for text in self._done(ev):
+                    yield text
+            elif isinstance(ev, Failed):
+                yield _sse(json.loads(bytes(response_for(ev.error).body)))
+
+    def _started(self, ev: Started) -> list[str]:
+        turn, prep = ev.turn, ev.prep
+        self.base = {
+            "id": prep.completion_id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": self.engine.model_name,
+        }
+        self.session = {"session_id": turn.target.session_id} if turn.target is not None else {}
+        return [self._chunk(i, {"role": "assistant", "content": ""}) for i in range(prep.sampling.n)]
+
+    def _done(self, done: Done) -> list[str]:
+        prep = done.prep
+        buffered = prep.sampling.parse_tools  # tool calls are known only once the text is whole
+        fields = _session_fields(done.turn, done.versions)
+        # As vLLM's server: the system fingerprint is on the usage chunk, or else the last one.
+        fingerprint = {"system_fingerprint": system_fingerprint(self.engine)}
+        out = []
+        answers = done.answers
+        for i, (a, c) in enumerate(zip(answers, done.versions, strict=True)):
+            if buffered:
+                lp = _choice_logprobs(self.engine, prep, a.fin)
+                out.append(self._chunk(a.fin.index, _buffered_delta(a), logprobs=lp))
+            last = i == len(answers) - 1  # the session's fields ride on the last chunk with a choice
+            out.append(
+                self._chunk(
+                    a.fin.index,
+                    {},
+                    a.finish_reason,
+                    top=({**fields, **({} if self.include_usage else fingerprint)}) if last else None,
+                    stop_reason=a.fin.stop_reason,
+                    **_version_fields(c),
+                )
+            )
+        if self.include_usage:
+            use = usage(done).model_dump(exclude={"completion_tokens_details"})  # as vLLM's stream
+            dss = dss_info(done).model_dump()
+            out.append(
+                _sse(
+                    {
+                        **self.base,
+                        "choices": [],
+                        "usage": use,
+                        **fingerprint,
+                        "dss": dss,
+                        **self.session,
+                        **fields,
+                    }
+                )
+            )
+        out.append("data: [DONE]\n\n")
+        return out
+
+    def _chunk(
+        self,
         index: int,
         delta: Mapping[str, Any],
         finish: str | None = None,
@@ -182,55 +258,7 @@ async def _stream(run: TurnRun) -> AsyncIterator[str]:
             "finish_reason": finish,
             **extra,
         }
-        return _sse({**base, "choices": [choice], **session, **(top or {})})
-
-    committed_ok = False
-    try:
-        fins: list[Finished] = []
-        async with run.events() as evs:
-            for i in range(prep.sampling.n):
-                yield chunk(i, {"role": "assistant", "content": ""})
-            async for ev in evs:
-                if isinstance(ev, Finished):
-                    fins.append(ev)
-                elif not buffered:
-                    lp = None
-                    if top_n is not None:
-                        lp = {"content": logprobs_content(engine, ev.token_ids, ev.logprobs, top_n)}
-                    yield chunk(ev.index, {"content": ev.text}, logprobs=lp)
-        fins.sort(key=lambda f: f.index)
-        answers = [run.answer(f) for f in fins]
-        # Every token is generated and sent; only now does the turn become versions.
-        committed = await run.commit(answers)
-        committed_ok = True
-        fields = _session_fields(turn, committed)
-        # As vLLM's server: the system fingerprint is on the usage chunk, or else the last one.
-        fingerprint = {"system_fingerprint": system_fingerprint(engine)}
-        with_usage = turn.params.include_usage
-        for i, (a, c) in enumerate(zip(answers, committed, strict=True)):
-            if buffered:
-                yield chunk(a.fin.index, _buffered_delta(a), logprobs=_choice_logprobs(engine, prep, a.fin))
-            last = i == len(answers) - 1  # the session's fields ride on the last chunk with a choice
-            yield chunk(
-                a.fin.index,
-                {},
-                a.finish_reason,
-                top=({**fields, **({} if with_usage else fingerprint)}) if last else None,
-                stop_reason=a.fin.stop_reason,
-                **_version_fields(c),
-            )
-        if with_usage:
-            use = usage(prep, fins).model_dump(exclude={"completion_tokens_details"})  # as vLLM's stream
-            dss = dss_info(prep, fins).model_dump()
-            yield _sse({**base, "choices": [], "usage": use, **fingerprint, "dss": dss, **session, **fields})
-        yield "data: [DONE]\n\n"
-    except (ApiError, DSSError) as exc:
-        resp = response_for(exc)
-        yield _sse(json.loads(bytes(resp.body)))
-    except BaseException:
-        if not committed_ok and turn.target is not None:
-            state.metrics.aborted.inc()
-        raise
+        return _sse({**self.base, "choices": [choice], **self.session, **(top or {})})
 
 
 def _buffered_delta(a: Answer) -> dict[str, Any]:

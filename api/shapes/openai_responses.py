@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -26,17 +26,14 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from api.errors import ApiError, BadRequest, response_for
+from api.errors import BadRequest, response_for
 from api.llm.chat_engine import ChatEngine
-from api.llm.generation import Finished
+from api.llm.generation import Delta
 from api.shapes.openai_fields import check_fields
 from api.shapes.schemas import LeadUpdatesField, join_text
 from api.shapes.usage import dss_info
-from api.turn.pipeline import AfterCommit, TurnRun
-from api.turn.types import Answer, Prepared
+from api.turn.pipeline import Done, Failed, Started, TurnEvent
 from dss.dialogue.response_store import ResponseRecord, new_response_id
-from dss.dialogue.turn_commits import Committed, add_response
-from dss.errors import DSSError
 from dss.jsonlimits import JsonLimits, check_items, check_json
 from dss.types import SessionId, UserId
 
@@ -301,20 +298,15 @@ def response_body(record: ResponseRecord) -> dict[str, Any]:
     }
 
 
-def _record(
-    plan: ResponsePlan,
-    user: UserId,
-    engine: ChatEngine,
-    prep: Prepared,
-    ans: Answer,
-    committed: Committed | None,
-    session_id: SessionId | None,
-) -> ResponseRecord:
+def response_record(plan: ResponsePlan, model: str, done: Done) -> ResponseRecord:
+    """The record of a response: its (one) answer, and the version it became (if stored)."""
+    turn, ans, committed = done.turn, done.answers[0], done.versions[0]
     fin = ans.fin
     complete = fin.finish_reason != "length"
     body = plan.body
-    n_prompt, n_out = len(prep.prompt_ids), len(fin.output_ids)
-    info = dss_info(prep, [fin])
+    session_id = turn.target.session_id if turn.target is not None else None
+    n_prompt, n_out = done.split.prompt_tokens, len(fin.output_ids)
+    info = dss_info(done)
     dss: dict[str, Any] = {"cached_tokens": info.cached_tokens, "loaded_tokens": info.loaded_tokens}
     if info.lead_update is not None:
         dss["lead_update"] = info.lead_update.model_dump()
@@ -324,13 +316,13 @@ def _record(
         dss |= {"session_id": session_id, "version": committed.version.number, "branch": committed.branch}
     return ResponseRecord(
         id=plan.id,
-        user=user,
+        user=turn.user,
         session_id=session_id or SessionId(""),
         version=committed.version.number if committed is not None else 0,
         previous_response_id=body.previous_response_id,
         # When it was committed: an erasure's verification dates what it finds by this.
         created_at=datetime.now(UTC),
-        model=engine.model_name,
+        model=model,
         status="completed" if complete else "incomplete",
         instructions=body.instructions,
         input_items=plan.input_items,
@@ -374,44 +366,27 @@ def _output_message(text: str, status: str, item_id: str | None = None) -> dict[
     }
 
 
-# ------------------------------------------------------------------------------------------ running
-class ResponseReply:
-    """A turn's answer as a Responses response (`api.turn.pipeline.Reply`): the version is
-    committed and its record added in one worker-thread step (`add_response`: no version is
-    left without its record); unstored, only the response is built."""
+# ------------------------------------------------------------------------------------ the shape
+class ResponseShape:
+    """A turn's events as a Responses response (`api.turn.serve.Shape`). Its record is made by
+    `record` (the turn stores it with its version in one step: `api.turn.pipeline.commit`)."""
 
     client_gone = "the client went away before the response was stored"
 
-    def __init__(self, plan: ResponsePlan) -> None:
+    def __init__(self, plan: ResponsePlan, engine: ChatEngine, user: UserId) -> None:
         self.plan = plan
-        self._records: list[ResponseRecord] = []
+        self.model = engine.model_name
+        self.user = user
 
-    def after_commit(self, run: TurnRun, answers: Sequence[Answer]) -> AfterCommit | None:
-        turn = run.turn
-        sid = turn.target.session_id if turn.target is not None else None
+    def record(self, done: Done) -> ResponseRecord:
+        return response_record(self.plan, self.model, done)
 
-        def record(committed: list[Committed]) -> None:
-            rec = _record(self.plan, turn.user, run.engine, run.prep, answers[0], committed[0], sid)
-            add_response(run.state.store.versions, run.state.store.responses, rec, turn.epoch)
-            self._records.append(rec)
+    def body(self, done: Done) -> Response:
+        assert done.record is not None, "a Responses turn makes its record"
+        return JSONResponse(response_body(done.record))
 
-        return record
-
-    def record(
-        self, run: TurnRun, answers: Sequence[Answer], committed: Sequence[Committed | None]
-    ) -> ResponseRecord:
-        if self._records:
-            return self._records[0]
-        sid = run.turn.target.session_id if run.turn.target is not None else None
-        return _record(self.plan, run.turn.user, run.engine, run.prep, answers[0], committed[0], sid)
-
-    def body(
-        self, run: TurnRun, answers: Sequence[Answer], committed: Sequence[Committed | None]
-    ) -> Response:
-        return JSONResponse(response_body(self.record(run, answers, committed)))
-
-    def stream(self, run: TurnRun) -> AsyncIterator[str]:
-        return _stream(run, self)
+    def stream(self, events: AsyncIterator[TurnEvent]) -> AsyncGenerator[str, None]:
+        return _stream(self.plan, self.model, self.user, events)
 
 
 def _event(kind: str, seq: int, **data: Any) -> str:
@@ -419,17 +394,18 @@ def _event(kind: str, seq: int, **data: Any) -> str:
     return f"event: {kind}\ndata: {json.dumps(body, separators=(',', ':'), default=str)}\n\n"
 
 
-async def _stream(run: TurnRun, reply: ResponseReply) -> AsyncIterator[str]:
-    engine, turn, plan = run.engine, run.turn, reply.plan
+async def _stream(
+    plan: ResponsePlan, model: str, user: UserId, events: AsyncIterator[TurnEvent]
+) -> AsyncGenerator[str, None]:
     seq = iter(range(1 << 62))
     pending = ResponseRecord(
         id=plan.id,
-        user=turn.user,
+        user=user,
         session_id=SessionId(""),
         version=0,
         previous_response_id=plan.body.previous_response_id,
         created_at=plan.created_at,
-        model=engine.model_name,
+        model=model,
         status="in_progress",
         instructions=plan.body.instructions,
         input_items=plan.input_items,
@@ -444,12 +420,11 @@ async def _stream(run: TurnRun, reply: ResponseReply) -> AsyncIterator[str]:
     )
     item_id = plan.item_id
     where = {"item_id": item_id, "output_index": 0, "content_index": 0}
-    try:
-        yield _event("response.created", next(seq), response=response_body(pending))
-        yield _event("response.in_progress", next(seq), response=response_body(pending))
-        fins: list[Finished] = []
-        text: list[str] = []
-        async with run.events() as evs:
+    text: list[str] = []
+    async for ev in events:
+        if isinstance(ev, Started):
+            yield _event("response.created", next(seq), response=response_body(pending))
+            yield _event("response.in_progress", next(seq), response=response_body(pending))
             yield _event(
                 "response.output_item.added",
                 next(seq),
@@ -458,29 +433,24 @@ async def _stream(run: TurnRun, reply: ResponseReply) -> AsyncIterator[str]:
             )
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             yield _event("response.content_part.added", next(seq), part=part, **where)
-            async for ev in evs:
-                if isinstance(ev, Finished):
-                    fins.append(ev)
-                elif ev.text:
-                    text.append(ev.text)
-                    yield _event("response.output_text.delta", next(seq), delta=ev.text, logprobs=[], **where)
-        answers = [run.answer(f) for f in fins]
-        committed = await run.commit(answers, then=reply.after_commit(run, answers))
-        record = reply.record(run, answers, committed)
-        done = "".join(text)
-        final_part = {"type": "output_text", "text": done, "annotations": [], "logprobs": []}
-        yield _event("response.output_text.done", next(seq), text=done, logprobs=[], **where)
-        yield _event("response.content_part.done", next(seq), part=final_part, **where)
-        item = record.output[0]
-        yield _event("response.output_item.done", next(seq), output_index=0, item=item)
-        final = response_body(record)
-        # `response.completed` ends every stream, with the response's own status (`incomplete` at
-        # max_output_tokens), as vLLM's server does: the openai client waits for this event only.
-        yield _event("response.completed", next(seq), response=final)
-    except (ApiError, DSSError) as exc:
-        err = json.loads(bytes(response_for(exc).body))["error"]
-        yield _event("error", next(seq), code=err["code"], message=err["message"], param=err["param"])
-        # Then the response itself, failed, so that a client waiting for the final one gets it.
-        failed = {**response_body(pending), "status": "failed"}
-        failed["error"] = {"code": err["code"], "message": err["message"]}
-        yield _event("response.failed", next(seq), response=failed)
+        elif isinstance(ev, Delta) and ev.text:
+            text.append(ev.text)
+            yield _event("response.output_text.delta", next(seq), delta=ev.text, logprobs=[], **where)
+        elif isinstance(ev, Done):
+            assert ev.record is not None, "a Responses turn makes its record"
+            done = "".join(text)
+            final_part = {"type": "output_text", "text": done, "annotations": [], "logprobs": []}
+            yield _event("response.output_text.done", next(seq), text=done, logprobs=[], **where)
+            yield _event("response.content_part.done", next(seq), part=final_part, **where)
+            item = ev.record.output[0]
+            yield _event("response.output_item.done", next(seq), output_index=0, item=item)
+            # `response.completed` ends every stream, with the response's own status (`incomplete`
+            # at max_output_tokens), as vLLM's server does: the openai client waits for it only.
+            yield _event("response.completed", next(seq), response=response_body(ev.record))
+        elif isinstance(ev, Failed):
+            err = json.loads(bytes(response_for(ev.error).body))["error"]
+            yield _event("error", next(seq), code=err["code"], message=err["message"], param=err["param"])
+            # Then the response itself, failed, so that a client waiting for the final one gets it.
+            failed = {**response_body(pending), "status": "failed"}
+            failed["error"] = {"code": err["code"], "message": err["message"]}
+            yield _event("response.failed", next(seq), response=failed)

@@ -3,46 +3,36 @@ where the prompt's KV came from."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
-from api.llm.generation import Finished
 from api.shapes.schemas import DssInfo, LeadUpdateInfo, PromptTokensDetails, TierTokens, Usage
 from api.turn.lead import LeadReport
-from api.turn.types import Prepared
+from api.turn.pipeline import Done
 
 
-def usage(prep: Prepared, fins: Sequence[Finished]) -> Usage:
+def usage(done: Done) -> Usage:
     """OpenAI's counting: the prompt once, every choice's output tokens."""
-    n_prompt = len(prep.prompt_ids)
-    n_out = sum(len(f.output_ids) for f in fins)
+    split = done.split
+    n_out = sum(len(a.fin.output_ids) for a in done.answers)
     return Usage(
-        prompt_tokens=n_prompt,
+        prompt_tokens=split.prompt_tokens,
         completion_tokens=n_out,
-        total_tokens=n_prompt + n_out,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=_cached(prep, fins)),
+        total_tokens=split.prompt_tokens + n_out,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=split.cached),
     )
 
 
-def _cached(prep: Prepared, fins: Sequence[Finished]) -> int:
-    # The prompt is computed once for all choices: the choice that found the most tells.
-    return min(max((f.num_cached_tokens for f in fins), default=0), len(prep.prompt_ids))
-
-
-def dss_info(prep: Prepared, fins: Sequence[Finished]) -> DssInfo:
-    """The split as the connector reported it (the prompt was matched once, by the connector;
-    with several choices, by the one that loaded the most)."""
-    cached = _cached(prep, fins)
-    reports = [f.report for f in fins if f.report is not None]
-    report = max(reports, key=lambda r: r.loaded_tokens, default=None)
-    loaded = report.loaded_tokens if report is not None else 0
+def dss_info(done: Done) -> DssInfo:
+    """The split as the connector reported it (`api.turn.pipeline.PromptSplit`)."""
+    split, plan = done.split, done.prep.plan
     return DssInfo(
-        cached_tokens=cached,
-        engine_cached_tokens=max(0, cached - loaded),
-        loaded_tokens=loaded,
-        loaded_from=_tiers(report.loaded_from if report else {}),
-        resident=_tiers(report.found_in if report else {}),
-        lead_update=_lead(prep.lead),
-        truncated_messages=prep.truncated,
+        cached_tokens=split.cached,
+        engine_cached_tokens=split.engine_cached,
+        loaded_tokens=split.loaded,
+        loaded_from=_tiers(split.loaded_from),
+        resident=_tiers(split.found_in),
+        lead_update=_lead(plan.lead),
+        truncated_messages=plan.truncated,
     )
 
 

@@ -1,18 +1,19 @@
-"""A chat turn as one pipeline, whatever API shapes its answer.
+"""A chat turn as one pipeline that owns its stream, whatever API formats its answer.
 
 `/v1/chat/completions`, `/v1/sessions/{sid}/messages` and `/v1/responses` each parse their
-request, make one call to `pipeline.serve_turn`, and shape the reply (`api.shapes`). The steps,
-in order, each a module with one job:
+request into a typed turn request (`request`: `ChatTurn`, `MessageTurn`, `ResponseTurn`,
+`ConversationTurn`) and make one call, `serve.serve_turn(state, engine, request, ask, shape)`:
 
-1. admit (`admit`): a generation slot on arrival, before any work, and the user's erasure epoch;
-2. resolve the target (`target`): the session, the version the turn extends and its branch,
-   and the whole dialogue the prompt renders;
-3. check the limits (`limits`), once, on that dialogue;
-4. build the prompt (`prompt`): vLLM validates the request once, the prompt continues the
-   version's stored ids (`dss.dialogue.continuation`) or renders the dialogue, `max_tokens` is fixed
+1. admit (`request.admit`): a generation slot on arrival, before any work, and who the turn runs
+   as, read once (the user's erasure epoch, its tenant and prefix-cache salt);
+2. resolve (`TurnRequest.resolve`): the session, the version the turn extends and its branch,
+   the whole dialogue the prompt renders, and the limits checked once on it;
+3. prepare (`pipeline.prepare`): vLLM validates the request once, the prompt continues the
+   version's stored ids (`lead`, `truncate`) or renders the dialogue, `max_tokens` is fixed
    against the context;
-5. generate (`generate`): the engine's stream, and each choice's answer (tool calls parsed);
-6. commit (`commit`): each choice a version, all or nothing, after the last token.
+4. run (`pipeline.run_turn`): generate → answer → commit, written once, as typed events
+   (`Started`, `Delta`, `Answered`, `Done`; `Failed` in a stream).
 
-A reply (`pipeline.Reply`, implemented in `api.shapes`) shapes the JSON body or drives the stream.
+A shape (`serve.Shape`, implemented in `api.shapes`) only formats those events: one JSON body
+from `Done`, or a stream of every event.
 """

@@ -26,7 +26,8 @@ from api.errors import ApiError
 from api.llm.chat_engine import ChatEngine
 from api.llm.generation import Finished, generate
 from api.state import AppState
-from api.turn.types import Prepared, Turn
+from api.turn.lead import PromptPlan
+from api.turn.request import Turn
 from dss.dialogue.lead.gate import Check, total_variation
 from dss.dialogue.lead.view import ModelView
 from dss.errors import DSSError
@@ -36,9 +37,10 @@ TOP = 20
 _RUNNING: set[asyncio.Task[None]] = set()  # referenced until done (the loop keeps weak refs only)
 
 
-def maybe_check(state: AppState, engine: ChatEngine, turn: Turn, prep: Prepared) -> None:
-    """Start a shadow check of this turn when it was served as a lead update and is sampled."""
-    lead = prep.lead
+def maybe_check(state: AppState, engine: ChatEngine, turn: Turn, plan: PromptPlan) -> None:
+    """Start a shadow check of this turn (its prompt as served: `plan`) when it was served as a
+    lead update and is sampled."""
+    lead = plan.lead
     settings = state.settings.lead
     if lead is None or not lead.served or settings.gate_sample <= 0 or turn.fields.get("tools"):
         return  # (a turn with tools: the exact prompt would need them rendered too; not sampled)
@@ -47,14 +49,14 @@ def maybe_check(state: AppState, engine: ChatEngine, turn: Turn, prep: Prepared)
     if engine.slots.inflight >= engine.slots.limit:
         state.metrics.lead_gate_checks.labels("skipped").inc()
         return
-    task = asyncio.create_task(_check(state, engine, turn, prep), context=contextvars.Context())
+    task = asyncio.create_task(_check(state, engine, turn, plan), context=contextvars.Context())
     _RUNNING.add(task)
     task.add_done_callback(_RUNNING.discard)
 
 
-async def _check(state: AppState, engine: ChatEngine, turn: Turn, prep: Prepared) -> None:
-    assert prep.lead is not None
-    frontend = prep.lead.frontend
+async def _check(state: AppState, engine: ChatEngine, turn: Turn, plan: PromptPlan) -> None:
+    assert plan.lead is not None
+    frontend = plan.lead.frontend
     k = state.settings.lead.gate_tokens
     try:
         sampling = engine.sampling(
@@ -62,10 +64,10 @@ async def _check(state: AppState, engine: ChatEngine, turn: Turn, prep: Prepared
         )
         # The exact prompt: the dialogue with the new lead and no update (less the messages a
         # truncation left out, as the served prompt does).
-        exact = ModelView(dropped=ModelView.of(prep.seen).dropped).seen(turn.messages)
+        exact = ModelView(dropped=ModelView.of(plan.seen).dropped).seen(turn.messages)
         exact_ids = await asyncio.to_thread(engine.render, exact)
-        served_fin = await _first_tokens(engine, prep, prep.prompt_ids, sampling)
-        exact_fin = await _first_tokens(engine, prep, exact_ids, sampling)
+        served_fin = await _first_tokens(engine, turn, plan.ids, sampling)
+        exact_fin = await _first_tokens(engine, turn, exact_ids, sampling)
     except (ApiError, DSSError) as exc:  # no slot free, the engine refused: no figure
         log.info("lead-update quality check skipped: %s", exc)
         state.metrics.lead_gate_checks.labels("skipped").inc()
@@ -84,14 +86,14 @@ async def _check(state: AppState, engine: ChatEngine, turn: Turn, prep: Prepared
         )
 
 
-async def _first_tokens(engine: ChatEngine, prep: Prepared, ids: Sequence[int], sampling: Any) -> Finished:
+async def _first_tokens(engine: ChatEngine, turn: Turn, ids: Sequence[int], sampling: Any) -> Finished:
     async with engine.slots.admitted(strict=True):
         events = generate(
             engine,
             ids,
             sampling,
-            tenant=prep.tenant,
-            cache_salt=prep.salt,
+            tenant=turn.admitted.tenant,
+            cache_salt=turn.admitted.salt,
             session_id=None,
             arrived=time.perf_counter(),
             persist=False,

@@ -27,7 +27,6 @@ from dss.errors import (
     BranchExists,
     DSSError,
     ForkNamesExhausted,
-    InvalidInput,
     StaleHead,
     StateVersionMismatch,
 )
@@ -64,25 +63,6 @@ class TurnTarget:
 class Committed:
     version: VersionInfo
     branch: str
-
-
-def check_text(value: object, where: str = "messages") -> None:
-    """Refuse text that cannot be stored or tokenized: a lone surrogate (JSON allows `"\\ud800"`,
-    UTF-8 does not). Walks strings inside lists and dicts."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InvalidInput(
-                f"{where} holds text that is not valid Unicode (at character {exc.start})"
-            ) from None
-    elif isinstance(value, Mapping):
-        for k, v in value.items():
-            check_text(k, where)
-            check_text(v, where)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            check_text(v, where)
 
 
 def plain_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -11,17 +11,17 @@ import numpy as np
 import pytest
 
 from api.llm.chat_engine import ChatEngine
-from api.shapes.schemas import ChatCompletionRequest
-from api.turn.prompt import prompt_for
-from api.turn.types import Turn
+from api.turn.pipeline import prompt_for
+from api.turn.request import Admitted, Turn, TurnParams
 from dss.dialogue.turn_commits import TurnTarget
 from dss.dialogue.versions import VersionInfo
-from dss.types import FingerprintId, SessionId, UserId
+from dss.types import FingerprintId, SessionId, TenantId, UserId
 from tests.api_server import model_dir
 
 FID = FingerprintId("fp-test")
 Q1 = {"role": "user", "content": "Describe your goal in one word."}
 Q2 = {"role": "user", "content": "Why?"}
+ADMITTED = Admitted(0, TenantId("t"), "t")
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +68,7 @@ def version(tokens: list[int], messages: list[dict[str, Any]], fingerprint: str 
 
 def turn(base: VersionInfo, messages: list[dict[str, Any]]) -> Turn:
     target = TurnTarget(SessionId("s"), 1, "main", fork_on_race=True, base=base)
-    params = ChatCompletionRequest(messages=messages)  # type: ignore[arg-type]
-    return Turn(UserId("u"), messages, params, target)
+    return Turn(UserId("u"), ADMITTED, messages, TurnParams(), target)
 
 
 def test_an_answer_whose_ids_do_not_round_trip_is_continued_from_its_ids(engine: ChatEngine) -> None:
@@ -121,5 +120,5 @@ def test_ids_of_another_model_are_never_continued(engine: ChatEngine) -> None:
     for other in (version(stored, [Q1, answer], "another-model"), version(stored, [Q1, answer], None)):
         assert prompt_for(engine, turn(other, [Q1, answer, Q2])).ids == engine.render([Q1, answer, Q2])
     no_base = replace(turn(version(stored, [Q1, answer]), [Q1, answer, Q2]).target, base=None)
-    t = Turn(UserId("u"), [Q1, answer, Q2], ChatCompletionRequest(messages=[Q1]), no_base)  # type: ignore[list-item]
+    t = Turn(UserId("u"), ADMITTED, [Q1, answer, Q2], TurnParams(), no_base)
     assert prompt_for(engine, t).ids == engine.render([Q1, answer, Q2])

@@ -284,14 +284,15 @@ def test_huge_version_numbers_and_lone_surrogates_are_4xx(client: TestClient) ->
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_unicode", r.text
 
 
-def test_chat_text_with_a_lone_surrogate_is_refused_before_the_engine() -> None:
-    from api.shapes.schemas import ChatCompletionRequest
-    from api.turn.limits import check_limits
-
-    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi \ud800"}]})
-    limits = settings_for(Path("/nonexistent")).limits
-    with pytest.raises(e.InvalidInput, match="not valid Unicode"):
-        check_limits(limits, body, [m.plain() for m in body.messages])
+def test_chat_text_with_a_lone_surrogate_is_refused_before_the_engine(client: TestClient) -> None:
+    # One check of every request's text (`api.deps.check_request_text`), before the route runs.
+    h = {**as_user("alice"), "content-type": "application/json"}
+    for lone in (
+        b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}',
+        b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["\\udc00"]}',
+    ):
+        r = client.post("/v1/chat/completions", content=lone, headers=h)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_unicode", r.text
 
 
 def test_bad_input_is_400_and_unknown_fields_are_ignored(client: TestClient) -> None:
