@@ -21,7 +21,7 @@ from api.shapes.schemas import AssistantMessage, ChatCompletion, Choice, Generat
 from api.shapes.usage import dss_info, usage
 from api.turn.pipeline import Answer, Done, Failed, Prepared, Started, TurnEvent
 from api.turn.request import Turn, TurnParams
-from dss.dialogue.turn_commits import Committed
+from dss.dialogue.turns import Committed
 
 _SESSION_KEYS = ("session_id", "state_version", "parent_version", "branch")
 _MIN_LOGPROB = -9999.0  # as vLLM clamps -inf

@@ -24,7 +24,7 @@ from dss.dialogue.lead.gate import QualityGate
 from dss.dialogue.lead.policy import NO_STORED_IDS, SERVER, TEMPLATE, LeadDrift, LeadPolicy, check_mode
 from dss.dialogue.lead.update import noted, system_update, update_text
 from dss.dialogue.lead.view import ModelView
-from dss.dialogue.turn_commits import TurnTarget
+from dss.dialogue.turns import TurnTarget
 from dss.errors import InvalidInput
 
 LEAD_HEADER = "X-DSS-Lead-Updates"

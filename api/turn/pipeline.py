@@ -33,7 +33,7 @@ from api.turn.lead_gate import maybe_check
 from api.turn.request import Turn
 from api.turn.truncate import shortened
 from dss.dialogue.response_store import ResponseRecord
-from dss.dialogue.turn_commits import Committed, add_response, commit_alternatives
+from dss.dialogue.turns import Committed, add_response, commit_alternatives
 from dss.errors import DSSError
 from dss.tokens import TOKEN_DTYPE
 

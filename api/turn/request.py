@@ -6,7 +6,7 @@ One typed request per way of asking (`ChatTurn`, `MessageTurn`, `ResponseTurn`,
 work, and reads who it runs as once: the user's erasure epoch, its tenant and its prefix-cache
 salt. Resolving it (`TurnRequest.resolve`) reads the session, the version the turn extends and
 its branch, and the whole dialogue its prompt renders, in a worker thread, under that epoch
-(`dss.dialogue.turn_commits` holds the rules).
+(`dss.dialogue.turns` holds the rules).
 
 Each resolver checks the limits table (`check_limits`) once, on the whole dialogue, as soon as it
 knows it and before anything is written: a chat turn's request is its whole dialogue, and
@@ -30,7 +30,7 @@ from api.llm.slots import Slot
 from api.settings import LimitsSettings
 from api.state import AppState
 from dss.dialogue.lead.policy import LeadPolicy
-from dss.dialogue.turn_commits import TurnTarget, chat_target, message_target, response_target
+from dss.dialogue.turns import TurnTarget, chat_target, message_target, response_target
 from dss.errors import LimitExceeded
 from dss.jsonlimits import JsonLimits, check_items, check_json
 from dss.types import SessionId, TenantId, UserId

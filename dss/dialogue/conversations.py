@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 from dss.dialogue.history import prefix_digests
 from dss.dialogue.lead.policy import LeadPolicy, classify
-from dss.dialogue.turn_commits import TurnTarget
+from dss.dialogue.turns import TurnTarget
 from dss.dialogue.versions import EMPTY_HEAD, MAIN_BRANCH, SessionInfo, VersionStore
 from dss.errors import (
     ConversationItemNotFound,

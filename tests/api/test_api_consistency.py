@@ -24,7 +24,7 @@ from api.errors import response_for
 from api.settings import LimitsSettings
 from api.state import AppState
 from dss import errors as e
-from dss.dialogue.turn_commits import chat_target
+from dss.dialogue.turns import chat_target
 from dss.dialogue.versions import VersionStore
 from tests.api.test_api_unit import DEV, settings_for, started
 from tests.paths import REPO

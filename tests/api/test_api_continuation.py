@@ -13,7 +13,7 @@ import pytest
 from api.llm.chat_engine import ChatEngine
 from api.turn.pipeline import prompt_for
 from api.turn.request import Admitted, Turn, TurnParams
-from dss.dialogue.turn_commits import TurnTarget
+from dss.dialogue.turns import TurnTarget
 from dss.dialogue.versions import VersionInfo
 from dss.types import FingerprintId, SessionId, TenantId, UserId
 from tests.api_server import model_dir

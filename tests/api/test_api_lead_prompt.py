@@ -20,7 +20,7 @@ from api.llm.chat_engine import ChatEngine
 from api.turn.lead import plan_prompt
 from dss.dialogue.lead.policy import TEMPLATE, LeadPolicy, classify
 from dss.dialogue.lead.view import ModelView
-from dss.dialogue.turn_commits import TurnTarget
+from dss.dialogue.turns import TurnTarget
 from dss.dialogue.versions import VersionInfo
 from dss.types import FingerprintId, SessionId
 from tests.api.test_api_continuation import engine

@@ -1,4 +1,4 @@
-"""Where a chat turn attaches and how it is committed (dss.dialogue.turn_commits), on a real version store."""
+"""Where a chat turn attaches and how it is committed (dss.dialogue.turns), on a real version store."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from dss.dialogue.turn_commits import TurnTarget, chat_target, commit_turn, message_target
+from dss.dialogue.turns import TurnTarget, chat_target, commit_turn, message_target
 from dss.dialogue.versions import VersionStore
 from dss.errors import ConflictError, StaleHead, VersionNotFound
 from dss.types import SessionId

@@ -15,7 +15,7 @@ from dss.dialogue.lead.policy import GATED, NOT_TEXT, NOT_VOLATILE, OFF, LeadPol
 from dss.dialogue.lead.update import noted, update_text
 from dss.dialogue.lead.view import ModelView
 from dss.dialogue.lead.volatile import Recogniser
-from dss.dialogue.turn_commits import chat_target, commit_turn
+from dss.dialogue.turns import chat_target, commit_turn
 from dss.dialogue.versions import VersionStore
 from dss.errors import InvalidInput
 

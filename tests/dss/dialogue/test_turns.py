@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from dss.config import Quotas
 from dss.dialogue.response_store import ResponseRecord, ResponseStore, new_response_id
-from dss.dialogue.turn_commits import (
+from dss.dialogue.turns import (
     TurnTarget,
     add_response,
     commit_alternatives,
