@@ -212,7 +212,12 @@ class PagesMachine(RuleBasedStateMachine):
         return [p for p in self.model if Tier.HOST in self.pages.tiers_of(p)]
 
     def leased(self, page: PageHash) -> bool:
-        return any(h.hash == page for held in self.leases for h in held)
+        """Whether a reader holds a lease on the page as it is now: a lease taken before the page
+        was dropped and stored again is on the old entry (another serial), not on this one."""
+        entry = self.pages.table.get(page)
+        return entry is not None and any(
+            h.hash == page and h.serial == entry.serial for held in self.leases for h in held
+        )
 
 
 def test_page_table_and_tiers_against_a_dict(tmp_path: Path) -> None:
@@ -231,5 +236,29 @@ def test_page_table_and_tiers_against_a_dict(tmp_path: Path) -> None:
             ),
         )
     finally:
+        PagesMachine.factory = None
+        engine.dispose()
+
+
+def test_a_lease_on_a_dropped_page_does_not_hold_it_once_stored_again(tmp_path: Path) -> None:
+    """The sequence the state machine once shrank to (put, lease, drop, put, demote): the reader's
+    lease is on the dropped entry, so the page stored again may be demoted; the model must know
+    the lease by entry (serial), as the table does, not by hash."""
+    url = sqlite_url_for(tmp_path)
+    engine = make_engine(url)
+    upgrade_to_head(url, engine)
+    PagesMachine.factory = make_session_factory(engine)
+    machine = PagesMachine()
+    try:
+        page = PAGES[0]
+        machine.put(page)
+        machine.lease(page)
+        machine.drop(page)
+        machine.put(page)
+        assert not machine.leased(page)
+        assert machine.pages.demoter.demote_to_disk([page], []) == 1
+        machine.agrees_with_the_model()
+    finally:
+        machine.teardown()
         PagesMachine.factory = None
         engine.dispose()
