@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import timedelta
 
 from sqlalchemy import delete, func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
@@ -29,6 +28,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from dss.db.connect import transaction
 from dss.db.models import HASH_LEN, PageDropRow, ServerRow
 from dss.fleet.erasures import CHANNEL
+from dss.fleet.members import servers_alive_in
 from dss.types import PageHash, TenantId
 
 log = logging.getLogger("dss.fleet")
@@ -88,11 +88,11 @@ class PageDrops:
     def _clean_in(self, s: Session, newest: int) -> None:
         """Delete the rows every other live server has applied (a server that is down rebuilds
         from page rows, already deleted: it needs none of them)."""
-        since = func.now() - timedelta(seconds=self._alive_s)
-        low = s.scalar(
-            select(func.min(ServerRow.page_drop_seq)).where(
-                ServerRow.last_seen >= since, ServerRow.id != self.server_id
-            )
+        others = [sid for sid in servers_alive_in(s, self._alive_s) if sid != self.server_id]
+        low = (
+            s.scalar(select(func.min(ServerRow.page_drop_seq)).where(ServerRow.id.in_(others)))
+            if others
+            else None
         )
         applied_by_all = newest - 1 if low is None else min(int(low), newest - 1)
         s.execute(delete(PageDropRow).where(PageDropRow.seq <= applied_by_all))
@@ -115,11 +115,13 @@ class PageDrops:
             if not rows:
                 break
             for seq, server, tenant, blob in rows:
-                if server != self.server_id:
-                    dropped = apply(PageDrop(seq, TenantId(tenant), _split(blob)))
-                    applied += 1
-                    log.info("page drop %d of %s applied here: %d page(s)", seq, server, dropped)
-                self._advance(seq)
+                if server == self.server_id:
+                    continue  # dropped here already: stepped over with the next advance
+                dropped = apply(PageDrop(seq, TenantId(tenant), _split(blob)))
+                applied += 1
+                log.info("page drop %d of %s applied here: %d page(s)", seq, server, dropped)
+                self._advance(seq)  # after each apply: a crash repeats at most this row
+            self._advance(rows[-1].seq)
             if len(rows) < _BATCH:
                 break
         self.applied += applied
