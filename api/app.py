@@ -23,9 +23,10 @@ from dataclasses import replace
 
 from fastapi import Depends, FastAPI
 
-from api.auth import ApiKeys, check_user_name
+from api.auth import check_user_name
 from api.deps import authenticate_before_body, check_request_text
-from api.errors import UncachedModel, install_error_handlers
+from api.http_errors import UncachedModel, install_error_handlers
+from api.keys.api_keys import ApiKeys
 from api.keys.store_tables import StoreTables
 from api.metrics import Metrics
 from api.middleware import AuthBeforeBody, BodyLimit, DevHostGuard, RequestMetrics, ServerIdHeader

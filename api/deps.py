@@ -14,9 +14,10 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.datastructures import Headers
 from starlette.types import Scope
 
-from api.auth import KEY_PREFIX, Caller, Principal, bearer_token, check_user_name
+from api.auth import Caller, Principal, bearer_token, check_user_name
 from api.end_users import BODY_SAFETY_IDENTIFIER, BODY_USER, end_user_principal
-from api.errors import (
+from api.headers import SESSION_HEADER, USER_HEADER, VLLM_SESSION_HEADER, single_value
+from api.http_errors import (
     BadRequest,
     EngineUnavailable,
     Forbidden,
@@ -24,7 +25,7 @@ from api.errors import (
     SessionIdConflict,
     Unauthorized,
 )
-from api.headers import SESSION_HEADER, USER_HEADER, VLLM_SESSION_HEADER, single_value
+from api.keys.api_keys import KEY_PREFIX
 from api.shapes.schemas import NAME_PATTERN
 from api.state import AppState, Phase, Startup
 from dss.errors import InvalidInput, InvalidSessionId

@@ -27,8 +27,8 @@ from collections.abc import Mapping
 from starlette.datastructures import Headers
 
 from api.auth import Caller, FrontendAccess, Principal
-from api.errors import EndUserConflict, EndUserRequired, EndUserSourceNotTrusted
 from api.headers import USER_HEADER, single_value
+from api.http_errors import EndUserConflict, EndUserRequired, EndUserSourceNotTrusted
 from api.keys.frontends import end_user_id
 
 BODY_USER = "user"

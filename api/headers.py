@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from starlette.datastructures import Headers
 
-from api.errors import HeaderNotUtf8, RepeatedHeader
+from api.http_errors import HeaderNotUtf8, RepeatedHeader
 
 # The user: in development mode, who a request acts as; on a frontend key, the end user.
 USER_HEADER = "X-DSS-User"

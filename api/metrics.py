@@ -22,7 +22,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from api.auth import LOOKUP_OUTCOMES
+from api.keys.api_keys import LOOKUP_OUTCOMES
 from dss.types import Tier
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -11,7 +11,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import ApiError, HostNotAllowed, PayloadTooLarge, response_for
+from api.http_errors import ApiError, HostNotAllowed, PayloadTooLarge, response_for
 from api.metrics import Metrics
 from dss.errors import DSSError
 

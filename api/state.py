@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
-from api.auth import ApiKeys
+from api.keys.api_keys import ApiKeys
 from api.metrics import Metrics
 from api.ratelimit import TokenBuckets
 from api.settings import Settings

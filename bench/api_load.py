@@ -70,7 +70,7 @@ OPERATIONS = ("chat", "rollback", "branch", "get_session", "ttft_cold", "ttft_wa
 
 
 def make_keys(data_dir: Path, n: int, admin: bool = False) -> list[str]:
-    from api.auth import ApiKeys
+    from api.keys.api_keys import ApiKeys
     from dss.db.connect import make_engine, make_session_factory, sqlite_url_for, upgrade_to_head
 
     url = sqlite_url_for(data_dir)

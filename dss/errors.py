@@ -1,6 +1,6 @@
 """Every error the store raises on purpose.
 
-The API maps these classes to HTTP status codes in one place (`api/errors.py`);
+The API maps these classes to HTTP status codes in one place (`api/http_errors.py`);
 nothing in `dss` knows about HTTP.
 """
 
@@ -50,7 +50,7 @@ class ConversationItemNotFound(NotFoundError):
 
 
 class ApiKeyNotFound(NotFoundError):
-    """An API key id names no key (`api.auth.ApiKeys`), or an active one where that is asked."""
+    """An API key id names no key (`api.keys.api_keys.ApiKeys`), or an active one where that is asked."""
 
 
 class FrontendNotFound(NotFoundError):

@@ -205,7 +205,7 @@ class ApiServer:
         cached = self._keys.get((user, admin))
         if cached is not None:
             return cached
-        from api.auth import ApiKeys
+        from api.keys.api_keys import ApiKeys
         from dss.db.connect import make_engine, make_session_factory, sqlite_url_for, upgrade_to_head
 
         # The server's database: its own SQLite file, or the fleet's PostgreSQL (several servers).

@@ -85,7 +85,7 @@ def keys_create(
     db_url: DbUrlOpt = None,
 ) -> None:
     """Create an API key and print it (once)."""
-    from api.auth import ApiKeys
+    from api.keys.api_keys import ApiKeys
     from api.keys.audit import ACTOR_CLI
     from api.keys.frontends import KEEP, Frontends
     from dss.db.connect import make_engine, make_session_factory, upgrade_to_head
@@ -151,7 +151,7 @@ def keys_create(
 @keys_app.command("list")
 def keys_list(data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
     """List keys (ids, owners, kinds; never the secrets) and the registered frontends."""
-    from api.auth import ApiKeys
+    from api.keys.api_keys import ApiKeys
     from api.keys.frontends import Frontends
     from dss.db.connect import make_engine, make_session_factory, upgrade_to_head
 
@@ -179,7 +179,7 @@ def keys_list(data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
 @keys_app.command("revoke")
 def keys_revoke(key_id: str, data_dir: DataDirOpt = None, db_url: DbUrlOpt = None) -> None:
     """Revoke a key by id (a running server stops accepting it within its key cache TTL)."""
-    from api.auth import ApiKeys
+    from api.keys.api_keys import ApiKeys
     from dss.db.connect import make_engine, make_session_factory, upgrade_to_head
 
     url = _db_url(data_dir, db_url)

@@ -71,7 +71,7 @@ def users_erase(
 ) -> None:
     """Erase everything the store holds of USER; print the verified receipt as JSON (exit 1 when
     its verification finds remnants or a broken receipt chain)."""
-    from api.auth import ApiKeys
+    from api.keys.api_keys import ApiKeys
     from api.routes.users import erasable_user, receipt_out
     from dss.errors import DSSError, InvalidInput
     from dss.inputs import check_stored_user_id

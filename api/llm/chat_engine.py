@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from api.errors import BadRequest
+from api.http_errors import BadRequest
 from api.llm.sampling import Sampling, ValidatedRequest, sampling_for, tool_calls, validate_request
 from api.llm.slots import GenerationSlots
 from api.llm.tenant_aborts import TenantAborts

@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from api.errors import BadRequest, EngineOverloaded, EngineUnavailable
+from api.http_errors import BadRequest, EngineOverloaded, EngineUnavailable
 from api.llm.sampling import Sampling
 from dss.errors import ErasedDuringGeneration
 from dss.types import FingerprintId, SessionId, TenantId

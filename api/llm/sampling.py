@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from api.errors import BadRequest
+from api.http_errors import BadRequest
 
 
 @dataclass(frozen=True, slots=True)

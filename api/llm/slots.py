@@ -15,7 +15,7 @@ import contextvars
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from api.errors import EngineOverloaded, UserSlotsExhausted
+from api.http_errors import EngineOverloaded, UserSlotsExhausted
 
 
 @dataclass(eq=False)

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from api.errors import UncachedModel
+from api.http_errors import UncachedModel
 from api.llm.chat_engine import ChatEngine
 from api.llm.sampling import tool_parser_class
 from api.settings import Settings

@@ -15,9 +15,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, status
 
-from api.auth import ApiKeys, CreatedKey, KeyInfo
 from api.deps import AdminDep, StateDep
-from api.errors import error_responses
+from api.http_errors import error_responses
+from api.keys.api_keys import ApiKeys, CreatedKey, KeyInfo
 from api.keys.audit import AuditTrail
 from api.keys.frontends import KEEP, Frontend, Frontends
 from api.shapes.admin import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, status
 
 from api.deps import PrincipalDep, StateDep
-from api.errors import error_responses
+from api.http_errors import error_responses
 from api.shapes.schemas import BranchCreate, BranchOut, ListResponse
 from dss.dialogue.versions import BranchInfo
 from dss.types import SessionId

@@ -3,7 +3,7 @@
 frontend key's session header; `api.deps.session_id_of`).
 
 The request takes its generation slot on arrival, and a client that goes away stops its
-generation (`api.turn.serve`, shared with the stateful `/messages` route and Responses).
+generation (`api.turn.respond`, shared with the stateful `/messages` route and Responses).
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from api.deps import CallerDep, EngineDep, SessionHeadersDep, StateDep, acting_principal, session_id_of
-from api.errors import BadRequest, error_responses
+from api.http_errors import BadRequest, error_responses
 from api.shapes.chat_completion import ChatCompletionShape, turn_params
 from api.shapes.openai_fields import check_fields
 from api.shapes.schemas import ChatCompletion, ChatCompletionRequest
 from api.turn.lead import policy_for, requested_mode
 from api.turn.request import ChatTurn
-from api.turn.serve import serve_turn
+from api.turn.respond import serve_turn
 from dss.dialogue.lead.match import content_session_id
 from dss.errors import ModelNotFound
 

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query
 
 from api.deps import PrincipalDep, StateDep
-from api.errors import error_responses
+from api.http_errors import error_responses
 from api.shapes.conversations import (
     ConversationCreate,
     ConversationUpdate,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from api.deps import CallerDep, StateDep
-from api.errors import error_responses
+from api.http_errors import error_responses
 from api.shapes.schemas import ListResponse, ModelOut
 
 router = APIRouter(tags=["models"])

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request, status
 
 from api.deps import AdminDep, CallerDep, EngineDep, StateDep
-from api.errors import EngineUnavailable, error_responses
+from api.http_errors import EngineUnavailable, error_responses
 from api.llm.chat_engine import ChatEngine
 from api.llm.generation import Finished, generate
 from api.shapes.schemas import Deleted, ListResponse, PrefixCreate, PrefixOut

@@ -9,7 +9,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from api.deps import AdminDep, StateDep
-from api.errors import error_responses
+from api.http_errors import error_responses
 from api.metrics import CONTENT_TYPE
 
 router = APIRouter(tags=["metrics"])

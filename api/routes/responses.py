@@ -12,7 +12,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Query, Request
 
 from api.deps import CallerDep, EngineDep, PrincipalDep, SessionHeadersDep, StateDep, acting_principal
-from api.errors import SessionHeaderOnResponses, error_responses
+from api.http_errors import SessionHeaderOnResponses, error_responses
 from api.shapes.openai_responses import (
     ResponseCreate,
     ResponsePlan,
@@ -23,7 +23,7 @@ from api.shapes.openai_responses import (
 )
 from api.turn.lead import policy_for, requested_mode
 from api.turn.request import ConversationTurn, ResponseTurn, TurnParams, TurnRequest
-from api.turn.serve import serve_turn
+from api.turn.respond import serve_turn
 from dss.dialogue.conversations import item_message
 from dss.errors import ModelNotFound
 

@@ -15,7 +15,7 @@ from api.deps import (
     acting_principal,
     session_id_of,
 )
-from api.errors import error_responses
+from api.http_errors import error_responses
 from api.shapes.chat_completion import ChatCompletionShape, turn_params
 from api.shapes.openai_fields import HONOURED_CHAT, REFUSED, check_fields
 from api.shapes.schemas import (
@@ -34,7 +34,7 @@ from api.shapes.schemas import (
 )
 from api.state import AppState
 from api.turn.request import MessageTurn
-from api.turn.serve import serve_turn
+from api.turn.respond import serve_turn
 from dss.dialogue.versions import SessionInfo
 from dss.errors import ModelNotFound
 from dss.ops.retention import KEEP

@@ -22,9 +22,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from api.auth import ApiKeys, Caller, Principal
+from api.auth import Caller, Principal
 from api.deps import CallerDep, PrincipalDep, StateDep
-from api.errors import Forbidden, RateLimited, error_responses
+from api.http_errors import Forbidden, RateLimited, error_responses
+from api.keys.api_keys import ApiKeys
 from api.keys.frontends import end_user_id, end_user_prefix
 from api.shapes.schemas import (
     ErasureFleetOut,

@@ -8,7 +8,7 @@ import numpy as np
 from fastapi import APIRouter, Query
 
 from api.deps import PrincipalDep, StateDep
-from api.errors import error_responses
+from api.http_errors import error_responses
 from api.shapes.schemas import BranchOut, ListResponse, RollbackRequest, TierTokens, VersionDetail, VersionOut
 from api.state import AppState
 from dss.dialogue.versions import VersionSummary

@@ -14,7 +14,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
-from api.errors import response_for
+from api.http_errors import response_for
 from api.llm.chat_engine import ChatEngine
 from api.llm.generation import Delta, Finished
 from api.shapes.schemas import AssistantMessage, ChatCompletion, Choice, GenerationParams
@@ -33,7 +33,7 @@ def turn_params(body: GenerationParams) -> TurnParams:
 
 
 class ChatCompletionShape:
-    """A turn's events as a chat completion (`api.turn.serve.Shape`). `include_usage`: the
+    """A turn's events as a chat completion (`api.turn.respond.Shape`). `include_usage`: the
     request's `stream_options.include_usage` (a stream's usage chunk)."""
 
     client_gone = "the client went away before the turn was committed"

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from api.errors import BadRequest
+from api.http_errors import BadRequest
 
 # Passed to vLLM's `ChatCompletionRequest` as given.
 HONOURED_CHAT: frozenset[str] = frozenset(

@@ -26,7 +26,7 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from api.errors import BadRequest, response_for
+from api.http_errors import BadRequest, response_for
 from api.llm.chat_engine import ChatEngine
 from api.llm.generation import Delta
 from api.shapes.openai_fields import check_fields
@@ -368,7 +368,7 @@ def _output_message(text: str, status: str, item_id: str | None = None) -> dict[
 
 # ------------------------------------------------------------------------------------ the shape
 class ResponseShape:
-    """A turn's events as a Responses response (`api.turn.serve.Shape`). Its record is made by
+    """A turn's events as a Responses response (`api.turn.respond.Shape`). Its record is made by
     `record` (the turn stores it with its version in one step: `api.turn.pipeline.commit`)."""
 
     client_gone = "the client went away before the response was stored"

@@ -14,6 +14,6 @@ request into a typed turn request (`request`: `ChatTurn`, `MessageTurn`, `Respon
 4. run (`pipeline.run_turn`): generate → answer → commit, written once, as typed events
    (`Started`, `Delta`, `Answered`, `Done`; `Failed` in a stream).
 
-A shape (`serve.Shape`, implemented in `api.shapes`) only formats those events: one JSON body
+A shape (`respond.Shape`, implemented in `api.shapes`) only formats those events: one JSON body
 from `Done`, or a stream of every event.
 """

@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from api.errors import ApiError
+from api.http_errors import ApiError
 from api.llm.chat_engine import ChatEngine
 from api.llm.generation import Finished, generate
 from api.state import AppState

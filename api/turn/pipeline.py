@@ -6,7 +6,7 @@ choice's text arrives, `Answered` once every choice finished (tool calls split o
 once the turn is committed: in a session each choice a version, all or nothing, after the last
 token (and, streaming, after it was sent: the consumer pulls the commit). A consumer that stops
 early closes the stream, which aborts the generation in the engine; nothing is committed then.
-(`Failed` is what a stream reports of an error after its 200: `api.turn.serve`.)
+(`Failed` is what a stream reports of an error after its 200: `api.turn.respond`.)
 
 Pages are warmed once, by the connector: it promotes the pages it loads when vLLM schedules the
 request (`engine_patch.connector`). The API starts no second warm-up of the version here.
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from api.errors import ApiError
+from api.http_errors import ApiError
 from api.llm.chat_engine import ChatEngine
 from api.llm.generation import Delta, Finished, generate
 from api.llm.sampling import Sampling

@@ -2,7 +2,7 @@
 
 One typed request per way of asking (`ChatTurn`, `MessageTurn`, `ResponseTurn`,
 `ConversationTurn`): the route parses its body into one, and the turn is served from it
-(`api.turn.serve`). Admitting a turn (`admit`) takes its generation slot on arrival, before any
+(`api.turn.respond`). Admitting a turn (`admit`) takes its generation slot on arrival, before any
 work, and reads who it runs as once: the user's erasure epoch, its tenant and its prefix-cache
 salt. Resolving it (`TurnRequest.resolve`) reads the session, the version the turn extends and
 its branch, and the whole dialogue its prompt renders, in a worker thread, under that epoch
@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
-from api.errors import EngineOverloaded, UserSlotsExhausted
+from api.http_errors import EngineOverloaded, UserSlotsExhausted
 from api.llm.chat_engine import ChatEngine
 from api.llm.slots import Slot
 from api.settings import LimitsSettings

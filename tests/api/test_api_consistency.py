@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
-from api.errors import response_for
+from api.http_errors import response_for
 from api.settings import LimitsSettings
 from api.state import AppState
 from dss import errors as e

@@ -22,8 +22,9 @@ from sqlalchemy import insert
 from typer.testing import CliRunner
 
 from api.app import create_app
-from api.auth import ADMIN_USER, ApiKeys, hash_key
+from api.auth import ADMIN_USER
 from api.cli import main as cli
+from api.keys.api_keys import ApiKeys, hash_key
 from api.settings import Settings, load_settings
 from api.state import AppState
 from dss.db.connect import make_engine, make_session_factory, sqlite_url_for, transaction, upgrade_to_head

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from api.auth import ApiKeys
+from api.keys.api_keys import ApiKeys
 from api.keys.audit import ACTOR_CLI
 from api.keys.frontends import Frontends
 from dss.db.connect import make_engine, make_session_factory, sqlite_url_for

@@ -18,8 +18,8 @@ from sqlalchemy import text
 from typer.testing import CliRunner
 
 from api.app import create_app
-from api.auth import KEY_PREFIX, ApiKeys
 from api.cli import main as cli
+from api.keys.api_keys import KEY_PREFIX, ApiKeys
 from api.keys.audit import AuditTrail
 from dss.db.connect import current_revision, make_engine, make_session_factory, upgrade_to_head
 from dss.types import SessionId, UserId

@@ -23,7 +23,7 @@ from api.app import create_app
 from api.auth import Caller
 from api.cli import main as cli
 from api.deps import acting_principal
-from api.errors import ApiError, EndUserSourceNotTrusted
+from api.http_errors import ApiError, EndUserSourceNotTrusted
 from api.keys.frontends import Frontends
 from dss.db.connect import current_revision, make_engine, make_session_factory, upgrade_to_head
 from dss.types import SessionId, UserId

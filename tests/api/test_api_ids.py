@@ -28,9 +28,10 @@ from sqlalchemy import insert, text, update
 from typer.testing import CliRunner
 
 from api.app import create_app
-from api.auth import ApiKeys, Principal, hash_key
+from api.auth import Principal
 from api.cli import main as cli
-from api.errors import response_for
+from api.http_errors import response_for
+from api.keys.api_keys import ApiKeys, hash_key
 from api.settings import Settings, load_settings
 from dss.db.connect import make_engine, make_session_factory, sqlite_url_for, transaction, upgrade_to_head
 from dss.db.models import ApiKeyRow, ErasureReceiptRow

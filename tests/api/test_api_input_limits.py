@@ -18,7 +18,7 @@ from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
-from api.errors import BadRequest
+from api.http_errors import BadRequest
 from api.llm.slots import GenerationSlots
 from dss.db.connect import transaction
 from dss.db.models import SessionRow

@@ -239,7 +239,7 @@ def test_a_busy_retention_worker_is_503_with_retry_after() -> None:
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from api.errors import install_error_handlers
+    from api.http_errors import install_error_handlers
     from dss import errors
 
     app = FastAPI()

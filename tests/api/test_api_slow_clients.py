@@ -20,7 +20,7 @@ import pytest
 from sqlalchemy import event
 
 from api import auth
-from api.auth import ApiKeys
+from api.keys.api_keys import ApiKeys
 from dss.db.connect import make_engine, make_session_factory, sqlite_url_for, upgrade_to_head
 from tests.api_server import ApiServer
 
@@ -189,7 +189,7 @@ def test_the_unknown_key_memory_is_bounded_expires_and_yields_to_a_new_key(
 
 
 def test_a_users_share_of_the_slots_comes_back_with_each_slot() -> None:
-    from api.errors import EngineOverloaded, UserSlotsExhausted
+    from api.http_errors import EngineOverloaded, UserSlotsExhausted
     from api.llm.slots import GenerationSlots
     from api.settings import EngineGroup
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from api.errors import BadRequest
+from api.http_errors import BadRequest
 from api.llm.chat_engine import ChatEngine, template_message
 from api.shapes.openai_fields import HONOURED_CHAT, REFUSED, check_fields
 from dss.types import FingerprintId

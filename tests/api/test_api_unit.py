@@ -15,11 +15,12 @@ import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from api import auth
 from api.app import StartupRefused, create_app
-from api.auth import KEY_PREFIX, ApiKeys, bearer_token, hash_key
+from api.auth import bearer_token
 from api.cli import main as cli
-from api.errors import response_for, store_error_status
+from api.http_errors import response_for, store_error_status
+from api.keys import api_keys
+from api.keys.api_keys import KEY_PREFIX, ApiKeys, hash_key
 from api.settings import Settings, is_loopback_host, load_settings
 from api.state import AppState
 from dss import errors as e
@@ -194,7 +195,7 @@ def test_a_key_revoked_during_its_look_up_is_not_cached(
     try:
         keys = ApiKeys(make_session_factory(engine), cache_ttl_s=60)
         created = keys.create("alice")
-        real, armed = auth.transaction, [True]
+        real, armed = api_keys.transaction, [True]
 
         @contextmanager
         def revoked_after_the_read(sf: Any) -> Iterator[Any]:
@@ -204,7 +205,7 @@ def test_a_key_revoked_during_its_look_up_is_not_cached(
                 armed[0] = False
                 keys.revoke(created.id)
 
-        monkeypatch.setattr(auth, "transaction", revoked_after_the_read)
+        monkeypatch.setattr(api_keys, "transaction", revoked_after_the_read)
         assert keys.authenticate(created.key) is not None  # began before the revocation
         assert keys.cached(created.key) is None
         assert keys.authenticate(created.key) is None
@@ -492,7 +493,7 @@ def test_deleting_a_session_drops_only_its_own_pages(client: TestClient) -> None
 def test_engine_admission_answers_503_with_retry_after() -> None:
     import asyncio
 
-    from api.errors import EngineOverloaded
+    from api.http_errors import EngineOverloaded
     from api.llm.chat_engine import ChatEngine
 
     engine = ChatEngine(

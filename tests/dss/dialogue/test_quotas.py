@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.app import create_app
-from api.auth import ApiKeys
+from api.keys.api_keys import ApiKeys
 from api.settings import load_settings
 from dss.config import Quotas
 from dss.db.connect import make_engine, make_session_factory, sqlite_url_for, upgrade_to_head

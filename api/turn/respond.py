@@ -20,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from api.errors import ApiError, BadRequest
+from api.http_errors import ApiError, BadRequest
 from api.llm.chat_engine import ChatEngine
 from api.llm.slots import Slot
 from api.state import AppState
