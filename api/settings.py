@@ -9,7 +9,9 @@ Every field can come from the environment (`DSS_SERVER__PORT=9000`,
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Mapping
 from dataclasses import replace
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -273,10 +275,13 @@ class LimitsSettings(BaseModel):
     erasures_per_key_per_minute: float = Field(default=60.0, ge=0)
     erasures_per_key_burst: int = Field(default=20, ge=1)
 
+    # Both read once (every turn checks them; the settings do not change once loaded).
+    @cached_property
     def json_limits(self) -> JsonLimits:
         return JsonLimits(max_depth=self.max_json_depth, max_bytes=self.max_json_bytes)
 
-    def entry_limits(self) -> dict[str, tuple[str, int]]:
+    @cached_property
+    def entry_limits(self) -> Mapping[str, tuple[str, int]]:
         """Request field -> (its setting, the most entries it may have)."""
         return {
             "logit_bias": ("max_logit_bias", self.max_logit_bias),
@@ -345,7 +350,7 @@ class Settings(BaseSettings):
     def store_config(self) -> StoreConfig:
         """The store's configuration: the store group, with the JSON limits of the limits table
         (the store enforces them on every write)."""
-        return replace(self.store.to_config(), json_limits=self.limits.json_limits())
+        return replace(self.store.to_config(), json_limits=self.limits.json_limits)
 
 
 def load_settings(**overrides: Any) -> Settings:

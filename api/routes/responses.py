@@ -58,7 +58,7 @@ async def create_response(
     body.check_fields()
     items = body.items()
     plan = ResponsePlan(body, stored_items(items))
-    plan.check_json(state.settings.limits.json_limits())
+    plan.check_json(state.settings.limits.json_limits)
     params = TurnParams(max_tokens=body.max_output_tokens)
     fields = body.sampling_fields()
     shape = ResponseShape(plan, engine, who.user)

@@ -69,7 +69,8 @@ def policy_for(
         patterns = (*patterns, *fe.volatile_patterns)
     if requested is not None:
         mode = requested
-    return LeadPolicy(check_mode(mode), patterns, name, gated=gate.tripped(name))
+    gated = gate.tripped(name)
+    return LeadPolicy(check_mode(mode), patterns, name, gated=gated)
 
 
 def requested_mode(body_value: str | None, headers: Mapping[str, str]) -> str | None:
@@ -94,8 +95,8 @@ def plan_prompt(
     base = target.base if target is not None else None
     drift = target.lead if target is not None else None
     serve = drift is not None and drift.served
-    n = extended_messages(base, messages, engine.fingerprint, lead_updated=serve)
     report = _report(drift)
+    n = extended_messages(base, messages, engine.fingerprint, lead_updated=serve)
     if base is not None and n is not None:
         view = ModelView.of(base.seen)
         base_seen = view.seen(base.messages)

@@ -254,7 +254,7 @@ def check_limits(
 ) -> None:
     """The limits table on a turn's request, before any work for it: every 400 names the field
     and the limit. `fields`: the honoured OpenAI fields passed to vLLM."""
-    json_limits, entry_limits = lim.json_limits(), lim.entry_limits()
+    json_limits, entry_limits = lim.json_limits, lim.entry_limits
     # First (its JSON bounds before anything walks the messages recursively).
     _check_dialogue(lim, json_limits, messages, "messages")
     for name, (setting, most) in entry_limits.items():
@@ -280,7 +280,7 @@ def check_dialogue(lim: LimitsSettings, messages: list[dict[str, Any]], where: s
     """The limits on a dialogue's messages (also on what a conversation stores, which every later
     turn renders): the JSON bounds (first: what follows walks the values recursively), at most
     `max_messages`, none over `max_message_chars`."""
-    _check_dialogue(lim, lim.json_limits(), messages, where)
+    _check_dialogue(lim, lim.json_limits, messages, where)
 
 
 def _check_dialogue(

@@ -86,6 +86,7 @@ class VersionWrites(VersionTables):
         arr = coerce_tokens(tokens)
         check_items("messages", messages, self._json_limits)  # before anything walks them recursively
         msgs = normalised(messages)
+        seen_record = normalised_record(seen)
         if fingerprint is not None and len(fingerprint) > 64:
             raise InvalidInput("fingerprint longer than 64 characters")
         pinned = {h for h in (parent, expected_head) if h is not None}
@@ -93,7 +94,6 @@ class VersionWrites(VersionTables):
             raise InvalidInput(f"parent {parent} and expected_head {expected_head} disagree")
         want = pinned.pop() if pinned else None
         body = arr.tobytes()
-        seen_record = normalised_record(seen)
         for _ in range(MAX_COMMIT_ATTEMPTS):
             try:
                 return self._try_commit(
