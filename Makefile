@@ -28,7 +28,7 @@ $(STAMP):
 install: $(STAMP)
 
 # `make model` verifies the model through vLLM (an engine start); `make test` leaves that to
-# tests/engine_patch/test_model_pull.py, which asks the same sanity set.
+# tests/engine_patch/setup/test_model_pull.py, which asks the same sanity set.
 PULL_ARGS ?=
 model: install
 	$(BIN)/dss model pull --data-dir $(DSS_CACHE) $(PULL_ARGS)

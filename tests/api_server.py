@@ -251,11 +251,12 @@ VARIANTS: dict[str, dict[str, str]] = {
         "DSS_LEAD__GATE_SAMPLE": "1",
         "DSS_LEAD__GATE_MIN_CHECKS": "1",
         "DSS_LEAD__GATE_MAX_DISTANCE": "0",
-        # A stream whose client stops reading is cut soon (tests/api/test_api_admission.py).
+        # A stream whose client stops reading is cut soon (tests/api/turn/test_admission.py).
         "DSS_SERVER__SEND_TIMEOUT_S": "2",
     },
 }
-VARIANTS["parity"] = {}  # the default, started beside vLLM's own server (tests/api/test_api_vllm_parity.py)
+# The default, started beside vLLM's own server (tests/api/shapes/test_vllm_parity.py).
+VARIANTS["parity"] = {}
 _SERVERS: dict[str, ApiServer] = {}
 _FAILED: dict[str, str] = {}
 

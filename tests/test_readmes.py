@@ -9,6 +9,9 @@ of `dss/`, `api/`, `engine_patch/`, `deploy/` and `bench/` that holds a `.py` fi
   `__init__.py` is named, as a backticked `name.py` in a table row of its package's README, so a
   new module (a new benchmark script too) cannot go undescribed.
 
+And tests/ mirrors the source tree (tests/README.md, "Where a test goes"): each folder of tests is
+the test folder of a source package, and a test module's name is unique across tests/.
+
 No engine, no server: the files are read when the test runs.
 """
 
@@ -137,3 +140,77 @@ def test_the_checks_catch_drift(tmp_path: Path) -> None:
     )
     assert table_modules(readme) == {"here.py", "there.py", "gone.py", "far.py", "other/far.py"}
     assert missing_modules(readme, tmp_path) == ["far.py", "gone.py"]
+
+
+# ------------------------------------------------ tests/ mirrors the source tree (tests/README.md)
+
+# Test folders whose source folder is no Python package: test folder -> its source folder's job.
+MIRRORED_NON_PACKAGES = {
+    "tests/bench": "bench/: the benchmark scripts, run as scripts",
+    "tests/api/console": "api/console/: the web console's static files (no Python)",
+}
+WHOLE_SERVER = "the whole server"
+# The test modules directly in tests/api/, each with what it mainly tests: one of `api`'s own
+# top-level modules (a file of api/), or the whole server (routes, turn, engine and store together,
+# no single package). Every other api test lives in the folder of its subpackage.
+API_TOP_LEVEL = {
+    "test_unit.py": "api/settings.py",  # settings, error mapping, keys and auth modes, no engine
+    "test_devmode.py": "api/auth.py",
+    "test_access_log.py": "api/middleware.py",
+    "test_auth_before_body.py": "api/middleware.py",
+    "test_routing.py": "api/middleware.py",
+    "test_slow_clients.py": "api/connections.py",
+    "test_master_key_env.py": "api/app.py",
+    "test_restart.py": WHOLE_SERVER,
+    "test_tenancy.py": WHOLE_SERVER,
+    "test_schema.py": WHOLE_SERVER,
+    "test_clients.py": WHOLE_SERVER,
+    "test_open_webui.py": WHOLE_SERVER,
+}
+
+
+def folders_with_tests() -> list[str]:
+    """Every folder under tests/ that holds a `test_*.py`, relative to the repo."""
+    return sorted({path.parent.relative_to(REPO).as_posix() for path in (REPO / "tests").rglob("test_*.py")})
+
+
+def test_tests_mirror_the_source_tree() -> None:
+    """A test folder is tests/ itself or tests/X/Y for a package X/Y (an `__init__.py`) of the
+    source, or one of MIRRORED_NON_PACKAGES; each is a package itself; and tests/api/ holds only
+    the modules API_TOP_LEVEL names."""
+    bad = []
+    for folder in folders_with_tests():
+        if folder == "tests":
+            continue
+        if not (REPO / folder / "__init__.py").is_file():
+            bad.append(f"{folder} has no __init__.py")
+        source = REPO / Path(folder).relative_to("tests")
+        if not (source / "__init__.py").is_file() and folder not in MIRRORED_NON_PACKAGES:
+            bad.append(f"{folder} mirrors no package ({source.relative_to(REPO)}/__init__.py)")
+    for folder in MIRRORED_NON_PACKAGES:
+        if not (REPO / Path(folder).relative_to("tests")).is_dir():
+            bad.append(f"{folder}: its source folder is gone; drop it from MIRRORED_NON_PACKAGES")
+    top = sorted(path.name for path in (REPO / "tests" / "api").glob("test_*.py"))
+    bad += [
+        f"tests/api/{name} belongs in the folder of the api package it tests"
+        for name in top
+        if name not in API_TOP_LEVEL
+    ]
+    for name, tested in API_TOP_LEVEL.items():
+        if name not in top:
+            bad.append(f"tests/api/{name} is gone: drop it from API_TOP_LEVEL")
+        if tested != WHOLE_SERVER and not (REPO / tested).is_file():
+            bad.append(f"tests/api/{name} tests {tested}, which is gone")
+    bad += [
+        f"tests/engine_patch/{path.name}: engine_patch has no module of its own"
+        for path in (REPO / "tests" / "engine_patch").glob("test_*.py")
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_test_module_names_are_unique() -> None:
+    """A module name met in a log or a doc points at one file (tests/README.md)."""
+    seen: dict[str, list[str]] = {}
+    for path in (REPO / "tests").rglob("test_*.py"):
+        seen.setdefault(path.name, []).append(path.relative_to(REPO).as_posix())
+    assert not {name: paths for name, paths in seen.items() if len(paths) > 1}

@@ -188,7 +188,7 @@ if __name__ == "__main__":
         print(n, make_tiny_model(n))
 
 
-# The hybrid-manager test's model (tests/engine_patch/test_engine_hybrid.py, bench/swa_capacity.py):
+# The hybrid-manager test's model (tests/engine_patch/connector/test_engine_hybrid.py, bench/swa_capacity.py):
 # a window of two blocks, so turns longer than the window drop whole blocks from the sliding-window group.
 SWA_WINDOW = 64  # tokens: two blocks
 SWA_BLOCK_SIZE = 32  # the CPU backend's preferred size; it rounds a hybrid model's 16 up to it

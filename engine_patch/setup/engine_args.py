@@ -80,7 +80,7 @@ def vllm_engine_arg_names() -> frozenset[str]:
     Read from the source of `vllm.engine.arg_utils` (the annotated fields of `EngineArgs` and
     `AsyncEngineArgs`), not by importing it: the import takes seconds to tens of seconds and logs
     vLLM's start-up warnings on stderr, in front of a refusal that must be one line.
-    tests/api/test_serve_flags.py checks that this equals `dataclasses.fields(AsyncEngineArgs)`."""
+    tests/api/cli/test_serve_flags.py checks that this equals `dataclasses.fields(AsyncEngineArgs)`."""
     spec = importlib.util.find_spec("vllm")  # a top-level package: found, not imported
     if spec is None or not spec.submodule_search_locations:
         raise EngineArgumentError("vLLM is not installed: engine arguments cannot be checked")

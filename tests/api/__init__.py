@@ -1,1 +1,2 @@
-"""Tests of `api`: the HTTP server, its CLI (`dss serve`, `dss keys`) and the web console."""
+"""Tests of `api`: its own top-level modules and the whole server (each subpackage's tests are in
+its folder)."""

@@ -3,7 +3,8 @@
 The store, trie and API benchmarks without an engine run here as `python bench/X.py --smoke`
 (tiny sizes, seconds), as a person runs them; each must exit 0 and end with a `RESULT key=value
 ...` line that parses. The engine benchmarks' smoke modes share one engine in
-tests/bench/test_bench_smoke.py; the model matrix's smoke rows are tests/engine_patch/test_model_matrix.py.
+tests/bench/test_bench_smoke.py; the model matrix's smoke rows are
+tests/engine_patch/connector/test_model_matrix.py.
 `test_every_bench_is_smoked` fails when a script is in none of these lists: a new benchmark
 brings its smoke mode, or says here why it cannot have one in the suite.
 """
@@ -43,7 +44,7 @@ SMOKED_WITH_ONE_ENGINE = (
     "swa_capacity",
 )
 SMOKED_ELSEWHERE = {
-    "model_matrix": "tests/engine_patch/test_model_matrix.py runs its SMOKE_ROWS",
+    "model_matrix": "tests/engine_patch/connector/test_model_matrix.py runs its SMOKE_ROWS",
     "volatile": "tests/bench/test_volatile_smoke.py runs its --smoke against a server of its own",
 }
 # Benchmarks that start several engines or servers of their own: minutes even at their smallest,

@@ -1,1 +1,1 @@
-"""Tests of `engine_patch`: the vLLM connector and the engine set-up (models, layouts, parallel ranks)."""
+"""Tests of `engine_patch`: the connector (`connector/`) and the engine set-up (`setup/`)."""

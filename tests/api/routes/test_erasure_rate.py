@@ -8,7 +8,7 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from tests.api.test_api_unit import make_key, settings_for, started
+from tests.api.test_unit import make_key, settings_for, started
 
 LIMITS = {"erasure_checks_per_minute": 1.0, "erasure_checks_burst": 2}
 

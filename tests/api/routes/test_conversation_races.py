@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from dss.store import Store
-from tests.api.test_api_unit import DEV, as_user, settings_for, started, state_of
+from tests.api.test_unit import DEV, as_user, settings_for, started, state_of
 from tests.db_helpers import count_user_rows
 
 ITEM = {"type": "message", "role": "user", "content": "my secret"}

@@ -366,7 +366,7 @@ def test_an_unexpected_database_error_is_logged_without_user_content(
     assert caplog.records, "the error is logged"
     logged = "".join(logging.Formatter().format(rec) for rec in caplog.records)
     assert secret not in logged, logged
-    assert "IntegrityError" in logged and "test_api_ids.py" in logged  # the kind and where it came from
+    assert "IntegrityError" in logged and "test_ids.py" in logged  # the kind and where it came from
 
 
 # ------------------------------------------------------------------------------- 14. . and ..

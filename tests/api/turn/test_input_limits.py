@@ -26,7 +26,7 @@ from dss.dialogue.response_store import ResponseRecord, ResponseStore, new_respo
 from dss.dialogue.versions import VersionStore
 from dss.errors import JsonTooDeep, JsonTooLarge
 from dss.jsonlimits import MAX_SERVABLE_DEPTH, JsonLimits, check_json, json_depth
-from tests.api.test_api_unit import DEV, as_user, settings_for, started, state_of
+from tests.api.test_unit import DEV, as_user, settings_for, started, state_of
 
 
 def deep(levels: int) -> dict[str, Any]:

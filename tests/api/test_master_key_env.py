@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from dss.pages.encoder import _Worker
-from tests.api.test_api_unit import DEV, as_user, settings_for, started
+from tests.api.test_unit import DEV, as_user, settings_for, started
 
 ENV = "DSS_MASTER_KEY"
 

@@ -18,8 +18,8 @@ from api.app import create_app
 from dss.db.connect import transaction
 from dss.db.models import AdminAuditRow, ErasureReceiptRow
 from dss.store import Store
-from tests.api.test_api_frontends import WEBUI_USER, auth, cli_key
-from tests.api.test_api_unit import settings_for, started, state_of
+from tests.api.keys.test_frontends import WEBUI_USER, auth, cli_key
+from tests.api.test_unit import settings_for, started, state_of
 
 
 def _receipts(store: Store) -> int:

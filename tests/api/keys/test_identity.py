@@ -3,7 +3,7 @@ and as UTF-8, ids that clients cannot put in a URL, and each frontend's trusted 
 
 The routes whose body names the end user (chat, messages, Responses) need the engine; their
 identity step is `api.deps.acting_principal`, called here on a real request's headers and a
-caller authenticated by the real key table (`tests/api/test_api_frontend_turns.py` drives the
+caller authenticated by the real key table (`tests/api/keys/test_frontend_turns.py` drives the
 routes themselves with an engine)."""
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from api.http_errors import ApiError, EndUserSourceNotTrusted
 from api.keys.frontends import Frontends
 from dss.db.connect import current_revision, make_engine, make_session_factory, upgrade_to_head
 from dss.types import SessionId, UserId
-from tests.api.test_api_frontends import WEBUI_CHAT, WEBUI_USER, Keys, auth, cli_key, error, session_ids
-from tests.api.test_api_unit import DEV, settings_for, started, state_of
+from tests.api.keys.test_frontends import WEBUI_CHAT, WEBUI_USER, Keys, auth, cli_key, error, session_ids
+from tests.api.test_unit import DEV, settings_for, started, state_of
 from tests.db_helpers import HEAD_REVISION
 
 Raw = list[tuple[str, str | bytes]]

@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from dss.store import Store
-from tests.api.test_api_unit import DEV, as_user, settings_for, started, state_of
+from tests.api.test_unit import DEV, as_user, settings_for, started, state_of
 from tests.store_helpers import SMALL_FP, open_store, pages_for, put_sequence
 
 T = TypeVar("T")

@@ -84,9 +84,9 @@ OWN_WAY = re.compile(
     r"environ(?:\.get\(|\[)\s*[\"']DSS_MODEL_DIR|\.dss-ready|/\s*[\"']SmolLM2-135M-Instruct|models/SmolLM2"
 )
 OWN_WAY_ALLOWED = {
-    "tests/engine_patch/test_model_finder.py",
+    "tests/engine_patch/setup/test_model_finder.py",
     "tests/engine_helpers.py",
-    "tests/engine_patch/test_model_pull.py",
+    "tests/engine_patch/setup/test_model_pull.py",
 }
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.api.test_api_readyz import serve
+from tests.api.cli.test_readyz import serve
 from tests.api_server import ApiServer, api_server, model_dir
 
 __all__ = ["api_server"]
@@ -135,7 +135,7 @@ def test_serve_refuses_a_model_it_cannot_cache_with_one_line(tmp_path: Path) -> 
     assert "Traceback" not in err, err
     lines = [line for line in err.splitlines() if "cannot start:" in line]
     assert len(lines) == 1, err
-    # (DeepSeek's own latent size, 576, is cached: tests/engine_patch/test_model_matrix.py)
+    # (DeepSeek's own latent size, 576, is cached: tests/engine_patch/connector/test_model_matrix.py)
     assert "DSS cannot cache model tiny-deepseek_v2: MLA latent size 48" in lines[0], err
     assert "DSS_ENGINE__ALLOW_UNCACHED=true" in lines[0], err
 

@@ -26,7 +26,7 @@ from api.state import AppState
 from dss import errors as e
 from dss.dialogue.turns import chat_target
 from dss.dialogue.versions import VersionStore
-from tests.api.test_api_unit import DEV, settings_for, started
+from tests.api.test_unit import DEV, settings_for, started
 from tests.paths import REPO
 from tests.store_helpers import SMALL_FP
 

@@ -3,7 +3,7 @@ real server: the conversation and its items (create, retrieve, update, delete; i
 page by page, read, deleted as a new version), responses in a conversation (`conversation` in
 `POST /v1/responses`) whose later turns are served from the stored KV, the 400 for `conversation`
 with `previous_response_id`, another user's conversation as a 404, and the erasure of the user.
-A conversation across a restart is in tests/api/test_api_restart.py (one restart of the shared server
+A conversation across a restart is in tests/api/test_restart.py (one restart of the shared server
 for every API: `conversation_before` / `conversation_after` here)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from dss.db.connect import make_engine, make_session_factory, sqlite_url_for
-from tests.api.test_api_responses import INSTRUCTIONS, dss
+from tests.api.routes.test_responses import INSTRUCTIONS, dss
 from tests.api_server import ApiServer, api_server
 from tests.db_helpers import count_user_rows
 
@@ -146,7 +146,7 @@ def test_a_conversation_is_erased_with_its_user(api_server: ApiServer) -> None:
     assert rows == {"sessions": 0, "versions": 0, "branches": 0, "responses": 0}
 
 
-# ------------------------------------------------------- across a restart (tests/api/test_api_restart.py)
+# ------------------------------------------------------- across a restart (tests/api/test_restart.py)
 @dataclass
 class Before:
     conversation: str

@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.llm.chat_engine import ChatEngine
-from tests.api.test_api_unit import DEV, as_user, settings_for, started, state_of
+from tests.api.test_unit import DEV, as_user, settings_for, started, state_of
 from tests.api_server import ApiServer, api_server
 from tests.db_helpers import count_user_rows
 

@@ -4,7 +4,7 @@ frontends over REST with an audit trail; `dss keys create --frontend`; the sessi
 vLLM's `X-Session-ID` or the frontend's own header; the migration on SQLite and PostgreSQL.
 
 The routes whose body names the end user (chat, Responses) need the engine:
-`tests/api/test_api_frontend_turns.py` checks them."""
+`tests/api/keys/test_frontend_turns.py` checks them."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from api.keys.api_keys import KEY_PREFIX, ApiKeys
 from api.keys.audit import AuditTrail
 from dss.db.connect import current_revision, make_engine, make_session_factory, upgrade_to_head
 from dss.types import SessionId, UserId
-from tests.api.test_api_unit import settings_for, started, state_of
+from tests.api.test_unit import settings_for, started, state_of
 from tests.db_helpers import HEAD_REVISION
 
 WEBUI_USER = "X-OpenWebUI-User-Id"

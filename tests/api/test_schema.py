@@ -32,7 +32,7 @@ ADMIN_ONLY = (
 )
 # Fuzzed as admin: all but `revoke_key`. Schemathesis feeds ids from `list_keys` answers into the
 # revoke, so it revoked the shared server's admin key and every later module got 401s;
-# tests/api/test_api_frontends.py covers the revoke (and its 404s) instead.
+# tests/api/keys/test_frontends.py covers the revoke (and its 404s) instead.
 ADMIN_FUZZED = ADMIN_ONLY.replace("|revoke_key", "")
 
 

@@ -1,6 +1,6 @@
 """The OpenAI Responses API on DSS versions, through the official `openai` client against the real
 server: deletion with descendants, streaming, `store: false`, erasure. Chains and forks across a
-restart are in tests/api/test_api_restart.py (one restart of the shared server for both APIs)."""
+restart are in tests/api/test_restart.py (one restart of the shared server for both APIs)."""
 
 from __future__ import annotations
 

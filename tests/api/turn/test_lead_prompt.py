@@ -23,7 +23,7 @@ from dss.dialogue.lead.view import ModelView
 from dss.dialogue.turns import TurnTarget
 from dss.dialogue.versions import VersionInfo
 from dss.types import FingerprintId, SessionId
-from tests.api.test_api_continuation import engine
+from tests.api.turn.test_continuation import engine
 
 __all__ = ["engine"]
 

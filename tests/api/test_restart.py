@@ -6,7 +6,7 @@ One restart of the shared server (an engine start, ~35 s on 2 cores) serves ever
 session's next turn read from the disk tier, a Responses API chain with a fork whose responses
 survive and whose branches both continue from their stored KV, and a conversation (Conversations
 API) whose items keep their ids and whose next response is served from the store
-(tests/api/test_api_conversations.py).
+(tests/api/routes/test_conversations_over_http.py).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.api.test_api_conversations import conversation_after, conversation_before
-from tests.api.test_api_responses import ask, dss
+from tests.api.routes.test_conversations_over_http import conversation_after, conversation_before
+from tests.api.routes.test_responses import ask, dss
 from tests.api_server import ApiServer, api_server
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]

@@ -1,0 +1,1 @@
+"""Tests of `api/console/`: the web console in a real browser."""

@@ -1,0 +1,1 @@
+"""Tests of `api.llm`: the embedded engine's request validation, sampling and tool parsing."""

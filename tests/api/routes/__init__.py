@@ -1,0 +1,2 @@
+"""Tests of `api.routes`: the REST resources (chat, sessions, versions, Responses, Conversations,
+users and erasure)."""

@@ -1,0 +1,1 @@
+"""Tests of `engine_patch.setup`: finding, pulling and verifying the default model."""
