@@ -27,7 +27,8 @@ Reuse is loaded tokens over what the tenant stored of each prompt (`served_by`),
 turns. Hot load vs APC: time to the first token of a long prompt served from the store's host
 tier, over the same prompt with vLLM's prefix cache hot (both `max_tokens=1`, medians of 3).
 
-`--smoke` runs the rows `make test` runs (tests/engine_patch/connector/test_model_matrix.py); `--rows a,b` picks rows.
+`--smoke` runs the rows `make test` runs (tests/engine_patch/connector/test_model_matrix.py);
+`--rows a,b` picks rows.
 """
 
 from __future__ import annotations
