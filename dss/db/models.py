@@ -394,7 +394,7 @@ class ErasureAckRow(Base):
 # erasure). Tables two parts both need are owned below both (`dss.db.meta`, `dss.db.receipts`);
 # the API's own tables by `api`, which the store reaches only through what the API passes in
 # (`dss.store.ApiTables`). `tests/test_layering.py` (`test_only_a_tables_owner_reaches_it`) checks
-# that no other module names a model class.
+# that no other module names a model class, or the table in raw SQL.
 TABLE_OWNERS: dict[str, str] = {
     "store_meta": "dss.db.meta",
     "data_keys": "dss.keys",
