@@ -434,3 +434,27 @@ def test_the_turn_imports_no_shape() -> None:
 
     assert not edges("api.turn", "api.shapes")
     assert edges("api.shapes", "api.turn"), "the shapes format the turn's events"
+
+
+def repeated_module_names(root: Path) -> dict[str, list[str]]:
+    """Basenames that more than one module under `root` has (`__init__.py` aside), each with its
+    files, relative to `root`'s parent."""
+    by_name: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        if path.name != "__init__.py" and "__pycache__" not in path.parts:
+            by_name.setdefault(path.name, []).append(path.relative_to(root.parent).as_posix())
+    return {name: paths for name, paths in by_name.items() if len(paths) > 1}
+
+
+def test_no_module_name_repeats_inside_dss() -> None:
+    """A module name met in a log line, a traceback or a doc points at one file of `dss` (issue 29:
+    `sessions.py`, `rows.py`, `store.py`, ... each named two modules)."""
+    repeats = repeated_module_names(ROOT / "dss")
+    assert not repeats, "\n".join(f"{name}: {', '.join(paths)}" for name, paths in repeats.items())
+
+
+def test_the_name_check_sees_a_repeat(tmp_path: Path) -> None:
+    for path in ("pkg/__init__.py", "pkg/a/__init__.py", "pkg/a/rows.py", "pkg/b/rows.py", "pkg/c.py"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("")
+    assert repeated_module_names(tmp_path / "pkg") == {"rows.py": ["pkg/a/rows.py", "pkg/b/rows.py"]}

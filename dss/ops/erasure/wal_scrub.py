@@ -24,7 +24,7 @@ import time
 
 from sqlalchemy import Connection, Engine
 
-from dss.db import receipts
+from dss.db import receipt_rows
 from dss.db.connect import BUSY_TIMEOUT_MS
 
 log = logging.getLogger("dss.erasure")
@@ -59,7 +59,7 @@ class WalScrubber:
         try:
             with self._db.connect() as c:
                 # Committed before the checkpoint starts, so covered by its success.
-                through = receipts.last_seq_in(c)
+                through = receipt_rows.last_seq_in(c)
                 ok = _checkpoint(c, _ATTEMPTS if wait else 1, _WAIT_MS if wait else 0)
         finally:
             with self._lock:

@@ -1,12 +1,12 @@
 """The `erasure_receipts` table: the rows of the append-only, hash-chained erasure receipts.
 
-Its one owner (`dss.db.models.TABLE_OWNERS`), below the parts because three of them read it:
-the erasure appends and reads receipts (`dss.ops.erasure`, `dss.ops.receipt_chain` walks the
-chain, `dss.ops.wal_scrub` notes the last seq a checkpoint covers), the fleet's follower catches
-up by their seq (`dss.fleet`), and the keyring learns the retired tenants from them
+Its one owner (`dss.db.models.TABLE_OWNERS`), below the parts because three of them read it: the
+erasure appends and reads receipts (`dss.ops.erasure.eraser`, `dss.ops.erasure.chain` walks the
+chain, `dss.ops.erasure.wal_scrub` notes the last seq a checkpoint covers), the fleet's follower
+catches up by their seq (`dss.fleet`), and the keyring learns the retired tenants from them
 (`dss.keys`). What a receipt means (its hash, the lock that keeps the chain one line) is the
-erasure's; this module only stores and finds rows. Every function works in the caller's
-session, so an append is part of the erasure's one transaction.
+erasure's; this module only stores and finds rows. Every function works in the caller's session, so
+an append is part of the erasure's one transaction.
 """
 
 from __future__ import annotations
