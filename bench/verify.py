@@ -34,7 +34,7 @@ from dss.config import StoreConfig
 from dss.db.connect import transaction
 from dss.db.models import ErasureReceiptRow
 from dss.namespace import ModelFingerprint
-from dss.ops.receipt_chain import GENESIS, entry_hash
+from dss.ops.erasure.chain import GENESIS, entry_hash
 from dss.store import Store
 from dss.types import UserId
 from tests.store_helpers import put_sequence

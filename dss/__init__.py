@@ -2,9 +2,10 @@
 
 Parts (each a package with one job; see docs/architecture.md): `index` (hashing, the radix trie, the
 per-namespace prefix index), `pages` (page table, tiers, eviction, page format and codecs), `keys`
-(crypto, identity, data keys, cache salts, master-key rotation), `dialogue` (versions, branches,
-turn targets), `ops` (KV loads/saves, the disk writer, erasure, recovery, session deletion, public
-prefixes), `store` (the composition root: wires the parts, exposes them by name), `wire` (the typed
+(crypto, identity, data keys, cache salts), `dialogue` (versions, branches, turn targets), `ops`
+(rooms over several parts: KV loads/saves with the disk writer and public prefixes, erasure,
+retention, master-key rotation and the derivation upgrade, a session's KV and its deletion,
+recovery), `store` (the composition root: wires the parts, exposes them by name), `wire` (the typed
 cross-process contract), `rpc` (the local RPC with deadlines), `derive` (length-prefixed inputs of
 every keyed hash), `db` (SQLAlchemy models and migrations).
 

@@ -120,7 +120,7 @@ def tenant_for_user(server_secret: bytes, user: UserId, epoch: int = 0) -> Tenan
 def legacy_tenant_for_user(server_secret: bytes, user: UserId, epoch: int = 0) -> TenantId:
     """The first derivation (`"dss-tenant\\0" + user + "\\0epoch\\0" + n`): ambiguous, never used
     for new data. Only to recognise what a store upgraded from it recorded: its receipts name
-    tenants of this form (`dss.ops.derivation_upgrade`)."""
+    tenants of this form (`dss.ops.key_changes.derivation_upgrade`)."""
     msg = b"dss-tenant\x00" + str(user).encode()
     if epoch:
         msg += b"\x00epoch\x00" + str(epoch).encode()

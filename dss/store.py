@@ -9,7 +9,8 @@ with one job and its own leaf lock (see each module and the "Locks" section of d
 - `index` (`dss.index.prefix_index`): a radix trie per namespace (model fingerprint + tenant);
 - `pages` (`dss.pages.placement` over `dss.pages.table`): the page table and the tiers;
 - `kv` (`dss.ops.kv`): matches, loads, saves and leases for engines, with the disk writer;
-- `eraser`, `prefixes`, `sessions`, `dss.ops.recovery`: operations over several parts;
+- `eraser` (`dss.ops.erasure`), `prefixes` (`dss.ops.kv.public_prefixes`), `sessions`
+  (`dss.ops.session_kv`), `dss.ops.recovery`: operations over several parts;
 - `retention` (`dss.ops.retention`): session retention hints, idle demotion, warm-ups (own threads);
 - `identity`, `keyring` (`dss.keys`): tenants, receipt subjects, per-tenant data keys.
 
@@ -48,14 +49,14 @@ from dss.keys.crypto import KeyManager, forget_env_master_key
 from dss.keys.identity import Identity, load_master_key
 from dss.keys.keyring import Keyring
 from dss.ops import recovery
-from dss.ops.derivation_upgrade import upgrade_derivation
-from dss.ops.erasure import Eraser, OnTenantErased
-from dss.ops.erasure_receipts import ErasureReceipt
-from dss.ops.erasure_verify import Verification
+from dss.ops.erasure.eraser import Eraser, OnTenantErased
+from dss.ops.erasure.receipts import ErasureReceipt
+from dss.ops.erasure.verify import Verification
+from dss.ops.key_changes.derivation_upgrade import upgrade_derivation
 from dss.ops.kv import KVCache, MatchInfo
-from dss.ops.prefixes import PrefixInfo, PublicPrefixes
+from dss.ops.kv.public_prefixes import PrefixInfo, PublicPrefixes
 from dss.ops.retention import SessionRetention
-from dss.ops.sessions import Sessions
+from dss.ops.session_kv import Sessions
 from dss.pages.codec import make_codec
 from dss.pages.encoder import PageCodecProcess
 from dss.pages.eviction import make_policy

@@ -2,12 +2,15 @@
 no module imports one that imports it back (`bench` and `deploy` walked too), the rooms import one way only
 (`api` → `engine_patch.setup` → `engine_patch.connector` → `dss`), and `api` imports from `dss`
 only what the rule in docs/architecture.md ("What `api/` may import from `dss`") allows. And
-one owner per table: only it names the table's model class (`test_only_a_tables_owner_reaches_it`)."""
+one owner per table: only it names the table's model class or the table in raw SQL
+(`test_only_a_tables_owner_reaches_it`). And no two modules of `dss` share a file name
+(`test_no_module_name_repeats_inside_dss`)."""
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -262,7 +265,9 @@ def test_the_forwarder_count_sees_one() -> None:
 # whose code alone reads and writes it; every other part asks the owner (a method that takes the
 # caller's transaction where the work must stay in one). A module that names a model class
 # (`select(X)`, `delete(X)`, `X.column`, `db.get(X, ...)`, `X(...)`) outside its table's owner
-# is a reach into another part's data, which the import rules above cannot see.
+# is a reach into another part's data, which the import rules above cannot see. So is raw SQL
+# naming the table (`FROM t`, `INTO t`, `UPDATE t`, `JOIN t`, `TABLE t` in a string literal that is
+# not a docstring) outside its owner.
 # (module prefix, table) pairs allowed to reach anyway, each with its reason:
 TABLE_REACHES_ALLOWED = {
     # The schema: the models themselves and the migrations that build and move the tables.
@@ -328,6 +333,29 @@ def tables_referenced(source: str, tables: dict[str, str]) -> set[str]:
     return found
 
 
+_RAW_SQL_TABLE = re.compile(r"\b(?:FROM|INTO|UPDATE|JOIN|TABLE)\s+[\"`]?(\w+)", re.IGNORECASE)
+
+
+def tables_in_raw_sql(source: str, table_names: Iterable[str]) -> set[str]:
+    """The tables that the string literals of `source` name after an SQL keyword (`SELECT .. FROM
+    t`, `INSERT INTO t`, `UPDATE t`, `DELETE FROM t`, ...), docstrings and other bare string
+    statements aside (prose, not SQL); the literal parts of f-strings included."""
+    tree = ast.parse(source)
+    bare = {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
+    names = set(table_names)
+    return {
+        m.group(1)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in bare
+        for m in _RAW_SQL_TABLE.finditer(node.value)
+        if m.group(1) in names
+    }
+
+
 def _within(module: str, prefix: str) -> bool:
     return module == prefix or module.startswith(prefix + ".")
 
@@ -336,7 +364,7 @@ def table_reaches(sources: dict[str, str], owners: dict[str, str], tables: dict[
     return sorted(
         f"{module} reaches {table} (owned by {owners[table]})"
         for module, source in sources.items()
-        for table in tables_referenced(source, tables)
+        for table in tables_referenced(source, tables) | tables_in_raw_sql(source, owners)
         if not _within(module, owners[table])
         and not any(
             _within(module, prefix) and allowed in (table, "*") for prefix, allowed in TABLE_REACHES_ALLOWED
@@ -373,11 +401,19 @@ def test_the_owner_check_sees_every_kind_of_reach() -> None:
         "dss.ops.b": "from dss.db import models as m\ns.get(m.DataKey, t)\n",
         "dss.ops.c": "import dss.db.models\nx = dss.db.models.SessionRow(id='s')\n",
         "dss.pages.rows": "from dss.db.models import PageRow\nselect(PageRow)\n",
+        "dss.ops.d": 'c.exec_driver_sql("SELECT coalesce(max(seq), 0) FROM data_keys")\n',
+        "dss.ops.e": 'text(f"delete from pages where id = {i}")\n',
+        "dss.ops.h": 'q = f"UPDATE sessions SET a = {v}"\n',
+        "dss.ops.f": '"""Deleting from sessions, inserting into pages: prose."""\nlog.info("no SQL")\n',
+        "dss.pages.g": 'text("DELETE FROM pages")\n',
     }
     assert table_reaches(sources, owners, tables) == [
         "dss.ops.a reaches pages (owned by dss.pages)",
         "dss.ops.b reaches data_keys (owned by dss.keys)",
         "dss.ops.c reaches sessions (owned by dss.dialogue)",
+        "dss.ops.d reaches data_keys (owned by dss.keys)",
+        "dss.ops.e reaches pages (owned by dss.pages)",
+        "dss.ops.h reaches sessions (owned by dss.dialogue)",
     ]
 
 
@@ -398,3 +434,27 @@ def test_the_turn_imports_no_shape() -> None:
 
     assert not edges("api.turn", "api.shapes")
     assert edges("api.shapes", "api.turn"), "the shapes format the turn's events"
+
+
+def repeated_module_names(root: Path) -> dict[str, list[str]]:
+    """Basenames that more than one module under `root` has (`__init__.py` aside), each with its
+    files, relative to `root`'s parent."""
+    by_name: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        if path.name != "__init__.py" and "__pycache__" not in path.parts:
+            by_name.setdefault(path.name, []).append(path.relative_to(root.parent).as_posix())
+    return {name: paths for name, paths in by_name.items() if len(paths) > 1}
+
+
+def test_no_module_name_repeats_inside_dss() -> None:
+    """A module name met in a log line, a traceback or a doc points at one file of `dss` (issue 29:
+    `sessions.py`, `rows.py`, `store.py`, ... each named two modules)."""
+    repeats = repeated_module_names(ROOT / "dss")
+    assert not repeats, "\n".join(f"{name}: {', '.join(paths)}" for name, paths in repeats.items())
+
+
+def test_the_name_check_sees_a_repeat(tmp_path: Path) -> None:
+    for path in ("pkg/__init__.py", "pkg/a/__init__.py", "pkg/a/rows.py", "pkg/b/rows.py", "pkg/c.py"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("")
+    assert repeated_module_names(tmp_path / "pkg") == {"rows.py": ["pkg/a/rows.py", "pkg/b/rows.py"]}

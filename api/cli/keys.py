@@ -210,7 +210,7 @@ def keys_rotate_master(
     """Re-wrap every data key and the server secret under a new master key; the old one stops
     opening the store. Offline: stop every server of the store first."""
     from dss.errors import DataDirInUse, WrongMasterKey
-    from dss.ops.master_rotation import rotate_master
+    from dss.ops.key_changes.master_rotation import rotate_master
 
     settings = settings_or_exit("dss keys rotate-master", store={"data_dir": data_dir, "db_url": db_url})
     try:

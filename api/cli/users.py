@@ -16,7 +16,7 @@ from api.cli.common import DataDirOpt, DbUrlOpt, settings_or_exit
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
-    from dss.ops.erasure_verify import Verification
+    from dss.ops.erasure.verify import Verification
     from dss.store import Store
 
 users_app = typer.Typer(

@@ -14,7 +14,7 @@ from api.llm.chat_engine import ChatEngine
 from api.llm.generation import Finished, generate
 from api.shapes.schemas import Deleted, ListResponse, PrefixCreate, PrefixOut
 from api.state import AppState
-from dss.ops.prefixes import PrefixInfo
+from dss.ops.kv.public_prefixes import PrefixInfo
 from dss.types import PUBLIC_TENANT, SessionId
 
 router = APIRouter(tags=["prefixes"])

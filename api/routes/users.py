@@ -40,8 +40,8 @@ from api.state import AppState
 from dss.dialogue.users import stored_users
 from dss.errors import InvalidUserId, ReceiptNotFound
 from dss.inputs import DOT_SEGMENTS, check_stored_user_id, check_user_id
-from dss.ops.erasure_receipts import ErasureReceipt
-from dss.ops.erasure_verify import Verification
+from dss.ops.erasure.receipts import ErasureReceipt
+from dss.ops.erasure.verify import Verification
 from dss.store import Store
 from dss.types import TenantId, UserId
 

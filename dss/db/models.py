@@ -278,7 +278,7 @@ class ErasureReceiptRow(Base):
 
 class ChainCheckpointRow(Base):
     """A point of the receipt chain verified intact from its start: receipt `seq` had `entry_hash`
-    then. `seal` is an HMAC of both under the server secret (`dss.ops.receipt_chain`), so a
+    then. `seal` is an HMAC of both under the server secret (`dss.ops.erasure.chain`), so a
     verification may start here, and whoever holds only the database cannot add one."""
 
     __tablename__ = "chain_checkpoints"
@@ -391,12 +391,13 @@ class ErasureAckRow(Base):
 # The one owner of each table: the module or package whose code alone reads and writes it (a
 # part of `dss` counts as one owner: its modules share its tables). Everyone else asks the owner,
 # through a method that takes the caller's transaction where the work must stay in one (an
-# erasure). Tables two parts both need are owned below both (`dss.db.meta`, `dss.db.receipts`);
-# the API's own tables by `api`, which the store reaches only through what the API passes in
-# (`dss.store.ApiTables`). `tests/test_layering.py` (`test_only_a_tables_owner_reaches_it`) checks
-# that no other module names a model class.
+# erasure). Tables two parts both need are owned below both (`dss.db.store_meta`,
+# `dss.db.receipt_rows`); the API's own tables by `api`, which the store reaches only through what
+# the API passes in (`dss.store.ApiTables`). `tests/test_layering.py`
+# (`test_only_a_tables_owner_reaches_it`) checks that no other module names a model class, or the
+# table in raw SQL.
 TABLE_OWNERS: dict[str, str] = {
-    "store_meta": "dss.db.meta",
+    "store_meta": "dss.db.store_meta",
     "data_keys": "dss.keys",
     "erasure_epochs": "dss.keys",
     "sessions": "dss.dialogue",
@@ -404,9 +405,9 @@ TABLE_OWNERS: dict[str, str] = {
     "versions": "dss.dialogue",
     "responses": "dss.dialogue",
     "pages": "dss.pages",
-    "public_prefixes": "dss.ops.prefixes",
-    "erasure_receipts": "dss.db.receipts",
-    "chain_checkpoints": "dss.ops.receipt_chain",
+    "public_prefixes": "dss.ops.kv.public_prefixes",
+    "erasure_receipts": "dss.db.receipt_rows",
+    "chain_checkpoints": "dss.ops.erasure.chain",
     "api_keys": "api",
     "frontends": "api",
     "admin_audit": "api",

@@ -36,7 +36,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from dss.db import receipts
+from dss.db import receipt_rows
 from dss.db.connect import transaction
 from dss.db.models import ErasureAckRow, ServerRow
 from dss.types import TenantId
@@ -188,7 +188,7 @@ class ErasureFollower:
         with self._sf() as s:
             row = s.get(ServerRow, self.server_id)
             after = int(row.erasure_seq) if row is not None else 0
-            pending = receipts.after_in(s, after)
+            pending = receipt_rows.after_in(s, after)
             acked = set(
                 s.execute(
                     select(ErasureAckRow.receipt_id).where(

@@ -29,7 +29,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from dss.db import receipts
+from dss.db import receipt_rows
 from dss.db.connect import transaction
 from dss.db.models import SERVER_ID_LEN, ServerRow
 
@@ -101,7 +101,7 @@ class Membership:
 
     def last_receipt_seq(self) -> int:
         with self._sf() as s:
-            return receipts.last_seq_in(s)
+            return receipt_rows.last_seq_in(s)
 
     def beat(self) -> None:
         with transaction(self._sf) as s:

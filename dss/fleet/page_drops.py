@@ -1,6 +1,6 @@
 """How a session deleted on one server reaches the other servers' copies of its pages.
 
-The deleting server, after its own drops (`dss.ops.sessions`), records one `page_drops` row: the
+The deleting server, after its own drops (`dss.ops.session_kv`), records one `page_drops` row: the
 tenant and the hashes of every page of the session no remaining version of the user reaches. In
 the same transaction it deletes every server's page rows of those pages (so a server that is down
 finds their files orphaned when it restarts and removes them), deletes the rows every live server
@@ -8,7 +8,7 @@ has applied, and notifies (`dss_erasure`, the channel the follower already liste
 
 Every server's follower (`ErasureFollower`, one thread) catches up on the rows after its
 `servers.page_drop_seq`, in seq order, on every notification and every poll: it drops its own
-copies (the callback passed in, `dss.ops.sessions.Sessions.apply_fleet_drop`) and moves its seq
+copies (the callback passed in, `dss.ops.session_kv.Sessions.apply_fleet_drop`) and moves its seq
 past the row; its own rows it only steps over. Applying is idempotent, and applying late only costs
 a cache miss (a page saved again since is dropped again). Hashes are content addresses in the
 tenant's namespace: dropping one never touches another tenant's pages.

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from dss.db.meta import meta_set, meta_with_prefix
+from dss.db.store_meta import meta_set, meta_with_prefix
 from dss.errors import FingerprintMismatch
 from dss.namespace import ModelFingerprint
 from dss.types import FingerprintId

@@ -5,10 +5,10 @@ keys; pages are encrypted under their tenant's data key. Erasing a tenant destro
 data key in the database, which makes every page of that tenant unreadable at once, wherever
 copies of the files went (crypto-shredding).
 
-The master key rotates (`dss.ops.master_rotation`): every wrapped key is re-wrapped under a new one
-and the old key file is overwritten. The new key is first written next to the file as a
-pending key (`pending_key_path`), so a rotation killed after its commit is finished by the next
-`load_master_key`, never leaving a store that no key opens.
+The master key rotates (`dss.ops.key_changes.master_rotation`): every wrapped key is re-wrapped
+under a new one and the old key file is overwritten. The new key is first written next to the
+file as a pending key (`pending_key_path`), so a rotation killed after its commit is finished by
+the next `load_master_key`, never leaving a store that no key opens.
 
 Nonces are 96 random bits per message. NIST SP 800-38D allows 2**32 messages per key with random
 nonces; a data key encrypts one tenant's pages, far below that.

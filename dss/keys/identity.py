@@ -21,8 +21,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.config import DEFAULT_CACHE_ENTRIES
-from dss.db.meta import meta_get, meta_set_default, meta_value_in
 from dss.db.models import ErasureEpoch
+from dss.db.store_meta import meta_get, meta_set_default, meta_value_in
 from dss.derive import keyed_blake2b, rpc_authkey
 from dss.errors import MasterKeyRotated, UserErased, WrongMasterKey
 from dss.keys.bounded import BoundedLru
@@ -36,8 +36,9 @@ MASTER_VERIFIER_META = "master_key_verifier"
 SERVER_SECRET_META = "server_secret_wrapped"
 SERVER_SECRET_AAD = "server-secret"  # the "tenant" the server secret is wrapped as
 # The derivation of tenants and subjects this store's data was made under (`dss.derive`): absent
-# in a store made before fields were length-prefixed, which `dss.ops.derivation_upgrade` upgrades at open;
-# DERIVATION_LEGACY_META says the store was upgraded and holds receipts of the first derivation.
+# in a store made before fields were length-prefixed, which
+# `dss.ops.key_changes.derivation_upgrade` upgrades at open; DERIVATION_LEGACY_META says the store
+# was upgraded and holds receipts of the first derivation.
 DERIVATION_META = "derivation"
 DERIVATION = "2"
 DERIVATION_LEGACY_META = "derivation_upgraded_from"
@@ -46,9 +47,10 @@ DERIVATION_LEGACY_META = "derivation_upgraded_from"
 def load_master_key(sf: sessionmaker[Session], key_file: Path, create_if_missing: bool) -> KeyManager:
     """The master key, checked against the store's verifier. On PostgreSQL the verifier is read
     under a shared lock of its row, which a rotation holds exclusively for its whole transaction
-    (`dss.ops.master_rotation.rewrap_all`): a server starting during a rotation waits for it and then
-    reads the new verifier. Its registration in `servers` (`Membership.register`) came first, so
-    a rotation that takes the row after this read sees the server alive and refuses."""
+    (`dss.ops.key_changes.master_rotation.rewrap_all`): a server starting during a rotation waits
+    for it and then reads the new verifier. Its registration in `servers` (`Membership.register`)
+    came first, so a rotation that takes the row after this read sees the server alive and
+    refuses."""
     verifier = _read_verifier(sf)
     try:
         keys = KeyManager.load(key_file, create_if_missing=create_if_missing and verifier is None)
@@ -175,7 +177,8 @@ class Identity:
             wrapped = meta_set_default(sf, SERVER_SECRET_META, mine)
             if wrapped == mine:
                 return cls(secret, sf, epoch_cache_entries=epoch_cache_entries)
-        # Not upgraded yet (`dss.ops.derivation_upgrade` runs next), or upgraded with old receipts to honour.
+        # Not upgraded yet (`dss.ops.key_changes.derivation_upgrade` runs next), or upgraded with
+        # old receipts to honour.
         legacy = (
             meta_get(sf, DERIVATION_META) != DERIVATION or meta_get(sf, DERIVATION_LEGACY_META) is not None
         )
@@ -303,7 +306,7 @@ class Identity:
 
     def legacy_subject_hash(self, user: UserId) -> str:
         """The first derivation's subject hash: what `erasure_epochs` and the oldest receipts
-        were keyed by before the upgrade (`dss.ops.derivation_upgrade`)."""
+        were keyed by before the upgrade (`dss.ops.key_changes.derivation_upgrade`)."""
         return hashlib.blake2b(
             b"dss-subject\x00" + user.encode(), key=self._secret[:32], digest_size=20
         ).hexdigest()

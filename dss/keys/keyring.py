@@ -31,7 +31,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.config import DEFAULT_CACHE_ENTRIES
-from dss.db import receipts
+from dss.db import receipt_rows
 from dss.db.connect import transaction
 from dss.db.models import DataKey
 from dss.errors import KeyDestroyed
@@ -53,7 +53,7 @@ class Keyring:
         self._cache: BoundedLru[TenantId, bytes] = BoundedLru(cache_entries)
         self._lock = threading.Lock()
         with session_factory() as s:
-            self._retired: set[TenantId] = {TenantId(sub) for sub in receipts.retired_subjects_in(s)}
+            self._retired: set[TenantId] = {TenantId(sub) for sub in receipt_rows.retired_subjects_in(s)}
 
     def is_retired(self, tenant: TenantId) -> bool:
         with self._lock:

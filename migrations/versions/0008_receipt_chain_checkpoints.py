@@ -1,8 +1,8 @@
 """receipt chain checkpoints: verifications start at the last sealed checkpoint
 
-`chain_checkpoints` holds points of the erasure receipt chain that a verification found intact
-from the start (seq, the receipt's entry hash, an HMAC seal under the server secret), so that a
-later verification checks only the receipts since the checkpoint before it (`dss.ops.receipt_chain`).
+`chain_checkpoints` holds points of the erasure receipt chain that a verification found intact from
+the start (seq, the receipt's entry hash, an HMAC seal under the server secret), so that a later
+verification checks only the receipts since the checkpoint before it (`dss.ops.erasure.chain`).
 Empty at first: the first verification walks the chain once and writes them.
 
 Revision ID: 0008

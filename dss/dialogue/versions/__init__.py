@@ -1,10 +1,10 @@
 """Versioned sessions: the durable dialogue state, with git-like branches (`VersionStore`).
 
-One job per module: `store` (`VersionStore`, every piece below as a base class, and the
-invariants over its tables), `sessions` (`SessionCatalog`), `writes` (`VersionWrites`), `branches`
-(`Branches`), `reads` (`VersionReads`), `rows` (`VersionTables`, the state and locks they share,
-`WriteFence`, and row helpers), `records` (the records its reads return, one builder each from its
-rows), `rules` (input rules and limits).
+One job per module: `version_store` (`VersionStore`, every piece below as a base class, and the
+invariants over its tables), `sessions` (`SessionCatalog`), `writes` (`VersionWrites`),
+`branches` (`Branches`), `reads` (`VersionReads`), `shared` (`VersionTables`, the state and locks
+they share, `WriteFence`, and row helpers), `records` (the records its reads return, one builder
+each from its rows), `rules` (input rules and limits).
 """
 
 from dss.dialogue.versions.records import (
@@ -15,7 +15,6 @@ from dss.dialogue.versions.records import (
     VersionSummary,
     VersionTokens,
 )
-from dss.dialogue.versions.rows import MAX_COMMIT_ATTEMPTS, WriteFence
 from dss.dialogue.versions.rules import (
     EMPTY_HEAD,
     KV_RETENTIONS,
@@ -29,7 +28,8 @@ from dss.dialogue.versions.rules import (
     MIN_IDLE_TTL_S,
     check_retention,
 )
-from dss.dialogue.versions.store import VersionStore
+from dss.dialogue.versions.shared import MAX_COMMIT_ATTEMPTS, WriteFence
+from dss.dialogue.versions.version_store import VersionStore
 
 __all__ = [
     "EMPTY_HEAD",

@@ -16,7 +16,8 @@ from sqlalchemy.exc import IntegrityError
 from dss.db.connect import transaction
 from dss.db.models import BranchRow, VersionRow, utcnow
 from dss.dialogue.versions.records import BranchInfo, branch_info
-from dss.dialogue.versions.rows import (
+from dss.dialogue.versions.rules import EMPTY_HEAD, check_name, check_number
+from dss.dialogue.versions.shared import (
     MAX_COMMIT_ATTEMPTS,
     LostRace,
     VersionTables,
@@ -29,7 +30,6 @@ from dss.dialogue.versions.rows import (
     touch,
     version_key,
 )
-from dss.dialogue.versions.rules import EMPTY_HEAD, check_name, check_number
 from dss.errors import BranchExists, NotAnAncestor, StaleHead, VersionNotFound
 from dss.types import SessionId, UserId
 

@@ -6,7 +6,7 @@ that returns messages rebuilds the whole list, and listings without bodies read 
 all. Numbers only grow, so a page cursor that names a deleted version (or none) still works.
 
 Token ids are read without messages for the retention sweeper, for finding a deleted session's KV
-(`dss.ops.sessions`) and for the API's token listings. A walk over a whole history (`iter_tokens`)
+(`dss.ops.session_kv`) and for the API's token listings. A walk over a whole history (`iter_tokens`)
 holds one chunk of `_TOKEN_CHUNK` versions at a time, never the history: it pages with a keyset on
 (session, number) inside one read transaction.
 """
@@ -31,7 +31,8 @@ from dss.dialogue.versions.records import (
     full_version,
     version_summary,
 )
-from dss.dialogue.versions.rows import (
+from dss.dialogue.versions.rules import EMPTY_TOKENS, INT32_MAX, MAX_LIST_LIMIT, check_number, normalised
+from dss.dialogue.versions.shared import (
     VersionTables,
     ancestors_of,
     descendants_of,
@@ -41,7 +42,6 @@ from dss.dialogue.versions.rows import (
     parents_having,
     version_key,
 )
-from dss.dialogue.versions.rules import EMPTY_TOKENS, INT32_MAX, MAX_LIST_LIMIT, check_number, normalised
 from dss.errors import InvalidInput, VersionNotFound
 from dss.tokens import TOKEN_DTYPE
 from dss.types import FingerprintId, SessionId, UserId

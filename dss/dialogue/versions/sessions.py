@@ -8,7 +8,7 @@ another user's session of the same id neither blocks a creation nor is visible. 
 Deleting a session (or every session of a user) deletes its branches, versions and the stored
 responses that hold them (`dss.dialogue.response_store`), children before parents (correct where
 foreign-key cascades are off). KV pages are not touched here: they are content-addressed and
-shared in the user's trie (`dss.ops.sessions` frees them).
+shared in the user's trie (`dss.ops.session_kv` frees them).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from dss.db.connect import transaction
 from dss.db.models import BranchRow, ResponseRow, SessionRow, aware, utcnow
 from dss.dialogue.quotas import check_session_quota
 from dss.dialogue.versions.records import RetentionHint, SessionInfo, session_info
-from dss.dialogue.versions.rows import VersionTables, branch_rows, delete_sessions, owned_session
 from dss.dialogue.versions.rules import (
     EMPTY_HEAD,
     MAIN_BRANCH,
@@ -35,6 +34,7 @@ from dss.dialogue.versions.rules import (
     MAX_SYSTEM_PROMPT_CHARS,
     check_retention,
 )
+from dss.dialogue.versions.shared import VersionTables, branch_rows, delete_sessions, owned_session
 from dss.errors import InvalidInput, LimitExceeded, SessionExists, SessionNotFound
 from dss.inputs import check_session_id, check_stored_user_id
 from dss.jsonlimits import check_json

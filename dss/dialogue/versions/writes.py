@@ -27,7 +27,16 @@ from dss.db.models import BranchRow, ResponseRow, SessionRow, VersionRow, utcnow
 from dss.dialogue.history import stored_form
 from dss.dialogue.quotas import check_commit_quota
 from dss.dialogue.versions.records import VersionInfo, full_version
-from dss.dialogue.versions.rows import (
+from dss.dialogue.versions.rules import (
+    EMPTY_HEAD,
+    MAIN_BRANCH,
+    check_number,
+    coerce_tokens,
+    json_size,
+    normalised,
+    normalised_record,
+)
+from dss.dialogue.versions.shared import (
     MAX_COMMIT_ATTEMPTS,
     LostRace,
     VersionTables,
@@ -39,15 +48,6 @@ from dss.dialogue.versions.rows import (
     parents_having,
     rowcount,
     version_key,
-)
-from dss.dialogue.versions.rules import (
-    EMPTY_HEAD,
-    MAIN_BRANCH,
-    check_number,
-    coerce_tokens,
-    json_size,
-    normalised,
-    normalised_record,
 )
 from dss.errors import InvalidInput, SessionNotFound, StaleHead
 from dss.jsonlimits import check_items

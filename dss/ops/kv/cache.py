@@ -13,8 +13,8 @@ and saves of engines that never came back before a new load or save (`match`, `b
 - `saves` (`KVSaves`, `saves.py`): `commit_save`, `abort_save`, `pending_slots`, and the
   erasure's side of saves (`erasing`);
 - `pins` (`PublicPins`, `pins.py`): `set_pins`, the public prefixes kept pinned;
-- `TenantGate` (`gate.py`): which tenants may save now, and their saves in flight;
-- `writer`: the `DiskWriter` (`dss/ops/writeback.py`) when write-through is on.
+- `TenantGate` (`tenant_gate.py`): which tenants may save now, and their saves in flight;
+- `writer`: the `DiskWriter` (`writeback.py`) when write-through is on.
 
 Locks: each part's lock is a leaf around its own registry; no part calls another while holding
 its lock. The order of calls between the parts, never nested: index → page table → tiers (inside
@@ -35,13 +35,13 @@ from dss.config import StoreConfig
 from dss.errors import StoreClosed
 from dss.index.fingerprints import FingerprintRegistry
 from dss.index.prefix_index import PrefixIndex
-from dss.ops.kv.gate import TenantGate
 from dss.ops.kv.loads import KVLoads
 from dss.ops.kv.lookup import KVLookup
 from dss.ops.kv.matching import MatchInfo
 from dss.ops.kv.pins import PublicPins
 from dss.ops.kv.saves import KVSaves
-from dss.ops.writeback import DiskWriter
+from dss.ops.kv.tenant_gate import TenantGate
+from dss.ops.kv.writeback import DiskWriter
 from dss.pages.placement import TieredPages
 from dss.types import FingerprintId, TenantId
 from dss.wire import LoadPlan, SavePlan

@@ -27,12 +27,12 @@ from dss.errors import InvalidInput
 from dss.index.fingerprints import FingerprintRegistry
 from dss.index.prefix_index import IndexMatch, PrefixIndex
 from dss.namespace import make_namespace
-from dss.ops.kv.gate import TenantGate
+from dss.ops.kv.in_flight import Lease
 from dss.ops.kv.lookup import KVLookup
 from dss.ops.kv.matching import match_info, with_partial
-from dss.ops.kv.records import Lease
-from dss.ops.kv.remote import index_adopted, remote_pages_after
-from dss.ops.writeback import DiskWriter
+from dss.ops.kv.remote_adoption import index_adopted, remote_pages_after
+from dss.ops.kv.tenant_gate import TenantGate
+from dss.ops.kv.writeback import DiskWriter
 from dss.pages.placement import TieredPages
 from dss.types import FingerprintId, PageHash, TenantId, Tier
 from dss.wire import LoadPlan, PageSlot, SlotRef

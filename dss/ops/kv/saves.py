@@ -30,10 +30,10 @@ from dss.index.hashing import ROOT_PARENT, chain_hashes
 from dss.index.prefix_index import PrefixIndex
 from dss.index.tails import tail_hash
 from dss.namespace import make_namespace, public_namespace
-from dss.ops.kv.gate import TenantGate
+from dss.ops.kv.in_flight import PendingSave
 from dss.ops.kv.lookup import KVLookup
-from dss.ops.kv.records import PendingSave
-from dss.ops.writeback import DiskWriter
+from dss.ops.kv.tenant_gate import TenantGate
+from dss.ops.kv.writeback import DiskWriter
 from dss.pages.meta import PageMeta
 from dss.pages.placement import TieredPages
 from dss.types import PUBLIC_TENANT, FingerprintId, PageHash, TenantId

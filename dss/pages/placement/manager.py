@@ -5,7 +5,7 @@ disk → host, `promotion`), write-behind of committed pages to the remote tier 
 fleet; it is self-indexing, so its copies are not tracked here: a page the table lists as `REMOTE`
 only is one a lookup found there, about to be promoted), eviction under pressure (host → disk
 first: write-back, `host_room`; disk-only pages dropped, `disk_room`), write-through of committed
-pages (called by `dss.ops.writeback`, `writer`), pins for hot public prefixes, retention classes
+pages (called by `dss.ops.kv.writeback`, `writer`), pins for hot public prefixes, retention classes
 and demotion on request (host → disk, for `dss.ops.retention`, `demotion`), and dropping pages
 everywhere (eviction from the last tier, erasure, corruption, `copies`). `TieredPages` composes
 those collaborators, each a public attribute a caller calls directly (`table`: presence, pins,

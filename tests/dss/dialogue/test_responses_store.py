@@ -517,7 +517,7 @@ def test_long_chains_and_subtrees_cross_the_in_list_chunks(
     st: Stores, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import dss.dialogue.response_store as responses_module
-    import dss.dialogue.versions.rows as versions_module
+    import dss.dialogue.versions.shared as versions_module
 
     monkeypatch.setattr(responses_module, "_IN_CHUNK", 2)
     monkeypatch.setattr(versions_module, "_IN_CHUNK", 2)

@@ -534,8 +534,8 @@ def test_every_method_is_declared_and_internal_calls_go_through_the_instance(
 
     from dss.dialogue.versions.branches import Branches
     from dss.dialogue.versions.reads import VersionReads
-    from dss.dialogue.versions.rows import VersionTables
     from dss.dialogue.versions.sessions import SessionCatalog
+    from dss.dialogue.versions.shared import VersionTables
     from dss.dialogue.versions.writes import VersionWrites
 
     assert not [n for n, v in vars(store).items() if inspect.ismethod(v)]  # nothing bound per instance

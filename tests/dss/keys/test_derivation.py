@@ -16,8 +16,8 @@ from sqlalchemy import func, select
 
 import dss.keys.identity as identity_mod
 import dss.namespace as namespace_mod
-from dss.db.meta import meta_get
 from dss.db.models import DataKey, ErasureEpoch, PageRow, StoreMeta
+from dss.db.store_meta import meta_get
 from dss.keys.identity import Identity
 from dss.namespace import namespace_id, tenant_for_user
 from dss.types import FingerprintId, NamespaceId, TenantId

@@ -19,7 +19,7 @@ from dss.db.connect import SQLITE_FILENAME
 from dss.db.models import DataKey
 from dss.errors import DataDirInUse, WrongMasterKey
 from dss.keys.crypto import KeyManager
-from dss.ops import master_rotation as rotation
+from dss.ops.key_changes import master_rotation as rotation
 from tests.store_helpers import SMALL_FP, load_sequence, open_store, pages_for, put_sequence
 
 TOKS = np.arange(1, 17, dtype=np.int32)

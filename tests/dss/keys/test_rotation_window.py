@@ -18,7 +18,7 @@ from dss.config import StoreConfig
 from dss.db.models import DataKey
 from dss.errors import MasterKeyRotated, WrongMasterKey
 from dss.keys.crypto import KeyManager
-from dss.ops import master_rotation as rotation
+from dss.ops.key_changes import master_rotation as rotation
 from dss.store import Store
 from dss.types import UserId
 from tests.store_helpers import open_store

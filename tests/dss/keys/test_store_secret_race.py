@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dss.db.connect import make_engine, make_session_factory, sqlite_url_for, upgrade_to_head
-from dss.db.meta import meta_get
+from dss.db.store_meta import meta_get
 from dss.errors import WrongMasterKey
 from dss.keys import identity as identity_module
 from dss.keys.crypto import KeyManager

@@ -21,7 +21,7 @@ through the instance (patching an instance attribute catches it):
 | `VersionWrites` | `writes` | commit a version (quotas, the compare-and-sets, retries); delete a subtree |
 | `Branches` | `branches` | branch at a version, roll a head back, read branches |
 | `VersionReads` | `reads` | read versions (one, all, a page, the deepest prefix), token ids, subtrees |
-| `VersionTables` | `rows` | the shared state, the write fence (`hold_user`), the session lock |
+| `VersionTables` | `shared` | the shared state, the write fence (`hold_user`), the session lock |
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from dss.config import StoreConfig
 from dss.db.connect import make_engine, make_session_factory, transaction, upgrade_to_head
-from dss.db.meta import meta_put_in, meta_value_in
+from dss.db.store_meta import meta_put_in, meta_value_in
 from dss.errors import DataDirInUse, WrongMasterKey
 from dss.files import try_lock_exclusive
 from dss.fleet.members import servers_alive_in

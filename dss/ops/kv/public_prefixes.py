@@ -1,6 +1,6 @@
 """Public prefixes: admin-registered token prefixes (a shared system prompt) whose KV every user
 of the model may load. Their rows live in `public_prefixes`; their pages in the fingerprint's
-public namespace, optionally pinned (never evicted) through `KVCache.set_pins`."""
+public namespace, optionally pinned (never evicted) through `KVCache.pins.set_pins`."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from dss.db.models import PublicPrefixRow, aware
 from dss.errors import InvalidInput, PrefixNotFound
 from dss.index.fingerprints import FingerprintRegistry
 from dss.jsonlimits import JsonLimits, check_items
-from dss.ops.kv import KVCache
+from dss.ops.kv.cache import KVCache
 from dss.tokens import as_tokens
 from dss.types import PUBLIC_TENANT, FingerprintId
 

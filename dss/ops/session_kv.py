@@ -13,7 +13,7 @@ with another session of the same user stay (they are that session's cache too), 
 public-prefix pages are never touched.
 
 Which pages: those the index holds on the deleted versions' paths (`PrefixIndex.path_pages`),
-and every address a save of their tokens can have used (`dss.ops.page_addresses`: the remote
+and every address a save of their tokens can have used (`dss.ops.kv.addresses`: the remote
 tier is indexed by no one, and a turn's prompt leaves a tail page no version ends with), less
 what a remaining version of the user reaches. In a fleet, the other servers are then told
 (`dss.fleet.page_drops`): their page rows of those pages go in that transaction, and each server's
@@ -42,7 +42,7 @@ from dss.index.prefix_index import PrefixIndex
 from dss.keys.identity import Identity
 from dss.namespace import make_namespace
 from dss.ops.kv import KVCache, StoredKV
-from dss.ops.page_addresses import PublicSplits, reached_addresses, saved_addresses
+from dss.ops.kv.addresses import PublicSplits, reached_addresses, saved_addresses
 from dss.pages.placement import TieredPages
 from dss.types import FingerprintId, Namespace, PageHash, SessionId, TenantId, Tier, UserId
 

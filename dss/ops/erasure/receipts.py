@@ -1,9 +1,9 @@
 """Erasure receipts: what an erasure hands back and appends to the chain, and reading them.
 
 A receipt records counts, a time and the subject's salted hash (its tenant id), never content.
-Receipts form an append-only hash chain (`dss.ops.receipt_chain`); their rows are kept by
-`dss.db.receipts`, the `erasure_receipts` table's owner. Appending is serialised by the database,
-not by a Python lock (see `append_receipt`).
+Receipts form an append-only hash chain (`dss.ops.erasure.chain`); their rows are kept by
+`dss.db.receipt_rows`, the `erasure_receipts` table's owner. Appending is serialised by the
+database, not by a Python lock (see `append_receipt`).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.orm import Session, sessionmaker
 
-from dss.db import receipts
-from dss.db.receipts import ReceiptRecord
+from dss.db import receipt_rows
+from dss.db.receipt_rows import ReceiptRecord
 from dss.errors import ReceiptNotFound
 from dss.fleet.erasures import FleetReport, fleet_report
-from dss.ops.receipt_chain import GENESIS, entry_hash
+from dss.ops.erasure.chain import GENESIS, entry_hash
 from dss.types import TenantId
 
 # Arbitrary constant naming the advisory lock that serialises appends to the receipt chain
@@ -74,11 +74,11 @@ def append_receipt(
     # write, the epoch row's, came before) and keeps until it commits.
     if s.get_bind().dialect.name == "postgresql":
         s.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _CHAIN_LOCK_KEY})
-    last = receipts.last_in(s)
+    last = receipt_rows.last_in(s)
     seq = (last.seq + 1) if last else 1
     prev = last.entry_hash if last else GENESIS
     entry = entry_hash(prev, rid, seq, erased_at, subject, counts)
-    receipts.add_in(s, ReceiptRecord(rid, seq, erased_at, subject, counts, prev, entry, user_subject))
+    receipt_rows.add_in(s, ReceiptRecord(rid, seq, erased_at, subject, counts, prev, entry, user_subject))
     return seq, prev, entry
 
 
@@ -86,7 +86,7 @@ def never_erased(s: Session, tenants: list[TenantId]) -> list[TenantId]:
     """Those of `tenants` no receipt names: none, unless an erasure ran before erasures of
     a user were serialised. (A tenant a receipt names is erased, and retired, by the erasure
     that wrote it, and on every other server of the fleet by its follower.)"""
-    named = receipts.subjects_in(s, list(tenants))
+    named = receipt_rows.subjects_in(s, list(tenants))
     return [t for t in tenants if t not in named]
 
 
@@ -99,13 +99,13 @@ def erased_pseudonym(tenant: TenantId) -> str:
 def user_subject_of(sf: sessionmaker[Session], receipt_id: str) -> str | None:
     """The erased user's subject hash the receipt carries (None: written before migration 0013)."""
     with sf() as s:
-        row = receipts.get_in(s, receipt_id)
+        row = receipt_rows.get_in(s, receipt_id)
     return row.user_subject if row is not None else None
 
 
 def get_receipt(sf: sessionmaker[Session], receipt_id: str) -> ErasureReceipt:
     with sf() as s:
-        row = receipts.get_in(s, receipt_id)
+        row = receipt_rows.get_in(s, receipt_id)
         if row is None:
             raise ReceiptNotFound(f"no erasure receipt {receipt_id!r}")
     return _receipt(row, fleet_report(sf, receipt_id))
@@ -119,9 +119,9 @@ def list_receipts(
     with sf() as s:
         below = None
         if after is not None:
-            cursor = receipts.get_in(s, after)
+            cursor = receipt_rows.get_in(s, after)
             if cursor is None:
                 raise ReceiptNotFound(f"no erasure receipt {after!r}")
             below = cursor.seq
-        rows = receipts.newest_in(s, limit + 1, below)
+        rows = receipt_rows.newest_in(s, limit + 1, below)
     return [_receipt(r) for r in rows[:limit]], len(rows) > limit

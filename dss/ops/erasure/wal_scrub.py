@@ -24,6 +24,7 @@ import time
 
 from sqlalchemy import Connection, Engine
 
+from dss.db import receipt_rows
 from dss.db.connect import BUSY_TIMEOUT_MS
 
 log = logging.getLogger("dss.erasure")
@@ -58,8 +59,7 @@ class WalScrubber:
         try:
             with self._db.connect() as c:
                 # Committed before the checkpoint starts, so covered by its success.
-                last = c.exec_driver_sql("SELECT coalesce(max(seq), 0) FROM erasure_receipts")
-                through = int(last.scalar_one())
+                through = receipt_rows.last_seq_in(c)
                 ok = _checkpoint(c, _ATTEMPTS if wait else 1, _WAIT_MS if wait else 0)
         finally:
             with self._lock:

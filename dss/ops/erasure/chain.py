@@ -42,10 +42,10 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from dss.db import receipts
+from dss.db import receipt_rows
 from dss.db.connect import transaction
 from dss.db.models import ChainCheckpointRow
-from dss.db.receipts import ReceiptRecord
+from dss.db.receipt_rows import ReceiptRecord
 from dss.keys.identity import Identity
 
 log = logging.getLogger("dss.erasure")
@@ -119,7 +119,7 @@ def check_chain(
         if start is not None and not _sealed(identity, start):
             return ChainCheck(False, f"audit chain: checkpoint #{start.seq} is not sealed by this server", 0)
         first_seq = start.seq if start is not None else 1
-        rows = receipts.between_in(s, first_seq, upto_seq)
+        rows = receipt_rows.between_in(s, first_seq, upto_seq)
     n_read = len(rows)
     prev, expected = GENESIS, 1
     if start is not None:

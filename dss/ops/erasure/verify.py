@@ -2,10 +2,10 @@
 subject, check the chain up to the receipt, and say whether the WAL is scrubbed of it.
 
 What one verification costs follows what its receipt covers, not all data: the chain since the
-last sealed checkpoint before the receipt (`dss.ops.receipt_chain`: one every 64 receipts,
+last sealed checkpoint before the receipt (`dss.ops.erasure.chain`: one every 64 receipts,
 sealed by the first verification that passes it); the tenant's entries in the page table and its
 files on the disk tier (the tier indexes files by tenant; only files it does not know are
-opened); counts by indexed columns; and no blocking WAL checkpoint (`dss.ops.wal_scrub`: the
+opened); counts by indexed columns; and no blocking WAL checkpoint (`dss.ops.erasure.wal_scrub`: the
 erasure scrubs, a verification reads what was done); and the erased user's sessions and stored
 responses by the subject hash the receipt and each such row carry (`user_subject`, `subject`,
 migration 0013), not by hashing every user id of the store. Only rows written before that
@@ -29,9 +29,9 @@ from dss.dialogue.users import rows_created_by
 from dss.errors import TierUnavailable
 from dss.keys.identity import Identity
 from dss.keys.keyring import Keyring
-from dss.ops.erasure_receipts import get_receipt, user_subject_of
-from dss.ops.receipt_chain import check_chain
-from dss.ops.wal_scrub import WalScrubber
+from dss.ops.erasure.chain import check_chain
+from dss.ops.erasure.receipts import get_receipt, user_subject_of
+from dss.ops.erasure.wal_scrub import WalScrubber
 from dss.pages.placement import TieredPages
 from dss.pages.rows import count_tenant_in
 from dss.types import TenantId

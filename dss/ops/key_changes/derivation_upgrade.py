@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from dss.db import receipts
+from dss.db import receipt_rows
 from dss.db.connect import transaction
-from dss.db.meta import meta_get, meta_insert_in, meta_value_in
+from dss.db.store_meta import meta_get, meta_insert_in, meta_value_in
 from dss.dialogue.users import every_stored_user_in
 from dss.keys.identity import DERIVATION, DERIVATION_LEGACY_META, DERIVATION_META, Identity
 from dss.keys.keyring import delete_all_but_in
@@ -71,7 +71,7 @@ def upgrade_derivation(
                 return None
             # A second upgrader blocks here until we commit, then fails on the key.
             meta_insert_in(s, DERIVATION_META, DERIVATION)
-            if receipts.any_in(s):
+            if receipt_rows.any_in(s):
                 meta_insert_in(s, DERIVATION_LEGACY_META, "1")
             users = every_stored_user_in(s)
             if users_elsewhere_in is not None:

@@ -25,7 +25,7 @@ from dss.config import FleetConfig, StoreConfig
 from dss.db.models import DataKey, PageRow, ResponseRow, SessionRow, VersionRow
 from dss.dialogue.response_store import ResponseRecord, new_response_id
 from dss.errors import ConflictError, NotFoundError, UserErased
-from dss.ops.erasure_receipts import ErasureReceipt
+from dss.ops.erasure.receipts import ErasureReceipt
 from dss.store import Store
 from dss.types import TenantId
 from tests.db_helpers import count_user_rows

@@ -1,11 +1,12 @@
 """The `erasure_receipts` table: the rows of the append-only, hash-chained erasure receipts.
 
-Its one owner (`dss.db.models.TABLE_OWNERS`), below the parts because three of them read it:
-the erasure appends and reads receipts (`dss.ops.erasure`, `dss.ops.receipt_chain` walks the
-chain), the fleet's follower catches up by their seq (`dss.fleet`), and the keyring learns the
-retired tenants from them (`dss.keys`). What a receipt means (its hash, the lock that keeps the
-chain one line) is the erasure's; this module only stores and finds rows. Every function works
-in the caller's session, so an append is part of the erasure's one transaction.
+Its one owner (`dss.db.models.TABLE_OWNERS`), below the parts because three of them read it: the
+erasure appends and reads receipts (`dss.ops.erasure.eraser`, `dss.ops.erasure.chain` walks the
+chain, `dss.ops.erasure.wal_scrub` notes the last seq a checkpoint covers), the fleet's follower
+catches up by their seq (`dss.fleet`), and the keyring learns the retired tenants from them
+(`dss.keys`). What a receipt means (its hash, the lock that keeps the chain one line) is the
+erasure's; this module only stores and finds rows. Every function works in the caller's session, so
+an append is part of the erasure's one transaction.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import Connection, func, select
 from sqlalchemy.orm import Session
 
 from dss.db.models import ErasureReceiptRow, aware
@@ -103,8 +104,9 @@ def after_in(s: Session, seq: int) -> list[ReceiptRecord]:
     return [_record(r) for r in s.scalars(q)]
 
 
-def last_seq_in(s: Session) -> int:
-    """The chain's highest seq, 0 when it is empty."""
+def last_seq_in(s: Session | Connection) -> int:
+    """The chain's highest seq, 0 when it is empty. In a session, or on a connection (the WAL
+    scrubber reads it on the connection it then checkpoints with)."""
     return int(s.execute(select(func.coalesce(func.max(ErasureReceiptRow.seq), 0))).scalar_one())
 
 

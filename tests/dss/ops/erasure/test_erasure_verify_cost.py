@@ -17,7 +17,7 @@ from sqlalchemy import event, select
 
 import dss.pages.tiers.disk as disk_module
 from dss.db.models import ErasureReceiptRow
-from dss.ops.erasure_receipts import append_receipt
+from dss.ops.erasure.receipts import append_receipt
 from dss.pages.meta import PageMeta
 from dss.store import Store
 from dss.types import NamespaceId, PageHash

@@ -8,14 +8,14 @@ commits; then the irreversible steps run (zeroing host slots, unlinking files).
 Destroying the data key is what makes any copy of the user's pages that we cannot reach (a
 backup) unreadable. Public-prefix pages are not user data and stay.
 
-Receipts (`dss.ops.erasure_receipts`) form an append-only hash chain; `verify`
-(`dss.ops.erasure_verify`) re-scans the database and every tier for anything of the subject
+Receipts (`dss.ops.erasure.receipts`) form an append-only hash chain; `verify`
+(`dss.ops.erasure.verify`) re-scans the database and every tier for anything of the subject
 older than the erasure, and checks the chain up to the receipt.
 
-Every table is changed by its owner (`dss.db.models.TABLE_OWNERS`), inside this one transaction:
-the dialogue's rows by `VersionStore.delete_user_sessions`, the page rows by `dss.pages.rows`,
-the data keys by `Keyring.destroy_in`, the epoch by `Identity`, the receipt by
-`dss.db.receipts`, and the API's audit trail by what the API passes in (`pseudonymise_audit_in`).
+Every table is changed by its owner (`dss.db.models.TABLE_OWNERS`), inside this one transaction: the
+dialogue's rows by `VersionStore.delete_user_sessions`, the page rows by `dss.pages.rows`, the data
+keys by `Keyring.destroy_in`, the epoch by `Identity`, the receipt by `dss.db.receipt_rows`, and the
+API's audit trail by what the API passes in (`pseudonymise_audit_in`).
 
 Several servers on one PostgreSQL database (`dss.fleet`): the rows and the data key are shared
 and go in the one transaction; each server's own copies (host arena, disk tier) are dropped by
@@ -54,7 +54,7 @@ from dss.fleet.members import Membership
 from dss.index.prefix_index import PrefixIndex
 from dss.keys.identity import Identity
 from dss.keys.keyring import Keyring
-from dss.ops.erasure_receipts import (
+from dss.ops.erasure.receipts import (
     ErasureReceipt,
     append_receipt,
     erased_pseudonym,
@@ -62,9 +62,9 @@ from dss.ops.erasure_receipts import (
     list_receipts,
     never_erased,
 )
-from dss.ops.erasure_verify import Verification, local_remnants, verify
+from dss.ops.erasure.verify import Verification, local_remnants, verify
+from dss.ops.erasure.wal_scrub import WalScrubber
 from dss.ops.kv import KVCache
-from dss.ops.wal_scrub import WalScrubber
 from dss.pages.placement import TieredPages
 from dss.pages.rows import delete_tenants_in
 from dss.pages.table import PageEntry

@@ -1,0 +1,1 @@
+"""Tests of `dss.ops.erasure`: erasing a user, its receipts, their chain and verification."""

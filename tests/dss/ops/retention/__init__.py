@@ -1,0 +1,1 @@
+"""Tests of `dss.ops.retention`: session retention hints, idle TTLs, warm-ups."""
