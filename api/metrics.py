@@ -29,6 +29,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Where a prompt token's KV came from: the engine's own prefix cache, or a DSS tier.
 HIT_SOURCES = ("engine", *(t.value for t in Tier))
 CUT_REASONS = ("header_timeout", "send_timeout")  # `api.connections`
+# How a turn's wait for its pages in the remote tier ended (`api.turn.pipeline.commit`).
+SHARED_TIER_OUTCOMES = ("durable", "timeout")
 _LATENCY_BUCKETS = (
     0.001,
     0.0025,
@@ -135,6 +137,17 @@ class Metrics:
             "Frontends whose lead updates the quality gate turned off",
             registry=r,
         )
+        self.shared_tier_waits = Counter(
+            "dss_shared_tier_waits_total",
+            "Turn commits that waited for their pages to reach the remote tier, by how it ended",
+            ["outcome"],
+            registry=r,
+        )
+        self.shared_tier_wait_seconds = Counter(
+            "dss_shared_tier_wait_seconds_total",
+            "Seconds turn commits waited for their pages to reach the remote tier",
+            registry=r,
+        )
         self.store_errors = Counter(
             "dss_connector_store_errors_total",
             "Connector store calls that failed or missed their deadline (each a cache miss)",
@@ -146,6 +159,8 @@ class Metrics:
             self.connections_cut.labels(reason)
         for outcome in LOOKUP_OUTCOMES:
             self.key_lookups.labels(outcome)
+        for ended in SHARED_TIER_OUTCOMES:
+            self.shared_tier_waits.labels(ended)
 
     def observe_key_lookup(self, outcome: str) -> None:
         self.key_lookups.labels(outcome).inc()

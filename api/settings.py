@@ -127,6 +127,8 @@ class StoreSettings(BaseModel):
     remote_capacity_bytes: int = Field(default=8 * GiB, ge=MiB)
     remote_ttl_s: int = Field(default=7 * 24 * 3600, ge=1)
     remote_timeout_s: float = Field(default=0.5, gt=0, le=30)
+    # How long a turn's commit waits for its pages to reach the remote tier (0: not at all).
+    remote_durable_wait_s: float = Field(default=5.0, ge=0, le=60)
     # This server's name in a fleet; None: the one kept in the data directory (random at first start).
     server_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     fleet: FleetSettings = FleetSettings()
@@ -170,6 +172,7 @@ class StoreSettings(BaseModel):
                 capacity_bytes=self.remote_capacity_bytes,
                 ttl_s=self.remote_ttl_s,
                 timeout_s=self.remote_timeout_s,
+                durable_wait_s=self.remote_durable_wait_s,
             ),
             server_id=self.server_id,
             fleet=self.fleet.to_config(),

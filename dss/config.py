@@ -52,6 +52,11 @@ class RemoteConfig:
     timeout_s: float = 0.5  # socket connect/read deadline: a slow Redis is an unavailable one
     probe_every_s: float = 2.0  # how often an unavailable Redis is tried again
     write_behind: bool = True  # committed pages are copied to Redis by the background writer
+    # A turn's version is committed (and answered) only once its pages were written behind, so
+    # the session's next turn on any server finds them (`KVCache.wait_shared`); at most this
+    # long, then it is committed anyway and counted (`dss_shared_tier_waits_total{outcome}`).
+    # 0: do not wait (a server that dies right after a reply may take its last pages with it).
+    durable_wait_s: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)

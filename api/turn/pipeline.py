@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -36,6 +38,8 @@ from dss.dialogue.response_store import ResponseRecord
 from dss.dialogue.turns import Committed, add_response, commit_alternatives
 from dss.errors import DSSError
 from dss.tokens import TOKEN_DTYPE
+
+log = logging.getLogger("dss.api.turn")
 
 
 # ------------------------------------------------------------------------------------- the turn
@@ -249,6 +253,7 @@ async def commit(
     epoch = turn.admitted.epoch
 
     def commit_all() -> Done:
+        wait_until_shared(state, turn)
         seen = prep.plan.seen
         committed = commit_alternatives(versions, turn.user, target, choices, engine.fingerprint, epoch, seen)
         done = Done(turn, prep, answers, tuple(committed), split)
@@ -269,6 +274,22 @@ async def commit(
     state.metrics.commits.inc(len(done.versions))
     maybe_check(state, engine, turn, prep.plan)
     return done
+
+
+def wait_until_shared(state: AppState, turn: Turn) -> None:
+    """In a fleet, a version is committed only once its pages reached the remote tier (bounded by
+    `remote_durable_wait_s`): the session's next turn on any server (a failover, a rebalance)
+    finds all of it, even if this server dies right after answering. A wait that runs out is
+    logged and counted, and the version committed anyway (its last pages are then a miss)."""
+    began = time.perf_counter()
+    shared = state.store.kv.wait_shared(turn.admitted.tenant)
+    if shared is None:
+        return
+    m = state.metrics
+    m.shared_tier_wait_seconds.inc(time.perf_counter() - began)
+    m.shared_tier_waits.labels("durable" if shared else "timeout").inc()
+    if not shared:
+        log.warning("a turn's pages did not all reach the remote tier in time; committed anyway")
 
 
 def observe(state: AppState, prep: Prepared, split: PromptSplit, answers: Sequence[Answer]) -> None:

@@ -1,8 +1,9 @@
 """Two real `dss serve` processes (real vLLM engines on the default model) sharing one PostgreSQL
 database, one Redis page tier and one master key, each with its own data directory: a session
 started on A continues on B with its KV from Redis, concurrent turns from both on one head lose
-no version, an erasure on A leaves nothing on B, in Redis or in the database, and after `kill -9`
-of A its sessions continue on B. (Routing through HAProxy: tests/deploy/test_router.py.)
+no version, an erasure on A leaves nothing on B, in Redis or in the database, a reply means its
+pages are in Redis (A frozen right after it: B loads all of them), and after `kill -9` of A its
+sessions continue on B. (Routing through HAProxy: tests/deploy/test_router.py.)
 """
 
 from __future__ import annotations
@@ -213,6 +214,29 @@ def test_erasing_on_a_leaves_nothing_on_b_in_redis_or_the_database(
     with cluster.client(cluster.b, "cl-cy") as on_b:
         again = chat(on_b, [SYSTEM, user_msg("Name a colour.")], session_id="gone")
     assert again["state_version"] == 1 and again["dss"]["loaded_tokens"] == 0, json.dumps(again["dss"])
+
+
+def test_a_reply_means_its_pages_are_in_the_shared_tier(cluster: Cluster) -> None:
+    """Turn N is durable before turn N+1 looks: the moment A's reply arrives, A is frozen (SIGSTOP
+    stops its writer too, as a `kill -9` would); B, which never saw the session, loads every
+    whole page of it from Redis. (A one-token answer: A replies right after the prefill, when
+    its save has only just been planned; a long prompt: its pages take the writer a while.)"""
+    rules = " ".join(f"Rule {i}: answer briefly, politely and in plain words." for i in range(110))
+    messages = [{"role": "system", "content": rules}, user_msg("Name a planet of the solar system.")]
+    with cluster.client(cluster.a, "cl-fr") as on_a, cluster.client(cluster.b, "cl-fr") as on_b:
+        r1 = chat(on_a, messages, session_id="frozen", max_tokens=1)
+        assert cluster.a.proc is not None
+        pid = cluster.a.proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            history = [*messages, {"role": "assistant", "content": r1["choices"][0]["message"]["content"]}]
+            r2 = turn(on_b, "frozen", history, "And one of its moons?")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    assert r2["parent_version"] == 1
+    whole_pages = r1["usage"]["prompt_tokens"] // 128 * 128
+    assert whole_pages >= 10 * 128
+    assert r2["dss"]["loaded_from"]["remote"] >= whole_pages, json.dumps(r2["dss"])
 
 
 def test_kill_9_of_a_mid_conversation_continues_on_b(cluster: Cluster) -> None:

@@ -6,7 +6,9 @@ the engine's copies, unpin), and `plan_save` / `commit_save` / `abort_save` (res
 for the pages the store lacks, publish them once the engine copied them). This class builds its
 parts and owns what needs more than one of them: the store being open, and expiring the leases
 and saves of engines that never came back before a new load or save (`match`, `begin_load`,
-`plan_save`). Every other operation is called on the part that owns it, each a public attribute:
+`plan_save`), and whether a turn's pages reached the fleet's shared tier (`wait_shared`: the
+tenant's saves, then the writer). Every other operation is called on the part that owns it,
+each a public attribute:
 
 - `lookup` (`KVLookup`, `lookup.py`): `residency`, a tenant's `stored` KV, `forget`;
 - `loads` (`KVLoads`, `loads.py`): `wait_loaded`, `release`, the loader threads, remote adoption;
@@ -27,6 +29,7 @@ erasure's back.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -57,6 +60,9 @@ class KVCache:
         is_retired: Callable[[TenantId], bool] = lambda _tenant: False,
     ) -> None:
         self._lease_timeout_s = config.lease_timeout_s
+        remote = config.remote
+        shared = remote.url is not None and remote.write_behind
+        self._durable_wait_s = remote.durable_wait_s if shared else 0.0
         self._fingerprints = fingerprints
         self._pages = pages
         self.lookup = KVLookup(config, fingerprints, index, pages)
@@ -68,6 +74,20 @@ class KVCache:
         self.loads = KVLoads(fingerprints, index, pages, self.lookup, gate, self.writer, threads)
         self.saves = KVSaves(fingerprints, index, pages, self.lookup, gate, self.writer, self.pins.apply)
         self._closed = False
+
+    def wait_shared(self, tenant: TenantId) -> bool | None:
+        """Wait until the pages of the tenant's saves so far are in the remote tier: every save
+        planned before this call published (the engine reported it), then every page published
+        before it written behind. Bounded by `RemoteConfig.durable_wait_s`. None: nothing to wait
+        for (no remote tier, no write-behind, or a wait of 0); False: the wait ran out. A page the
+        write-behind could not write (Redis unavailable) counts as done: it is a remote miss later
+        (`dss_remote_errors_total`), never a wait."""
+        if self._durable_wait_s <= 0 or self.writer is None:
+            return None
+        deadline = time.monotonic() + self._durable_wait_s
+        if not self.saves.wait_settled(tenant, deadline):
+            return False
+        return self.writer.wait_through(self.writer.ticket(), deadline)
 
     def close(self) -> None:
         self._closed = True

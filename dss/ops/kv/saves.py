@@ -9,8 +9,12 @@ An erasure of the tenant (`erasing`) zeroes the planned saves' slots, refuses ne
 for the ones publishing now (`TenantGate`); slots it zeroes stay reserved until the save is
 reported, then the eraser or the reporter frees them.
 
+A save is *unsettled* from its plan until its report was published or freed (`wait_settled`:
+a turn's commit waits for its tenant's saves before it waits for the writer, `KVCache.wait_shared`).
+
 Lock: `KVSaves._lock` is a leaf around the pending saves (and their `scrubbing`/`reported`
-flags). The index, the page table and the tiers are called with no lock held.
+flags) and the unsettled ones (`_settled`, a condition on it). The index, the page table and the
+tiers are called with no lock held.
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ class KVSaves:
         self._writer = writer
         self._on_public_saved = on_public_saved  # pins of public prefixes reach the new pages
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)
+        self._unsettled: dict[str, TenantId] = {}  # save id -> its tenant, until published or freed
         self._saves: dict[str, PendingSave] = {}
 
     def reserve(
@@ -113,6 +119,7 @@ class KVSaves:
             if slots:
                 with self._lock:
                     self._saves[save_id] = pending
+                    self._unsettled[save_id] = tenant
             else:
                 # Pages we already hold still need linking into this namespace's trie (e.g. the
                 # user reached a page through a public prefix for the first time).
@@ -126,18 +133,41 @@ class KVSaves:
         pending, done = self._take_save(save_id, shard, frozenset(int(i) for i in written))
         if pending is None:
             return 0
-        with self._gate.saving(pending.namespace.tenant) as allowed:
-            if not allowed:  # erased meanwhile (its pending saves were aborted): nothing lands
-                self._free(pending)
-                return 0
-            return self._publish(pending, done)
+        try:
+            with self._gate.saving(pending.namespace.tenant) as allowed:
+                if not allowed:  # erased meanwhile (its pending saves were aborted): nothing lands
+                    self._free(pending)
+                    return 0
+                return self._publish(pending, done)
+        finally:
+            self._settle(save_id)
 
     def abort_save(self, save_id: str, shard: int | None = None) -> None:
         """Rank `shard` copied nothing (its pages are not published: a page is every rank's
         shard or nothing). None aborts the whole save (no worker received it, or it expired)."""
         pending, _ = self._take_save(save_id, shard, frozenset())
         if pending is not None:
-            self._free(pending)
+            try:
+                self._free(pending)
+            finally:
+                self._settle(save_id)
+
+    def _settle(self, save_id: str) -> None:
+        with self._lock:
+            self._unsettled.pop(save_id, None)
+            self._settled.notify_all()
+
+    def wait_settled(self, tenant: TenantId, deadline: float) -> bool:
+        """Wait until every save of `tenant` planned before this call was published or freed,
+        at most until `deadline` (`time.monotonic()`). True when they were."""
+        with self._lock:
+            mine = {k for k, t in self._unsettled.items() if t == tenant}
+            while mine & self._unsettled.keys():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._settled.wait(left)
+            return True
 
     def _publish(self, pending: PendingSave, done: set[int]) -> int:
         fp = self._fingerprints.get(pending.fingerprint)
@@ -193,8 +223,10 @@ class KVSaves:
                 if len(pending.reports) < pending.shards:
                     return None, set()
             del self._saves[save_id]
-            if pending.scrubbing:
+            if pending.scrubbing:  # erased: nothing of it lands, and the eraser frees its slots
                 pending.reported = True
+                self._unsettled.pop(save_id, None)
+                self._settled.notify_all()
                 return None, set()
         reports = list(pending.reports.values()) if shard is not None else [frozenset()]
         return pending, set(frozenset.intersection(*reports))

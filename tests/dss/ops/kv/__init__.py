@@ -1,0 +1,1 @@
+"""Tests of dss/ops/kv: the KV loads and saves engines make."""
