@@ -1,7 +1,8 @@
 """Conversations on versioned sessions (`dss.dialogue.conversations`), on SQLite without an
 engine: items as versions, stable item ids, deletion as a new version, instructions kept out of the
 items, the version a response turn continues from, and another user's conversation reading as
-missing. The HTTP API with the official client and a real engine is tests/api/routes/test_conversations_over_http.py.
+missing. The HTTP API with the official client and a real engine is
+tests/api/routes/test_conversations_over_http.py.
 """
 
 from __future__ import annotations
