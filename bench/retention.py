@@ -4,7 +4,7 @@ A skewed workload of chat sessions, one user each, replayed identically on two s
 only in retention: a few hot sessions take most turns, many occasional ones come back now and
 then and are closed after a few turns, and some turns roll back (regenerate an answer: the head
 moves back and a new version grows from there, leaving the old one off every branch). Each turn
-loads the session head's history (`KVCache.load_sequence`, promoting disk pages like an engine
+loads the session head's history (`tests.store_helpers.load_sequence`, promoting disk pages like an engine
 load) and saves the new pages (`put_sequence`); the tokens of that history are counted as served
 from the host tier, from disk, or missed, by where their pages were when the turn arrived.
 

@@ -29,7 +29,7 @@ class RetentionConfig:
     """Session retention hints and warm-up (`dss.ops.retention`)."""
 
     # How often the sweeper reclassifies updated sessions and demotes idle ones (0: no sweeper
-    # thread; `SessionRetention.sweep()` can still be called).
+    # thread; `SessionRetention.sweeper.sweep()` can still be called).
     sweep_interval_s: float = 5.0
     # Caps on the bytes `pinned` sessions may keep in the host tier, as fractions of its capacity:
     # all users together, and each user.

@@ -2,7 +2,7 @@
 
 `/v1/chat/completions`, `/v1/sessions/{sid}/messages` and `/v1/responses` each parse their
 request into a typed turn request (`request`: `ChatTurn`, `MessageTurn`, `ResponseTurn`,
-`ConversationTurn`) and make one call, `serve.serve_turn(state, engine, request, ask, shape)`:
+`ConversationTurn`) and make one call, `respond.serve_turn(state, engine, request, ask, shape)`:
 
 1. admit (`request.admit`): a generation slot on arrival, before any work, and who the turn runs
    as, read once (the user's erasure epoch, its tenant and prefix-cache salt);

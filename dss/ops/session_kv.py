@@ -2,7 +2,7 @@
 with the cached KV pages only it used.
 
 What a session stores is its user's own pages that its versions' tokens reach, each page once at
-its uncompressed size (`KVCache.stored`); public-prefix pages are no one's. Reading it leaves the
+its uncompressed size (`KVCache.lookup.stored`); public-prefix pages are no one's. Reading it leaves the
 pages' recency alone, and a session deleted meanwhile stores nothing (a listing does not fail
 for it).
 
@@ -96,7 +96,7 @@ class Sessions:
     def resident(
         self, user: UserId, fingerprint: str | None, tokens: Sequence[int] | np.ndarray
     ) -> dict[str, int]:
-        """Tokens of a version of the user whose KV each tier holds now (`KVCache.residency`);
+        """Tokens of a version of the user whose KV each tier holds now (`KVCache.lookup.residency`);
         every tier 0 for a version of a model this store does not know, or without tokens."""
         return self._resident(self._identity.tenant_for(user), fingerprint, tokens)
 

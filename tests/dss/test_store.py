@@ -125,7 +125,7 @@ def test_a_new_data_directory_is_private_to_its_owner(tmp_path):
 
 
 def test_stored_kv_counts_each_own_page_once(tmp_path):
-    """A tenant's stored KV (`KVCache.stored`, behind the API's `stored_bytes`): the distinct
+    """A tenant's stored KV (`KVCache.lookup.stored`, behind the API's `stored_bytes`): the distinct
     pages its versions' tokens match, public prefix pages and unknown models left out."""
     store = open_store(tmp_path)
     fid = store.fingerprints.register(SMALL_FP)

@@ -1,7 +1,7 @@
 """Erasing a user (GDPR/CCPA) and proving it.
 
 Order matters. First the user's pages leave the page table and the index (no reader can have
-them any more) while saves of the user are refused (`KVCache.erasing`) and moves in flight
+them any more) while saves of the user are refused (`KVCache.saves.erasing`) and moves in flight
 settle; then the database transaction (sessions, versions, stored responses, page rows, the
 data key, the user's id in the admin audit trail replaced by a pseudonym, and the receipt)
 commits; then the irreversible steps run (zeroing host slots, unlinking files).
