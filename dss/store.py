@@ -392,6 +392,7 @@ class Store:
             commit_save=kv.saves.commit_save,
             abort_save=kv.saves.abort_save,
             stats=self.stats,
+            take_events=self.pages.table.take_events,
         )
 
     def serve_rpc(self) -> tuple[str, bytes]:
