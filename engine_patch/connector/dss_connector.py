@@ -255,6 +255,14 @@ class DSSConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 
+    def reset_cache(self) -> bool | None:
+        """vLLM's `reset_prefix_cache(reset_connector=True)`: the store keeps its pages (they are
+        durable, not this engine's cache), but vLLM has just published `AllBlocksCleared` for the
+        engine, so the store's pages are announced again (a resync) at the next step."""
+        if self._events is not None:
+            self._events.resync()
+        return None
+
     def take_events(self) -> Iterable[KVCacheEvent]:
         """The store's page events since the last call (vLLM publishes them with its own)."""
         return self._events.take() if self._events is not None else ()

@@ -150,5 +150,9 @@ class StoreEvents:
         self.published += len(events)
         return events
 
+    def resync(self) -> None:
+        """Publish `AllBlocksCleared` and every page the store holds at the next poll."""
+        self._epoch, self._after, self._next_poll = "", 0, 0.0
+
     def close(self) -> None:
         self._client.close()
