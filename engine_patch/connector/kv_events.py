@@ -62,11 +62,28 @@ def block_hash(page: bytes) -> ExternalBlockHash:
 def to_vllm_events(batch: PageEventBatch, block_size: int) -> list[KVCacheEvent]:
     """vLLM KV events for one answer of the store (see the module docstring)."""
     out: list[KVCacheEvent] = [AllBlocksCleared()] if batch.resync else []
-    for ev in batch.events:
+    for ev in _children_first(batch.events):
         medium = MEDIUM_OF_TIER.get(ev.tier)
         if medium is None or ev.n_tokens != block_size:
             continue  # another tier, or a tail page
         out.append(_stored(ev, medium, block_size) if ev.kind == PAGE_STORED else _removed(ev, medium))
+    return out
+
+
+def _children_first(events: tuple[PageEvent, ...]) -> list[PageEvent]:
+    """The events in order, except that each run of consecutive removals is sorted deepest page
+    first: a router's radix tree (Dynamo's) drops a block's descendants with it, and then refuses
+    their own removals. Removals commute, so the state after the run is the same."""
+    out: list[PageEvent] = []
+    run: list[PageEvent] = []
+    for ev in events:
+        if ev.kind == PAGE_STORED:
+            out.extend(sorted(run, key=lambda e: -e.index))
+            run = []
+            out.append(ev)
+        else:
+            run.append(ev)
+    out.extend(sorted(run, key=lambda e: -e.index))
     return out
 
 

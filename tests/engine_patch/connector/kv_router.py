@@ -4,6 +4,7 @@
   decoded with vLLM's own msgspec class (`KVEventBatch`), sequence numbers checked.
 - `Holdings`: what each publisher (topic) holds per (block hash, medium), rebuilt from the events
   only (`AllBlocksCleared` empties the publisher's view, as routers do).
+- `DynamoIndex`: NVIDIA Dynamo's own indexer (`ai-dynamo-runtime`), where it is installed.
 - `LlmdIndex`: llm-d's precise prefix-cache index reproduced from its source
   (llm-d/llm-d-kv-cache, `pkg/kvcache/kvblock/token_processor.go`, `pkg/kvevents/pool.go`): its
   own block keys are FNV-64a over the canonical CBOR of `[parent, tokens, extra]`, chained from
@@ -12,11 +13,14 @@
   parent drops the event); `extra_keys` count only as `(mm_hash, offset)` pairs (a cache salt is
   not part of its key); `BlockRemoved` evicts (pod, medium) from the keys its engine hashes map
   to. A request is scored per pod over the longest run of its leading blocks the pod holds,
-  each block weighted by the best medium the pod holds it on (llm-d's defaults, plus `storage`).
+  each block weighted by the best medium the pod holds it on (`kvblock_scorer.go`: llm-d's
+  defaults gpu 1.0 and cpu 0.8, plus `storage` as docs/operations.md configures it; a medium
+  without a weight counts 1.0).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -27,7 +31,7 @@ import zmq
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 DSS_MEDIA = ("CPU", "STORAGE")
-# llm-d's default weights (gpu 1.0, cpu 0.8, shared_storage 0.4) and the one DSS's disk needs
+# llm-d's default weights (`kvblock/backend.go`: gpu 1.0, cpu 0.8) and the one DSS's disk needs
 TIER_WEIGHTS = {"gpu": 1.0, "cpu": 0.8, "storage": 0.4, "shared_storage": 0.4}
 
 
@@ -103,7 +107,10 @@ def fnv64a(data: bytes) -> int:
 
 
 class LlmdIndex:
-    def __init__(self, block_size: int, model: str, hash_seed: str = "") -> None:
+    def __init__(
+        self, block_size: int, model: str, hash_seed: str = "", media: Sequence[str] | None = None
+    ) -> None:
+        self.media = media  # None: every medium; DSS_MEDIA: DSS's pages only (not vLLM's own blocks)
         self.block_size = block_size
         self.model = model
         self.init_hash = self._hash(fnv64a(hash_seed.encode()), None, model)
@@ -125,6 +132,8 @@ class LlmdIndex:
 
     def apply(self, pod: str, batch: KVEventBatch) -> None:
         for ev in batch.events:
+            if self.media is not None and not isinstance(ev, AllBlocksCleared) and ev.medium not in self.media:
+                continue
             if isinstance(ev, BlockStored):
                 tier = (ev.medium or "gpu").lower()
                 parent = None
@@ -152,13 +161,79 @@ class LlmdIndex:
         for key in self.keys(tokens):
             best: dict[str, float] = {}
             for pod, tier in self.pods.get(key, ()):
-                best[pod] = max(best.get(pod, 0.0), TIER_WEIGHTS.get(tier, 0.0))
+                best[pod] = max(best.get(pod, 0.0), TIER_WEIGHTS.get(tier, 1.0))  # unconfigured: 1.0
             active = set(best) if active is None else active & set(best)
             if not active:
                 break
             for pod in active:
                 scores[pod] += best[pod]
         return dict(scores)
+
+    def pick(self, tokens: Sequence[int]) -> str | None:
+        scores = self.scores(tokens)
+        return max(scores, key=lambda p: scores[p]) if scores else None
+
+
+class DynamoIndex:
+    """NVIDIA Dynamo's own KV indexer (`dynamo._core.RadixTree`, from `ai-dynamo-runtime` on PyPI;
+    it runs offline) fed with the events as Dynamo's KV events are shaped: per worker, event ids
+    1, 2, 3, ...; a stored block is its engine hash (`block_hash`) with Dynamo's own hash of its
+    tokens (`tokens_hash`: `compute_block_hash_for_seq` at the block size), chained by
+    `parent_hash`; `cleared` drops the worker's blocks. One tree per DSS tier (`host_pinned` for
+    `CPU`, `disk` for `STORAGE`): a request scores each worker by its best tier, the matched
+    leading blocks times that tier's credit (Dynamo's router: host 0.75, disk 0.25)."""
+
+    TIER_OF = {"CPU": "host_pinned", "STORAGE": "disk"}
+    CREDIT = {"host_pinned": 0.75, "disk": 0.25}
+
+    def __init__(self, block_size: int) -> None:
+        from dynamo._core import RadixTree, compute_block_hash_for_seq
+
+        self._local_hashes = compute_block_hash_for_seq
+        self.block_size = block_size
+        self.trees = {tier: RadixTree() for tier in self.CREDIT}
+        self.worker_ids: dict[str, int] = {}
+        self.event_ids: dict[tuple[str, int], int] = defaultdict(int)
+        self.skipped_removals = 0
+
+    def _apply(self, tier: str, worker: int, data: object) -> None:
+        self.event_ids[tier, worker] += 1
+        event = {"event_id": self.event_ids[tier, worker], "data": data}
+        try:
+            self.trees[tier].apply_event(worker, json.dumps(event).encode())
+        except RuntimeError as exc:
+            # Dynamo's router logs and skips the removal of a block it no longer has (a removed
+            # ancestor took it along); its Python binding raises instead.
+            if "removed" not in data or "Failed to find block" not in str(exc):  # type: ignore[operator]
+                raise
+            self.skipped_removals += 1
+
+    def apply(self, pod: str, batch: KVEventBatch) -> None:
+        worker = self.worker_ids.setdefault(pod, len(self.worker_ids) + 1)
+        for ev in batch.events:
+            if isinstance(ev, AllBlocksCleared):
+                for tier in self.trees:
+                    self._apply(tier, worker, "cleared")
+            elif isinstance(ev, BlockStored) and ev.medium in self.TIER_OF:
+                local = self._local_hashes(list(ev.token_ids), ev.block_size)
+                blocks = [
+                    {"block_hash": h, "tokens_hash": t} for h, t in zip(ev.block_hashes, local, strict=True)
+                ]
+                stored = {"parent_hash": ev.parent_block_hash, "blocks": blocks}
+                self._apply(self.TIER_OF[ev.medium], worker, {"stored": stored})
+            elif isinstance(ev, BlockRemoved) and ev.medium in self.TIER_OF:
+                removed = {"block_hashes": list(ev.block_hashes)}
+                self._apply(self.TIER_OF[ev.medium], worker, {"removed": removed})
+
+    def scores(self, tokens: Sequence[int]) -> dict[str, float]:
+        local = self._local_hashes(list(tokens), self.block_size)
+        pods = {w: p for p, w in self.worker_ids.items()}
+        out: dict[str, float] = {}
+        for tier, tree in self.trees.items():
+            for (worker, _dp_rank), n in tree.find_matches(local).scores.items():
+                pod = pods[worker]
+                out[pod] = max(out.get(pod, 0.0), self.CREDIT[tier] * n)
+        return {p: s for p, s in out.items() if s > 0}
 
     def pick(self, tokens: Sequence[int]) -> str | None:
         scores = self.scores(tokens)

@@ -4,8 +4,10 @@ publisher, into a router's index: two servers (a page table and a publisher each
 - Every event decodes with vLLM's `KVEventBatch`; the (block hash, medium) pairs rebuilt from them
   are exactly each server's host (`CPU`) and disk (`STORAGE`) pages, after stores, a demotion, an
   eviction, an erasure and a store restart (`AllBlocksCleared`, then the holdings again).
-- llm-d's index (its key computation reproduced in `kv_router.LlmdIndex`) picks the server that
-  holds a session's KV for that session's next turn, and neither once the pages are erased.
+- llm-d's index (its key computation reproduced in `kv_router.LlmdIndex`) and, where
+  `ai-dynamo-runtime` is importable, NVIDIA Dynamo's own `RadixTree` (`kv_router.DynamoIndex`)
+  pick the server that holds a session's KV for that session's next turn, and neither once the
+  pages are erased.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dss.pages.table import PageEntry, PageTable
 from dss.types import FingerprintId, NamespaceId, PageHash, TenantId, Tier
 from dss.wire import PageEventBatch
 from engine_patch.connector.kv_events import StoreEvents, block_hash
-from tests.engine_patch.connector.kv_router import Holdings, LlmdIndex, Subscriber
+from tests.engine_patch.connector.kv_router import DynamoIndex, Holdings, LlmdIndex, Subscriber
 
 BS = 4
 FID = FingerprintId("fp-events")
@@ -112,12 +114,25 @@ def fleet(tmp_path: Path) -> Iterator[tuple[list[Server], Subscriber]]:
             s.publisher.shutdown()
 
 
-def deliver(servers: list[Server], sub: Subscriber, holdings: Holdings, index: LlmdIndex) -> None:
+def dynamo_index() -> DynamoIndex | None:
+    """Dynamo's own indexer where `ai-dynamo-runtime` is installed (it is not a DSS dependency:
+    `pip install --no-deps --target DIR ai-dynamo-runtime` and put DIR on PYTHONPATH)."""
+    try:
+        return DynamoIndex(BS)
+    except ImportError:
+        return None
+
+
+def deliver(
+    servers: list[Server], sub: Subscriber, holdings: Holdings, index: LlmdIndex, dynamo: DynamoIndex | None
+) -> None:
     for s in servers:
         s.step()
     for topic, batch in sub.receive(1.0):
         holdings.apply(topic, batch)
         index.apply(topic.split("@")[1], batch)
+        if dynamo is not None:
+            dynamo.apply(topic.split("@")[1], batch)
     for s in servers:
         assert holdings.held[s.topic] == expected(s.table), f"{s.pod}'s view differs from its store"
 
@@ -127,39 +142,47 @@ def test_a_router_rebuilds_each_servers_holdings_and_picks_the_holder(
 ) -> None:
     servers, sub = fleet
     a, b = servers
-    holdings, index = Holdings(), LlmdIndex(BS, MODEL)
+    holdings, index, dynamo = Holdings(), LlmdIndex(BS, MODEL), dynamo_index()
+    routers: list[LlmdIndex | DynamoIndex] = [index] if dynamo is None else [index, dynamo]
     s1 = list(range(100, 114))  # 3 whole pages and a tail of 2
     s2 = list(range(500, 512))
-    deliver(servers, sub, holdings, index)
+    deliver(servers, sub, holdings, index, dynamo)
     assert holdings.cleared == {a.topic: 1, b.topic: 1}, "a first read announces a clean view"
 
     pages_s1 = a.store("tenant-a", s1, {Tier.HOST})
     b.store("tenant-b", s2, {Tier.HOST, Tier.DISK})
-    deliver(servers, sub, holdings, index)
+    deliver(servers, sub, holdings, index, dynamo)
     assert len(holdings.held[a.topic]) == 3, "the tail page is not announced"
-    assert index.pick([*s1, 7, 7, 7]) == a.pod and index.pick([*s2, 9]) == b.pod
+    for router in routers:
+        assert router.pick([*s1, 7, 7, 7]) == a.pod and router.pick([*s2, 9]) == b.pod
     assert index.scores(s1[:8]) == {a.pod: pytest.approx(1.6)}, "two host blocks at cpu weight 0.8"
 
     # B's pages leave the host and stay on disk (eviction of the host copy): disk weight only
     for e in b.table.snapshot():
         assert b.table.claim(e.meta.hash, lambda _e: True) is not None
         b.table.settle(e.meta.hash, lambda entry: entry.tiers.discard(Tier.HOST))
-    deliver(servers, sub, holdings, index)
+    deliver(servers, sub, holdings, index, dynamo)
     assert {m for _, m in holdings.held[b.topic]} == {"STORAGE"}
     assert index.scores(s2) == {b.pod: pytest.approx(3 * 0.4)}
 
     # erasure of session 1's pages on A: removed, and the router no longer sends its turns there
     a.table.remove(pages_s1)
-    deliver(servers, sub, holdings, index)
-    assert holdings.held[a.topic] == set() and index.pick([*s1, 7]) is None
+    deliver(servers, sub, holdings, index, dynamo)
+    assert holdings.held[a.topic] == set()
+    assert all(router.pick([*s1, 7]) is None for router in routers)
     assert holdings.removed >= 2
 
     # A's store restarts with session 1 on disk: AllBlocksCleared, then its holdings again
     a.table = PageTable()
     a.events._client = TableClient(a.table)  # the same connector, a new store behind its socket
     a.store("tenant-a", s1, {Tier.DISK})
-    deliver(servers, sub, holdings, index)
-    assert holdings.cleared[a.topic] == 2 and index.pick([*s1, 7]) == a.pod
+    deliver(servers, sub, holdings, index, dynamo)
+    assert holdings.cleared[a.topic] == 2
+    assert all(router.pick([*s1, 7]) == a.pod for router in routers)
+    assert all(router.pick([*s2, 7]) == b.pod for router in routers)
+    if dynamo is not None:
+        assert dynamo.scores(s1) == {a.pod: 3 * 0.25}, "Dynamo: three blocks at disk credit"
+        assert dynamo.skipped_removals == 0, "removals come deepest block first"
 
 
 def test_events_carry_vllms_fields_and_the_tenant_as_the_first_blocks_salt() -> None:
