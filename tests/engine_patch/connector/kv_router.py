@@ -131,9 +131,10 @@ class LlmdIndex:
         return out
 
     def apply(self, pod: str, batch: KVEventBatch) -> None:
+        media = self.media
         for ev in batch.events:
-            if self.media is not None and not isinstance(ev, AllBlocksCleared) and ev.medium not in self.media:
-                continue
+            if media is not None and not isinstance(ev, AllBlocksCleared) and ev.medium not in self.media:
+                continue  # another medium (vLLM's own blocks)
             if isinstance(ev, BlockStored):
                 tier = (ev.medium or "gpu").lower()
                 parent = None
