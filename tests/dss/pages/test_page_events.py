@@ -69,7 +69,7 @@ def held_by(table: PageTable) -> set[tuple[PageHash, str]]:
 class EventsMachine(PagesMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.pages.table.events.cap = 5  # small: some steps overflow it (a counted drop, a resync)
+        self.pages.table.events.cap = 2  # small: some steps overflow it (a counted drop, a resync)
         self.view = Holdings()
         self.view.poll(self.pages.table)
 
