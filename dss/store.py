@@ -375,6 +375,8 @@ class Store:
             "indexed_tokens": self.index.indexed_tokens(),
             "demoted_pages": c.demoted_pages,
             "retention": self.retention.stats(),
+            # page events for KV-aware routers: fingerprints read, events queued, events dropped
+            "kv_events": self.pages.table.event_stats(),
             **self.kv.stats(),
         }
 

@@ -386,6 +386,10 @@ class PageTable:
             [*_stored(e, after - before), *(_removed(e, t) for t in sorted(before - after))],
         )
 
+    def event_stats(self) -> dict[str, int]:
+        with self._lock:
+            return self.events.stats()
+
     def take_events(self, fid: FingerprintId, epoch: str, after: int, limit: int = 4096) -> PageEventBatch:
         """The page events of fingerprint `fid` after id `after` of log `epoch` (recording starts
         at the first call). When the reader cannot continue (`PageEventLog.since`), a resync: the
