@@ -20,7 +20,7 @@ from dss.store import Store
 from dss.types import Tier
 from engine_patch.connector.kv_events import block_hash
 from tests.engine_helpers import Engine, make_conversations, open_store
-from tests.engine_patch.connector.kv_router import DSS_MEDIA, Holdings, LlmdIndex, Subscriber
+from tests.kv_router import DSS_MEDIA, Holdings, LlmdIndex, Subscriber
 
 pytestmark = pytest.mark.engine
 

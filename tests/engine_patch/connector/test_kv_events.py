@@ -4,10 +4,10 @@ publisher, into a router's index: two servers (a page table and a publisher each
 - Every event decodes with vLLM's `KVEventBatch`; the (block hash, medium) pairs rebuilt from them
   are exactly each server's host (`CPU`) and disk (`STORAGE`) pages, after stores, a demotion, an
   eviction, an erasure and a store restart (`AllBlocksCleared`, then the holdings again).
-- llm-d's index (its key computation reproduced in `kv_router.LlmdIndex`) and, where
-  `ai-dynamo-runtime` is importable, NVIDIA Dynamo's own `RadixTree` (`kv_router.DynamoIndex`)
-  pick the server that holds a session's KV for that session's next turn, and neither once the
-  pages are erased.
+- llm-d's index (its key computation reproduced in `tests.kv_router.LlmdIndex`) and, where
+  `ai-dynamo-runtime` is importable, NVIDIA Dynamo's own `RadixTree`
+  (`tests.kv_router.DynamoIndex`) pick the server that holds a session's KV for that session's
+  next turn, and neither once the pages are erased.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dss.pages.table import PageEntry, PageTable
 from dss.types import FingerprintId, NamespaceId, PageHash, TenantId, Tier
 from dss.wire import PageEventBatch
 from engine_patch.connector.kv_events import StoreEvents, block_hash
-from tests.engine_patch.connector.kv_router import DynamoIndex, Holdings, LlmdIndex, Subscriber
+from tests.kv_router import DynamoIndex, Holdings, LlmdIndex, Subscriber
 
 BS = 4
 FID = FingerprintId("fp-events")

@@ -1,4 +1,4 @@
-"""A KV-aware router's side of vLLM's KV events, for the tests of `engine_patch.connector.kv_events`.
+"""A KV-aware router's side of vLLM's KV events, for the tests of `engine_patch.connector.kv_events`
 
 - `Subscriber`: a ZMQ SUB socket on a vLLM publisher; every frame `[topic, seq, payload]` is
   decoded with vLLM's own msgspec class (`KVEventBatch`), sequence numbers checked.
