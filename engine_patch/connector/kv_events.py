@@ -142,7 +142,13 @@ class StoreEvents:
         self._next_poll = now + self.poll_s
         fid = self._fid()
         if fid is None:
-            return []
+            if not self._epoch:
+                return []
+            # the connector went off (or the store no longer knows this engine): this engine
+            # loads nothing from the store any more, so a router must not count its pages here
+            logger.warning("DSS KV events: the connector is off; the store's pages are withdrawn")
+            self.resync()
+            return [AllBlocksCleared()]
         try:
             batch = self._client.take_events(
                 fid, self._epoch, self._after, self.limit, timeout_s=self.timeout_s

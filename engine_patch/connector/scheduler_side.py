@@ -107,8 +107,8 @@ class SchedulerSide:
     # ------------------------------------------------------------------ store access
     def fingerprint_id(self) -> FingerprintId | None:
         """The fingerprint id the store registered for this engine (None while it cannot tell,
-        or when the connector is off)."""
-        return self._fingerprint_id()
+        and once the connector is off)."""
+        return None if self.disabled else self._fingerprint_id()
 
     def _fingerprint_id(self) -> FingerprintId | None:
         if self._fid is None and not self.disabled:

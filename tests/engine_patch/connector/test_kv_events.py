@@ -203,3 +203,15 @@ def test_events_carry_vllms_fields_and_the_tenant_as_the_first_blocks_salt() -> 
     assert second.parent_block_hash == first.block_hashes[0] == block_hash(hashes[0])
     assert isinstance(first.block_hashes[0], int), "vLLM's default: 64-bit int hashes (llm-d reads uint64)"
     assert (first.medium, first.locality) == ("CPU", "LOCAL")
+
+
+def test_a_connector_that_turns_off_withdraws_the_stores_pages() -> None:
+    """A connector that stops loading (a worker's KV cache does not match the fingerprint) tells
+    routers once that this engine holds nothing of the store's, then stays quiet."""
+    table = PageTable()
+    on = [True]
+    events = StoreEvents(TableClient(table), lambda: FID if on[0] else None, BS, poll_s=0.0)  # type: ignore[arg-type]
+    assert [type(e).__name__ for e in events.take()] == ["AllBlocksCleared"]
+    on[0] = False
+    assert [type(e).__name__ for e in events.take()] == ["AllBlocksCleared"]
+    assert events.take() == [] and events.take() == []
