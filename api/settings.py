@@ -215,6 +215,10 @@ class EngineGroup(BaseModel):
     # A model or parallel layout DSS cannot cache refuses to start (one line, the reason); True
     # serves it as plain vLLM, with `/readyz` `kv_caching: false` and `dss_kv_caching_enabled 0`.
     allow_uncached: bool = False
+    # vLLM's KV events, with the store's host and disk pages (docs/operations.md, "KV events"):
+    # the ZMQ endpoint vLLM's publisher binds (`tcp://*:5557`) or connects to; None: off.
+    kv_events_endpoint: str | None = Field(default=None, max_length=256)
+    kv_events_topic: str = Field(default="", max_length=256)  # llm-d: `kv@<pod-ip:port>@<model>`
 
     @property
     def slots_per_user(self) -> int:
@@ -243,6 +247,8 @@ class EngineGroup(BaseModel):
             pipeline_parallel_size=self.pipeline_parallel_size,
             kv_cache_dtype=self.kv_cache_dtype,
             allow_uncached=self.allow_uncached,
+            kv_events_endpoint=self.kv_events_endpoint,
+            kv_events_topic=self.kv_events_topic,
             extra_engine_args=dict(self.extra_args),
             **{k: v for k, v in given.items() if v is not None},
         )

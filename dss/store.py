@@ -376,6 +376,8 @@ class Store:
             "indexed_tokens": self.index.indexed_tokens(),
             "demoted_pages": c.demoted_pages,
             "retention": self.retention.stats(),
+            # page events for KV-aware routers: fingerprints read, events queued, events dropped
+            "kv_events": self.pages.table.event_stats(),
             **self.kv.stats(),
         }
 
@@ -393,6 +395,7 @@ class Store:
             commit_save=kv.saves.commit_save,
             abort_save=kv.saves.abort_save,
             stats=self.stats,
+            take_events=self.pages.table.take_events,
         )
 
     def serve_rpc(self) -> tuple[str, bytes]:

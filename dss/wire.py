@@ -7,7 +7,9 @@ and tuples, defined once and imported by every side:
   and where (page bytes travel through the shared-memory host arena, never through a socket);
 - `SessionTag`: what the API attaches to a session request (`SamplingParams.extra_args`);
 - `TurnReport`: what the connector returns for that request (`RequestOutput.kv_transfer_params`):
-  where its prompt tokens came from, per tier.
+  where its prompt tokens came from, per tier;
+- `PageEvent`, `PageEventBatch`: what the store tells an engine about the pages it holds on host
+  and disk, which the connector publishes as vLLM KV events for KV-aware routers.
 
 Kept free of heavy imports: the engine processes import this without the database or the tiers.
 vLLM carries `kv_transfer_params` as plain JSON-like dicts, so the two request-level types have a
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dss.derive import hmac_sha256
@@ -107,6 +109,47 @@ class LoadPlan:
 class SavePlan:
     save_id: str
     pages: tuple[PageSlot, ...]
+
+
+PAGE_STORED = "stored"
+PAGE_REMOVED = "removed"
+
+
+@dataclass(frozen=True, slots=True)
+class PageEvent:
+    """One tier change of one page (`dss.pages.events`): `kind` is `PAGE_STORED` (durable in
+    `tier` from now on) or `PAGE_REMOVED` (gone from `tier`). `parent` is None for the first page
+    of a sequence; `tokens` (stored events only) are the page's own token ids, `n_tokens` their
+    count (fewer than the block size for a tail page); `tenant` owns the page's namespace."""
+
+    id: int
+    kind: str
+    tier: str
+    page: PageHash
+    parent: PageHash | None
+    index: int
+    n_tokens: int
+    tenant: str
+    tokens: tuple[int, ...] = ()
+
+    def with_id(self, id_: int) -> PageEvent:
+        return replace(self, id=id_)
+
+
+@dataclass(frozen=True, slots=True)
+class PageEventBatch:
+    """An answer to `take_events`. `resync`: the reader's view is void (a new epoch, its first
+    read, or events it had not read were dropped): `events` is then the table's whole holdings for
+    the fingerprint, to publish after an `AllBlocksCleared`. `last_id` is the cursor for the next
+    read; `dropped` counts the events this fingerprint's queue has dropped; `more`: events past
+    `last_id` are already waiting."""
+
+    epoch: str
+    events: tuple[PageEvent, ...]
+    last_id: int
+    resync: bool
+    dropped: int = 0
+    more: bool = False
 
 
 def tag_key(authkey: bytes) -> bytes:

@@ -21,6 +21,12 @@ deletes the copies itself. Either way the caller gets back the entries whose cop
 delete (irreversible steps, done after the table and any database rows are updated), and the
 hash stays reserved until it reports them deleted (`deleted`): a page of the same content saved
 again meanwhile is refused rather than have its new file or row removed by the old deletion.
+
+Every change of a page's host and disk tiers is recorded, under the lock and in order, in
+`events` (`dss.pages.events`) for the fingerprints an engine reads them for (`take_events`): a
+page is stored in a tier when an entry with that tier is inserted or a transition settles with it,
+and removed when a transition settles without it, or `remove` takes or dooms it (a doomed page is
+gone for every reader, so for routers too).
 """
 
 from __future__ import annotations
@@ -31,10 +37,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from dss.pages.events import REPORTED_TIERS, PageEventLog
 from dss.pages.eviction import EvictionPolicy, PageStats, RetentionClass, choose_victims
 from dss.pages.meta import PageMeta
-from dss.types import PageHash, TenantId, Tier
-from dss.wire import SlotRef
+from dss.types import FingerprintId, PageHash, TenantId, Tier
+from dss.wire import PAGE_REMOVED, PAGE_STORED, PageEvent, PageEventBatch, SlotRef
 
 _serials = itertools.count(1)
 
@@ -78,7 +85,8 @@ class Held:
 
 
 class PageTable:
-    def __init__(self) -> None:
+    def __init__(self, event_cap: int = 65536) -> None:
+        self.events = PageEventLog(event_cap)
         self._lock = threading.Lock()
         self._settled = threading.Condition(self._lock)  # notified when a busy page settles
         self._entries: dict[PageHash, PageEntry] = {}
@@ -225,6 +233,7 @@ class PageTable:
             if entry.meta.hash in self._entries or entry.meta.hash in self._deleting:
                 return False
             self._entries[entry.meta.hash] = entry
+            self._note(entry, frozenset())
             return True
 
     # ------------------------------------------------------------------ transitions
@@ -270,11 +279,14 @@ class PageTable:
             if e.doomed:
                 self._take(page)
                 return e
+            before = _reported(e)
             if update is not None:
                 update(e)
             if not e.tiers:
                 self._take(page)
+                self._note(e, before)
                 return e
+            self._note(e, before)
             return None
 
     def _take(self, page: PageHash) -> None:
@@ -332,11 +344,13 @@ class PageTable:
                 if e is None or e.doomed:
                     continue
                 gone.append(h)
+                before = _reported(e)
                 if e.busy:
                     e.doomed = True  # the transition owner deletes the copies
                 else:
                     self._take(h)
                     removed.append(e)
+                self._note(e, before)
         return removed, gone
 
     def wait_settled(self, pages: Iterable[PageHash], timeout_s: float) -> bool:
@@ -356,6 +370,69 @@ class PageTable:
     def pages_of_tenant(self, tenant: TenantId) -> list[PageHash]:
         with self._lock:
             return [h for h, e in self._entries.items() if e.meta.tenant == tenant and not e.doomed]
+
+    # ------------------------------------------------------------------ events
+    def _note(self, e: PageEntry, before: frozenset[Tier]) -> None:
+        """Caller holds the lock: record the change of `e`'s reported tiers since `before`
+        (stores first, so a page moving between tiers is never absent from a router's view)."""
+        fid = e.meta.fingerprint
+        if not self.events.recording(fid):
+            return
+        after = _reported(e) if self._entries.get(e.meta.hash) is e else frozenset()
+        if after == before:
+            return
+        self.events.record(
+            fid,
+            [*_stored(e, after - before), *(_removed(e, t) for t in sorted(before - after))],
+        )
+
+    def event_stats(self) -> dict[str, int]:
+        with self._lock:
+            return self.events.stats()
+
+    def take_events(self, fid: FingerprintId, epoch: str, after: int, limit: int = 4096) -> PageEventBatch:
+        """The page events of fingerprint `fid` after id `after` of log `epoch` (recording starts
+        at the first call). When the reader cannot continue (`PageEventLog.since`), a resync: the
+        pages of `fid` the table holds now, each page after its parent, taken under the lock with
+        the cursor, so that the events that follow apply to exactly this view."""
+        with self._lock:
+            self.events.subscribe(fid)
+            batch = self.events.since(fid, epoch, after, limit)
+            if batch is not None:
+                return batch
+            held = sorted(
+                (e for e in self._entries.values() if e.meta.fingerprint == fid and not e.doomed),
+                key=lambda e: e.meta.index,
+            )
+            return PageEventBatch(
+                self.events.epoch,
+                tuple(ev for e in held for ev in _stored(e, _reported(e))),
+                self.events.last_id(fid),
+                resync=True,
+                dropped=self.events.dropped(fid),
+            )
+
+
+def _reported(e: PageEntry) -> frozenset[Tier]:
+    return frozenset() if e.doomed else frozenset(e.tiers & REPORTED_TIERS)
+
+
+def _stored(e: PageEntry, tiers: frozenset[Tier]) -> list[PageEvent]:
+    if not tiers:
+        return []
+    m = e.meta
+    parent = None if m.index == 0 else m.parent
+    tokens = tuple(int(t) for t in m.tokens.tolist())
+    return [
+        PageEvent(0, PAGE_STORED, t.value, m.hash, parent, m.index, len(tokens), str(m.tenant), tokens)
+        for t in sorted(tiers)
+    ]
+
+
+def _removed(e: PageEntry, tier: Tier) -> PageEvent:
+    m = e.meta
+    parent = None if m.index == 0 else m.parent
+    return PageEvent(0, PAGE_REMOVED, tier.value, m.hash, parent, m.index, m.n_tokens, str(m.tenant))
 
 
 def _sized(stats: PageStats, nbytes: int) -> PageStats:

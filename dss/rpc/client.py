@@ -33,7 +33,7 @@ from dss.rpc.transport import (
     set_io_timeouts,
 )
 from dss.types import FingerprintId
-from dss.wire import LoadPlan, PageSlot, SavePlan
+from dss.wire import LoadPlan, PageEventBatch, PageSlot, SavePlan
 
 log = logging.getLogger("dss.rpc")
 
@@ -289,6 +289,15 @@ class StoreClient:
 
     def stats(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         return dict(self._call("stats", timeout_s=timeout_s))
+
+    def take_events(
+        self, fid: FingerprintId, epoch: str, after: int, limit: int = 4096, *, timeout_s: float | None = None
+    ) -> PageEventBatch:
+        """The page events of `fid` after id `after` of log `epoch`, or a resync (`take_events`)."""
+        batch = self._call("take_events", str(fid), epoch, int(after), int(limit), timeout_s=timeout_s)
+        if not isinstance(batch, PageEventBatch):
+            raise DSSError(f"take_events answered {type(batch).__name__}")
+        return batch
 
     def close(self) -> None:
         """Drop the connection (after any call in flight, which its deadline bounds). A later

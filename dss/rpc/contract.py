@@ -17,7 +17,7 @@ import numpy as np
 
 from dss.namespace import ModelFingerprint
 from dss.types import FingerprintId, TenantId
-from dss.wire import LoadPlan, PageSlot, SavePlan
+from dss.wire import LoadPlan, PageEventBatch, PageSlot, SavePlan
 
 
 class EngineStore(Protocol):
@@ -26,7 +26,8 @@ class EngineStore(Protocol):
     (`begin_load`), the workers wait for them and copy them (`wait_loaded`, which can `release`
     in the same round trip) or give the lease back (`release`); a finished request reserves host
     slots for the pages the store lacks (`plan_save`), each rank reports what it copied
-    (`commit_save`) or that it copied nothing (`abort_save`). `shard` is the engine rank
+    (`commit_save`) or that it copied nothing (`abort_save`); with KV events on, the scheduler
+    reads the page events of its fingerprint (`take_events`). `shard` is the engine rank
     (tensor/pipeline parallel engines report one part each)."""
 
     def register_fingerprint(self, fp: ModelFingerprint) -> FingerprintId: ...
@@ -62,6 +63,11 @@ class EngineStore(Protocol):
 
     def stats(self) -> Mapping[str, Any]: ...
 
+    def take_events(self, fid: FingerprintId, epoch: str, after: int, limit: int = 4096) -> PageEventBatch:
+        """The host and disk page events of fingerprint `fid` after id `after` of log `epoch`, or
+        a resync (`dss.pages.events`); the connector publishes them as vLLM KV events."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class EngineCalls:
@@ -77,6 +83,7 @@ class EngineCalls:
     commit_save: Callable[..., int]
     abort_save: Callable[..., None]
     stats: Callable[[], Mapping[str, Any]]
+    take_events: Callable[..., PageEventBatch]
 
 
 ENGINE_CALLS: tuple[str, ...] = tuple(f.name for f in fields(EngineCalls))

@@ -26,7 +26,7 @@ from dss.namespace import ModelFingerprint
 from dss.rpc.contract import ENGINE_CALLS, EngineStore
 from dss.rpc.transport import check_address, set_io_timeouts
 from dss.types import FingerprintId, TenantId
-from dss.wire import LoadPlan, PageSlot, SavePlan
+from dss.wire import LoadPlan, PageEventBatch, PageSlot, SavePlan
 
 log = logging.getLogger("dss.rpc")
 
@@ -75,6 +75,7 @@ class StoreServer:
             "commit_save": self._commit_save,
             "abort_save": self._abort_save,
             "stats": service.stats,
+            "take_events": self._take_events,
         }
         assert set(self._methods) == {"ping", *ENGINE_CALLS}, "the method table follows the contract"
         self._sock = self._listen(address)
@@ -130,6 +131,9 @@ class StoreServer:
 
     def _abort_save(self, save_id: str, shard: int | None = None) -> None:
         self.service.abort_save(save_id, shard=_shard(shard))
+
+    def _take_events(self, fid: str, epoch: str, after: int, limit: int) -> PageEventBatch:
+        return self.service.take_events(FingerprintId(fid), str(epoch), int(after), max(1, int(limit)))
 
     # --- connections ----------------------------------------------------------------------
     def _accept_loop(self) -> None:

@@ -26,13 +26,17 @@ from dss.namespace import ModelFingerprint
 from dss.rpc import StoreClient
 from dss.wire import tag_key
 from engine_patch.connector.fingerprint import UnsupportedKVCache, build_fingerprint
+from engine_patch.connector.kv_events import StoreEvents
 from engine_patch.connector.metadata import DSSConnectorMetadata
 from engine_patch.connector.orphan_guard import guard_against_orphaning
 from engine_patch.connector.scheduler_side import SchedulerSide
 from engine_patch.connector.worker_side import EngineRank, WorkerSide
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorMetadata,
         KVConnectorWorkerMetadata,
@@ -79,6 +83,7 @@ class DSSConnector(KVConnectorBase_V1, SupportsHMA):
             logger.error("DSS connector configured without store_address/authkey; it stays off")
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._events: StoreEvents | None = None
         if role == KVConnectorRole.SCHEDULER:
             guard_against_orphaning()  # the engine core ends when the server that spawned it dies
             self._scheduler = SchedulerSide(
@@ -89,6 +94,7 @@ class DSSConnector(KVConnectorBase_V1, SupportsHMA):
                 block_ids_of=self._block_ids_of,
                 tag_key=tag_key(bytes.fromhex(str(authkey_hex))) if authkey_hex else None,
             )
+            self._events = self._store_events(vllm_config, fingerprint, factory)
         else:
             self._worker = WorkerSide(
                 fingerprint,
@@ -101,6 +107,35 @@ class DSSConnector(KVConnectorBase_V1, SupportsHMA):
             logger.info(
                 "DSS connector (%s) fingerprint %s: %s", role.name.lower(), fingerprint.id, fingerprint
             )
+
+    def _store_events(
+        self,
+        vllm_config: VllmConfig,
+        fingerprint: ModelFingerprint | None,
+        factory: Callable[[], StoreClient] | None,
+    ) -> StoreEvents | None:
+        """With vLLM's KV events on (`--kv-events-config`), the store's host and disk pages are
+        published beside vLLM's own blocks (`engine_patch.connector.kv_events`); said in the log
+        either way, never silently off."""
+        config = vllm_config.kv_events_config
+        if config is None or not config.enable_kv_cache_events:
+            return None
+        scheduler = self._scheduler
+        if fingerprint is None or factory is None or scheduler is None:
+            logger.warning("vLLM KV events are on but the DSS connector is off: DSS pages are not published")
+            return None
+        poll_s = float(self._kv_transfer_config.get_from_extra_config("kv_events_poll_s", 0.1))
+        logger.info(
+            "DSS KV events on: the store's host (CPU) and disk (STORAGE) pages of fingerprint %s are "
+            "published with vLLM's events on %s (topic %r, block size %d, polled every %.2fs)",
+            fingerprint.id,
+            config.endpoint,
+            config.topic,
+            fingerprint.block_size,
+            poll_s,
+        )
+        # its own client: reading events never waits behind a lookup or a save plan
+        return StoreEvents(factory(), scheduler.fingerprint_id, fingerprint.block_size, poll_s=poll_s)
 
     @staticmethod
     def _fingerprint(
@@ -220,8 +255,22 @@ class DSSConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 
+    def reset_cache(self) -> bool | None:
+        """vLLM's `reset_prefix_cache(reset_connector=True)`: the store keeps its pages (they are
+        durable, not this engine's cache), but vLLM has just published `AllBlocksCleared` for the
+        engine, so the store's pages are announced again (a resync) at the next step."""
+        if self._events is not None:
+            self._events.resync()
+        return None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The store's page events since the last call (vLLM publishes them with its own)."""
+        return self._events.take() if self._events is not None else ()
+
     # ================================================================== both
     def shutdown(self) -> None:
+        if self._events is not None:
+            self._events.close()
         if self._scheduler is not None:
             self._scheduler.shutdown()
         if self._worker is not None:

@@ -105,6 +105,11 @@ class SchedulerSide:
         return tag
 
     # ------------------------------------------------------------------ store access
+    def fingerprint_id(self) -> FingerprintId | None:
+        """The fingerprint id the store registered for this engine (None while it cannot tell,
+        and once the connector is off)."""
+        return None if self.disabled else self._fingerprint_id()
+
     def _fingerprint_id(self) -> FingerprintId | None:
         if self._fid is None and not self.disabled:
             assert self.client is not None and self.fingerprint is not None

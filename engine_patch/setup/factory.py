@@ -76,6 +76,12 @@ class EngineSettings:
     save_after_prefill: bool = True
     # False: an engine the connector cannot cache fails to start; True: it serves uncached.
     allow_uncached: bool = False
+    # vLLM's KV events (ZMQ PUB on this endpoint, e.g. "tcp://*:5557"; None: off), with the
+    # store's host and disk pages beside vLLM's own blocks (`engine_patch.connector.kv_events`).
+    # llm-d wants the topic `kv@<pod-ip:port>@<model>` (docs/operations.md, "KV events").
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_poll_s: float = 0.1  # how often the scheduler reads the store's page events
     # Any other vLLM engine argument (`AsyncEngineArgs` field names; checked, never ignored).
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
 
@@ -101,6 +107,7 @@ def kv_transfer_config(store_address: str, authkey: bytes, settings: EngineSetti
             "settle_timeout_s": settings.settle_timeout_s,
             "save_after_prefill": settings.save_after_prefill,
             "allow_uncached": settings.allow_uncached,
+            "kv_events_poll_s": settings.kv_events_poll_s,
         },
     )
 
@@ -135,6 +142,15 @@ def engine_kwargs(
         if store_address is None or authkey is None:
             raise ValueError("the DSS connector needs the store's RPC address and authkey")
         kwargs["kv_transfer_config"] = kv_transfer_config(store_address, authkey, settings)
+    if settings.kv_events_endpoint:
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=settings.kv_events_endpoint,
+            topic=settings.kv_events_topic,
+        )
     kwargs.update(check_engine_args(settings.extra_engine_args))
     return kwargs
 
