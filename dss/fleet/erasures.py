@@ -69,18 +69,18 @@ class FleetReport:
 
 # ------------------------------------------------------------------------------ the erasing side
 def record_erasure_in(
-    session: Session, receipt_id: str, server_id: str, alive: list[str], own: dict[str, Any]
+    db: Session, receipt_id: str, server_id: str, alive: list[str], own: dict[str, Any]
 ) -> None:
     """In the erasure's transaction: the erasing server's acknowledgement, a pending one for every
     other server alive now, and the notification (delivered when the transaction commits)."""
-    session.add(
+    db.add(
         ErasureAckRow(receipt_id=receipt_id, server=server_id, acked_at=func.now(), counts=own, remnants=0)
     )
     for other in alive:
         if other != server_id:
-            session.add(ErasureAckRow(receipt_id=receipt_id, server=other))
-    session.flush()
-    session.execute(text("SELECT pg_notify(:channel, :rid)"), {"channel": CHANNEL, "rid": receipt_id})
+            db.add(ErasureAckRow(receipt_id=receipt_id, server=other))
+    db.flush()
+    db.execute(text("SELECT pg_notify(:channel, :rid)"), {"channel": CHANNEL, "rid": receipt_id})
 
 
 def update_own_counts(

@@ -107,9 +107,9 @@ class Membership:
         with transaction(self._sf) as s:
             s.execute(update(ServerRow).where(ServerRow.id == self.server_id).values(last_seen=func.now()))
 
-    def alive_in(self, session: Session) -> list[str]:
+    def alive_in(self, db: Session) -> list[str]:
         """Servers seen within `alive_s` (this one included), read in the caller's transaction."""
-        return servers_alive_in(session, self._alive_s)
+        return servers_alive_in(db, self._alive_s)
 
     def erasure_seq(self) -> int:
         with self._sf() as s:

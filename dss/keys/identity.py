@@ -82,22 +82,22 @@ def _read_verifier(sf: sessionmaker[Session]) -> str | None:
         return verifier_in(s)
 
 
-def verifier_in(session: Session) -> str | None:
+def verifier_in(db: Session) -> str | None:
     """The master-key verifier, read in the caller's transaction; on PostgreSQL under a shared
     lock of its row (`FOR SHARE`) held until that transaction ends, so that no rotation commits
     in between (a rotation locks the row `FOR UPDATE` first)."""
-    return meta_value_in(session, MASTER_VERIFIER_META, lock="share")
+    return meta_value_in(db, MASTER_VERIFIER_META, lock="share")
 
 
-def check_master_in(session: Session, keys: KeyManager) -> None:
+def check_master_in(db: Session, keys: KeyManager) -> None:
     """In a transaction about to store something wrapped under `keys` (a new data key): the
     store's verifier still opens with `keys`, and stays so until the transaction ends (PostgreSQL:
     its row is held `FOR SHARE`). `MasterKeyRotated` when a rotation changed it since this server
     read the key: what it would wrap no restart could unwrap. SQLite: nothing to do, a rotation
     takes the data directory's owner lock, so no server runs beside it."""
-    if session.get_bind().dialect.name != "postgresql":
+    if db.get_bind().dialect.name != "postgresql":
         return
-    verifier = verifier_in(session)
+    verifier = verifier_in(db)
     if verifier is None:
         return  # a store being created: `load_master_key` writes the verifier
     try:
@@ -232,35 +232,33 @@ class Identity:
                 self._epochs.put(subject, epoch)
         return epoch
 
-    def stored_epoch_in(self, session: Session, user: UserId) -> int:
+    def stored_epoch_in(self, db: Session, user: UserId) -> int:
         """The user's epoch as the database has it now (not the cache), without a row lock."""
-        stored = session.scalar(
-            select(ErasureEpoch.epoch).where(ErasureEpoch.subject == self.subject_hash(user))
-        )
+        stored = db.scalar(select(ErasureEpoch.epoch).where(ErasureEpoch.subject == self.subject_hash(user)))
         return int(stored) if stored is not None else 0
 
-    def fence_in(self, session: Session, user: UserId, admitted: int | None) -> int:
+    def fence_in(self, db: Session, user: UserId, admitted: int | None) -> int:
         """The write fence (see the class docstring), before the first write of a transaction that
         writes rows of `user`: holds the user's epoch row shared until the transaction ends and
         returns the epoch. `UserErased` when `admitted` (the epoch the request was admitted
         under; None: any) is not the current one: the user was erased since."""
-        epoch = self._lock_epoch_row(session, user, exclusive=False)
+        epoch = self._lock_epoch_row(db, user, exclusive=False)
         if admitted is not None and epoch != admitted:
             self.forget(user)  # the cache may hold the old epoch (another server's erasure)
             raise UserErased("the user was erased while this request was in flight; nothing of it was kept")
         return epoch
 
-    def next_epoch_in(self, session: Session, user: UserId, expected: int | None = None) -> int:
+    def next_epoch_in(self, db: Session, user: UserId, expected: int | None = None) -> int:
         """Before any other write or row lock of an erasure's transaction: lock the user's epoch
         row (racing writes of the user commit before, or wait and are refused after) and move the
         user to the next epoch (returned); the user has the new tenant once it commits.
         `expected`: the epoch the erasure read before it erased that epoch's tenant (erasures of
         one user are serialised, so it has not moved; if it did, `UserErased` and nothing is
         done). Call `forget` after the commit."""
-        epoch = self._lock_epoch_row(session, user, exclusive=True)
+        epoch = self._lock_epoch_row(db, user, exclusive=True)
         if expected is not None and epoch != expected:
             raise UserErased(f"the user was erased by another erasure meanwhile (epoch {epoch}); erase again")
-        session.execute(
+        db.execute(
             update(ErasureEpoch)
             .where(ErasureEpoch.subject == self.subject_hash(user))
             .values(epoch=epoch + 1)
@@ -268,19 +266,19 @@ class Identity:
         )
         return epoch + 1
 
-    def _lock_epoch_row(self, session: Session, user: UserId, exclusive: bool) -> int:
+    def _lock_epoch_row(self, db: Session, user: UserId, exclusive: bool) -> int:
         """Create the user's epoch row if missing, then read it under a row lock (shared or
         exclusive; on SQLite the upsert has taken the database write lock already)."""
         subject = self.subject_hash(user)
-        dialect = session.get_bind().dialect.name
+        dialect = db.get_bind().dialect.name
         insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-        session.execute(
+        db.execute(
             insert(ErasureEpoch)
             .values(subject=subject, epoch=0)
             .on_conflict_do_nothing(index_elements=["subject"])
         )
         q = select(ErasureEpoch.epoch).where(ErasureEpoch.subject == subject)
-        return int(session.scalar(q.with_for_update(read=not exclusive)) or 0)
+        return int(db.scalar(q.with_for_update(read=not exclusive)) or 0)
 
     def forget(self, user: UserId) -> None:
         with self._lock:

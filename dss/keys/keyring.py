@@ -123,9 +123,9 @@ class Keyring:
         with self._sf() as s:
             return {TenantId(t) for t in s.execute(select(DataKey.tenant)).scalars()}
 
-    def destroy_in(self, session: Session, tenant: TenantId) -> int:
+    def destroy_in(self, db: Session, tenant: TenantId) -> int:
         """Delete the wrapped key inside the caller's transaction; forget the cached copy."""
-        n = cast(CursorResult[Any], session.execute(delete(DataKey).where(DataKey.tenant == tenant))).rowcount
+        n = cast(CursorResult[Any], db.execute(delete(DataKey).where(DataKey.tenant == tenant))).rowcount
         self.forget_cached(tenant)
         return int(n)
 

@@ -1,6 +1,9 @@
 """The owner's side of the local RPC: `StoreServer` accepts engine processes on a unix socket and
 answers their calls from an `EngineStore` (`dss.rpc.contract`), decoding each call's wire arguments
 in its method table.
+
+Lock: `StoreServer._conns_lock` is a leaf around the set of open connections and the closed flag;
+sockets are closed and shut down after it is released.
 """
 
 from __future__ import annotations
@@ -157,10 +160,12 @@ class StoreServer:
 
     def _serve(self, conn: Connection) -> None:
         with self._conns_lock:
-            if self._closed:
-                conn.close()
-                return
-            self._conns.add(conn)
+            refused = self._closed
+            if not refused:
+                self._conns.add(conn)
+        if refused:  # closed after the lock: socket work never runs under it
+            conn.close()
+            return
         try:
             with conn:
                 if self._handshake(conn):

@@ -46,7 +46,7 @@ class WriteFence(Protocol):
     raises `UserErased` when `admitted` (the erasure epoch the request was admitted under; None:
     any) is no longer the user's. Returns the user's epoch."""
 
-    def fence_in(self, session: Session, user: UserId, admitted: int | None) -> int: ...
+    def fence_in(self, db: Session, user: UserId, admitted: int | None) -> int: ...
 
     def subject_hash(self, user: UserId) -> str:
         """The user's keyed subject hash, written on the user's sessions and stored responses

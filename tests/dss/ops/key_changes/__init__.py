@@ -1,0 +1,1 @@
+"""Tests of `dss.ops.key_changes`: master-key rotation and the derivation upgrade."""
