@@ -6,7 +6,8 @@ from fastapi import APIRouter, status
 
 from api.deps import PrincipalDep, StateDep
 from api.http_errors import error_responses
-from api.shapes.schemas import BranchCreate, BranchOut, ListResponse
+from api.shapes.resources import BranchCreate, BranchOut
+from api.shapes.schemas import ListResponse
 from dss.dialogue.versions import BranchInfo
 from dss.types import SessionId
 

@@ -12,7 +12,7 @@ import asyncio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from api.shapes.schemas import Health
+from api.shapes.resources import Health
 from api.state import AppState, Phase, Startup
 
 router = APIRouter(tags=["health"])

@@ -6,7 +6,8 @@ from fastapi import APIRouter
 
 from api.deps import CallerDep, StateDep
 from api.http_errors import error_responses
-from api.shapes.schemas import ListResponse, ModelOut
+from api.shapes.resources import ModelOut
+from api.shapes.schemas import ListResponse
 
 router = APIRouter(tags=["models"])
 

@@ -12,7 +12,8 @@ from api.deps import AdminDep, CallerDep, EngineDep, StateDep
 from api.http_errors import EngineUnavailable, error_responses
 from api.llm.chat_engine import ChatEngine
 from api.llm.generation import Finished, generate
-from api.shapes.schemas import Deleted, ListResponse, PrefixCreate, PrefixOut
+from api.shapes.resources import PrefixCreate, PrefixOut
+from api.shapes.schemas import Deleted, ListResponse
 from api.state import AppState
 from dss.ops.kv.public_prefixes import PrefixInfo
 from dss.types import PUBLIC_TENANT, SessionId

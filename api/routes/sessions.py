@@ -18,20 +18,16 @@ from api.deps import (
 from api.http_errors import error_responses
 from api.shapes.chat_completion import ChatCompletionShape, turn_params
 from api.shapes.openai_fields import HONOURED_CHAT, REFUSED, check_fields
-from api.shapes.schemas import (
+from api.shapes.resources import (
     BranchOut,
-    ChatCompletion,
-    Deleted,
     KvRetention,
-    ListResponse,
     SessionCreate,
-    SessionMessageRequest,
     SessionOut,
     SessionPatch,
-    TierTokens,
     WarmOut,
     WarmRequest,
 )
+from api.shapes.schemas import ChatCompletion, Deleted, ListResponse, SessionMessageRequest, TierTokens
 from api.state import AppState
 from api.turn.request import MessageTurn
 from api.turn.respond import serve_turn

@@ -27,15 +27,15 @@ from api.deps import CallerDep, PrincipalDep, StateDep
 from api.http_errors import Forbidden, RateLimited, error_responses
 from api.keys.api_keys import ApiKeys
 from api.keys.frontends import end_user_id, end_user_prefix
-from api.shapes.schemas import (
+from api.shapes.resources import (
     ErasureFleetOut,
     ErasureNothingHeldOut,
     ErasureReceiptOut,
     ErasureReceiptSummary,
-    ListResponse,
     UserOut,
     VerificationOut,
 )
+from api.shapes.schemas import ListResponse
 from api.state import AppState
 from dss.dialogue.users import stored_users
 from dss.errors import InvalidUserId, ReceiptNotFound

@@ -9,7 +9,8 @@ from fastapi import APIRouter, Query
 
 from api.deps import PrincipalDep, StateDep
 from api.http_errors import error_responses
-from api.shapes.schemas import BranchOut, ListResponse, RollbackRequest, TierTokens, VersionDetail, VersionOut
+from api.shapes.resources import BranchOut, RollbackRequest, VersionDetail, VersionOut
+from api.shapes.schemas import ListResponse, TierTokens
 from api.state import AppState
 from dss.dialogue.versions import VersionSummary
 from dss.types import SessionId, UserId
