@@ -127,6 +127,9 @@ class StoreSettings(BaseModel):
     remote_capacity_bytes: int = Field(default=8 * GiB, ge=MiB)
     remote_ttl_s: int = Field(default=7 * 24 * 3600, ge=1)
     remote_timeout_s: float = Field(default=0.5, gt=0, le=30)
+    remote_codec: str = Field(default="none", pattern=r"^(none|zstd-byteplane(:-?[0-9]{1,2})?)$")
+    remote_read_batch: int = Field(default=16, ge=1, le=1024)  # pages per pipelined round trip
+    remote_read_streams: int = Field(default=4, ge=1, le=64)  # such round trips in flight
     # This server's name in a fleet; None: the one kept in the data directory (random at first start).
     server_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     fleet: FleetSettings = FleetSettings()
@@ -170,6 +173,9 @@ class StoreSettings(BaseModel):
                 capacity_bytes=self.remote_capacity_bytes,
                 ttl_s=self.remote_ttl_s,
                 timeout_s=self.remote_timeout_s,
+                codec=self.remote_codec,
+                read_batch=self.remote_read_batch,
+                read_streams=self.remote_read_streams,
             ),
             server_id=self.server_id,
             fleet=self.fleet.to_config(),

@@ -52,6 +52,14 @@ class RemoteConfig:
     timeout_s: float = 0.5  # socket connect/read deadline: a slow Redis is an unavailable one
     probe_every_s: float = 2.0  # how often an unavailable Redis is tried again
     write_behind: bool = True  # committed pages are copied to Redis by the background writer
+    read_batch: int = 16  # pages per pipelined round trip of a read (`RemoteTier.read_many`)
+    read_streams: int = 4  # such batches in flight at once, each decoded as it arrives
+    # How pages are encoded for Redis (always encrypted and checksummed): a codec name
+    # (`dss.pages.codec`), "zstd-byteplane" at level 1 or "none". Chosen by `bench/remote_read.py`.
+    codec: str = "none"
+    # Prefetch (`KVLoads.prefetch`, started when a turn's target is resolved): pages read ahead
+    # into the host tier at most this many bytes (uncompressed) at a time; more are not prefetched.
+    prefetch_max_bytes: int = 512 << 20
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,8 @@ only the remote tier listed (a lookup's hint) is dropped when it cannot be read.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Sequence
 
 from dss.errors import CapacityError, CorruptPage, KeyDestroyed, PageMissing, StorageError, TierUnavailable
 from dss.pages.encoder import PageCodecProcess
@@ -21,8 +23,8 @@ from dss.pages.placement.writer import DataKeyLookup
 from dss.pages.table import PageEntry, PageTable
 from dss.pages.tiers.disk import DiskTier
 from dss.pages.tiers.host import HostTier
-from dss.pages.tiers.remote import RemoteTier
-from dss.types import PageHash, Tier
+from dss.pages.tiers.remote import FetchedPage, RemoteTier
+from dss.types import PageHash, TenantId, Tier
 from dss.wire import SlotRef
 
 log = logging.getLogger("dss.pages")
@@ -142,6 +144,63 @@ class Promoter:
             return None
         self._counters.count("promotions", Tier.HOST)
         self._counters.count("hits_pages", Tier.REMOTE)
+        return ref
+
+    def fetch_remote(
+        self, pages: Sequence[PageHash], tenant: TenantId, *, stop_at_miss: bool = True
+    ) -> list[FetchedPage | None]:
+        """Read and verify `pages` of `tenant` from the remote tier (`RemoteTier.read_many`:
+        batched, pipelined, decoded as they arrive); None for each miss. With `stop_at_miss` the
+        list ends at the first miss. Nothing when there is no remote tier or the tenant's key is
+        destroyed."""
+        remote = self._remote
+        if remote is None or not pages:
+            return []
+        try:
+            key = self._data_key(tenant)
+        except KeyDestroyed:
+            return []
+        got = list(remote.read_many(pages, key, stop_at_miss=stop_at_miss))
+        n = sum(x.header.file_len for x in got if x is not None)
+        if n:
+            self._counters.count("remote_read_bytes", n=n)
+        return got
+
+    def promote_fetched(self, fetched: FetchedPage, gone: list[PageHash]) -> SlotRef | None:
+        """Copy a page `fetch_remote` read into a new host slot, if the page table still lists it
+        as remote-only (else it is already promoted, or gone: nothing done). None when it was not
+        promoted; the page then stays remote-only (a load reads it again, or recomputes)."""
+        page = fetched.page
+        t0 = time.perf_counter()
+        claimed = self._table.claim(page, lambda x: x.tiers == {Tier.REMOTE})
+        if claimed is None:
+            e = self._table.get(page)
+            return e.host_ref if e is not None and Tier.HOST in e.tiers else None
+        ref: SlotRef | None = None
+        ok = False
+        try:
+            if claimed.meta.nbytes == fetched.raw.size:
+                ref = self._host_room.reserve(claimed.meta.nbytes, gone)
+                self._host.slot_array(ref)[:] = fetched.raw
+                ok = True
+        except (CapacityError, TierUnavailable):
+            pass
+        except Exception:  # the claim is settled below whatever happened here
+            log.exception("page %s not promoted from a remote read", page.hex()[:16])
+
+        def to_host(e: PageEntry) -> None:
+            e.tiers = {Tier.HOST}
+            e.host_ref = ref
+            e.meta.checksum = fetched.header.checksum
+
+        doomed = self._table.settle(page, to_host if ok else None)
+        if doomed is not None or not ok:
+            if ref is not None:
+                self._host.release(ref)
+            return None
+        self._counters.count("promotions", Tier.HOST)
+        self._counters.count("hits_pages", Tier.REMOTE)
+        self._counters.count("remote_promote_s", n=time.perf_counter() - t0)
         return ref
 
     def _read_claimed(self, entry: PageEntry, gone: list[PageHash]) -> tuple[SlotRef | None, bool, bool]:

@@ -34,7 +34,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +120,30 @@ return n
 
 
 @dataclass(frozen=True, slots=True)
+class FetchedPage:
+    """A page `read_many` read and verified: its header, token ids and decoded bytes (a fresh
+    array: the caller copies it into a host slot, `Promoter.promote_fetched`)."""
+
+    page: PageHash
+    header: PageFileHeader
+    tokens: np.ndarray
+    raw: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class ReadTimes:
+    """Seconds spent reading the tier, apart: waiting on Redis (`network`, a batch's pipelined
+    round trip) and verifying, decrypting and decompressing (`decode`). Summed over the reader
+    threads, so concurrent batches add up."""
+
+    network_s: float = 0.0
+    decode_s: float = 0.0
+    batches: int = 0
+    pages: int = 0
+    bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class RemoteStats:
     available: bool
     used_bytes: int
@@ -153,6 +178,12 @@ class RemoteTier:
         self.corrupt_pages = 0
         self.errors = 0
         self.evictions = 0
+        self._times = ReadTimes()
+        # Batches of a `read_many` in flight at once, each a pipelined round trip on a connection
+        # of its own (the client's pool), decoded on the thread that read it.
+        self._readers = ThreadPoolExecutor(
+            max_workers=max(1, config.read_streams), thread_name_prefix="dss-remote-read"
+        )
 
     # --- availability ---------------------------------------------------------------------------
     @property
@@ -321,6 +352,94 @@ class RemoteTier:
             raise
         return header, tokens, raw
 
+    def read_many(
+        self, pages: Sequence[PageHash], data_key: bytes | None, *, stop_at_miss: bool = True
+    ) -> Iterator[FetchedPage | None]:
+        """The verified pages, in order, None for each one Redis does not hold (never stored,
+        evicted, expired, a value that fails its checks, or Redis not answering): the value's
+        absence is the miss, there is no existence round trip before it.
+
+        Pages go in batches of `read_batch` per pipelined round trip (`GETEX` refreshing each
+        TTL, and one `ZADD XX` of the batch's eviction order in the same round trip), with up to
+        `read_streams` batches in flight; each batch is decoded on the thread that read it while
+        the others are on the wire. `stop_at_miss`: nothing is yielded after the first miss and
+        the batches not yet sent are never sent (a prefix is all a load can use). Closing the
+        iterator early cancels the batches not started."""
+        size = max(1, self.config.read_batch)
+        batches = [list(pages[lo : lo + size]) for lo in range(0, len(pages), size)]
+        window = max(1, self.config.read_streams)
+        pending: list[Future[list[FetchedPage | None]]] = []
+        nxt = 0
+        try:
+            while nxt < len(batches) or pending:
+                while nxt < len(batches) and len(pending) < window:
+                    pending.append(self._readers.submit(self._read_batch, batches[nxt], data_key))
+                    nxt += 1
+                got = pending.pop(0).result()
+                for item in got:
+                    yield item
+                    if item is None and stop_at_miss:
+                        return
+        finally:
+            for f in pending:
+                f.cancel()
+
+    def _read_batch(self, batch: list[PageHash], data_key: bytes | None) -> list[FetchedPage | None]:
+        """One pipelined round trip for `batch`, then its decoding (on this reader thread)."""
+        ttl = self.config.ttl_s
+        now = int(self._clock())
+
+        def run() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for p in batch:
+                pipe.getex(self._page_key(p), ex=ttl)
+            pipe.zadd(self._lru_key, {p.hex(): now for p in batch}, xx=True)
+            return list(pipe.execute())
+
+        t0 = time.perf_counter()
+        try:
+            blobs = self._call("read", run)[: len(batch)]
+        except TierUnavailable:
+            return [None] * len(batch)
+        t1 = time.perf_counter()
+        out: list[FetchedPage | None] = []
+        corrupt: list[PageHash] = []
+        nbytes = 0
+        for p, blob in zip(batch, blobs, strict=True):
+            if blob is None:
+                out.append(None)
+                continue
+            nbytes += len(blob)
+            try:
+                header, tokens, _raw = decode_page_of(blob, p, data_key)
+                raw = np.frombuffer(_raw, dtype=np.uint8)
+            except CorruptPage as exc:
+                log.warning("page %s unreadable in the remote tier (%s); a miss", p.hex()[:16], exc)
+                corrupt.append(p)
+                out.append(None)
+                continue
+            out.append(FetchedPage(p, header, tokens, raw))
+        t2 = time.perf_counter()
+        with self._lock:
+            t = self._times
+            self._times = ReadTimes(
+                t.network_s + (t1 - t0),
+                t.decode_s + (t2 - t1),
+                t.batches + 1,
+                t.pages + sum(1 for x in out if x is not None),
+                t.bytes + nbytes,
+            )
+            self.corrupt_pages += len(corrupt)
+        if corrupt:
+            with contextlib.suppress(TierUnavailable):
+                self.delete(corrupt)
+        return out
+
+    def read_times(self) -> ReadTimes:
+        """Network and decoding seconds of every `read_many` so far (`/metrics`)."""
+        with self._lock:
+            return self._times
+
     # --- erasure -------------------------------------------------------------------------------------------
     def erase_tenant(self, tenant: TenantId) -> int:
         """Delete every page of `tenant` (found through its key set, never by scanning the whole
@@ -359,6 +478,7 @@ class RemoteTier:
                 return n
 
     def close(self) -> None:
+        self._readers.shutdown(wait=True, cancel_futures=True)
         try:
             self._client.close()
         except Exception:  # closing a client of a dead server must not fail a shutdown
