@@ -4,10 +4,10 @@ Pages are real KV bytes (/work/shared/data/kv_sample.bin: one page is one 128-to
 default model across its 30 layers, 2,949,120 B), encrypted and checksummed as DSS stores them,
 encoded each way compared: no compression, byte-plane zstd at a few levels. For each encoding:
 
-- `redis_ceiling_mbps`: the same values read by a plain redis-py client, `GET`s pipelined in
-  batches of the same size with the same number of batches in flight (threads), no decoding: what
-  Redis and the socket give a Python client here. `redis-benchmark -d <size> -t get` is run too
-  when installed (`redis_benchmark_mbps`, C client, no Python at all).
+- `redis_ceiling_mbps`: the same values read by a plain redis-py client, `GET`s pipelined, the
+  best of a few batch sizes and numbers of batches in flight (threads), no decoding: what Redis
+  and the socket give a Python client here (with hiredis when installed, as DSS).
+  `redis-benchmark -d <size> -t set,get` is run too when installed (C client, no Python at all).
 - DSS (`RemoteTier.read_many`, then each page copied into a host-sized slot as
   `Promoter.promote_fetched` does): MB/s of values read (at rest), MB/s of KV delivered
   (uncompressed), and the seconds apart: network (round trips), decode (checksums, AES-GCM, zstd;
@@ -133,7 +133,7 @@ def dss_read(tier: RemoteTier, pages: list[PageHash], slots: list[np.ndarray], c
     t0 = time.perf_counter()
     promote = 0.0
     at_rest = kv = 0
-    for i, got in enumerate(tier.read_many(pages, KEY)):
+    for i, got in enumerate(tier.read_many(pages, KEY, page_nbytes=slots[0].size)):
         assert got is not None, f"page {i} missing"
         p0 = time.perf_counter()
         slots[i][:] = got.raw
@@ -164,7 +164,16 @@ def old_read(tier: RemoteTier, pages: list[PageHash], slots: list[np.ndarray], c
     return Run(f"{codec} (old path)", sum(sizes), sum(s.size for s in slots), dt, 0.0, 0.0, 0.0)
 
 
-def ceiling(keys: list[str], batch: int, streams: int) -> float:
+CEILING_SHAPES = ((1, 1), (1, 2), (2, 2), (4, 4), (16, 4))  # (values per round trip, in flight)
+
+
+def ceiling(keys: list[str]) -> float:
+    """MB/s of plain pipelined GETs of `keys` (no decoding): the best of a few batch sizes and
+    numbers of batches in flight."""
+    return max(plain_read(keys, batch, streams) for batch, streams in CEILING_SHAPES)
+
+
+def plain_read(keys: list[str], batch: int, streams: int) -> float:
     """MB/s of plain pipelined GETs of `keys` (no decoding), `streams` batches in flight."""
     import redis
 
@@ -220,11 +229,12 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--batch", type=int, default=RemoteConfig().read_batch)
     ap.add_argument("--streams", type=int, default=RemoteConfig().read_streams)
+    ap.add_argument("--codecs", default=",".join(ENCODINGS), help="the encodings compared")
     ap.add_argument("--old", action="store_true", help="also time the read path before issue 30")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     n, trials = (6, 1) if args.smoke else (args.pages, args.trials)
-    encodings = ("none", "zstd-byteplane:1") if args.smoke else ENCODINGS
+    encodings = ("none", "zstd-byteplane:1") if args.smoke else tuple(args.codecs.split(","))
     raw_pages = sample_pages(n, args.smoke)
     nbytes = raw_pages[0].size
     ms = metas(n, nbytes)
@@ -232,7 +242,8 @@ def main() -> None:
     config = RemoteConfig(
         url=REDIS_URL, key_prefix=prefix, timeout_s=30.0, read_batch=args.batch, read_streams=args.streams
     )
-    print(f"{n} pages of {nbytes:,} B, batches of {args.batch}, {args.streams} in flight, best of {trials}")
+    per = max(1, min(args.batch, config.read_batch_bytes // nbytes))
+    print(f"{n} pages of {nbytes:,} B, {per} per round trip, {args.streams} in flight, best of {trials}")
     runs: list[Run] = []
     ceilings: dict[str, float] = {}
     slots = [np.empty(nbytes, dtype=np.uint8) for _ in range(n)]
@@ -248,11 +259,11 @@ def main() -> None:
                 tier.delete([m.hash])
                 tier.put(m.hash, m.tenant, blob)
             pages = [m.hash for m in ms]
-            keys = [f"{prefix}p:{h.hex()}" for h in pages]
+            keys = [tier.page_key(h) for h in pages]
             best = min((dss_read(tier, pages, slots, name) for _ in range(trials)), key=lambda r: r.seconds)
             for s, raw in zip(slots, raw_pages, strict=True):
                 assert np.array_equal(s, raw), "a page read back differs"
-            ceilings[name] = max(ceiling(keys, args.batch, args.streams) for _ in range(trials))
+            ceilings[name] = max(ceiling(keys) for _ in range(trials))
             size = sum(len(b) for b in blobs) // len(blobs)
             print(
                 f"{name:20s} value {size:>9,} B  DSS {best.load_mbps:7.0f} MB/s at rest, "

@@ -46,14 +46,25 @@ class RemoteConfig:
     """The remote page tier (`dss.pages.tiers.remote`): Redis (or Valkey) shared by a fleet."""
 
     url: str | None = None  # redis://host:port/db; None: no remote tier
+    # A Redis (or Valkey) Cluster: `url` names one of its nodes (redis://host:port), the client
+    # learns the others and sends each key to the node of its slot.
+    cluster: bool = False
+    # Pages spread over this many buckets, each with its own bookkeeping under a hash tag (one
+    # slot of a cluster) and its own share of `capacity_bytes` to evict within.
+    buckets: int = 16
     key_prefix: str = "dss:"  # every key this store writes starts with it
     capacity_bytes: int = 8 * GiB  # page bytes (at rest) kept in Redis; the oldest go first
     ttl_s: int = 7 * 24 * 3600  # a page not read or written for this long expires
     timeout_s: float = 0.5  # socket connect/read deadline: a slow Redis is an unavailable one
     probe_every_s: float = 2.0  # how often an unavailable Redis is tried again
     write_behind: bool = True  # committed pages are copied to Redis by the background writer
-    read_batch: int = 16  # pages per pipelined round trip of a read (`RemoteTier.read_many`)
-    read_streams: int = 4  # such batches in flight at once, each decoded as it arrives
+    # A read (`RemoteTier.read_many`) asks for up to `read_batch` pages per pipelined round trip,
+    # fewer when pages are large: as many as fit in `read_batch_bytes` (at least one), since a
+    # batch is decoded only once all of it arrived. `read_streams` batches are in flight at once,
+    # each decoded as it arrives while the others are on the wire (bench/remote_read.py).
+    read_batch: int = 16
+    read_batch_bytes: int = 1 << 20
+    read_streams: int = 2
     # How pages are encoded for Redis (always encrypted and checksummed): a codec name
     # (`dss.pages.codec`), "zstd-byteplane" at level 1 or "none". Chosen by `bench/remote_read.py`.
     codec: str = "none"

@@ -47,7 +47,9 @@ def remote_pages_after(
     parent = m.pages[-1] if start else ROOT_PARENT
     try:
         wanted = chain_hashes(own_ns.id, tokens[: n_whole * bs], bs, parent=parent, start_page=start)
-        fetched = [f for f in pages.promoter.fetch_remote(wanted, own_ns.tenant) if f is not None]
+        fetched = [
+            f for f in pages.promoter.fetch_remote(wanted, own_ns.tenant, fp.page_nbytes) if f is not None
+        ]
         found = len(fetched)
         new = wanted[:found]
         end = (start + found) * bs
@@ -58,7 +60,9 @@ def remote_pages_after(
             candidates = [tail_hash(own_ns.id, tail_parent, rest[:k]) for k in range(1, len(rest) + 1)]
             # Tail candidates are mostly absent: the values of those Redis holds come back in the
             # same round trip as the nils of the others.
-            got = pages.promoter.fetch_remote(candidates, own_ns.tenant, stop_at_miss=False)
+            got = pages.promoter.fetch_remote(
+                candidates, own_ns.tenant, fp.page_nbytes, stop_at_miss=False, one_round_trip=True
+            )
             tail_k = max((k + 1 for k, f in enumerate(got) if f is not None), default=0)  # the longest
             if tail_k:
                 new.append(candidates[tail_k - 1])

@@ -147,11 +147,18 @@ class Promoter:
         return ref
 
     def fetch_remote(
-        self, pages: Sequence[PageHash], tenant: TenantId, *, stop_at_miss: bool = True
+        self,
+        pages: Sequence[PageHash],
+        tenant: TenantId,
+        page_nbytes: int,
+        *,
+        stop_at_miss: bool = True,
+        one_round_trip: bool = False,
     ) -> list[FetchedPage | None]:
         """Read and verify `pages` of `tenant` from the remote tier (`RemoteTier.read_many`:
         batched, pipelined, decoded as they arrive); None for each miss. With `stop_at_miss` the
-        list ends at the first miss. Nothing when there is no remote tier or the tenant's key is
+        list ends at the first miss; `one_round_trip`: every page in one batch (candidates that
+        are mostly absent). Nothing when there is no remote tier or the tenant's key is
         destroyed."""
         remote = self._remote
         if remote is None or not pages:
@@ -160,7 +167,10 @@ class Promoter:
             key = self._data_key(tenant)
         except KeyDestroyed:
             return []
-        got = list(remote.read_many(pages, key, stop_at_miss=stop_at_miss))
+        batch = len(pages) if one_round_trip else 0
+        got = list(
+            remote.read_many(pages, key, page_nbytes=page_nbytes, stop_at_miss=stop_at_miss, batch=batch)
+        )
         n = sum(x.header.file_len for x in got if x is not None)
         if n:
             self._counters.count("remote_read_bytes", n=n)

@@ -8,17 +8,29 @@ Content addressing makes the tier self-indexing: a server that has never seen a 
 the chained page hashes of a prompt and asks which exist (`exists`, one pipelined round trip).
 There is no shared in-memory index and no page row for the remote copies.
 
-Keys (all under `RemoteConfig.key_prefix`, default `dss:`):
+Pages are spread over `RemoteConfig.buckets` buckets by their hash, and each bucket keeps its own
+bookkeeping under a hash tag, so that every key one script touches lies in one hash slot: the same
+keys serve one Redis (or Valkey) and a Redis (or Valkey) Cluster, whose nodes each hold some of
+the buckets. Keys (all under `RemoteConfig.key_prefix`, default `dss:`), `{bN}` being bucket N:
 
-    p:<hash hex>   the page at rest, with a TTL (refreshed on every read and write)
-    t:<tenant>     a set of the tenant's page hashes: an erasure deletes them without a scan
-    m              a hash: page hash -> "<bytes at rest> <tenant>"
-    lru            a sorted set: page hash -> last use (unix seconds); the oldest go first
-    bytes          the bytes at rest of every page, kept within `capacity_bytes`
+    {bN}p:<hash hex>   the page at rest, with a TTL (refreshed on every read and write)
+    {bN}t:<tenant>     a set of the tenant's page hashes in the bucket: an erasure walks every
+                       bucket's set and deletes them without a scan
+    {bN}m              a hash: page hash -> "<bytes at rest> <tenant>"
+    {bN}lru            a sorted set: page hash -> last use (unix seconds); the oldest go first
+    {bN}bytes          the bytes at rest of the bucket's pages, kept within its share of
+                       `capacity_bytes` (pages spread evenly by hash, so the buckets fill evenly)
+
+Eviction is DSS's own, in one layer: each write evicts the least recently used pages of its
+bucket past the bucket's share. Redis's `maxmemory` stays above `capacity_bytes` so that Redis
+never evicts (`volatile-lru` at most, as a safety net that can only take pages, the keys with a
+TTL): an `allkeys-lru` Redis could evict a tenant's set, and an erasure would no longer find that
+tenant's pages; pages it evicted would leave their byte counts claiming memory Redis freed.
 
 Writes and evictions run as Lua scripts, so each is atomic on the Redis server: two servers
 writing pages concurrently never leave the counters, the sets and the pages disagreeing. Pages
-that expired by TTL leave their bookkeeping behind for a while; every write sweeps a few.
+that expired by TTL leave their bookkeeping behind for a while; every write sweeps a few of its
+bucket's.
 
 Redis unavailable (refused, timed out, any Redis error) = tier unavailable: the call raises
 `TierUnavailable` and further calls fail fast for `probe_every_s`, after which the next call tries
@@ -167,6 +179,9 @@ class RemoteTier:
         self.codec = codec  # for pages written here without a disk file to copy (`encode_page`)
         self.capacity_bytes = config.capacity_bytes
         self._prefix = config.key_prefix
+        self._buckets = max(1, config.buckets)
+        # Each bucket evicts its own oldest pages past its share (pages spread evenly by hash).
+        self._bucket_capacity = max(1, config.capacity_bytes // self._buckets)
         self._clock = clock
         self._client = (client_factory or _redis_client)(config)
         self._put_script = self._client.register_script(_PUT)
@@ -234,23 +249,46 @@ class RemoteTier:
             return False
 
     # --- keys -------------------------------------------------------------------------------------
+    def _bucket(self, page: PageHash) -> int:
+        return int.from_bytes(page[:4], "little") % self._buckets
+
+    def _tag(self, bucket: int) -> str:
+        """The prefix of every key of a bucket: its hash tag puts them all in one slot."""
+        return f"{self._prefix}{{b{bucket}}}"
+
     def _page_key(self, page: PageHash) -> str:
-        return f"{self._prefix}p:{page.hex()}"
+        return f"{self._tag(self._bucket(page))}p:{page.hex()}"
 
-    def _tenant_key(self, tenant: TenantId) -> str:
-        return f"{self._prefix}t:{tenant}"
+    def page_key(self, page: PageHash) -> str:
+        """The Redis key of a page's value (tests and tools that look at Redis directly)."""
+        return self._page_key(page)
 
-    @property
-    def _meta_key(self) -> str:
-        return f"{self._prefix}m"
+    def _tenant_key(self, tenant: TenantId, bucket: int) -> str:
+        return f"{self._tag(bucket)}t:{tenant}"
 
-    @property
-    def _lru_key(self) -> str:
-        return f"{self._prefix}lru"
+    def tenant_keys(self, tenant: TenantId) -> list[str]:
+        """The keys of a tenant's page sets, one per bucket."""
+        return [self._tenant_key(tenant, b) for b in range(self._buckets)]
 
-    @property
-    def _bytes_key(self) -> str:
-        return f"{self._prefix}bytes"
+    def _meta_key(self, bucket: int) -> str:
+        return f"{self._tag(bucket)}m"
+
+    def _lru_key(self, bucket: int) -> str:
+        return f"{self._tag(bucket)}lru"
+
+    def _bytes_key(self, bucket: int) -> str:
+        return f"{self._tag(bucket)}bytes"
+
+    def _by_bucket(self, pages: Sequence[PageHash]) -> dict[int, list[PageHash]]:
+        out: dict[int, list[PageHash]] = {}
+        for p in pages:
+            out.setdefault(self._bucket(p), []).append(p)
+        return out
+
+    def _touch(self, pipe: Any, pages: Sequence[PageHash], now: int) -> None:
+        """Queue the pages' new place in their buckets' eviction orders (one ZADD per bucket)."""
+        for b, ps in self._by_bucket(pages).items():
+            pipe.zadd(self._lru_key(b), {p.hex(): now for p in ps}, xx=True)
 
     # --- queries ------------------------------------------------------------------------------------
     def exists(self, pages: Sequence[PageHash]) -> list[bool]:
@@ -271,32 +309,35 @@ class RemoteTier:
 
         def run() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
-            pipe.get(self._bytes_key)
-            pipe.hlen(self._meta_key)
+            for b in range(self._buckets):
+                pipe.get(self._bytes_key(b))
+                pipe.hlen(self._meta_key(b))
             return list(pipe.execute())
 
         try:
-            used, n = self._call("stats", run)
+            got = self._call("stats", run)
         except TierUnavailable:
             return RemoteStats(False, 0, 0, self.capacity_bytes)
-        return RemoteStats(True, int(used or 0), int(n or 0), self.capacity_bytes)
+        used = sum(int(x or 0) for x in got[0::2])
+        return RemoteStats(True, used, sum(int(x or 0) for x in got[1::2]), self.capacity_bytes)
 
     # --- writing ---------------------------------------------------------------------------------------
     def put(self, page: PageHash, tenant: TenantId, blob: bytes) -> bool:
         """Store a page at rest (`encode_page`'s output, e.g. a disk tier file's bytes). False if
         Redis already held it (its TTL is refreshed). The oldest pages go when over capacity."""
-        if len(blob) > self.capacity_bytes:
+        if len(blob) > self._bucket_capacity:
             return False
-        keys = [self._page_key(page), self._meta_key, self._lru_key, self._bytes_key]
-        keys.append(self._tenant_key(tenant))
+        b = self._bucket(page)
+        keys = [self._page_key(page), self._meta_key(b), self._lru_key(b), self._bytes_key(b)]
+        keys.append(self._tenant_key(tenant, b))
         args = [
             blob,
             self.config.ttl_s,
             int(self._clock()),
             page.hex(),
             tenant,
-            self.capacity_bytes,
-            self._prefix,
+            self._bucket_capacity,
+            self._tag(b),
             _SWEEP_EXPIRED,
         ]
         stored, evicted = self._call("put", lambda: self._put_script(keys=keys, args=args))
@@ -309,14 +350,15 @@ class RemoteTier:
         """Remove pages (and their bookkeeping, their tenant set's member included); returns how
         many Redis held. In scripts of `_ERASE_CHUNK` pages, so none holds Redis up for long
         (a deleted session's addresses may be thousands)."""
-        keys = [self._meta_key, self._lru_key, self._bytes_key]
 
-        def forget(chunk: Sequence[PageHash]) -> Callable[[], Any]:
-            return lambda: self._forget_script(keys=keys, args=[self._prefix, *(p.hex() for p in chunk)])
+        def forget(b: int, chunk: Sequence[PageHash]) -> Callable[[], Any]:
+            keys = [self._meta_key(b), self._lru_key(b), self._bytes_key(b)]
+            return lambda: self._forget_script(keys=keys, args=[self._tag(b), *(p.hex() for p in chunk)])
 
         return sum(
-            int(self._call("delete", forget(pages[lo : lo + _ERASE_CHUNK])))
-            for lo in range(0, len(pages), _ERASE_CHUNK)
+            int(self._call("delete", forget(b, ps[lo : lo + _ERASE_CHUNK])))
+            for b, ps in self._by_bucket(pages).items()
+            for lo in range(0, len(ps), _ERASE_CHUNK)
         )
 
     # --- reading -----------------------------------------------------------------------------------------
@@ -328,7 +370,7 @@ class RemoteTier:
         def run() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
             pipe.getex(key, ex=self.config.ttl_s)
-            pipe.zadd(self._lru_key, {page.hex(): int(self._clock())}, xx=True)
+            self._touch(pipe, [page], int(self._clock()))
             return list(pipe.execute())
 
         blob = self._call("get", run)[0]
@@ -353,19 +395,31 @@ class RemoteTier:
         return header, tokens, raw
 
     def read_many(
-        self, pages: Sequence[PageHash], data_key: bytes | None, *, stop_at_miss: bool = True
+        self,
+        pages: Sequence[PageHash],
+        data_key: bytes | None,
+        *,
+        page_nbytes: int = 0,
+        stop_at_miss: bool = True,
+        batch: int = 0,
     ) -> Iterator[FetchedPage | None]:
         """The verified pages, in order, None for each one Redis does not hold (never stored,
         evicted, expired, a value that fails its checks, or Redis not answering): the value's
         absence is the miss, there is no existence round trip before it.
 
         Pages go in batches of `read_batch` per pipelined round trip (`GETEX` refreshing each
-        TTL, and one `ZADD XX` of the batch's eviction order in the same round trip), with up to
-        `read_streams` batches in flight; each batch is decoded on the thread that read it while
-        the others are on the wire. `stop_at_miss`: nothing is yielded after the first miss and
+        TTL, and one `ZADD XX` of the batch's eviction order in the same round trip), fewer when
+        `page_nbytes` (the pages' size, if known) says they are large (`read_batch_bytes`), with up
+        to `read_streams` batches in flight; each batch is decoded on the thread that read it while
+        the others are on the wire. `batch` overrides the batch size (a page's tail candidates,
+        mostly absent, all go in one round trip). `stop_at_miss`: nothing is yielded after the first miss and
         the batches not yet sent are never sent (a prefix is all a load can use). Closing the
         iterator early cancels the batches not started."""
         size = max(1, self.config.read_batch)
+        if page_nbytes > 0:
+            size = max(1, min(size, self.config.read_batch_bytes // page_nbytes))
+        if batch > 0:
+            size = batch
         batches = [list(pages[lo : lo + size]) for lo in range(0, len(pages), size)]
         window = max(1, self.config.read_streams)
         pending: list[Future[list[FetchedPage | None]]] = []
@@ -393,7 +447,7 @@ class RemoteTier:
             pipe = self._client.pipeline(transaction=False)
             for p in batch:
                 pipe.getex(self._page_key(p), ex=ttl)
-            pipe.zadd(self._lru_key, {p.hex(): now for p in batch}, xx=True)
+            self._touch(pipe, batch, now)
             return list(pipe.execute())
 
         t0 = time.perf_counter()
@@ -446,21 +500,26 @@ class RemoteTier:
         keyspace); returns how many pages Redis held. `TierUnavailable` when Redis does not answer:
         the erasure destroyed the tenant's data key, so what is left there can never be decrypted,
         and `count_tenant` (in `verify`) reports it until it is gone."""
-        set_key = self._tenant_key(tenant)
         n = 0
-        while True:
-            members = self._call("erase", lambda: self._client.srandmember(set_key, _ERASE_CHUNK))
-            if not members:
-                break
-            hexes = [m.decode() if isinstance(m, bytes) else str(m) for m in members]
-            n += self._erase_members(set_key, hexes)
+        for b in range(self._buckets):  # every bucket: the tenant's pages are spread over them all
+            set_key = self._tenant_key(tenant, b)
+            while True:
+                members = self._srandmember(set_key)
+                if not members:
+                    break
+                hexes = [m.decode() if isinstance(m, bytes) else str(m) for m in members]
+                n += self._erase_members(b, set_key, hexes)
         return n
 
-    def _erase_members(self, set_key: str, hexes: list[str]) -> int:
+    def _srandmember(self, set_key: str) -> list[Any]:
+        return list(self._call("erase", lambda: self._client.srandmember(set_key, _ERASE_CHUNK)) or [])
+
+    def _erase_members(self, bucket: int, set_key: str, hexes: list[str]) -> int:
         """Forget these pages and take them out of the tenant's set, atomically (an empty set is
         deleted by Redis itself)."""
-        keys = [self._meta_key, self._lru_key, self._bytes_key, set_key]
-        return int(self._call("erase", lambda: self._forget_script(keys=keys, args=[self._prefix, *hexes])))
+        b = bucket
+        keys = [self._meta_key(b), self._lru_key(b), self._bytes_key(b), set_key]
+        return int(self._call("erase", lambda: self._forget_script(keys=keys, args=[self._tag(b), *hexes])))
 
     def _sscan(self, key: str, cursor: int) -> tuple[int, list[bytes]]:
         cursor, members = self._call("count", lambda: self._client.sscan(key, cursor, count=_ERASE_CHUNK))
@@ -468,14 +527,17 @@ class RemoteTier:
 
     def count_tenant(self, tenant: TenantId) -> int:
         """Pages of `tenant` Redis still holds (`verify` after an erasure)."""
-        key = self._tenant_key(tenant)
-        n, cursor = 0, 0
-        while True:  # in chunks: a tenant may have many pages
-            cursor, members = self._sscan(key, cursor)
-            if members:
-                n += sum(self.exists([PageHash(bytes.fromhex(m.decode())) for m in members]))
-            if not cursor:
-                return n
+        n = 0
+        for b in range(self._buckets):
+            key = self._tenant_key(tenant, b)
+            cursor = 0
+            while True:  # in chunks: a tenant may have many pages
+                cursor, members = self._sscan(key, cursor)
+                if members:
+                    n += sum(self.exists([PageHash(bytes.fromhex(m.decode())) for m in members]))
+                if not cursor:
+                    break
+        return n
 
     def close(self) -> None:
         self._readers.shutdown(wait=True, cancel_futures=True)
@@ -488,6 +550,20 @@ class RemoteTier:
 def _redis_client(config: RemoteConfig) -> Any:
     import redis
 
+    if config.cluster:  # a Redis or Valkey Cluster: commands go to the node of their key's slot
+        from redis.backoff import NoBackoff
+        from redis.cluster import RedisCluster
+        from redis.retry import Retry
+
+        return RedisCluster.from_url(
+            config.url or "",
+            socket_timeout=config.timeout_s,
+            socket_connect_timeout=config.timeout_s,
+            health_check_interval=0,
+            retry_on_timeout=False,
+            retry=Retry(NoBackoff(), 1),  # a node down is a miss now, not a wait
+            require_full_coverage=False,
+        )
     return redis.Redis.from_url(
         config.url or "",
         socket_timeout=config.timeout_s,
