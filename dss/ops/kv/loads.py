@@ -202,6 +202,8 @@ class KVLoads:
         # that begins now waits until these pages are in the table and the index (then drops them).
         with self._gate.saving(tenant) as allowed:
             if not allowed:
+                self._pages.promoter.discard_fetched(find.fetched)
+                self._lookup.forget(find.gone)
                 return 0
             index_adopted(self._pages, self._index, fp, fid, own_ns, tokens, list(m.pages), find)
             promoted, gone = promote_adopted(self._pages, find)

@@ -31,6 +31,7 @@ class RemoteFind:
     start: int
     n_tokens: int
     fetched: list[FetchedPage]
+    gone: list[PageHash]  # pages evicted from the host tier to make room for the reads
 
 
 def remote_pages_after(
@@ -47,9 +48,9 @@ def remote_pages_after(
     parent = m.pages[-1] if start else ROOT_PARENT
     try:
         wanted = chain_hashes(own_ns.id, tokens[: n_whole * bs], bs, parent=parent, start_page=start)
-        fetched = [
-            f for f in pages.promoter.fetch_remote(wanted, own_ns.tenant, fp.page_nbytes) if f is not None
-        ]
+        gone: list[PageHash] = []
+        got = pages.promoter.fetch_remote(wanted, own_ns.tenant, fp.page_nbytes, gone=gone)
+        fetched = [f for f in got if f is not None]
         found = len(fetched)
         new = wanted[:found]
         end = (start + found) * bs
@@ -61,7 +62,7 @@ def remote_pages_after(
             # Tail candidates are mostly absent: the values of those Redis holds come back in the
             # same round trip as the nils of the others.
             got = pages.promoter.fetch_remote(
-                candidates, own_ns.tenant, fp.page_nbytes, stop_at_miss=False, one_round_trip=True
+                candidates, own_ns.tenant, fp.page_nbytes, stop_at_miss=False, one_round_trip=True, gone=gone
             )
             tail_k = max((k + 1 for k, f in enumerate(got) if f is not None), default=0)  # the longest
             if tail_k:
@@ -69,11 +70,12 @@ def remote_pages_after(
                 tail = got[tail_k - 1]
                 assert tail is not None
                 fetched.append(tail)
+            pages.promoter.discard_fetched([f for k, f in enumerate(got) if k != tail_k - 1])
     except TierUnavailable:
         return None
     if not new:
         return None
-    return RemoteFind(new, start, end + tail_k, fetched)
+    return RemoteFind(new, start, end + tail_k, fetched, gone)
 
 
 def index_adopted(
@@ -111,6 +113,6 @@ def index_adopted(
 def promote_adopted(pages: TieredPages, find: RemoteFind) -> tuple[list[PageHash], list[PageHash]]:
     """Copy the pages read into host slots (a page not promoted stays remote-only, read again by
     the load's promotion): (the pages promoted, the pages that left the table meanwhile)."""
-    gone: list[PageHash] = []
+    gone = list(find.gone)
     promoted = [f.page for f in find.fetched if pages.promoter.promote_fetched(f, gone) is not None]
     return promoted, gone

@@ -13,6 +13,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
 
 from dss.errors import CapacityError, CorruptPage, KeyDestroyed, PageMissing, StorageError, TierUnavailable
 from dss.pages.encoder import PageCodecProcess
@@ -154,12 +157,15 @@ class Promoter:
         *,
         stop_at_miss: bool = True,
         one_round_trip: bool = False,
+        gone: list[PageHash] | None = None,
     ) -> list[FetchedPage | None]:
         """Read and verify `pages` of `tenant` from the remote tier (`RemoteTier.read_many`:
-        batched, pipelined, decoded as they arrive); None for each miss. With `stop_at_miss` the
-        list ends at the first miss; `one_round_trip`: every page in one batch (candidates that
-        are mostly absent). Nothing when there is no remote tier or the tenant's key is
-        destroyed."""
+        batched, pipelined, decoded as they arrive, each straight into a host slot reserved for
+        it when there is room); None for each miss. With `stop_at_miss` the list ends at the
+        first miss; `one_round_trip`: every page in one batch (candidates that are mostly
+        absent). Nothing when there is no remote tier or the tenant's key is destroyed. The
+        caller promotes each page read (`promote_fetched`) or gives its slot back
+        (`discard_fetched`); pages evicted to make room are added to `gone`."""
         remote = self._remote
         if remote is None or not pages:
             return []
@@ -168,30 +174,42 @@ class Promoter:
         except KeyDestroyed:
             return []
         batch = len(pages) if one_round_trip else 0
+        into = _HostSlots(self._host_room, self._host, gone if gone is not None else [])
         got = list(
-            remote.read_many(pages, key, page_nbytes=page_nbytes, stop_at_miss=stop_at_miss, batch=batch)
+            remote.read_many(
+                pages, key, page_nbytes=page_nbytes, stop_at_miss=stop_at_miss, batch=batch, into=into
+            )
         )
         n = sum(x.header.file_len for x in got if x is not None)
         if n:
             self._counters.count("remote_read_bytes", n=n)
         return got
 
+    def discard_fetched(self, fetched: Sequence[FetchedPage | None]) -> None:
+        """Give back the host slots of pages `fetch_remote` read that will not be promoted."""
+        for f in fetched:
+            if f is not None and f.slot is not None:
+                self._host.release(f.slot)
+
     def promote_fetched(self, fetched: FetchedPage, gone: list[PageHash]) -> SlotRef | None:
-        """Copy a page `fetch_remote` read into a new host slot, if the page table still lists it
-        as remote-only (else it is already promoted, or gone: nothing done). None when it was not
-        promoted; the page then stays remote-only (a load reads it again, or recomputes)."""
+        """Settle a page `fetch_remote` read into the host tier (its slot, or a copy into a new
+        one), if the page table still lists it as remote-only (else it is already promoted, or
+        gone: its slot is given back). None when it was not promoted; the page then stays
+        remote-only (a load reads it again, or recomputes)."""
         page = fetched.page
         t0 = time.perf_counter()
         claimed = self._table.claim(page, lambda x: x.tiers == {Tier.REMOTE})
         if claimed is None:
+            self.discard_fetched([fetched])
             e = self._table.get(page)
             return e.host_ref if e is not None and Tier.HOST in e.tiers else None
-        ref: SlotRef | None = None
+        ref: SlotRef | None = fetched.slot
         ok = False
         try:
             if claimed.meta.nbytes == fetched.raw.size:
-                ref = self._host_room.reserve(claimed.meta.nbytes, gone)
-                self._host.slot_array(ref)[:] = fetched.raw
+                if ref is None:
+                    ref = self._host_room.reserve(claimed.meta.nbytes, gone)
+                    self._host.slot_array(ref)[:] = fetched.raw
                 ok = True
         except (CapacityError, TierUnavailable):
             pass
@@ -254,3 +272,23 @@ class Promoter:
             except TierUnavailable as exc:
                 log.warning("page codec process failed (%s); decoding in this process", exc)
         disk.read(page, key, out=self._host.slot_array(ref))
+
+
+class _HostSlots:
+    """`ReadInto` over the host arena: a remote read decodes each page straight into a slot
+    reserved for it (evicting if needed); no room is a fresh array instead."""
+
+    def __init__(self, room: HostRoom, host: HostTier, gone: list[PageHash]) -> None:
+        self._room = room
+        self._host = host
+        self._gone = gone
+
+    def take(self, page: PageHash, nbytes: int) -> tuple[Any, np.ndarray] | None:
+        try:
+            ref = self._room.reserve(nbytes, self._gone)  # list.append: safe from reader threads
+        except (CapacityError, TierUnavailable):
+            return None
+        return ref, self._host.slot_array(ref)
+
+    def give_back(self, ref: Any) -> None:
+        self._host.release(ref)

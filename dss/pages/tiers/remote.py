@@ -49,14 +49,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from dss.config import RemoteConfig
 from dss.errors import CorruptPage, PageMissing, TierUnavailable
 from dss.pages.codec import Codec
-from dss.pages.pagefile import PageFileHeader, decode_page_of
+from dss.pages.pagefile import PageFileHeader, decode_page_of, read_header
 from dss.types import PageHash, TenantId, Tier
 
 log = logging.getLogger("dss.pages.remote")
@@ -133,13 +133,28 @@ return n
 
 @dataclass(frozen=True, slots=True)
 class FetchedPage:
-    """A page `read_many` read and verified: its header, token ids and decoded bytes (a fresh
-    array: the caller copies it into a host slot, `Promoter.promote_fetched`)."""
+    """A page `read_many` read and verified: its header, token ids and decoded bytes, in the
+    destination `ReadInto.take` gave (`slot` its reference: the caller owns it now and settles or
+    gives it back), else in a fresh array (`slot` None)."""
 
     page: PageHash
     header: PageFileHeader
     tokens: np.ndarray
     raw: np.ndarray
+    slot: Any = None
+
+
+class ReadInto(Protocol):
+    """Where `read_many` decodes the pages it read (host slots: no copy afterwards)."""
+
+    def take(self, page: PageHash, nbytes: int) -> tuple[Any, np.ndarray] | None:
+        """A destination of `nbytes` (its reference, its array), or None (a fresh array)."""
+        ...
+
+    def give_back(self, ref: Any) -> None:
+        """A destination not handed out after all (the page failed its checks, or was never
+        yielded)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -402,6 +417,7 @@ class RemoteTier:
         page_nbytes: int = 0,
         stop_at_miss: bool = True,
         batch: int = 0,
+        into: ReadInto | None = None,
     ) -> Iterator[FetchedPage | None]:
         """The verified pages, in order, None for each one Redis does not hold (never stored,
         evicted, expired, a value that fails its checks, or Redis not answering): the value's
@@ -414,7 +430,8 @@ class RemoteTier:
         the others are on the wire. `batch` overrides the batch size (a page's tail candidates,
         mostly absent, all go in one round trip). `stop_at_miss`: nothing is yielded after the first miss and
         the batches not yet sent are never sent (a prefix is all a load can use). Closing the
-        iterator early cancels the batches not started."""
+        iterator early cancels the batches not started. `into`: where pages are decoded (every
+        destination of a page not yielded is given back)."""
         size = max(1, self.config.read_batch)
         if page_nbytes > 0:
             size = max(1, min(size, self.config.read_batch_bytes // page_nbytes))
@@ -424,21 +441,33 @@ class RemoteTier:
         window = max(1, self.config.read_streams)
         pending: list[Future[list[FetchedPage | None]]] = []
         nxt = 0
+        got: list[FetchedPage | None] = []
+        yielded = 0
         try:
             while nxt < len(batches) or pending:
                 while nxt < len(batches) and len(pending) < window:
-                    pending.append(self._readers.submit(self._read_batch, batches[nxt], data_key))
+                    pending.append(self._readers.submit(self._read_batch, batches[nxt], data_key, into))
                     nxt += 1
-                got = pending.pop(0).result()
+                got, yielded = pending.pop(0).result(), 0
                 for item in got:
+                    yielded += 1
                     yield item
                     if item is None and stop_at_miss:
                         return
         finally:
+            unused = got[yielded:]
             for f in pending:
-                f.cancel()
+                if not f.cancel():  # running or done: its destinations are ours to give back
+                    with contextlib.suppress(Exception):
+                        unused.extend(f.result())
+            if into is not None:
+                for item in unused:
+                    if item is not None and item.slot is not None:
+                        into.give_back(item.slot)
 
-    def _read_batch(self, batch: list[PageHash], data_key: bytes | None) -> list[FetchedPage | None]:
+    def _read_batch(
+        self, batch: list[PageHash], data_key: bytes | None, into: ReadInto | None = None
+    ) -> list[FetchedPage | None]:
         """One pipelined round trip for `batch`, then its decoding (on this reader thread)."""
         ttl = self.config.ttl_s
         now = int(self._clock())
@@ -464,15 +493,24 @@ class RemoteTier:
                 out.append(None)
                 continue
             nbytes += len(blob)
+            dest: tuple[Any, np.ndarray] | None = None
             try:
-                header, tokens, _raw = decode_page_of(blob, p, data_key)
-                raw = np.frombuffer(_raw, dtype=np.uint8)
+                if into is not None:
+                    dest = into.take(p, read_header(blob).raw_len)
+                if dest is None:
+                    header, tokens, _raw = decode_page_of(blob, p, data_key)
+                    raw = np.frombuffer(_raw, dtype=np.uint8)
+                else:
+                    header, tokens, _raw = decode_page_of(blob, p, data_key, out=dest[1])
+                    raw = dest[1]
             except CorruptPage as exc:
+                if dest is not None and into is not None:
+                    into.give_back(dest[0])
                 log.warning("page %s unreadable in the remote tier (%s); a miss", p.hex()[:16], exc)
                 corrupt.append(p)
                 out.append(None)
                 continue
-            out.append(FetchedPage(p, header, tokens, raw))
+            out.append(FetchedPage(p, header, tokens, raw, dest[0] if dest is not None else None))
         t2 = time.perf_counter()
         with self._lock:
             t = self._times

@@ -186,3 +186,25 @@ def test_a_prefetch_brings_a_turns_pages_into_the_host_tier_before_the_load(
             assert not c.kv.loads.prefetch(fid, tenant, tokens)
             assert c.stats()["prefetch_skipped"] == 1
             assert c.kv.lookup.residency(fid, tenant, tokens)["host"] == 0
+
+
+def test_pages_read_past_a_missing_one_give_their_host_slots_back(
+    pg_url: str, tmp_path: Path, prefix: str
+) -> None:
+    """A page missing in the middle ends the load there; the pages after it that were already on
+    the wire (decoded into host slots reserved for them) give those slots back."""
+    key_file = tmp_path / "master.key"
+    remote = _config(prefix, read_batch=2, read_streams=4)
+    common = {"db_url": pg_url, "master_key_file": key_file, "remote": remote}
+    bs = SMALL_FP.block_size
+    with open_store(tmp_path / "a", **common) as a:
+        fid, tenant, tokens, pages = _shared_sequence(a, 12)
+        assert a.remote is not None
+        gap = a.kv.lookup.stored_prefix(fid, tenant, tokens).pages[4]
+        assert a.remote.delete([gap]) == 1
+        with open_store(tmp_path / "b", **common) as b:
+            b.fingerprints.register(SMALL_FP)
+            n, copies = load_sequence(b, fid, tenant, tokens)
+            assert n == 4 * bs and copies == pages[:4]
+            b.check()  # every host slot is a page's (none left reserved by the reads past the gap)
+            assert b.stats()["remote_read_pages"] > 4  # pages past the gap were read, then let go
