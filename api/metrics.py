@@ -250,7 +250,7 @@ class _StoreCollector(Collector):
             phases = CounterMetricFamily(
                 "dss_remote_read_seconds",
                 "Seconds reading the remote tier, by phase: network (pipelined round trips), "
-                "decode (checksums, AES-GCM, zstd; summed over reader threads), promote (into host slots)",
+                "decode (checksums, AES-GCM, zstd; summed over reader threads), promote (into the host tier)",
                 labels=["phase"],
             )
             for phase, secs in s["remote_read_seconds"].items():

@@ -127,7 +127,7 @@ class StoreSettings(BaseModel):
     remote_capacity_bytes: int = Field(default=8 * GiB, ge=MiB)
     remote_ttl_s: int = Field(default=7 * 24 * 3600, ge=1)
     remote_timeout_s: float = Field(default=0.5, gt=0, le=30)
-    remote_codec: str = Field(default="zstd-byteplane", pattern=r"^(none|zstd-byteplane(:-?[0-9]{1,2})?)$")
+    remote_codec: str = Field(default="none", pattern=r"^(none|zstd-byteplane(:-?[0-9]{1,2})?)$")
     remote_read_batch: int = Field(default=16, ge=1, le=1024)  # pages per pipelined round trip
     remote_read_batch_bytes: int = Field(default=1 << 20, ge=1)  # fewer pages per round trip when large
     remote_read_streams: int = Field(default=2, ge=1, le=64)  # such round trips in flight

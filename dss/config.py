@@ -66,10 +66,10 @@ class RemoteConfig:
     read_batch_bytes: int = 1 << 20
     read_streams: int = 2
     # How pages are encoded for Redis (always encrypted and checksummed): a codec name
-    # (`dss.pages.codec`), "zstd-byteplane[:level]" or "none". Chosen by `bench/remote_read.py`:
-    # byte-plane zstd at level 1 delivered KV as fast as "none" or faster, in 0.69x the bytes, and
-    # is the disk tier's encoding, so the write-behind copies the disk file instead of encoding again.
-    codec: str = "zstd-byteplane"
+    # (`dss.pages.codec`), "none" or "zstd-byteplane[:level]". Chosen by `bench/remote_read.py`:
+    # uncompressed pages decode with a third of zstd's CPU and were delivered as fast or faster in
+    # most runs; zstd keeps 1.45x more pages in the same Redis memory (docs/operations.md).
+    codec: str = "none"
     # Prefetch (`KVLoads.prefetch`, started when a turn's target is resolved): pages read ahead
     # into the host tier at most this many bytes (uncompressed) at a time; more are not prefetched.
     prefetch_max_bytes: int = 512 << 20

@@ -438,7 +438,9 @@ class RemoteTier:
         if batch > 0:
             size = batch
         batches = [list(pages[lo : lo + size]) for lo in range(0, len(pages), size)]
-        window = max(1, self.config.read_streams)
+        # Twice the reader threads: a thread that finished its batch starts the next at once, even
+        # while the caller still waits for an earlier one (the batches are consumed in order).
+        window = 2 * max(1, self.config.read_streams)
         pending: list[Future[list[FetchedPage | None]]] = []
         nxt = 0
         got: list[FetchedPage | None] = []
