@@ -262,3 +262,30 @@ class _StoreCollector(Collector):
             yield CounterMetricFamily(
                 "dss_remote_read_bytes", "Bytes read from the remote tier", value=s["remote_read_bytes"]
             )
+            phases = CounterMetricFamily(
+                "dss_remote_read_seconds",
+                "Seconds reading the remote tier, by phase: network (pipelined round trips), "
+                "decode (checksums, AES-GCM, zstd; summed over reader threads), promote (into the host tier)",
+                labels=["phase"],
+            )
+            for phase, secs in s["remote_read_seconds"].items():
+                phases.add_metric([phase], secs)
+            yield phases
+            yield CounterMetricFamily(
+                "dss_remote_read_pages", "Pages read from the remote tier", value=s["remote_read_pages"]
+            )
+            yield CounterMetricFamily(
+                "dss_remote_read_batches",
+                "Pipelined round trips reading the remote tier",
+                value=s["remote_read_batches"],
+            )
+            prefetch = CounterMetricFamily(
+                "dss_remote_prefetch",
+                "Prefetches from the remote tier when a turn's target is resolved: started, "
+                "skipped (over the byte budget, or one in flight), pages brought into the host tier",
+                labels=["outcome"],
+            )
+            prefetch.add_metric(["started"], s["prefetch_started"])
+            prefetch.add_metric(["skipped"], s["prefetch_skipped"])
+            prefetch.add_metric(["pages"], s["prefetch_pages"])
+            yield prefetch

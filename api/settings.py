@@ -129,6 +129,12 @@ class StoreSettings(BaseModel):
     remote_timeout_s: float = Field(default=0.5, gt=0, le=30)
     # How long a turn's commit waits for its pages to reach the remote tier (0: not at all).
     remote_durable_wait_s: float = Field(default=5.0, ge=0, le=60)
+    remote_codec: str = Field(default="none", pattern=r"^(none|zstd-byteplane(:-?[0-9]{1,2})?)$")
+    remote_read_batch: int = Field(default=16, ge=1, le=1024)  # pages per pipelined round trip
+    remote_read_batch_bytes: int = Field(default=1 << 20, ge=1)  # fewer pages per round trip when large
+    remote_read_streams: int = Field(default=2, ge=1, le=64)  # such round trips in flight
+    remote_cluster: bool = False  # the URL names a node of a Redis or Valkey Cluster
+    remote_buckets: int = Field(default=16, ge=1, le=16384)  # hash-tagged bookkeeping buckets
     # This server's name in a fleet; None: the one kept in the data directory (random at first start).
     server_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     fleet: FleetSettings = FleetSettings()
@@ -173,6 +179,12 @@ class StoreSettings(BaseModel):
                 ttl_s=self.remote_ttl_s,
                 timeout_s=self.remote_timeout_s,
                 durable_wait_s=self.remote_durable_wait_s,
+                codec=self.remote_codec,
+                read_batch=self.remote_read_batch,
+                read_batch_bytes=self.remote_read_batch_bytes,
+                read_streams=self.remote_read_streams,
+                cluster=self.remote_cluster,
+                buckets=self.remote_buckets,
             ),
             server_id=self.server_id,
             fleet=self.fleet.to_config(),

@@ -46,6 +46,12 @@ class RemoteConfig:
     """The remote page tier (`dss.pages.tiers.remote`): Redis (or Valkey) shared by a fleet."""
 
     url: str | None = None  # redis://host:port/db; None: no remote tier
+    # A Redis (or Valkey) Cluster: `url` names one of its nodes (redis://host:port), the client
+    # learns the others and sends each key to the node of its slot.
+    cluster: bool = False
+    # Pages spread over this many buckets, each with its own bookkeeping under a hash tag (one
+    # slot of a cluster) and its own share of `capacity_bytes` to evict within.
+    buckets: int = 16
     key_prefix: str = "dss:"  # every key this store writes starts with it
     capacity_bytes: int = 8 * GiB  # page bytes (at rest) kept in Redis; the oldest go first
     ttl_s: int = 7 * 24 * 3600  # a page not read or written for this long expires
@@ -57,6 +63,21 @@ class RemoteConfig:
     # long, then it is committed anyway and counted (`dss_shared_tier_waits_total{outcome}`).
     # 0: do not wait (a server that dies right after a reply may take its last pages with it).
     durable_wait_s: float = 5.0
+    # A read (`RemoteTier.read_many`) asks for up to `read_batch` pages per pipelined round trip,
+    # fewer when pages are large: as many as fit in `read_batch_bytes` (at least one), since a
+    # batch is decoded only once all of it arrived. `read_streams` batches are in flight at once,
+    # each decoded as it arrives while the others are on the wire (bench/remote_read.py).
+    read_batch: int = 16
+    read_batch_bytes: int = 1 << 20
+    read_streams: int = 2
+    # How pages are encoded for Redis (always encrypted and checksummed): a codec name
+    # (`dss.pages.codec`), "none" or "zstd-byteplane[:level]". Chosen by `bench/remote_read.py`:
+    # uncompressed pages decode with a third of zstd's CPU and were delivered as fast or faster in
+    # most runs; zstd keeps 1.45x more pages in the same Redis memory (docs/operations.md).
+    codec: str = "none"
+    # Prefetch (`KVLoads.prefetch`, started when a turn's target is resolved): pages read ahead
+    # into the host tier at most this many bytes (uncompressed) at a time; more are not prefetched.
+    prefetch_max_bytes: int = 512 << 20
 
 
 @dataclass(frozen=True, slots=True)

@@ -198,7 +198,7 @@ class Store:
             cfg.disk_dir, cfg.disk_capacity_bytes, make_codec(cfg.codec), fsync=cfg.fsync
         )
         # The fleet's shared tier; Redis not answering now only makes it unavailable for a while.
-        self.remote = RemoteTier(cfg.remote, make_codec(cfg.codec)) if cfg.remote.url else None
+        self.remote = RemoteTier(cfg.remote, make_codec(cfg.remote.codec)) if cfg.remote.url else None
         self.index = PrefixIndex()
         page_rows = PageRows(self.sf, cfg.codec, self.server_id, add_factory=relaxed_sf)
         # Rows from before servers had ids whose files are here: a store upgraded from one server.
@@ -346,6 +346,7 @@ class Store:
         counts = self.pages.page_counts()
         c = self.pages.counters
         remote = self.remote.stats() if self.remote is not None else None
+        rt = self.remote.read_times() if self.remote is not None else None
         if remote is not None:  # the fleet's tier as Redis reports it (this server's table has hints)
             used[Tier.REMOTE] = remote.used_bytes
             counts[Tier.REMOTE] = remote.pages
@@ -372,6 +373,18 @@ class Store:
             "remote_misses": c.remote_misses,
             "remote_read_bytes": c.remote_read_bytes,
             "remote_evictions": self.remote.evictions if self.remote is not None else 0,
+            # Where a remote read's time goes: Redis round trips, decoding (checksums, AES-GCM,
+            # zstd) on the reader threads, and copying into host slots (`RemoteTier.read_many`).
+            "remote_read_seconds": {
+                "network": rt.network_s if rt is not None else 0.0,
+                "decode": rt.decode_s if rt is not None else 0.0,
+                "promote": c.remote_promote_s,
+            },
+            "remote_read_pages": rt.pages if rt is not None else 0,
+            "remote_read_batches": rt.batches if rt is not None else 0,
+            "prefetch_started": c.prefetch_started,
+            "prefetch_skipped": c.prefetch_skipped,
+            "prefetch_pages": c.prefetch_pages,
             "disk_backlog": self.kv.writer.backlog if self.kv.writer is not None else 0,
             "indexed_tokens": self.index.indexed_tokens(),
             "demoted_pages": c.demoted_pages,

@@ -27,6 +27,7 @@ from api.state import AppState
 from api.turn.pipeline import Answered, Done, Failed, RecordResponse, TurnEvent, prepare, run_turn
 from api.turn.request import Turn, TurnRequest, admit
 from dss.errors import DSSError
+from dss.types import FingerprintId
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -60,6 +61,7 @@ async def serve_turn(
     response: Response | None = None
     try:
         turn = await ask.resolve(state, admitted)
+        prefetch_kv(state, turn)
         if not ask.stream:
             return await stop_if_client_leaves(request, state, _whole(state, engine, turn, request, shape))
         arrived = time.perf_counter()
@@ -74,6 +76,17 @@ async def serve_turn(
     finally:
         if response is None:
             slot.release()  # answered, or failed, without a stream (a stream gives it back itself)
+
+
+def prefetch_kv(state: AppState, turn: Turn) -> bool:
+    """Start reading the KV of the version the turn extends from the shared tier into this
+    server's host tier, now that its target is resolved, so that the engine's load finds it here
+    (`KVLoads.prefetch`: never blocks, bounded). False when nothing was started."""
+    base = turn.target.base if turn.target is not None else None
+    store = state.store
+    if base is None or not turn.persist or store.remote is None or not base.fingerprint or not base.n_tokens:
+        return False
+    return store.kv.loads.prefetch(FingerprintId(base.fingerprint), turn.admitted.tenant, base.tokens)
 
 
 async def _whole(state: AppState, engine: ChatEngine, turn: Turn, request: Request, shape: Shape) -> Response:

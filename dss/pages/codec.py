@@ -291,6 +291,13 @@ _BY_ID: dict[int, Callable[[], Codec]] = {
 
 
 def make_codec(name: str) -> Codec:
+    """The codec of this name; `zstd-byteplane:<level>` names a zstd level (default 1)."""
+    base, _, level = name.partition(":")
+    if level and base == BytePlaneZstdCodec.name:
+        try:
+            return BytePlaneZstdCodec(level=int(level))
+        except ValueError as exc:
+            raise InvalidInput(f"bad zstd level in codec {name!r}") from exc
     factory = CODECS.get(name)
     if factory is None:
         raise InvalidInput(f"unknown codec {name!r}; known: {', '.join(sorted(CODECS))}")

@@ -29,6 +29,7 @@ SMOKED_HERE = (
     "dialogue_commits",
     "erase",
     "history_memory",
+    "remote_read",
     "retention",
     "store_concurrency",
     "tiers",

@@ -13,24 +13,25 @@ save of the tenant.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
 
-from dss.errors import InvalidInput
+from dss.errors import DSSError, InvalidInput
 from dss.index.fingerprints import FingerprintRegistry
 from dss.index.prefix_index import IndexMatch, PrefixIndex
 from dss.namespace import make_namespace
 from dss.ops.kv.in_flight import Lease
 from dss.ops.kv.lookup import KVLookup
 from dss.ops.kv.matching import match_info, with_partial
-from dss.ops.kv.remote_adoption import index_adopted, remote_pages_after
+from dss.ops.kv.remote_adoption import index_adopted, promote_adopted, remote_pages_after
 from dss.ops.kv.tenant_gate import TenantGate
 from dss.ops.kv.writeback import DiskWriter
 from dss.pages.placement import TieredPages
@@ -38,6 +39,8 @@ from dss.types import FingerprintId, PageHash, TenantId, Tier
 from dss.wire import LoadPlan, PageSlot, SlotRef
 
 log = logging.getLogger("dss.kv")
+
+_PREFETCH_WAIT_S = 5.0  # how long a load waits for a prefetch of its tenant in flight
 
 
 class KVLoads:
@@ -60,9 +63,70 @@ class KVLoads:
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
         self._loader = ThreadPoolExecutor(max_workers=loader_threads, thread_name_prefix="dss-loader")
+        # Prefetches from the remote tier (`prefetch`): one per (model, tenant) at a time, their
+        # pages' bytes in flight bounded by `RemoteConfig.prefetch_max_bytes`.
+        self._prefetcher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dss-prefetch")
+        self._prefetching: dict[tuple[FingerprintId, TenantId], tuple[Future[int], int]] = {}
 
     def close(self) -> None:
+        self._prefetcher.shutdown(wait=True, cancel_futures=True)
         self._loader.shutdown(wait=True, cancel_futures=True)
+
+    # --------------------------------------------------------------------------------- prefetch
+    def prefetch(self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray) -> bool:
+        """Start reading the pages of `tokens` the remote tier holds (and this server does not)
+        into the host tier, off the caller's thread: called as soon as a turn's target is
+        resolved, so that the engine's `begin_load` finds them here. Never blocks and never
+        raises; False when not started (no remote tier, a prefetch of this tenant and model in
+        flight, over the byte budget, or closing). A `begin_load` of the same tenant and model
+        waits for it (`pin`), so the pages are read once."""
+        remote = self._pages.remote
+        if remote is None or fid not in self._fingerprints or not remote.available:
+            return False
+        fp = self._fingerprints.get(fid)
+        cost = (len(tokens) // fp.block_size + 1) * fp.page_nbytes
+        key = (fid, tenant)
+        with self._lock:
+            in_flight = sum(c for _f, c in self._prefetching.values())
+            if key in self._prefetching or in_flight + cost > remote.config.prefetch_max_bytes:
+                self._pages.counters.count("prefetch_skipped")
+                return False
+            try:
+                fut = self._prefetcher.submit(self._prefetch, fid, tenant, self._lookup.tokens(tokens))
+            except (RuntimeError, DSSError):  # closing, or too many tokens
+                return False
+            self._prefetching[key] = (fut, cost)
+        fut.add_done_callback(lambda _f: self._prefetch_done(key))
+        self._pages.counters.count("prefetch_started")
+        return True
+
+    def _prefetch_done(self, key: tuple[FingerprintId, TenantId]) -> None:
+        with self._lock:
+            self._prefetching.pop(key, None)
+
+    def _prefetch(self, fid: FingerprintId, tenant: TenantId, tokens: np.ndarray) -> int:
+        try:
+            m = self._index.match(fid, tenant, tokens, touch=False)
+            n = self._adopt_remote(fid, tenant, tokens, m)
+            self._pages.counters.count("prefetch_pages", n=n)
+            return n
+        except Exception:  # a prefetch is only a head start: the load reads what it lacks
+            log.exception("prefetch from the remote tier failed")
+            return 0
+
+    def cancel_prefetches(self) -> int:
+        """Cancel the prefetches not started yet; returns how many."""
+        with self._lock:
+            futures = [f for f, _c in self._prefetching.values()]
+        return sum(1 for f in futures if f.cancel())
+
+    def _await_prefetch(self, fid: FingerprintId, tenant: TenantId) -> None:
+        """Wait for a prefetch of this tenant and model in flight (its pages are then local)."""
+        with self._lock:
+            got = self._prefetching.get((fid, tenant))
+        if got is not None and self._pages.remote is not None:
+            with contextlib.suppress(FutureTimeout, CancelledError):
+                got[0].result(timeout=_PREFETCH_WAIT_S)
 
     def pin(
         self,
@@ -79,6 +143,7 @@ class KVLoads:
             raise InvalidInput(f"start_token {start_token} is not a multiple of the block size {bs}")
         arr = self._lookup.tokens(tokens)
         query = arr if max_tokens is None else arr[: max(0, max_tokens)]
+        self._await_prefetch(fid, tenant)
         m = self._index.match(fid, tenant, query)
         if self._pages.remote is not None and self._adopt_remote(fid, tenant, query, m):
             m = self._index.match(fid, tenant, query)
@@ -120,25 +185,33 @@ class KVLoads:
         finally:
             self._lookup.forget(gone)
 
-    def _adopt_remote(self, fid: FingerprintId, tenant: TenantId, tokens: np.ndarray, m: IndexMatch) -> bool:
-        """Extend a local match with the pages the remote tier holds (`remote_pages_after`).
-        Pages found enter the page table (as remote-only, promoted by the load) and the index.
-        Returns whether any did. Redis unavailable: nothing found, nothing raised."""
+    def _adopt_remote(self, fid: FingerprintId, tenant: TenantId, tokens: np.ndarray, m: IndexMatch) -> int:
+        """Extend a local match with the pages the remote tier holds (`remote_pages_after`: read,
+        not only looked up). Pages found enter the page table and the index, and those read go
+        into host slots. Returns how many pages were adopted (0: none found). Redis unavailable:
+        nothing found, nothing raised."""
         remote = self._pages.remote  # an unavailable one fails fast (and is tried again later)
         if remote is None or self._gate.is_retired(tenant):
-            return False
+            return 0
         fp = self._fingerprints.get(fid)
         own_ns = make_namespace(fid, tenant)
-        find = remote_pages_after(remote, fp, own_ns, tokens, m)
+        find = remote_pages_after(self._pages, fp, own_ns, tokens, m)
         if find is None:
-            return False
+            return 0
         # Counted like a save: an erasure of the tenant that began meanwhile refuses it, and one
         # that begins now waits until these pages are in the table and the index (then drops them).
         with self._gate.saving(tenant) as allowed:
             if not allowed:
-                return False
+                self._pages.promoter.discard_fetched(find.fetched)
+                self._lookup.forget(find.gone)
+                return 0
             index_adopted(self._pages, self._index, fp, fid, own_ns, tokens, list(m.pages), find)
-        return True
+            promoted, gone = promote_adopted(self._pages, find)
+        self._lookup.forget(gone)
+        if self._writer is not None:
+            for page in promoted:
+                self._writer.enqueue(page)  # this server's disk keeps a copy too
+        return len(find.new)
 
     def wait_loaded(
         self, load_id: str, timeout_s: float = 30.0, release: bool = False, shard: int | None = None

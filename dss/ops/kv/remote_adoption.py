@@ -1,6 +1,8 @@
-"""Adopting pages of the fleet's remote tier into a local match: which of the query's next pages
-Redis holds (`remote_pages_after`), and entering them into the page table and the index
-(`index_adopted`). No lock here: `KVCache` gates the insertion like a save of the tenant."""
+"""Adopting pages of the fleet's remote tier into a local match: reading the query's next pages
+from Redis (`remote_pages_after`: the values themselves, batched and pipelined; a missing value
+is the miss, there is no existence round trip first), entering them into the page table and the
+index (`index_adopted`), then copying the pages read into host slots. No lock here: `KVCache`
+gates the insertion like a save of the tenant."""
 
 from __future__ import annotations
 
@@ -15,25 +17,29 @@ from dss.index.tails import tail_hash
 from dss.namespace import ModelFingerprint
 from dss.pages.meta import PageMeta
 from dss.pages.placement import TieredPages
-from dss.pages.tiers.remote import RemoteTier
+from dss.pages.tiers.remote import FetchedPage
 from dss.types import FingerprintId, Namespace, PageHash
 
 
 @dataclass(frozen=True, slots=True)
 class RemoteFind:
     """Pages the remote tier holds after a local match: `new` (whole pages, then possibly a tail
-    page) follow the match's `start` pages and cover the query up to `n_tokens`."""
+    page) follow the match's `start` pages and cover the query up to `n_tokens`; `fetched`:
+    each one as read (promoted into host slots by `promote_adopted`)."""
 
     new: list[PageHash]
     start: int
     n_tokens: int
+    fetched: list[FetchedPage]
+    gone: list[PageHash]  # pages evicted from the host tier to make room for the reads
 
 
 def remote_pages_after(
-    remote: RemoteTier, fp: ModelFingerprint, own_ns: Namespace, tokens: np.ndarray, m: IndexMatch
+    pages: TieredPages, fp: ModelFingerprint, own_ns: Namespace, tokens: np.ndarray, m: IndexMatch
 ) -> RemoteFind | None:
-    """The chained hashes of the query's next whole pages, then its candidate tail pages, each
-    asked in one pipelined round trip. None when Redis has none of them or does not answer."""
+    """Read the query's next whole pages (chained hashes, up to the first one Redis lacks), then
+    its candidate tail pages, in batched pipelined round trips (`Promoter.fetch_remote`). None
+    when Redis has none of them or does not answer."""
     bs = fp.block_size
     start = len(m.pages)
     n_whole = len(tokens) // bs
@@ -42,11 +48,10 @@ def remote_pages_after(
     parent = m.pages[-1] if start else ROOT_PARENT
     try:
         wanted = chain_hashes(own_ns.id, tokens[: n_whole * bs], bs, parent=parent, start_page=start)
-        found = 0
-        for ok in remote.exists(wanted):
-            if not ok:
-                break
-            found += 1
+        gone: list[PageHash] = []
+        got = pages.promoter.fetch_remote(wanted, own_ns.tenant, fp.page_nbytes, gone=gone)
+        fetched = [f for f in got if f is not None]
+        found = len(fetched)
         new = wanted[:found]
         end = (start + found) * bs
         tail_parent = new[-1] if new else parent
@@ -54,15 +59,23 @@ def remote_pages_after(
         tail_k = 0
         if len(rest):
             candidates = [tail_hash(own_ns.id, tail_parent, rest[:k]) for k in range(1, len(rest) + 1)]
-            present = remote.exists(candidates)
-            tail_k = max((k + 1 for k, ok in enumerate(present) if ok), default=0)  # the longest
+            # Tail candidates are mostly absent: the values of those Redis holds come back in the
+            # same round trip as the nils of the others.
+            got = pages.promoter.fetch_remote(
+                candidates, own_ns.tenant, fp.page_nbytes, stop_at_miss=False, one_round_trip=True, gone=gone
+            )
+            tail_k = max((k + 1 for k, f in enumerate(got) if f is not None), default=0)  # the longest
             if tail_k:
                 new.append(candidates[tail_k - 1])
+                tail = got[tail_k - 1]
+                assert tail is not None
+                fetched.append(tail)
+            pages.promoter.discard_fetched([f for k, f in enumerate(got) if k != tail_k - 1])
     except TierUnavailable:
         return None
     if not new:
         return None
-    return RemoteFind(new, start, end + tail_k)
+    return RemoteFind(new, start, end + tail_k, fetched, gone)
 
 
 def index_adopted(
@@ -95,3 +108,11 @@ def index_adopted(
     pushed_out = index.insert(own_ns, bs, tokens[: find.n_tokens], path)
     if pushed_out:
         pages.copies.drop(pushed_out)
+
+
+def promote_adopted(pages: TieredPages, find: RemoteFind) -> tuple[list[PageHash], list[PageHash]]:
+    """Copy the pages read into host slots (a page not promoted stays remote-only, read again by
+    the load's promotion): (the pages promoted, the pages that left the table meanwhile)."""
+    gone = list(find.gone)
+    promoted = [f.page for f in find.fetched if pages.promoter.promote_fetched(f, gone) is not None]
+    return promoted, gone

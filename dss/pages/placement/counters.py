@@ -25,9 +25,13 @@ class TierCounters:
     remote_write_errors: int = 0
     remote_misses: int = 0  # pages a lookup found in the remote tier that were gone when read
     remote_read_bytes: int = 0  # bytes at rest read from the remote tier
+    remote_promote_s: float = 0.0  # seconds entering pages read from the remote tier into the host tier
+    prefetch_started: int = 0  # prefetches of a turn's pages from the remote tier started
+    prefetch_skipped: int = 0  # not started: over `RemoteConfig.prefetch_max_bytes` in flight
+    prefetch_pages: int = 0  # pages a prefetch brought into the host tier
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def count(self, name: str, tier: Tier | None = None, n: int = 1) -> None:
+    def count(self, name: str, tier: Tier | None = None, n: float = 1) -> None:
         with self._lock:
             if tier is None:
                 setattr(self, name, getattr(self, name) + n)

@@ -11,6 +11,11 @@ only the remote tier listed (a lookup's hint) is dropped when it cannot be read.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
 
 from dss.errors import CapacityError, CorruptPage, KeyDestroyed, PageMissing, StorageError, TierUnavailable
 from dss.pages.encoder import PageCodecProcess
@@ -21,8 +26,8 @@ from dss.pages.placement.writer import DataKeyLookup
 from dss.pages.table import PageEntry, PageTable
 from dss.pages.tiers.disk import DiskTier
 from dss.pages.tiers.host import HostTier
-from dss.pages.tiers.remote import RemoteTier
-from dss.types import PageHash, Tier
+from dss.pages.tiers.remote import FetchedPage, RemoteTier
+from dss.types import PageHash, TenantId, Tier
 from dss.wire import SlotRef
 
 log = logging.getLogger("dss.pages")
@@ -144,6 +149,88 @@ class Promoter:
         self._counters.count("hits_pages", Tier.REMOTE)
         return ref
 
+    def fetch_remote(
+        self,
+        pages: Sequence[PageHash],
+        tenant: TenantId,
+        page_nbytes: int,
+        *,
+        stop_at_miss: bool = True,
+        one_round_trip: bool = False,
+        gone: list[PageHash] | None = None,
+    ) -> list[FetchedPage | None]:
+        """Read and verify `pages` of `tenant` from the remote tier (`RemoteTier.read_many`:
+        batched, pipelined, decoded as they arrive, each straight into a host slot reserved for
+        it when there is room); None for each miss. With `stop_at_miss` the list ends at the
+        first miss; `one_round_trip`: every page in one batch (candidates that are mostly
+        absent). Nothing when there is no remote tier or the tenant's key is destroyed. The
+        caller promotes each page read (`promote_fetched`) or gives its slot back
+        (`discard_fetched`); pages evicted to make room are added to `gone`."""
+        remote = self._remote
+        if remote is None or not pages:
+            return []
+        try:
+            key = self._data_key(tenant)
+        except KeyDestroyed:
+            return []
+        batch = len(pages) if one_round_trip else 0
+        into = _HostSlots(self._host_room, self._host, gone if gone is not None else [])
+        got = list(
+            remote.read_many(
+                pages, key, page_nbytes=page_nbytes, stop_at_miss=stop_at_miss, batch=batch, into=into
+            )
+        )
+        n = sum(x.header.file_len for x in got if x is not None)
+        if n:
+            self._counters.count("remote_read_bytes", n=n)
+        return got
+
+    def discard_fetched(self, fetched: Sequence[FetchedPage | None]) -> None:
+        """Give back the host slots of pages `fetch_remote` read that will not be promoted."""
+        for f in fetched:
+            if f is not None and f.slot is not None:
+                self._host.release(f.slot)
+
+    def promote_fetched(self, fetched: FetchedPage, gone: list[PageHash]) -> SlotRef | None:
+        """Settle a page `fetch_remote` read into the host tier (its slot, or a copy into a new
+        one), if the page table still lists it as remote-only (else it is already promoted, or
+        gone: its slot is given back). None when it was not promoted; the page then stays
+        remote-only (a load reads it again, or recomputes)."""
+        page = fetched.page
+        t0 = time.perf_counter()
+        claimed = self._table.claim(page, lambda x: x.tiers == {Tier.REMOTE})
+        if claimed is None:
+            self.discard_fetched([fetched])
+            e = self._table.get(page)
+            return e.host_ref if e is not None and Tier.HOST in e.tiers else None
+        ref: SlotRef | None = fetched.slot
+        ok = False
+        try:
+            if claimed.meta.nbytes == fetched.raw.size:
+                if ref is None:
+                    ref = self._host_room.reserve(claimed.meta.nbytes, gone)
+                    self._host.slot_array(ref)[:] = fetched.raw
+                ok = True
+        except (CapacityError, TierUnavailable):
+            pass
+        except Exception:  # the claim is settled below whatever happened here
+            log.exception("page %s not promoted from a remote read", page.hex()[:16])
+
+        def to_host(e: PageEntry) -> None:
+            e.tiers = {Tier.HOST}
+            e.host_ref = ref
+            e.meta.checksum = fetched.header.checksum
+
+        doomed = self._table.settle(page, to_host if ok else None)
+        if doomed is not None or not ok:
+            if ref is not None:
+                self._host.release(ref)
+            return None
+        self._counters.count("promotions", Tier.HOST)
+        self._counters.count("hits_pages", Tier.REMOTE)
+        self._counters.count("remote_promote_s", n=time.perf_counter() - t0)
+        return ref
+
     def _read_claimed(self, entry: PageEntry, gone: list[PageHash]) -> tuple[SlotRef | None, bool, bool]:
         """Decode a claimed disk page straight into a new host slot: (slot, ok, corrupt). Never
         raises: the caller settles its claim and frees the slot."""
@@ -185,3 +272,23 @@ class Promoter:
             except TierUnavailable as exc:
                 log.warning("page codec process failed (%s); decoding in this process", exc)
         disk.read(page, key, out=self._host.slot_array(ref))
+
+
+class _HostSlots:
+    """`ReadInto` over the host arena: a remote read decodes each page straight into a slot
+    reserved for it (evicting if needed); no room is a fresh array instead."""
+
+    def __init__(self, room: HostRoom, host: HostTier, gone: list[PageHash]) -> None:
+        self._room = room
+        self._host = host
+        self._gone = gone
+
+    def take(self, page: PageHash, nbytes: int) -> tuple[Any, np.ndarray] | None:
+        try:
+            ref = self._room.reserve(nbytes, self._gone)  # list.append: safe from reader threads
+        except (CapacityError, TierUnavailable):
+            return None
+        return ref, self._host.slot_array(ref)
+
+    def give_back(self, ref: Any) -> None:
+        self._host.release(ref)

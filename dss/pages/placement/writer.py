@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 
 from dss.errors import CapacityError, CorruptPage, KeyDestroyed, TierUnavailable
+from dss.pages.codec import Codec
 from dss.pages.encoder import PageCodecProcess
 from dss.pages.meta import PageMeta
 from dss.pages.pagefile import encode_page
@@ -143,9 +144,12 @@ class PageWriter:
                 return
             key = self._data_key(meta.tenant)
             blob: bytes | None = None
-            if disk_bytes > 0 and self._disk is not None:
+            # The disk file as it is when the remote tier keeps the same encoding (a zstd level
+            # is not in the file: any level of the same codec decodes alike).
+            disk = self._disk
+            if disk_bytes > 0 and disk is not None and _same_encoding(disk.codec, remote.codec):
                 with contextlib.suppress(OSError):
-                    blob = self._disk.path_of(meta.hash).read_bytes()
+                    blob = disk.path_of(meta.hash).read_bytes()
             if blob is None:
                 blob = encode_page(meta, self._host.slot_array(ref).data, remote.codec, key)
             if remote.put(meta.hash, meta.tenant, blob):
@@ -198,3 +202,7 @@ class PageWriter:
             log.warning("disk tier at %s is writable again", disk.root)
             return True
         return False
+
+
+def _same_encoding(a: Codec, b: Codec) -> bool:
+    return a.name == b.name and getattr(a, "level", None) == getattr(b, "level", None)

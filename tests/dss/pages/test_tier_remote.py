@@ -105,7 +105,7 @@ def test_flipped_bytes_are_a_miss_and_the_value_goes(prefix: str) -> None:
     meta, raw, blob = _page(3)
     tier.put(meta.hash, meta.tenant, blob)
     client = redis.Redis.from_url(REDIS_URL)
-    key = f"{prefix}p:{meta.hash.hex()}"
+    key = tier.page_key(meta.hash)
     for offset in (10, len(blob) // 2, len(blob) - 1):  # header, body, tag
         tier.put(meta.hash, meta.tenant, blob)
         value = bytearray(client.get(key) or b"")
@@ -121,7 +121,8 @@ def test_capacity_evicts_the_least_recently_used(prefix: str) -> None:
     pages = [_page(i) for i in range(1, 6)]
     size = max(len(blob) for _, _, blob in pages)  # compressed sizes differ by a few bytes
     now = [1000.0]
-    tier = RemoteTier(_config(prefix, capacity_bytes=3 * size), CODEC, clock=lambda: now[0])
+    # One bucket: the eviction order is then the whole tier's (each bucket evicts its own).
+    tier = RemoteTier(_config(prefix, capacity_bytes=3 * size, buckets=1), CODEC, clock=lambda: now[0])
     for meta, _, blob in pages[:3]:
         now[0] += 1
         tier.put(meta.hash, meta.tenant, blob)
@@ -137,7 +138,7 @@ def test_capacity_evicts_the_least_recently_used(prefix: str) -> None:
 
 
 def test_ttl_expires_pages_and_their_bookkeeping(prefix: str) -> None:
-    tier = RemoteTier(_config(prefix, ttl_s=1), CODEC)
+    tier = RemoteTier(_config(prefix, ttl_s=1, buckets=1), CODEC)  # a write sweeps its own bucket
     meta, _, blob = _page(1)
     tier.put(meta.hash, meta.tenant, blob)
     time.sleep(2.1)
@@ -294,7 +295,8 @@ class _Chat:
 def _tenant_members(prefix: str, tenant: TenantId) -> set[PageHash]:
     import redis
 
-    members = redis.Redis.from_url(REDIS_URL).smembers(f"{prefix}t:{tenant}")
+    client = redis.Redis.from_url(REDIS_URL)
+    members = set().union(*(client.smembers(k) for k in client.scan_iter(f"{prefix}*t:{tenant}")))
     return {PageHash(bytes.fromhex(m.decode())) for m in members}
 
 
