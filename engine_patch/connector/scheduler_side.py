@@ -250,10 +250,11 @@ class SchedulerSide:
         is_async = self._is_async(claim.plan)
         span = None if is_async else span_of(pages)
         self._loads.append(LoadSpec(st.req_id, claim.plan.load_id, block_ids, span, is_async))
-        # A page whose slot the plan names is read from the host arena; the others are promoted
-        # on the way, from the tier the plan names (disk, or the fleet's remote tier).
+        # The tier the plan names for each page: the host arena, a page promoted on the way (disk,
+        # or the fleet's remote tier), or one the store has just read from the remote tier into
+        # the host arena for this turn (a prefetch: reported as remote, where its KV came from).
         st.page_tiers = [
-            Tier.HOST.value if p.slot is not None else (p.tier or Tier.DISK.value) for p in pages
+            p.tier or (Tier.HOST.value if p.slot is not None else Tier.DISK.value) for p in pages
         ]
         st.loaded_tokens = min(num_external_tokens, claim.plan.n_tokens)
         st.loading_async = is_async

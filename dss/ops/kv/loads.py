@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -41,6 +41,8 @@ from dss.wire import LoadPlan, PageSlot, SlotRef
 log = logging.getLogger("dss.kv")
 
 _PREFETCH_WAIT_S = 5.0  # how long a load waits for a prefetch of its tenant in flight
+_ARRIVED_S = 300.0
+_ARRIVED_MAX = 65536
 
 
 class KVLoads:
@@ -67,6 +69,10 @@ class KVLoads:
         # pages' bytes in flight bounded by `RemoteConfig.prefetch_max_bytes`.
         self._prefetcher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dss-prefetch")
         self._prefetching: dict[tuple[FingerprintId, TenantId], tuple[Future[int], int]] = {}
+        # Pages just read from the remote tier into the host tier (adopted by a load or a
+        # prefetch), until a load reports them: it says they came from Redis, not from this
+        # server's memory. Bounded: older than `_ARRIVED_S` or past `_ARRIVED_MAX` are forgotten.
+        self._arrived: dict[PageHash, float] = {}
 
     def close(self) -> None:
         self._prefetcher.shutdown(wait=True, cancel_futures=True)
@@ -159,9 +165,10 @@ class KVLoads:
         futures: dict[int, Future[SlotRef | None]] = {}
         tier_tokens = {t.value: 0 for t in Tier}
         plan_pages: list[PageSlot] = []
+        arrived = self._take_arrived(h.hash for h in held[first:])
         for i in range(first, len(held)):
             ref = held[i].host_ref
-            tier = Tier.HOST
+            tier = Tier.REMOTE if held[i].hash in arrived else Tier.HOST
             if ref is None:
                 tier = Tier.REMOTE if self._pages.tiers_of(held[i].hash) == {Tier.REMOTE} else Tier.DISK
                 futures[i] = self._loader.submit(self._promote, held[i].hash)
@@ -207,11 +214,35 @@ class KVLoads:
                 return 0
             index_adopted(self._pages, self._index, fp, fid, own_ns, tokens, list(m.pages), find)
             promoted, gone = promote_adopted(self._pages, find)
+        self._note_arrived(find.new)
         self._lookup.forget(gone)
         if self._writer is not None:
             for page in promoted:
                 self._writer.enqueue(page)  # this server's disk keeps a copy too
         return len(find.new)
+
+    def _note_arrived(self, pages: Sequence[PageHash]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if len(self._arrived) + len(pages) > _ARRIVED_MAX:
+                limit = now - _ARRIVED_S
+                self._arrived = {h: t for h, t in self._arrived.items() if t > limit}
+                while len(self._arrived) + len(pages) > _ARRIVED_MAX:
+                    del self._arrived[next(iter(self._arrived))]  # the oldest first
+            for h in pages:
+                self._arrived[h] = now
+
+    def _take_arrived(self, pages: Iterable[PageHash]) -> set[PageHash]:
+        """Which of `pages` were read from the remote tier for a load still to report them
+        (each is reported once)."""
+        limit = time.monotonic() - _ARRIVED_S
+        out: set[PageHash] = set()
+        with self._lock:
+            for h in pages:
+                t = self._arrived.pop(h, None)
+                if t is not None and t > limit:
+                    out.add(h)
+        return out
 
     def wait_loaded(
         self, load_id: str, timeout_s: float = 30.0, release: bool = False, shard: int | None = None
