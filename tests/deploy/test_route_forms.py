@@ -281,45 +281,51 @@ def test_the_router_alone_sets_x_dss_route(router: Cluster, stubs: Stubs) -> Non
     assert forged not in routes and routes[-1] is None, routes  # the listing: no route header at all
 
 
-def test_open_webui_chats_stay_on_one_server_each(router: Cluster, stubs: Stubs) -> None:
-    """Replays what Open WebUI sends DSS for a chat (tests/api/test_open_webui.py records it from a
-    real Open WebUI; deploy/open_webui.py configures it): the frontend key, the person and the chat
-    in headers (a new message id each turn), the whole dialogue in a streamed body without a
-    session id; its title generation for the chat; its model listing. Two people, three chats each."""
+def test_open_webui_chats_stay_on_one_server_each(router: Cluster) -> None:
+    """Replays what Open WebUI sends DSS (docs/frontends.md, "What Open WebUI sends", recorded from
+    a real Open WebUI by tests/api/test_open_webui.py; deploy/open_webui.py configures it): the
+    frontend key, the person and the chat in headers, the whole dialogue in a streamed body
+    without a session id; a regenerate (the same request again) and an edit (the dialogue up to
+    the edited message); its model listing, with the person but no chat. Two people, three chats
+    each: every request of a chat reaches one server, and the chats spread."""
     key = "dss-open-webui-frontend-key"
     chats: dict[str, set[str]] = {}
     with httpx.Client(base_url=router.router_url, timeout=10) as c:
         for person in ("alice", "bob"):
-            user_id = str(uuid.uuid4())
+            user = {
+                **bearer(key),
+                "X-OpenWebUI-User-Name": person.title(),
+                "X-OpenWebUI-User-Id": str(uuid.uuid4()),
+                "X-OpenWebUI-User-Email": f"{person}@example.com",
+                "X-OpenWebUI-User-Role": "user",
+                "X-OpenWebUI-Auth-Type": "jwt",
+            }
             for _ in range(3):
                 chat_id = str(uuid.uuid4())
+                headers = {**user, OPEN_WEBUI_CHAT: chat_id}
                 history: list[dict[str, str]] = []
+                sent = []
                 for turn in range(3):
-                    served_by(c.get("/v1/models", headers={**bearer(key), "X-OpenWebUI-User-Id": user_id}))
+                    served_by(c.get("/v1/models", headers=user))
                     history.append({"role": "user", "content": f"Question {turn} from {person}."})
-                    headers = {
-                        **bearer(key),
-                        "X-OpenWebUI-User-Name": person.title(),
-                        "X-OpenWebUI-User-Id": user_id,
-                        "X-OpenWebUI-User-Email": f"{person}@example.com",
-                        "X-OpenWebUI-User-Role": "user",
-                        OPEN_WEBUI_CHAT: chat_id,
-                        "X-OpenWebUI-Message-Id": str(uuid.uuid4()),
+                    body = {
+                        "stream": True,
+                        "model": "default",
+                        "stream_options": {"include_usage": True},
+                        "messages": list(history),
                     }
-                    body = {"model": "default", "messages": history, "stream": True}
-                    answer = served_by(c.post("/v1/chat/completions", headers=headers, json=body))
-                    chats.setdefault(chat_id, set()).add(answer)
+                    sent.append(body)
+                    chats.setdefault(chat_id, set()).add(
+                        served_by(c.post("/v1/chat/completions", headers=headers, json=body))
+                    )
                     history.append({"role": "assistant", "content": "An answer."})
-                    if turn == 0:  # the title of the chat, asked right after its first answer
-                        title = {
-                            "model": "default",
-                            "messages": [{"role": "user", "content": "### Task:\nGenerate a title ..."}],
-                            "stream": False,
-                        }
-                        headers["X-OpenWebUI-Message-Id"] = str(uuid.uuid4())
-                        chats[chat_id].add(
-                            served_by(c.post("/v1/chat/completions", headers=headers, json=title))
-                        )
+                regenerate = sent[-1]
+                edit = {
+                    **sent[1],
+                    "messages": [*sent[1]["messages"][:-1], {"role": "user", "content": "Edited."}],
+                }
+                for body in (regenerate, edit):
+                    chats[chat_id].add(served_by(c.post("/v1/chat/completions", headers=headers, json=body)))
     assert all(len(servers) == 1 for servers in chats.values()), chats
     assert len({next(iter(s)) for s in chats.values()}) >= 2, chats  # the chats spread
 
