@@ -189,6 +189,7 @@ def frontend_key(server: ApiServer) -> str:
 
 def start_router(servers: dict[str, ApiServer], work: Path) -> Cluster:
     """HAProxy with the shipped configuration in front of `servers`, each in its pool."""
+    work.mkdir(parents=True, exist_ok=True)
     specs = [ServerSpec(name, i + 1, s.port, s.data_dir) for i, (name, s) in enumerate(servers.items())]
     router = Cluster(
         servers=specs,
@@ -228,10 +229,11 @@ def routed_turns(router_url: str, key: str, frontend: str, form: str, name: str,
                 body: dict[str, Any] = {"input": question, "max_output_tokens": 4, "temperature": 0}
                 if conversation is not None:
                     body["conversation"] = conversation
-                if previous is not None:
+                elif previous is not None:
                     body["previous_response_id"] = previous
                 r = c.post("/v1/responses", json=body, headers=auth)
-                r.raise_for_status()
+                if r.status_code != 200:
+                    raise RuntimeError(f"{form}: {r.status_code}: {r.text}")
                 previous = r.json()["id"]
             else:
                 history.append({"role": "user", "content": question})
@@ -248,7 +250,8 @@ def routed_turns(router_url: str, key: str, frontend: str, form: str, name: str,
                         FRONTEND_SESSION_HEADER: name,
                     }
                 r = c.post("/v1/chat/completions", json=body, headers=headers)
-                r.raise_for_status()
+                if r.status_code != 200:
+                    raise RuntimeError(f"{form}: {r.status_code}: {r.text}")
                 answer = r.json()
                 assert answer.get("session_id") == name, answer
                 history.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
