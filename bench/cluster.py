@@ -19,9 +19,9 @@ on the default model, HTTP on loopback, streamed, greedy):
 - `erase_fleet_s`: `DELETE /v1/users/{id}` on A (restarted after the failover) until its receipt
   came back with B's acknowledgement.
 
-    .venv/bin/python bench/cluster.py                 # ~6 min on 2 cores
+    .venv/bin/python bench/cluster.py                 # ~7 min on 2 cores
     .venv/bin/python bench/cluster.py --sessions 2    # quicker
-    .venv/bin/python bench/cluster.py --smoke         # one session per phase and per form
+    .venv/bin/python bench/cluster.py --smoke         # ~2 min: one session per phase and per form
 
 Needs PostgreSQL (`DSS_TEST_PG_URL`, default the local `test` server; a fresh database is made and
 dropped) and Redis (`DSS_TEST_REDIS_URL`, keys under a fresh prefix, removed at the end).
