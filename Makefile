@@ -60,7 +60,7 @@ test-gpu: install
 serve: install model
 	$(BIN)/dss serve --dev --model $(DSS_MODEL_DIR) --data-dir $(DSS_DATA_DIR)
 
-# Two `dss serve` behind HAProxy on 127.0.0.1:8100 (docs/operations.md, "Running several servers");
+# Three `dss serve` behind HAProxy on 127.0.0.1:8100 (docs/operations.md, "Running several servers");
 # needs PostgreSQL and Redis on loopback. CLUSTER_ARGS="--no-engine" serves the store API only.
 cluster: install model haproxy
 	$(BIN)/python deploy/cluster.py --model $(DSS_MODEL_DIR) $(CLUSTER_ARGS)

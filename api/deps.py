@@ -16,7 +16,7 @@ from starlette.types import Scope
 
 from api.auth import Caller, Principal, bearer_token, check_user_name
 from api.end_users import BODY_SAFETY_IDENTIFIER, BODY_USER, end_user_principal
-from api.headers import SESSION_HEADER, USER_HEADER, VLLM_SESSION_HEADER, single_value
+from api.headers import ROUTE_HEADER, SESSION_HEADER, USER_HEADER, VLLM_SESSION_HEADER, single_value
 from api.http_errors import (
     BadRequest,
     EngineUnavailable,
@@ -28,6 +28,7 @@ from api.http_errors import (
 from api.keys.api_keys import KEY_PREFIX
 from api.shapes.schemas import NAME_PATTERN
 from api.state import AppState, Phase, Startup
+from dss.dialogue.route_keys import checked_route_key
 from dss.errors import InvalidInput, InvalidSessionId
 from dss.inputs import check_session_id, check_text, check_user_id
 from dss.store import Store
@@ -270,6 +271,15 @@ async def get_session_headers(
 
 
 SessionHeadersDep = Annotated[SessionHeaders, Depends(get_session_headers)]
+
+
+def request_route_key(request: Request) -> str | None:
+    """The route key the router hashed this request on (`X-DSS-Route`, set by deploy/haproxy.cfg
+    on requests that start a response chain or a conversation), None when absent or not one
+    (`dss.dialogue.route_keys`: only 16 lowercase hex digits; anything else is ignored, it only
+    chooses where later requests go)."""
+    values = request.headers.getlist(ROUTE_HEADER)
+    return checked_route_key(values[0]) if len(values) == 1 else None
 
 
 def session_id_of(body_value: str | None, headers: SessionHeaders, principal: Principal) -> SessionId | None:

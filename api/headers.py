@@ -16,8 +16,12 @@ USER_HEADER = "X-DSS-User"
 SESSION_HEADER = "X-DSS-Session"
 # vLLM's name for the same (`vllm/entrypoints/generate/base/serving.py`, `SESSION_ID_HEADER`).
 VLLM_SESSION_HEADER = "X-Session-ID"
+# Set by the router (deploy/haproxy.cfg) on a request that may mint an id a later request names
+# (a response, a conversation): the route key it hashed on, which the id then carries
+# (`dss.dialogue.route_keys`). Anything but 16 lowercase hex digits is ignored.
+ROUTE_HEADER = "X-DSS-Route"
 
-DSS_HEADERS = frozenset(h.lower() for h in (USER_HEADER, SESSION_HEADER, VLLM_SESSION_HEADER))
+DSS_HEADERS = frozenset(h.lower() for h in (USER_HEADER, SESSION_HEADER, VLLM_SESSION_HEADER, ROUTE_HEADER))
 # Headers that carry credentials or framing: never an end user's or a session's name.
 RESERVED_HEADERS = frozenset(
     {"authorization", "cookie", "host", "content-type", "content-length", "transfer-encoding"}

@@ -1,5 +1,6 @@
-"""Two DSS servers sharing one PostgreSQL, one Redis page tier and one master key, measured side
-by side in one run (real vLLM engines on the default model, HTTP on loopback, streamed, greedy):
+"""Three DSS servers sharing one PostgreSQL, one Redis page tier and one master key, behind
+HAProxy (deploy/haproxy.cfg through deploy/launcher.py), measured in one run (real vLLM engines
+on the default model, HTTP on loopback, streamed, greedy):
 
 - `cross_server_ttft_vs_cold`: a session's turn 1 runs on server A; its turn 2 runs on server B,
   which never saw the session and loads its KV from Redis. Its TTFT over the TTFT of the same
@@ -9,23 +10,30 @@ by side in one run (real vLLM engines on the default model, HTTP on loopback, st
   ran on A just before; B continues them).
 - `remote_load_mbps`: MB/s of page bytes at rest read from Redis (GET of every page this run
   stored, one after another, as a promotion reads them).
+- `routed_to_holder`: the share of the ways of naming a session (`X-DSS-Session`, `X-Session-ID`,
+  the body's `session_id`, a frontend key's session header, a `conversation`, a
+  `previous_response_id` chain) whose turns, sent through HAProxy, all landed on the server that
+  answered the session's first turn (the one whose host tier holds its KV). Goal 1.0.
 - `lost_versions`: versions a client got a `state_version` for that B cannot list after the
   failover (goal 0).
 - `erase_fleet_s`: `DELETE /v1/users/{id}` on A (restarted after the failover) until its receipt
   came back with B's acknowledgement.
 
-    .venv/bin/python bench/cluster.py                 # ~4 min on 2 cores
+    .venv/bin/python bench/cluster.py                 # ~7 min on 2 cores
     .venv/bin/python bench/cluster.py --sessions 2    # quicker
+    .venv/bin/python bench/cluster.py --smoke         # ~2 min: one session per phase and per form
 
 Needs PostgreSQL (`DSS_TEST_PG_URL`, default the local `test` server; a fresh database is made and
 dropped) and Redis (`DSS_TEST_REDIS_URL`, keys under a fresh prefix, removed at the end).
-The last line is `RESULT cross_server_ttft_vs_cold= failover_ttft_vs_cold= remote_load_mbps=
+HAProxy is installed with apt-get when missing (as `make cluster` does). The last line is
+`RESULT cross_server_ttft_vs_cold= failover_ttft_vs_cold= remote_load_mbps= routed_to_holder=
 lost_versions= erase_fleet_s=`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -43,13 +51,19 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from deploy.haproxy import ensure_haproxy  # noqa: E402 - after the path is set
+from deploy.launcher import Cluster  # noqa: E402 - after the path is set
+from deploy.spec import ServerSpec  # noqa: E402 - after the path is set
 from engine_patch.setup.model import NOT_PREPARED  # noqa: E402 - after the path is set
-from tests.api_server import ApiServer, model_dir  # noqa: E402 - after the path is set
+from tests.api_server import ApiServer, free_port, model_dir  # noqa: E402 - after the path is set
 
 PG_URL = os.environ.get("DSS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("DSS_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 SYSTEM = " ".join(f"Rule {i}: answer in one short sentence, politely, without lists." for i in range(110))
 QUESTIONS = ("Name a river.", "Name a mountain.", "Name a lake.", "Name a forest.", "Name a desert.")
+# The frontend key of the routing phase: its end-user and session headers (as Open WebUI's are).
+FRONTEND_USER_HEADER = "X-Bench-User-Id"
+FRONTEND_SESSION_HEADER = "X-Bench-Chat-Id"
 
 
 def fresh_database() -> tuple[str, Any, str]:
@@ -130,12 +144,12 @@ def remote_load_mbps(prefix: str) -> tuple[float, int]:
     return (total / 1e6 / dt if dt > 0 else 0.0), len(keys)
 
 
-def first_turns(a: ApiServer, names: list[str]) -> dict[str, list[dict[str, str]]]:
+def first_turns(a: ApiServer, names: list[str], system: str = SYSTEM) -> dict[str, list[dict[str, str]]]:
     """Turn 1 of each session on A; returns each session's history."""
     histories: dict[str, list[dict[str, str]]] = {}
     for i, name in enumerate(names):
         msgs = [
-            {"role": "system", "content": SYSTEM},
+            {"role": "system", "content": system},
             {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]},
         ]
         r = streamed_turn(a, f"u-{name}", msgs, name)
@@ -158,10 +172,125 @@ def second_turns(
     return warm, cold
 
 
+def frontend_key(server: ApiServer) -> str:
+    """A frontend key whose requests name the end user and the session in headers."""
+    import subprocess
+
+    created = subprocess.run(
+        [
+            sys.executable, "-m", "api.cli", "keys", "create", "--frontend", "bench-frontend",
+            "--user-header", FRONTEND_USER_HEADER, "--session-header", FRONTEND_SESSION_HEADER,
+            "--data-dir", str(server.data_dir),
+        ],
+        cwd=REPO, env=server.env(), capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    return created.stdout.strip().splitlines()[-1]
+
+
+def start_router(servers: dict[str, ApiServer], work: Path) -> Cluster:
+    """HAProxy with the shipped configuration in front of `servers`, each in its pool."""
+    work.mkdir(parents=True, exist_ok=True)
+    specs = [ServerSpec(name, i + 1, s.port, s.data_dir) for i, (name, s) in enumerate(servers.items())]
+    router = Cluster(
+        servers=specs,
+        work_dir=work,
+        router_port=free_port(),
+        haproxy=ensure_haproxy(),
+        check_interval_ms=500,
+        session_headers=[FRONTEND_SESSION_HEADER],
+    )
+    router.start_router()
+    deadline, up = time.monotonic() + 30, set()
+    while up != set(servers):  # answering, and every server passed its health check
+        with contextlib.suppress(httpx.HTTPError):
+            up.add(httpx.get(router.router_url + "/healthz", timeout=2).headers["X-DSS-Server"])
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"HAProxy did not reach every server: {up}\n{router.log_tail('haproxy')}")
+        time.sleep(0.05)
+    return router
+
+
+def routed_turns(router_url: str, key: str, frontend: str, form: str, name: str, turns: int) -> list[str]:
+    """`turns` turns of one session named by `form`, through the router: the server of each."""
+    servers: list[str] = []
+    auth = {"Authorization": f"Bearer {key}"}
+    history: list[dict[str, str]] = [{"role": "system", "content": "Answer in one short sentence."}]
+    previous: str | None = None
+    with httpx.Client(base_url=router_url, timeout=300) as c:
+        conversation = None
+        if form == "conversation":
+            r = c.post("/v1/conversations", json={}, headers=auth)
+            r.raise_for_status()
+            conversation = r.json()["id"]
+            servers.append(r.headers["X-DSS-Server"])
+        for t in range(turns):
+            question = QUESTIONS[t % len(QUESTIONS)]
+            if form in ("conversation", "previous_response_id"):
+                body: dict[str, Any] = {"input": question, "max_output_tokens": 4, "temperature": 0}
+                if conversation is not None:
+                    body["conversation"] = conversation
+                elif previous is not None:
+                    body["previous_response_id"] = previous
+                r = c.post("/v1/responses", json=body, headers=auth)
+                if r.status_code != 200:
+                    raise RuntimeError(f"{form}: {r.status_code}: {r.text}")
+                previous = r.json()["id"]
+            else:
+                history.append({"role": "user", "content": question})
+                body = {"messages": history, "max_tokens": 4, "temperature": 0}
+                headers = dict(auth)
+                if form == "X-DSS-Session" or form == "X-Session-ID":
+                    headers[form] = name
+                elif form == "session_id":
+                    body["session_id"] = name
+                elif form == "frontend session header":
+                    headers = {
+                        "Authorization": f"Bearer {frontend}",
+                        FRONTEND_USER_HEADER: f"end-user-{name}",
+                        FRONTEND_SESSION_HEADER: name,
+                    }
+                r = c.post("/v1/chat/completions", json=body, headers=headers)
+                if r.status_code != 200:
+                    raise RuntimeError(f"{form}: {r.status_code}: {r.text}")
+                answer = r.json()
+                assert answer.get("session_id") == name, answer
+                history.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
+            servers.append(r.headers["X-DSS-Server"])
+    return servers
+
+
+ROUTING_FORMS = (
+    "X-DSS-Session",
+    "X-Session-ID",
+    "session_id",
+    "frontend session header",
+    "conversation",
+    "previous_response_id",
+)
+
+
+def routing(router_url: str, a: ApiServer, sessions: int, turns: int) -> dict[str, list[list[str]]]:
+    """Each form's sessions through the router: the servers of each session's turns."""
+    frontend = frontend_key(a)
+    out: dict[str, list[list[str]]] = {}
+    for form in ROUTING_FORMS:
+        key = a.key(f"u-route-{form.replace(' ', '-')}")
+        out[form] = [
+            routed_turns(router_url, key, frontend, form, f"route-{i}-{uuid.uuid4().hex[:6]}", turns)
+            for i in range(sessions)
+        ]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", type=int, default=4, help="sessions per phase (cross-server, failover)")
+    ap.add_argument("--route-sessions", type=int, default=2, help="sessions per way of naming one")
+    ap.add_argument("--turns", type=int, default=3, help="turns per routed session")
+    ap.add_argument("--smoke", action="store_true", help="one session per phase and per form, 2 turns")
     args = ap.parse_args()
+    if args.smoke:
+        args.sessions, args.route_sessions, args.turns = 1, 1, 2
     model = model_dir()
     if model is None:
         sys.exit(NOT_PREPARED)
@@ -175,26 +304,34 @@ def main() -> None:
         "DSS_STORE__REMOTE_KEY_PREFIX": prefix,
         "DSS_ENGINE__MAX_MODEL_LEN": "4096",
     }
-    a = ApiServer(model, root / "a", env={**env, "DSS_STORE__SERVER_ID": "a"})
-    b = ApiServer(model, root / "b", env={**env, "DSS_STORE__SERVER_ID": "b"})
+    servers = {n: ApiServer(model, root / n, env={**env, "DSS_STORE__SERVER_ID": n}) for n in "abc"}
+    a, b = servers["a"], servers["b"]
+    router: Cluster | None = None
     try:
-        a.launch()
-        b.launch()
-        a.wait_ready()
-        b.wait_ready()
-        for s in (a, b):  # one throwaway request each
+        for s in servers.values():  # one after another: three engine starts at once starve 2 cores
+            s.start()
+        for s in servers.values():  # one throwaway request each
             streamed_turn(s, "warmup", [{"role": "user", "content": "Hi."}], None)
+        # Every way of naming a session, through HAProxy (short turns: only where they land counts).
+        router = start_router(servers, root / "router")
+        routes = routing(router.router_url, a, args.route_sessions, args.turns)
+        router.stop()
+        router = None
+        held = {form: all(len(set(turns)) == 1 for turns in done) for form, done in routes.items()}
+        routed = sum(held.values()) / len(held)
+
         n = args.sessions
         acked: list[tuple[str, int]] = []
+        system = SYSTEM if not args.smoke else SYSTEM[: len(SYSTEM) // 3]  # smoke: ~3 pages, not 9
 
-        cross = first_turns(a, [f"x{i}" for i in range(n)])
+        cross = first_turns(a, [f"x{i}" for i in range(n)], system)
         acked += [(name, 1) for name in cross]
         wait_written_behind(a)
         read_before = metric(b, "dss_remote_read_bytes")
         x_warm, x_cold = second_turns(b, cross, acked)
         b_read = metric(b, "dss_remote_read_bytes") - read_before
 
-        fail = first_turns(a, [f"f{i}" for i in range(n)])
+        fail = first_turns(a, [f"f{i}" for i in range(n)], system)
         acked += [(name, 1) for name in fail]
         wait_written_behind(a)
         assert a.proc is not None
@@ -230,6 +367,8 @@ def main() -> None:
             f"after kill -9 of A: turn 2 TTFT p50 {med(f_warm) * 1e3:.0f} ms "
             f"vs cold {med(f_cold) * 1e3:.0f} ms"
         )
+        for form, done in routes.items():
+            print(f"routed by {form}: each session's servers {done}: {'held' if held[form] else 'MOVED'}")
         print(
             f"Redis GET of {n_keys} pages at rest: {mbps:.0f} MB/s; "
             f"acknowledged versions {len(acked)}, lost {lost}"
@@ -241,11 +380,14 @@ def main() -> None:
         )
         print(
             f"RESULT cross_server_ttft_vs_cold={x_ratio:.3f} failover_ttft_vs_cold={f_ratio:.3f} "
-            f"remote_load_mbps={mbps:.0f} lost_versions={lost} erase_fleet_s={erase_s:.3f}",
+            f"remote_load_mbps={mbps:.0f} routed_to_holder={routed:.3f} lost_versions={lost} "
+            f"erase_fleet_s={erase_s:.3f}",
             flush=True,
         )
     finally:
-        for s in (a, b):
+        if router is not None:
+            router.stop()
+        for s in servers.values():
             s.stop()
         import redis
 

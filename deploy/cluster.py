@@ -1,6 +1,7 @@
 """A local DSS cluster in one command: N `dss serve` behind HAProxy, on loopback only.
 
-    .venv/bin/python deploy/cluster.py [--servers 2] [--no-engine] [--db-url URL] [--redis-url URL]
+    .venv/bin/python deploy/cluster.py [--servers 3] [--no-engine] [--session-header NAME]
+        [--db-url URL] [--redis-url URL]
 
 (`make cluster` runs it with the prepared default model.) Each server has its own data directory
 under the work directory and its own name (`DSS_STORE__SERVER_ID` a, b, ...); all share one
@@ -45,7 +46,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="deploy/cluster.py", description="N `dss serve` behind HAProxy on loopback (docs/operations.md)."
     )
-    p.add_argument("--servers", type=int, default=2, help="how many dss serve processes (default 2)")
+    p.add_argument("--servers", type=int, default=3, help="how many dss serve processes (default 3)")
     p.add_argument("--port", type=int, default=8100, help="HAProxy's port (default 8100)")
     p.add_argument("--first-port", type=int, default=8101, help="the first server's port; the others follow")
     p.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR, help=f"default {DEFAULT_WORK_DIR}")
@@ -68,6 +69,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--env", action="append", default=[], metavar="DSS_X=V", help="any setting for every server"
+    )
+    p.add_argument(
+        "--session-header",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a frontend's session header (its key's --session-header, e.g. X-OpenWebUI-Chat-Id) that the "
+        "router keeps a session on one server by; repeat for several frontends",
     )
     p.add_argument("--check-interval-ms", type=int, default=1000, help="HAProxy's health-check interval")
     return p.parse_args(argv)
@@ -167,6 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             env=extra_env(args.engine, args.env),
             check_interval_ms=args.check_interval_ms,
             haproxy=haproxy,
+            session_headers=args.session_header,
         )
     except ClusterError as exc:
         print(f"cannot start the cluster: {exc}", file=sys.stderr)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -14,16 +15,38 @@ from deploy.spec import LOOPBACK, ClusterError, ServerSpec
 TEMPLATE = Path(__file__).with_name("haproxy.cfg")
 
 
+# What an HTTP header name may be here (RFC 9110's token, less what HAProxy's syntax gives a meaning).
+_HEADER_NAME = re.compile(r"[A-Za-z0-9_-]{1,100}")
+
+
+def session_header_lines(names: Sequence[str]) -> str:
+    """One line per frontend session header (a frontend key's `session_header` in DSS): the router
+    reads the session id from it when no header before it in the template named one."""
+    lines = []
+    for name in names:
+        if _HEADER_NAME.fullmatch(name) is None:
+            raise ClusterError(f"not a header name for the router: {name!r} (letters, digits, '-', '_')")
+        unset = "!{ var(txn.dss_session) -m found }"
+        lines.append(f"    http-request set-var(txn.dss_session) req.hdr({name}) if {unset}")
+    return "\n".join(lines) or "    # (no frontend session headers: deploy/cluster.py --session-header)"
+
+
 def render_haproxy_config(
-    servers: Sequence[ServerSpec], port: int, check_interval_ms: int = 1000, template: Path = TEMPLATE
+    servers: Sequence[ServerSpec],
+    port: int,
+    check_interval_ms: int = 1000,
+    template: Path = TEMPLATE,
+    session_headers: Sequence[str] = (),
 ) -> str:
     """deploy/haproxy.cfg with its markers filled in: the bind address, the check interval, one
-    `server` line per server (with its fixed `id`, see the template)."""
+    `server` line per server (with its fixed `id`, see the template), one line per frontend
+    session header the router reads a session id from."""
     lines = [f"    server {s.name} {LOOPBACK}:{s.port} id {s.number} check" for s in servers]
     text = template.read_text()
     for marker, value in (
         ("@@bind@@", f"{LOOPBACK}:{port}"),
         ("@@check_inter@@", f"{check_interval_ms}ms"),
+        ("@@session_headers@@", session_header_lines(session_headers)),
         ("@@servers@@", "\n".join(lines)),
     ):
         if marker not in text:

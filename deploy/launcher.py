@@ -48,6 +48,7 @@ class Cluster:
     env: Mapping[str, str] = field(default_factory=dict)  # extra DSS_* settings for every server
     check_interval_ms: int = 1000
     haproxy: str = "haproxy"
+    session_headers: Sequence[str] = ()  # frontend session headers the router reads (haproxy.cfg)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, init=False)
 
     @property
@@ -120,7 +121,9 @@ class Cluster:
 
     def start_router(self) -> None:
         self.config_path.write_text(
-            render_haproxy_config(self.servers, self.router_port, self.check_interval_ms)
+            render_haproxy_config(
+                self.servers, self.router_port, self.check_interval_ms, session_headers=self.session_headers
+            )
         )
         check_haproxy_config(self.haproxy, self.config_path)
         # -db: stay in the foreground (a child of this launcher, stopped with it).

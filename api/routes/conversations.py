@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 
-from api.deps import PrincipalDep, StateDep
+from api.deps import PrincipalDep, StateDep, request_route_key
 from api.http_errors import error_responses
 from api.shapes.conversations import (
     ConversationCreate,
@@ -52,12 +52,21 @@ def _checked_items(state: AppState, body_items: list[Any]) -> list[dict[str, Any
 
 
 @router.post("/v1/conversations", responses=error_responses(400, 401, 409, 429))
-def create_conversation(body: ConversationCreate, state: StateDep, principal: PrincipalDep) -> dict[str, Any]:
-    """A new conversation (a session with a `conv_` id), seeded with `items` if given."""
+def create_conversation(
+    body: ConversationCreate, request: Request, state: StateDep, principal: PrincipalDep
+) -> dict[str, Any]:
+    """A new conversation (a session with a `conv_` id), seeded with `items` if given. Its id
+    begins with the route key the router hashed this request on (`X-DSS-Route`), so that every
+    later request naming the conversation reaches this server (`dss.dialogue.route_keys`)."""
     epoch = _admitted(state, principal.user)
     items = _checked_items(state, list(body.items or []))
     conv = state.store.conversations.create(
-        principal.user, items, body.metadata, state.settings.limits.max_messages, epoch=epoch
+        principal.user,
+        items,
+        body.metadata,
+        state.settings.limits.max_messages,
+        epoch=epoch,
+        route_key=request_route_key(request),
     )
     return conversation_body(conv)
 

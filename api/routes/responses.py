@@ -11,7 +11,15 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
 
-from api.deps import CallerDep, EngineDep, PrincipalDep, SessionHeadersDep, StateDep, acting_principal
+from api.deps import (
+    CallerDep,
+    EngineDep,
+    PrincipalDep,
+    SessionHeadersDep,
+    StateDep,
+    acting_principal,
+    request_route_key,
+)
 from api.http_errors import SessionHeaderOnResponses, error_responses
 from api.shapes.openai_responses import (
     ResponseCreate,
@@ -25,6 +33,8 @@ from api.turn.lead import policy_for, requested_mode
 from api.turn.request import ConversationTurn, ResponseTurn, TurnParams, TurnRequest
 from api.turn.respond import serve_turn
 from dss.dialogue.conversations import item_message
+from dss.dialogue.response_store import new_response_id
+from dss.dialogue.route_keys import route_key_for
 from dss.errors import ModelNotFound
 
 router = APIRouter(tags=["responses"])
@@ -57,7 +67,10 @@ async def create_response(
         raise ModelNotFound(f"the model {body.model!r} does not exist on this server")
     body.check_fields()
     items = body.items()
-    plan = ResponsePlan(body, stored_items(items))
+    # The new response id carries the route key of the chain it continues, of its conversation,
+    # else the one the router hashed this request on (`dss.dialogue.route_keys`).
+    route = route_key_for(body.previous_response_id, body.conversation_id, request_route_key(request))
+    plan = ResponsePlan(body, stored_items(items), id=new_response_id(route))
     plan.check_json(state.settings.limits.json_limits)
     params = TurnParams(max_tokens=body.max_output_tokens)
     fields = body.sampling_fields()
@@ -93,6 +106,7 @@ async def create_response(
             new=item_messages(items),
             store=body.store,
             lead=lead,
+            route_key=route,
         )
     return await serve_turn(state, engine, request, ask, shape)
 

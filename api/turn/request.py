@@ -152,6 +152,7 @@ class ResponseTurn(TurnRequest):
     new: list[dict[str, Any]]
     store: bool
     lead: LeadPolicy
+    route_key: str | None = None  # a new chain's session carries it (`dss.dialogue.route_keys`)
 
     async def resolve(self, state: AppState, admitted: Admitted) -> Turn:
         planned = await asyncio.to_thread(
@@ -164,6 +165,7 @@ class ResponseTurn(TurnRequest):
             self.new,
             self.store,
             self.lead,
+            self.route_key,
         )
         check_limits(state.settings.limits, self.params, planned.messages, self.fields)
         return Turn(

@@ -43,6 +43,7 @@ from typing import Any, Literal
 
 from dss.dialogue.history import prefix_digests
 from dss.dialogue.lead.policy import LeadPolicy, classify
+from dss.dialogue.route_keys import checked_route_key, new_route_key
 from dss.dialogue.turns import TurnTarget
 from dss.dialogue.versions import EMPTY_HEAD, MAIN_BRANCH, SessionInfo, VersionStore
 from dss.errors import (
@@ -62,9 +63,11 @@ INSTRUCTIONS_KEY = "dss_instructions"
 MAX_ITEMS_PER_REQUEST = 20
 
 
-def new_conversation_id() -> SessionId:
-    """A fresh conversation (and session) id: `conv_` and 48 hex digits of randomness."""
-    return SessionId(CONVERSATION_ID_PREFIX + secrets.token_hex(24))
+def new_conversation_id(route_key: str | None = None) -> SessionId:
+    """A fresh conversation (and session) id: `conv_`, the route key (`dss.dialogue.route_keys`; a
+    random one when None), 32 random hex digits."""
+    key = checked_route_key(route_key) or new_route_key()
+    return SessionId(CONVERSATION_ID_PREFIX + key + secrets.token_hex(16))
 
 
 def derived_item_id(digest: str) -> str:
@@ -195,13 +198,15 @@ class Conversations:
         max_items: int | None = None,
         *,
         epoch: int | None = None,
+        route_key: str | None = None,
     ) -> Conversation:
-        """A new conversation (a session with a fresh `conv_` id), seeded with `items` as its first
-        version when there are any. All or nothing: a seed refused by the store removes the session.
+        """A new conversation (a session with a fresh `conv_` id that begins with `route_key`,
+        `dss.dialogue.route_keys`), seeded with `items` as its first version when there are any.
+        All or nothing: a seed refused by the store removes the session.
         `epoch`: the erasure epoch the request was admitted under (see the module docstring)."""
         new = [item_message(i) for i in items]
         _check_new([], new, max_items)
-        cid = new_conversation_id()
+        cid = new_conversation_id(route_key)
         session = self._versions.create_session(user, cid, metadata=metadata, epoch=epoch)
         if not new:
             return self._of(session)

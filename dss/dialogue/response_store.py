@@ -13,8 +13,9 @@ Invariants (`ResponseStore.check`):
 - a `previous_response_id` names a record of the same user in the same session, and that
   record's version is a strict ancestor of this one's (so chains end, and every response that
   continues another lies in the version subtree of the one it continues);
-- ids are `resp_` followed by 48 hex digits (`new_response_id`: 192 random bits, unguessable;
-  another user's id reads as missing, exactly like an unknown one).
+- ids are `resp_` followed by 48 hex digits (`new_response_id`): the chain's route key (16 digits,
+  `dss.dialogue.route_keys`: what a router hashes on) then 128 random bits, unguessable; another
+  user's id reads as missing, exactly like an unknown one.
 
 DELETE (`ResponseStore.delete`) never breaks a descendant silently. A response's descendants are
 every other version of its version's subtree (the versions below it) and every other response
@@ -49,6 +50,7 @@ from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from dss.db.connect import transaction
 from dss.db.models import ResponseRow, VersionRow
+from dss.dialogue.route_keys import checked_route_key, new_route_key
 from dss.dialogue.versions import VersionStore
 from dss.errors import (
     InvalidInput,
@@ -74,9 +76,10 @@ _LISTED_IDS = 20
 _IN_CHUNK = 500
 
 
-def new_response_id() -> str:
-    """A fresh response id: `resp_` and 48 hex digits of randomness."""
-    return RESPONSE_ID_PREFIX + secrets.token_hex(24)
+def new_response_id(route_key: str | None = None) -> str:
+    """A fresh response id: `resp_`, the route key (a random one when None), 32 random hex digits."""
+    key = checked_route_key(route_key) or new_route_key()
+    return RESPONSE_ID_PREFIX + key + secrets.token_hex(16)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ import numpy as np
 from dss.dialogue.lead.match import drifted_base
 from dss.dialogue.lead.policy import LeadDrift, LeadPolicy, classify, has_lead
 from dss.dialogue.response_store import ResponseRecord, ResponseStore
+from dss.dialogue.route_keys import checked_route_key, new_route_key
 from dss.dialogue.versions import EMPTY_HEAD, MAIN_BRANCH, SessionInfo, VersionInfo, VersionStore
 from dss.errors import (
     BranchExists,
@@ -188,9 +189,11 @@ def response_target(
     new_messages: Sequence[Mapping[str, Any]],
     store: bool = True,
     lead_policy: LeadPolicy | None = None,
+    route_key: str | None = None,
 ) -> ResponseTurn:
     """A response without `previous_response_id` starts a new chain: a new session (created by
-    its commit) whose first version it becomes. One with it continues that response's version:
+    its commit, named `resp-` and `route_key`, the chain's: `dss.dialogue.route_keys`) whose
+    first version it becomes. One with it continues that response's version:
     on its branch when it is that branch's head, else on a new branch forked there (a fork of
     the response tree). Unstored (`store` false), it only reads the dialogue it continues.
     Instructions that differ from the previous response's are a lead update on its version when
@@ -201,7 +204,7 @@ def response_target(
     if not store:
         return ResponseTurn(None, messages, previous)
     if previous is None or base is None:
-        sid = SessionId(f"resp-{uuid.uuid4().hex[:24]}")
+        sid = SessionId(f"resp-{checked_route_key(route_key) or new_route_key()}{uuid.uuid4().hex[:16]}")
         target = TurnTarget(sid, None, MAIN_BRANCH, fork_on_race=False, create_session=True)
         return ResponseTurn(target, messages, None)
     session = versions.get_session(user, previous.session_id)

@@ -1,5 +1,6 @@
 """What a router needs from a server: the session id as a header (`X-DSS-Session`, which a router
-hashes on without parsing the body) and the server's name on every answer (`X-DSS-Server`).
+hashes on without parsing the body), the server's name on every answer (`X-DSS-Server`), and ids
+that carry the route key the router chose (`X-DSS-Route`, `dss.dialogue.route_keys`).
 
 Over a real engine-less `dss serve --dev` (sessions, errors, health), and one chat turn on the
 shared real-engine server.
@@ -7,6 +8,7 @@ shared real-engine server.
 
 from __future__ import annotations
 
+import re
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -84,6 +86,48 @@ def test_the_header_is_validated_like_the_body_field(c: httpx.Client, bad: str) 
     assert by_header.json()["error"]["param"] == "X-DSS-Session"
     assert by_body.json()["error"]["param"] == "session_id"
     assert by_header.json()["error"]["code"] == by_body.json()["error"]["code"] == "invalid_request"
+
+
+ROUTE = "00c0ffee00c0ffee"
+
+
+def test_a_conversation_id_carries_the_route_key_the_router_sent(c: httpx.Client) -> None:
+    routed = c.post("/v1/conversations", json={}, headers={"X-DSS-Route": ROUTE})
+    assert routed.status_code == 200, routed.text
+    cid = routed.json()["id"]
+    assert re.fullmatch(rf"conv_{ROUTE}[0-9a-f]{{32}}", cid), cid
+    assert c.get(f"/v1/conversations/{cid}").status_code == 200
+    assert c.get(f"/v1/sessions/{cid}").status_code == 200  # the session it is
+    # Without the header, or with anything but 16 lowercase hex digits: a random route key.
+    for headers in ({}, {"X-DSS-Route": "00C0FFEE00C0FFEE"}, {"X-DSS-Route": "short"}):
+        other = c.post("/v1/conversations", json={}, headers=headers)
+        assert other.status_code == 200, other.text
+        assert re.fullmatch(r"conv_[0-9a-f]{48}", other.json()["id"]) and ROUTE not in other.json()["id"]
+
+
+@pytest.mark.engine
+def test_response_ids_carry_their_chains_route_key(api_server: ApiServer) -> None:
+    """A new chain's response id (and its session's name) begins with the route key the router
+    sent; a response continuing it keeps the chain's key whatever the header says (a request sent
+    past the router too); a response in a conversation carries the conversation's."""
+    body = {"model": "default", "max_output_tokens": 2, "temperature": 0}
+    with api_server.client("route-rae") as h:
+        first = h.post("/v1/responses", json={**body, "input": "Hi."}, headers={"X-DSS-Route": ROUTE})
+        assert first.status_code == 200, first.text
+        rid = first.json()["id"]
+        assert re.fullmatch(rf"resp_{ROUTE}[0-9a-f]{{32}}", rid), rid
+        sessions = [s["id"] for s in h.get("/v1/sessions").json()["data"]]
+        assert [s for s in sessions if s.startswith("resp-")] == [next(s for s in sessions if ROUTE in s)]
+        for headers in ({}, {"X-DSS-Route": "1111111111111111"}):
+            nxt = h.post(
+                "/v1/responses", json={**body, "input": "More.", "previous_response_id": rid}, headers=headers
+            )
+            assert nxt.status_code == 200, nxt.text
+            assert nxt.json()["id"].startswith(f"resp_{ROUTE}"), nxt.json()["id"]
+        cid = h.post("/v1/conversations", json={}, headers={"X-DSS-Route": "2222222222222222"}).json()["id"]
+        in_conv = h.post("/v1/responses", json={**body, "input": "Hi.", "conversation": cid})
+        assert in_conv.status_code == 200, in_conv.text
+        assert in_conv.json()["id"].startswith("resp_2222222222222222"), in_conv.json()["id"]
 
 
 @pytest.mark.engine

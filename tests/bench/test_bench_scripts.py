@@ -45,6 +45,7 @@ SMOKED_WITH_ONE_ENGINE = (
     "swa_capacity",
 )
 SMOKED_ELSEWHERE = {
+    "cluster": "tests/bench/test_cluster_smoke.py runs its --smoke (three servers behind HAProxy)",
     "model_matrix": "tests/engine_patch/connector/test_model_matrix.py runs its SMOKE_ROWS",
     "volatile": "tests/bench/test_volatile_smoke.py runs its --smoke against a server of its own",
 }
@@ -53,7 +54,6 @@ SMOKED_ELSEWHERE = {
 NOT_IN_THE_SUITE = {
     "api_load": "a server under load for a minute; tests/bench/test_bench_api_load.py runs its reporting",
     "block_size": "one engine per block size (4 engine starts)",
-    "cluster": "two servers, PostgreSQL and Redis; tests/deploy/test_cluster.py runs its scenarios",
     "engine_multiround": "three or four differently configured engines at once",
     "peers": "four servers (vLLM's, LMCache's) one after another",
     "reuse": "a server and several multi-turn sessions (`--quick`: 2 x 3 turns)",

@@ -89,6 +89,49 @@ def test_the_router_keys_on_the_header_the_body_field_and_the_path(cluster: Clus
         assert {served_by(c.get("/healthz")) for _ in range(6)} == {"a", "b"}
 
 
+def test_vllms_session_header_routes_like_dss_own(cluster: Cluster) -> None:
+    """`X-Session-ID` (what vLLM and its clients send) keeps a session on its server, the one
+    `X-DSS-Session` names it on: created there through the router, and found there only."""
+    with httpx.Client(base_url=cluster.router_url, headers=DEV_USER, timeout=10) as c:
+        homes = []
+        for i in range(8):
+            sid = f"vllm-{i}"
+            created = c.post("/v1/sessions", json={}, headers={"X-Session-ID": sid})
+            assert created.status_code == 201, created.text
+            home = served_by(created)
+            homes.append(home)
+            for _ in range(3):
+                got = c.get("/v1/sessions", headers={"X-Session-ID": sid})
+                assert served_by(got) == home
+            assert server_of(c, sid) == home
+    assert set(homes) == {"a", "b"}, homes
+
+
+def test_a_conversation_created_through_the_router_is_found_through_it(cluster: Cluster) -> None:
+    """The id a server mints for a new conversation carries the route key the router chose for
+    that request (`X-DSS-Route`): every later request naming the conversation, by its path or as
+    a session, reaches the one server that holds it (each server has its own database here)."""
+    with httpx.Client(base_url=cluster.router_url, headers=DEV_USER, timeout=10) as c:
+        homes = []
+        for _ in range(10):
+            created = c.post("/v1/conversations", json={"metadata": {"topic": "routing"}})
+            assert created.status_code == 200, created.text
+            home, cid = served_by(created), created.json()["id"]
+            homes.append(home)
+            item = {"type": "message", "role": "user", "content": "Hello."}
+            for r in (
+                c.get(f"/v1/conversations/{cid}"),
+                c.post(f"/v1/conversations/{cid}/items", json={"items": [item]}),
+                c.get(f"/v1/conversations/{cid}/items"),
+                c.get(f"/v1/sessions/{cid}/versions"),
+                c.get("/v1/sessions", headers={"X-DSS-Session": cid}),
+            ):
+                assert r.status_code in (200, 201) and served_by(r) == home, r.text
+            other = next(s for s in cluster.servers if s.name != home)
+            assert httpx.get(f"{other.url}/v1/conversations/{cid}", headers=DEV_USER).status_code == 404
+    assert set(homes) == {"a", "b"}, homes
+
+
 def test_a_killed_servers_sessions_move_to_the_other_without_errors(cluster: Cluster) -> None:
     with httpx.Client(base_url=cluster.router_url, headers=DEV_USER, timeout=10) as c:
         where = {f"fail-{i}": server_of(c, f"fail-{i}") for i in range(20)}
