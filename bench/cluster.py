@@ -8,8 +8,13 @@ on the default model, HTTP on loopback, streamed, greedy):
   Goal <= 0.3.
 - `failover_ttft_vs_cold`: the same right after A was killed with `kill -9` (its sessions' turn 1
   ran on A just before; B continues them).
-- `remote_load_mbps`: MB/s of page bytes at rest read from Redis (GET of every page this run
-  stored, one after another, as a promotion reads them).
+- `remote_load_mbps`: MB/s at which B's read path (`RemoteTier.read_many`: pipelined batches,
+  decoding, promotion into its host tier) read the cross-server turns' pages from Redis: bytes
+  read over the seconds its `dss_remote_read_seconds_total` phases (network, decode, promote)
+  add up to (summed over reader threads, so a lower bound of the rate).
+- `redis_ceiling_mbps`: Redis's own ceiling for the same values on this machine: every page this
+  run stored, read back with plain pipelined GETs and no decoding (`bench/remote_read.py`'s
+  `ceiling`, the best of a few batch shapes). Goal: `remote_load_mbps` at least half of it.
 - `routed_to_holder`: the share of the ways of naming a session (`X-DSS-Session`, `X-Session-ID`,
   the body's `session_id`, a frontend key's session header, a `conversation`, a
   `previous_response_id` chain) whose turns, sent through HAProxy, all landed on the server that
@@ -26,8 +31,9 @@ on the default model, HTTP on loopback, streamed, greedy):
 Needs PostgreSQL (`DSS_TEST_PG_URL`, default the local `test` server; a fresh database is made and
 dropped) and Redis (`DSS_TEST_REDIS_URL`, keys under a fresh prefix, removed at the end).
 HAProxy is installed with apt-get when missing (as `make cluster` does). The last line is
-`RESULT cross_server_ttft_vs_cold= failover_ttft_vs_cold= remote_load_mbps= routed_to_holder=
-lost_versions= erase_fleet_s=`.
+`RESULT cross_server_ttft_vs_cold= failover_ttft_vs_cold= remote_load_mbps= redis_ceiling_mbps=
+routed_to_holder= lost= lost_versions= erase_fleet_s=` (`lost` and `lost_versions` are the same
+count: the issue's key and the earlier one).
 """
 
 from __future__ import annotations
@@ -133,15 +139,25 @@ def metric(server: ApiServer, name: str) -> float:
     return 0.0
 
 
-def remote_load_mbps(prefix: str) -> tuple[float, int]:
+def read_seconds(server: ApiServer) -> float:
+    """The seconds of the server's remote reads, its three phases summed."""
+    with httpx.Client(base_url=server.base_url, headers=server.headers("admin", True), timeout=10) as c:
+        return sum(
+            float(line.split()[-1])
+            for line in c.get("/metrics").text.splitlines()
+            if line.startswith("dss_remote_read_seconds_total{")
+        )
+
+
+def redis_ceiling_mbps(prefix: str) -> tuple[float, int]:
+    """Plain pipelined GETs of every page of this run (keys `<prefix>{bucket}p:<hash>`)."""
     import redis
+    from remote_read import ceiling
 
     client = redis.Redis.from_url(REDIS_URL)
-    keys = list(client.scan_iter(f"{prefix}p:*"))
-    t0 = time.perf_counter()
-    total = sum(len(client.get(k) or b"") for k in keys)
-    dt = time.perf_counter() - t0
-    return (total / 1e6 / dt if dt > 0 else 0.0), len(keys)
+    keys = [k.decode() for k in client.scan_iter(f"{prefix}*p:*")]
+    client.close()
+    return (ceiling(keys) if keys else 0.0), len(keys)
 
 
 def first_turns(a: ApiServer, names: list[str], system: str = SYSTEM) -> dict[str, list[dict[str, str]]]:
@@ -327,9 +343,11 @@ def main() -> None:
         cross = first_turns(a, [f"x{i}" for i in range(n)], system)
         acked += [(name, 1) for name in cross]
         wait_written_behind(a)
-        read_before = metric(b, "dss_remote_read_bytes")
+        read_before, seconds_before = metric(b, "dss_remote_read_bytes"), read_seconds(b)
         x_warm, x_cold = second_turns(b, cross, acked)
         b_read = metric(b, "dss_remote_read_bytes") - read_before
+        b_seconds = read_seconds(b) - seconds_before
+        mbps = b_read / 1e6 / b_seconds if b_seconds > 0 else 0.0
 
         fail = first_turns(a, [f"f{i}" for i in range(n)], system)
         acked += [(name, 1) for name in fail]
@@ -345,7 +363,7 @@ def main() -> None:
             for name, version in acked:
                 r = c.get(f"/v1/sessions/{name}/versions/{version}", headers=b.headers(f"u-{name}"))
                 lost += r.status_code != 200
-        mbps, n_keys = remote_load_mbps(prefix)
+        ceiling_mbps, n_keys = redis_ceiling_mbps(prefix)
 
         a.start()  # catches up on what it missed
         t0 = time.perf_counter()
@@ -370,7 +388,8 @@ def main() -> None:
         for form, done in routes.items():
             print(f"routed by {form}: each session's servers {done}: {'held' if held[form] else 'MOVED'}")
         print(
-            f"Redis GET of {n_keys} pages at rest: {mbps:.0f} MB/s; "
+            f"B's remote reads {mbps:.0f} MB/s; plain pipelined GETs of the {n_keys} pages at rest "
+            f"{ceiling_mbps:.0f} MB/s (Redis's ceiling here); "
             f"acknowledged versions {len(acked)}, lost {lost}"
         )
         print(
@@ -380,7 +399,8 @@ def main() -> None:
         )
         print(
             f"RESULT cross_server_ttft_vs_cold={x_ratio:.3f} failover_ttft_vs_cold={f_ratio:.3f} "
-            f"remote_load_mbps={mbps:.0f} routed_to_holder={routed:.3f} lost_versions={lost} "
+            f"remote_load_mbps={mbps:.0f} redis_ceiling_mbps={ceiling_mbps:.0f} "
+            f"routed_to_holder={routed:.3f} lost={lost} lost_versions={lost} "
             f"erase_fleet_s={erase_s:.3f}",
             flush=True,
         )

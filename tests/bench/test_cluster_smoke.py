@@ -25,7 +25,9 @@ KEYS = (
     "cross_server_ttft_vs_cold",
     "failover_ttft_vs_cold",
     "remote_load_mbps",
+    "redis_ceiling_mbps",
     "routed_to_holder",
+    "lost",
     "lost_versions",
     "erase_fleet_s",
 )
@@ -54,4 +56,5 @@ def test_cluster_smoke(pg_url: str) -> None:
     assert set(KEYS) <= set(result), result
     assert all(math.isfinite(float(result[k])) for k in KEYS), result
     assert float(result["routed_to_holder"]) == 1.0, proc.stdout[-3000:]
-    assert int(result["lost_versions"]) == 0, result
+    assert int(result["lost"]) == 0 and int(result["lost_versions"]) == 0, result
+    assert float(result["remote_load_mbps"]) > 0 and float(result["redis_ceiling_mbps"]) > 0, result
