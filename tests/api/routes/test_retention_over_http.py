@@ -204,15 +204,21 @@ def test_idle_ttl_demotes_over_http(alice: httpx.Client) -> None:
 def test_evict_and_warm_a_real_turns_pages(api_server: ApiServer) -> None:
     """A turn long enough to fill pages; `evict` moves them to disk, a warm-up brings them back."""
     story = " ".join(f"Day {i}: we walked to the museum number {i} and ate at cafe {i}." for i in range(40))
-    with api_server.client("retention-user") as c:
+    with api_server.client("retention-user") as c, api_server.client("admin", admin=True) as admin:
         out = chat(c, [user_msg(story)], session_id="walks", max_tokens=4)
         v = out["state_version"]
-        # The connector saves the last pages just after the answer: wait until they stay put.
+        # The connector saves the last pages just after the answer (the save is planned before
+        # the answer returns): wait until no save is pending and the pages stay put.
         seen: list[dict[str, int]] = []
 
         def settled() -> bool:
             seen.append(resident(c, "walks", v))
-            return len(seen) > 4 and seen[-1] == seen[-5]
+            pending = [
+                float(line.split()[-1])
+                for line in admin.get("/metrics").text.splitlines()
+                if line.startswith("dss_pending_saves ")
+            ]
+            return pending == [0.0] and len(seen) > 4 and seen[-1] == seen[-5]
 
         assert wait_for(settled)
         total = seen[-1]["host"]
