@@ -14,6 +14,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from dss.db.connect import transaction
+from dss.db.write_gate import first_in_line
 from dss.db.models import BranchRow, VersionRow, utcnow
 from dss.dialogue.versions.records import BranchInfo, branch_info
 from dss.dialogue.versions.rules import EMPTY_HEAD, check_name, check_number
@@ -50,11 +51,12 @@ class Branches(VersionTables):
         """Move `branch`'s head back to `to_version`, an ancestor-or-self of the current head.
 
         Versions after it stay stored and listed (another branch may still point at them).
-        `epoch`: as for `VersionWrites.commit`.
+        A short write a client waits for: its transaction goes first among this process's waiting
+        SQLite writers (`first_in_line`). `epoch`: as for `VersionWrites.commit`.
         """
         for _ in range(MAX_COMMIT_ATTEMPTS):
             try:
-                with transaction(self._factory) as db:
+                with first_in_line(), transaction(self._factory) as db:
                     self.hold_user(db, user, epoch)
                     owned_session(db, user, sid)
                     brow = branch_row(db, user, sid, branch)
@@ -83,7 +85,7 @@ class Branches(VersionTables):
         check_name("branch name", name)
         check_number(from_version, sid)
         try:
-            with transaction(self._factory) as db:
+            with first_in_line(), transaction(self._factory) as db:
                 self.hold_user(db, user, epoch)
                 owned_session(db, user, sid)
                 if from_version != EMPTY_HEAD:
