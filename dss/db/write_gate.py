@@ -108,7 +108,7 @@ class GatedConnection(sqlite3.Connection):
     timeout_s: float = 5.0
     _holding = False
 
-    def cursor(self, factory: Any = None) -> Any:  # noqa: ANN401 - sqlite3's own signature
+    def cursor(self, factory: Any = None) -> Any:
         return super().cursor(factory or GatedCursor)
 
     def before(self, sql: str) -> None:
@@ -150,7 +150,7 @@ class GatedConnection(sqlite3.Connection):
 class GatedCursor(sqlite3.Cursor):
     """Passes each statement to its connection's gate first (`GatedConnection.before`)."""
 
-    def execute(self, sql: str, parameters: Any = (), /) -> GatedCursor:  # noqa: ANN401
+    def execute(self, sql: str, parameters: Any = (), /) -> GatedCursor:
         conn = self.connection
         assert isinstance(conn, GatedConnection)
         conn.before(sql)
@@ -161,7 +161,7 @@ class GatedCursor(sqlite3.Cursor):
             raise
         return self
 
-    def executemany(self, sql: str, seq_of_parameters: Any, /) -> GatedCursor:  # noqa: ANN401
+    def executemany(self, sql: str, seq_of_parameters: Any, /) -> GatedCursor:
         conn = self.connection
         assert isinstance(conn, GatedConnection)
         conn.before(sql)

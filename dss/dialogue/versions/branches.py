@@ -14,8 +14,8 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from dss.db.connect import transaction
-from dss.db.write_gate import first_in_line
 from dss.db.models import BranchRow, VersionRow, utcnow
+from dss.db.write_gate import first_in_line
 from dss.dialogue.versions.records import BranchInfo, branch_info
 from dss.dialogue.versions.rules import EMPTY_HEAD, check_name, check_number
 from dss.dialogue.versions.shared import (
