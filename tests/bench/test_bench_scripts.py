@@ -30,6 +30,7 @@ SMOKED_HERE = (
     "erase",
     "history_memory",
     "retention",
+    "rollback_contention",
     "store_concurrency",
     "tiers",
     "trie",
