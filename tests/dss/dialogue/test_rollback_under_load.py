@@ -54,9 +54,10 @@ def test_a_rollback_waits_for_one_writer_at_most(tmp_path: Path) -> None:
             for t in threads:
                 t.join()
         took.sort()
-        # One writer's hold plus the rollback's own transaction, with room for a busy machine;
-        # polling behind three writers took several holds, often 100 ms and more.
-        assert took[-2] < 4 * HOLD_S + 0.03, [round(t * 1000, 1) for t in took]
+        # One writer's hold plus the rollback's own transaction (about 20 ms), with room for a
+        # machine shared with other jobs; polling behind three writers, one rollback of the old
+        # code waited the whole busy timeout (5 s) and failed with `database is locked`.
+        assert took[-2] < 0.25, [round(t * 1000, 1) for t in took]
     finally:
         engine.dispose()
         relaxed.dispose()
