@@ -24,6 +24,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
+from dss.db.write_gate import GatedConnection, gate_for
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MIGRATIONS_DIR = REPO_ROOT / "migrations"
 SQLITE_FILENAME = "dss.sqlite3"
@@ -92,7 +94,10 @@ def make_engine(url: str, *, durable_commits: bool = True, **kwargs: Any) -> Eng
     loss may undo its last commits, never corrupt the database, and the next durable commit of
     any connection makes them durable too. For records whose loss recovery repairs (a page row:
     its file becomes an orphan that start-up removes), so that they do not hold SQLite's one
-    write lock through an fsync while a rollback waits for it. Ignored elsewhere."""
+    write lock through an fsync while a rollback waits for it. Ignored elsewhere.
+
+    A SQLite file's connections (of every engine of this process) queue for its write lock in
+    one `WriteGate` instead of polling SQLite's busy handler (`dss.db.write_gate`)."""
     parsed = make_url(url)
     # An error's message (logged, raised) never shows the statement's parameters: they are user
     # ids, messages, token ids. Always, whatever the caller passes.
@@ -104,9 +109,19 @@ def make_engine(url: str, *, durable_commits: bool = True, **kwargs: Any) -> Eng
             # One shared connection, or every pooled connection would see its own empty database.
             kwargs.setdefault("poolclass", StaticPool)
             kwargs.setdefault("connect_args", {"check_same_thread": False})
+            engine = create_engine(parsed, **kwargs)
         else:
-            private_sqlite_file(Path(database))
-        engine = create_engine(parsed, **kwargs)
+            gate = gate_for(str(private_sqlite_file(Path(database))))
+            connect_args = kwargs.setdefault("connect_args", {})
+            connect_args.setdefault("factory", GatedConnection)
+            engine = create_engine(parsed, **kwargs)
+
+            def _set_gate(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
+                if isinstance(dbapi_conn, GatedConnection):
+                    dbapi_conn.gate = gate
+                    dbapi_conn.timeout_s = BUSY_TIMEOUT_MS / 1000
+
+            event.listen(engine, "connect", _set_gate)
         event.listen(engine, "connect", _set_sqlite_pragmas)
         if not durable_commits:
             event.listen(engine, "connect", _set_sqlite_relaxed)

@@ -31,6 +31,7 @@ SMOKED_HERE = (
     "history_memory",
     "remote_read",
     "retention",
+    "rollback_contention",
     "store_concurrency",
     "tiers",
     "trie",

@@ -15,6 +15,7 @@ from sqlalchemy.exc import IntegrityError
 
 from dss.db.connect import transaction
 from dss.db.models import BranchRow, VersionRow, utcnow
+from dss.db.write_gate import first_in_line
 from dss.dialogue.versions.records import BranchInfo, branch_info
 from dss.dialogue.versions.rules import EMPTY_HEAD, check_name, check_number
 from dss.dialogue.versions.shared import (
@@ -30,7 +31,7 @@ from dss.dialogue.versions.shared import (
     touch,
     version_key,
 )
-from dss.errors import BranchExists, NotAnAncestor, StaleHead, VersionNotFound
+from dss.errors import BranchExists, DSSError, NotAnAncestor, StaleHead, VersionNotFound
 from dss.types import SessionId, UserId
 
 
@@ -50,22 +51,31 @@ class Branches(VersionTables):
         """Move `branch`'s head back to `to_version`, an ancestor-or-self of the current head.
 
         Versions after it stay stored and listed (another branch may still point at them).
-        `epoch`: as for `VersionWrites.commit`.
+        A short write a client waits for: its transaction goes first among this process's waiting
+        SQLite writers (`first_in_line`). `epoch`: as for `VersionWrites.commit`.
         """
         for _ in range(MAX_COMMIT_ATTEMPTS):
             try:
-                with transaction(self._factory) as db:
+                with first_in_line(), transaction(self._factory) as db:
+                    # Read first: on SQLite no lock is held yet (the write lock comes with the
+                    # fence, the first write), so other writers are not kept waiting behind these
+                    # reads; the compare-and-set on the head checks that what was read still holds
+                    # (versions never change parents, and a deleted one moves the heads above it).
+                    try:
+                        brow = branch_row(db, user, sid, branch, missing_ok=False)
+                        head = brow.head_version
+                        if expected_head is not None and head != expected_head:
+                            raise StaleHead(f"branch {branch!r} head is {head}, expected {expected_head}")
+                        parents = parents_having(db, user, sid, to_version)
+                        if to_version not in ancestors_of(parents, head):
+                            raise NotAnAncestor(
+                                f"version {to_version} is not on the history of branch {branch!r}"
+                            )
+                    except DSSError:
+                        self.hold_user(db, user, epoch)  # `UserErased` first when the user was erased
+                        owned_session(db, user, sid)  # `SessionNotFound` before a branch's absence
+                        raise
                     self.hold_user(db, user, epoch)
-                    owned_session(db, user, sid)
-                    brow = branch_row(db, user, sid, branch)
-                    head = brow.head_version
-                    if expected_head is not None and head != expected_head:
-                        raise StaleHead(f"branch {branch!r} head is {head}, expected {expected_head}")
-                    parents = parents_having(db, user, sid, to_version)
-                    if to_version not in ancestors_of(parents, head):
-                        raise NotAnAncestor(
-                            f"version {to_version} is not on the history of branch {branch!r}"
-                        )
                     move_head(db, user, sid, branch, head, to_version)
                     touch(db, user, sid)
                     return replace(branch_info(brow), head_version=to_version)
@@ -83,7 +93,7 @@ class Branches(VersionTables):
         check_name("branch name", name)
         check_number(from_version, sid)
         try:
-            with transaction(self._factory) as db:
+            with first_in_line(), transaction(self._factory) as db:
                 self.hold_user(db, user, epoch)
                 owned_session(db, user, sid)
                 if from_version != EMPTY_HEAD:
