@@ -19,7 +19,7 @@ import httpx
 import pytest
 from sqlalchemy import event
 
-from api import auth
+from api.keys import api_keys
 from api.keys.api_keys import ApiKeys
 from dss.db.connect import make_engine, make_session_factory, sqlite_url_for, upgrade_to_head
 from tests.api_server import ApiServer
@@ -179,7 +179,7 @@ def test_the_unknown_key_memory_is_bounded_expires_and_yields_to_a_new_key(
         # one whose token was tried before it existed (made here with a token fixed in advance).
         fixed = secrets.token_urlsafe(32)
         assert keys.authenticate("dss-" + fixed) is None
-        monkeypatch.setattr(auth.secrets, "token_urlsafe", lambda n: fixed)
+        monkeypatch.setattr(api_keys.secrets, "token_urlsafe", lambda n: fixed)
         made = keys.create("alice")
         assert made.key == "dss-" + fixed
         caller = keys.authenticate(made.key)
