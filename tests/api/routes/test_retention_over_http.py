@@ -224,14 +224,16 @@ def test_evict_and_warm_a_real_turns_pages(api_server: ApiServer) -> None:
 
         assert wait_for(settled, 30.0)
         seen_last = seen[-1][1]
-        # The version's tokens the store holds: written through, every page is on disk, and most
-        # in the host tier too (the shared server's host tier may have demoted one already: the
-        # tests before this one fill it).
-        total = max(seen_last["host"], seen_last["disk"])
         assert seen_last["host"] > 0 and seen_last["remote"] == 0
         r = c.patch("/v1/sessions/walks", json={"kv_retention": "evict"})
         assert r.status_code == 200, r.text
-        assert resident(c, "walks", v) == {"host": 0, "disk": total, "remote": 0}
+        # Every page of the version is now on disk and none in the host tier. (Before, most were
+        # in both; the shared server's host tier, filled by the tests before this one, may have
+        # demoted one already, and a tail page may have been in memory only: the split varies.)
+        after = resident(c, "walks", v)
+        total = after["disk"]
+        assert after == {"host": 0, "disk": total, "remote": 0}
+        assert total >= max(seen_last["host"], seen_last["disk"])
         w = c.post("/v1/sessions/walks/warm").json()
         assert (w["version"], w["tokens"], w["resident"]["disk"]) == (v, total, total)
         assert wait_for(lambda: resident(c, "walks", v)["host"] == total, 30.0)
