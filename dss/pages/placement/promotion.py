@@ -133,21 +133,31 @@ class Promoter:
             except Exception:  # the claim is settled below whatever happened here
                 log.exception("page %s not read from the remote tier", page.hex()[:16])
 
+        promoted, doomed = self._settle_from_remote(page, ref, ok, claimed.meta.checksum)
+        if not promoted and not doomed:
+            gone.extend(self._copies.drop([page]))
+        return ref if promoted else None
+
+    def _settle_from_remote(
+        self, page: PageHash, ref: SlotRef | None, ok: bool, checksum: bytes
+    ) -> tuple[bool, bool]:
+        """Settle a claimed remote-only page: into host slot `ref` when its bytes are there
+        (`ok`), else it stays remote-only. (promoted, doomed: erased or dropped meanwhile); a slot
+        not used is given back."""
+
         def to_host(e: PageEntry) -> None:
             e.tiers = {Tier.HOST}
             e.host_ref = ref
-            e.meta.checksum = claimed.meta.checksum
+            e.meta.checksum = checksum
 
-        doomed = self._table.settle(page, to_host if ok else None)
-        if doomed is not None or not ok:
+        doomed = self._table.settle(page, to_host if ok else None) is not None
+        if doomed or not ok:
             if ref is not None:
                 self._host.release(ref)
-            if doomed is None:
-                gone.extend(self._copies.drop([page]))
-            return None
+            return False, doomed
         self._counters.count("promotions", Tier.HOST)
         self._counters.count("hits_pages", Tier.REMOTE)
-        return ref
+        return True, False
 
     def fetch_remote(
         self,
@@ -216,18 +226,9 @@ class Promoter:
         except Exception:  # the claim is settled below whatever happened here
             log.exception("page %s not promoted from a remote read", page.hex()[:16])
 
-        def to_host(e: PageEntry) -> None:
-            e.tiers = {Tier.HOST}
-            e.host_ref = ref
-            e.meta.checksum = fetched.header.checksum
-
-        doomed = self._table.settle(page, to_host if ok else None)
-        if doomed is not None or not ok:
-            if ref is not None:
-                self._host.release(ref)
+        promoted, _ = self._settle_from_remote(page, ref, ok, fetched.header.checksum)
+        if not promoted:
             return None
-        self._counters.count("promotions", Tier.HOST)
-        self._counters.count("hits_pages", Tier.REMOTE)
         self._counters.count("remote_promote_s", n=time.perf_counter() - t0)
         return ref
 
