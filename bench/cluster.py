@@ -32,8 +32,9 @@ Needs PostgreSQL (`DSS_TEST_PG_URL`, default the local `test` server; a fresh da
 dropped) and Redis (`DSS_TEST_REDIS_URL`, keys under a fresh prefix, removed at the end).
 HAProxy is installed with apt-get when missing (as `make cluster` does). The last line is
 `RESULT cross_server_ttft_vs_cold= failover_ttft_vs_cold= remote_load_mbps= redis_ceiling_mbps=
-routed_to_holder= lost= lost_versions= erase_fleet_s=` (`lost` and `lost_versions` are the same
-count: the issue's key and the earlier one).
+routed_to_holder= lost= lost_versions= erase_fleet_s= warmup_stalls=` (`lost` and `lost_versions` are
+the same count: the issue's key and the earlier one; `warmup_stalls`: warm-up turns sent twice
+because the first got no answer in 60 s, each with its server's thread dump printed).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def drop_database(admin: Any, name: str) -> None:
 
 
 def streamed_turn(
-    server: ApiServer, user: str, messages: list[dict[str, str]], sid: str | None
+    server: ApiServer, user: str, messages: list[dict[str, str]], sid: str | None, timeout_s: float = 300
 ) -> dict[str, Any]:
     """One streamed chat turn: TTFT (first chunk with content), its text, its version."""
     body: dict[str, Any] = {"messages": messages, "max_tokens": 12, "temperature": 0, "stream": True}
@@ -102,7 +103,7 @@ def streamed_turn(
     text, version, ttft = "", None, None
     t0 = time.perf_counter()
     with (
-        httpx.Client(base_url=server.base_url, headers=server.headers(user), timeout=300) as c,
+        httpx.Client(base_url=server.base_url, headers=server.headers(user), timeout=timeout_s) as c,
         c.stream("POST", "/v1/chat/completions", json=body) as r,
     ):
         if r.status_code != 200:
@@ -118,6 +119,23 @@ def streamed_turn(
                     text += piece
                 version = choice.get("state_version", version)
     return {"ttft": ttft if ttft is not None else time.perf_counter() - t0, "text": text, "version": version}
+
+
+def warm_up(name: str, server: ApiServer) -> int:
+    """One throwaway turn (a few tokens: seconds). A turn that gets no answer for 60 s is a stall:
+    the server's threads are dumped into its log (`kill -USR1`, see docs/operations.md), the log
+    is printed, and the turn is sent once more. Returns the stalls (reported in RESULT)."""
+    for attempt in range(2):
+        try:
+            streamed_turn(server, "warmup", [{"role": "user", "content": "Hi."}], None, timeout_s=60)
+            return attempt
+        except httpx.TimeoutException:
+            assert server.proc is not None
+            os.kill(server.proc.pid, signal.SIGUSR1)
+            time.sleep(2)
+            print(f"STALL: server {name}'s warm-up turn got no answer in 60 s; its log:", flush=True)
+            print(server.log_tail(300), flush=True)
+    raise RuntimeError(f"server {name}'s warm-up turn stalled twice")
 
 
 def wait_written_behind(server: ApiServer, timeout_s: float = 120.0) -> None:
@@ -326,8 +344,7 @@ def main() -> None:
     try:
         for s in servers.values():  # one after another: three engine starts at once starve 2 cores
             s.start()
-        for s in servers.values():  # one throwaway request each
-            streamed_turn(s, "warmup", [{"role": "user", "content": "Hi."}], None)
+        stalls = sum(warm_up(name, s) for name, s in servers.items())
         # Every way of naming a session, through HAProxy (short turns: only where they land counts).
         router = start_router(servers, root / "router")
         routes = routing(router.router_url, a, args.route_sessions, args.turns)
@@ -401,9 +418,13 @@ def main() -> None:
             f"RESULT cross_server_ttft_vs_cold={x_ratio:.3f} failover_ttft_vs_cold={f_ratio:.3f} "
             f"remote_load_mbps={mbps:.0f} redis_ceiling_mbps={ceiling_mbps:.0f} "
             f"routed_to_holder={routed:.3f} lost={lost} lost_versions={lost} "
-            f"erase_fleet_s={erase_s:.3f}",
+            f"erase_fleet_s={erase_s:.3f} warmup_stalls={stalls}",
             flush=True,
         )
+    except BaseException:
+        for name, s in servers.items():  # what each server said, before the logs are removed
+            print(f"--- server {name}'s log ---\n{s.log_tail(40)}", file=sys.stderr)
+        raise
     finally:
         if router is not None:
             router.stop()

@@ -4,7 +4,9 @@ argument, more parallel ranks than CPUs), then uvicorn with the app."""
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import signal
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -130,6 +132,9 @@ def serve(
     except DataDirInUse as exc:
         _refuse(str(exc))
     level = settings.server.log_level.upper()
+    # `kill -USR1 <pid>` writes every thread's stack to stderr (the server's log): what a server
+    # that stopped answering is waiting for, without stopping it.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)
     srv = settings.server

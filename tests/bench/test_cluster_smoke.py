@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 
@@ -30,6 +31,7 @@ KEYS = (
     "lost",
     "lost_versions",
     "erase_fleet_s",
+    "warmup_stalls",
 )
 
 
@@ -49,7 +51,7 @@ def test_cluster_smoke(pg_url: str) -> None:
         timeout=900,
     )
     print(f"cluster --smoke: {time.monotonic() - t0:.0f} s\n{proc.stdout[-2500:]}")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr[-8000:]
     lines = proc.stdout.strip().splitlines()
     assert lines and lines[-1].startswith("RESULT "), f"the last line is not RESULT:\n{proc.stdout[-3000:]}"
     result = parse_result(lines[-1])
@@ -57,4 +59,6 @@ def test_cluster_smoke(pg_url: str) -> None:
     assert all(math.isfinite(float(result[k])) for k in KEYS), result
     assert float(result["routed_to_holder"]) == 1.0, proc.stdout[-3000:]
     assert int(result["lost"]) == 0 and int(result["lost_versions"]) == 0, result
+    if int(result["warmup_stalls"]):  # the bench sent the turn again, after printing the stall
+        warnings.warn(f"a warm-up turn stalled: {proc.stdout[-20000:]}", stacklevel=1)
     assert float(result["remote_load_mbps"]) > 0 and float(result["redis_ceiling_mbps"]) > 0, result
