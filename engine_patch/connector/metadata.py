@@ -19,8 +19,11 @@ __all__ = ["DSSConnectorMetadata", "DSSWorkerMetadata", "LoadSpec", "SaveSpec", 
 class LoadSpec:
     """Copy host slots into a request's engine blocks.
 
-    Sync loads have every slot; async loads have none yet: the worker asks the store for them
-    (`wait_loaded`), which also reports pages that could not be had.
+    `span`: the slots, when every page is in the host arena (the worker copies them at once, in
+    `start_load_kv`); None while the store promotes pages (the worker's loader thread asks the
+    store for them, `wait_loaded`, which also reports pages that could not be had). `is_async`:
+    how vLLM takes the load (a hybrid model's always are), so how a failure is reported: block
+    ids for a sync load, the whole request for an async one.
     """
 
     req_id: str

@@ -248,7 +248,8 @@ class SchedulerSide:
         block_ids = tuple(tuple(ids[first : first + n_pages]) for ids in blocks.get_block_ids())
         pages = claim.plan.pages[:n_pages]
         is_async = self._is_async(claim.plan)
-        span = None if is_async else span_of(pages)
+        # Pages in the host arena name their slots now, whichever way vLLM takes the load.
+        span = None if claim.plan.is_async else span_of(pages)
         self._loads.append(LoadSpec(st.req_id, claim.plan.load_id, block_ids, span, is_async))
         # The tier the plan names for each page: the host arena, a page promoted on the way (disk,
         # or the fleet's remote tier), or one the store has just read from the remote tier into

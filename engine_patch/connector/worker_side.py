@@ -168,8 +168,14 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ loads
     def start_load_kv(self, meta: DSSConnectorMetadata) -> None:
+        """Copy what is in the host arena now, on this thread; leave a load whose pages the
+        store is still promoting (no slots yet) to the loader thread. A hybrid model's loads are
+        asynchronous to vLLM (`_is_async` on the scheduler side) but most have their slots: copied
+        here, before this step's forward, they are reported done by this step's `get_finished`,
+        so the request runs in the next step, with no hand-off to the loader thread (a GIL switch
+        interval, 5 ms, and more steps while it waits for it: the 9x hot loads of issue 31)."""
         for spec in meta.loads:
-            if spec.is_async:
+            if spec.span is None:
                 self._loader.submit(self._load, spec)
             else:
                 self._load(spec)
@@ -195,11 +201,11 @@ class WorkerSide:
         return unchanged
 
     def _load(self, spec: LoadSpec) -> None:
-        """One load, on the forward pass's thread (sync: the plan named every slot) or on the
-        loader thread (async: the store promotes pages first and names their slots now). Copy,
+        """One load, on the forward pass's thread (the plan named every slot) or on the loader
+        thread (the store promotes pages first and names their slots now). Copy,
         then validate the copies and release the lease in one round trip; any failure is a miss
         from the first page not known good, recomputed by vLLM."""
-        client = self._loader_client if spec.is_async else self._client
+        client = self._loader_client if spec.span is None else self._client
         kind = "async" if spec.is_async else "sync"
         n_ok = 0
         released = False
@@ -208,7 +214,7 @@ class WorkerSide:
                 raise DSSError("connector not ready for loads")
             span = spec.span
             n_ok = spec.n_pages
-            if spec.is_async:
+            if spec.span is None:  # the store names the slots once it has promoted the pages
                 got = client.wait_loaded(spec.load_id, self.load_timeout_s)
                 n_ok = _usable_prefix(got, spec.n_pages)
                 if n_ok < spec.n_pages:
