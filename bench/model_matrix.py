@@ -115,6 +115,7 @@ REAL_ATTENTION = {GEMMA3_270M.name: "sliding+full"}
 
 SMOKE_ROWS = [
     Row("deepseek-v2-mla"),
+    Row("llama-h128-gqa4", kv_cache_dtype="fp8_e4m3"),  # vLLM runs fp8 KV on CPUs with AVX-512 or AMX
     Row(GEMMA3_270M.name),  # real weights: 5 sliding-window (512) layers to 1 global, head 256, MQA
 ]
 FULL_ROWS = [
@@ -128,7 +129,8 @@ FULL_ROWS = [
     Row("qwen2-h64-gqa2"),
     Row("mistral-swa"),
     Row("gemma3-swa"),
-    Row("llama-h128-gqa4", kv_cache_dtype="fp8_e4m3"),
+    Row("llama-h128-gqa4", kv_cache_dtype="fp8_e5m2"),
+    Row("gemma3-swa", kv_cache_dtype="fp8"),  # vLLM's "fp8" is e4m3; two KV cache groups
     Row("llama-h128-gqa4", tp=2),
     Row("llama-h128-gqa4", pp=2),
     Row("default", tp=3),

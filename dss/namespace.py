@@ -23,7 +23,10 @@ LATENT_KV_LAYOUT = "MLA"
 # `isa` (the packing inside a block) of vLLM's reference CPU MLA cache: one plain row per token.
 LATENT_ROWS_ISA = "cpu-mla"
 # Fields added to `ModelFingerprint` later, with the default that leaves the id unchanged.
-_ADDED_FIELDS: dict[str, object] = {"tp_size": 1, "pp_size": 1, "kv_groups": ""}
+_ADDED_FIELDS: dict[str, object] = {"tp_size": 1, "pp_size": 1, "kv_groups": "", "kv_cache_dtype": "auto"}
+# The quantized KV caches whose pages DSS stores (`ModelFingerprint.kv_cache_dtype`): vLLM's fp8
+# formats with one scale per layer for K and one for V, kept as raw bytes (`dtype` "uint8").
+FP8_KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +52,19 @@ class ModelFingerprint:
     # beside sliding-window layers), as `engine_patch.connector.groups` writes them; "" for one group.
     # Part of the id, so pages move only between engines with the same grouping.
     kv_groups: str = ""
+    # vLLM's `kv_cache_dtype`: "auto" (the KV is stored in `dtype`, the model's) or an fp8 format
+    # of `FP8_KV_CACHE_DTYPES` (`dtype` is then "uint8": one byte per value). What the bytes also
+    # depend on, the per-layer K and V scales, comes with the weights (`revision`); engines that
+    # compute their scales at run time are refused (engine_patch.connector.fingerprint).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPE_BYTES:
             raise ValueError(f"unsupported KV dtype {self.dtype!r}")
+        if self.kv_cache_dtype != "auto" and (
+            self.kv_cache_dtype not in FP8_KV_CACHE_DTYPES or self.dtype != "uint8"
+        ):
+            raise ValueError(f"KV cache dtype {self.kv_cache_dtype!r} with {self.dtype!r} values")
         for name in ("num_layers", "num_kv_heads", "head_size", "block_size", "tp_size", "pp_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")

@@ -187,7 +187,8 @@ class Store:
         self.responses = ResponseStore(self.sf, self.versions, self.config.json_limits)
         self.conversations = Conversations(self.versions)
         self.keyring = Keyring(self.keys, self.sf, self.config.data_key_cache_entries)
-        self.fingerprints = FingerprintRegistry(self.sf)
+        lossy = [name for name in {cfg.codec, cfg.remote.codec} if not make_codec(name).lossless]
+        self.fingerprints = FingerprintRegistry(self.sf, bf16_only_codec=lossy[0] if lossy else None)
 
         # The tier makes its own unguessable directory (exclusively, 0700) under `shm_dir`; the
         # record in our private run directory lets it remove the one a crashed owner left.

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.db.store_meta import meta_set, meta_with_prefix
-from dss.errors import FingerprintMismatch
+from dss.errors import FingerprintMismatch, InvalidInput
 from dss.namespace import ModelFingerprint
 from dss.types import FingerprintId
 
@@ -20,8 +20,12 @@ _PREFIX = "fingerprint:"
 
 
 class FingerprintRegistry:
-    def __init__(self, session_factory: sessionmaker[Session]) -> None:
+    def __init__(self, session_factory: sessionmaker[Session], bf16_only_codec: str | None = None) -> None:
+        """`bf16_only_codec`: a lossy page codec the store encodes with (`int8`), which quantizes
+        bf16 values: an engine whose KV is in another dtype (float32, an fp8 cache's bytes) is
+        refused when it registers, instead of having its pages decoded as other values."""
         self._sf = session_factory
+        self._bf16_only_codec = bf16_only_codec
         self._lock = threading.Lock()
         self._known: dict[FingerprintId, ModelFingerprint] = {}
         for value in meta_with_prefix(session_factory, _PREFIX).values():
@@ -29,6 +33,11 @@ class FingerprintRegistry:
             self._known[fp.id] = fp
 
     def register(self, fp: ModelFingerprint) -> FingerprintId:
+        if self._bf16_only_codec is not None and fp.dtype != "bfloat16":
+            raise InvalidInput(
+                f"the page codec {self._bf16_only_codec!r} quantizes bfloat16 KV only; this engine's KV "
+                f"is {fp.dtype}" + (f" ({fp.kv_cache_dtype})" if fp.kv_cache_dtype != "auto" else "")
+            )
         fid = fp.id
         with self._lock:
             known = fid in self._known

@@ -181,7 +181,9 @@ class KVBlocks:
 
         return gather
 
-    def scrub_after(self, pages: torch.Tensor, slot: int, valid_tokens: int, isa: str) -> None:
+    def scrub_after(
+        self, pages: torch.Tensor, slot: int, valid_tokens: int, isa: str, kv_cache_dtype: str = "auto"
+    ) -> None:
         """Zero the token positions from `valid_tokens` on in a copied block (a tail page).
 
         An engine block is reused without being cleared, so the positions a partial block has
@@ -189,7 +191,8 @@ class KVBlocks:
         tenant's even; a tail page must not carry them into the store. A canonical page is
         zeroed there directly. A packed (CPU) block interior is overwritten through the CPU
         backend's own cache-write kernel for `isa` (with zero K and V), which touches exactly
-        those positions, as decoding does.
+        those positions, as decoding does; for an fp8 cache (`kv_cache_dtype`) the kernel
+        quantizes the zeros, which are zero bytes whatever the scales.
         """
         self._check(pages, [Run(0, slot, 1)])
         if f"cpu-{isa}" == LATENT_ROWS_ISA:
@@ -208,12 +211,16 @@ class KVBlocks:
 
         head_size = width // 2
         n = block_size - valid_tokens
-        zeros = torch.zeros((n, n_heads, head_size), dtype=self.dtype)
+        # K and V to write come in a float dtype: the cache's own, or float32 for an fp8 cache's bytes.
+        value_dtype = self.dtype if self.dtype.is_floating_point else torch.float32
+        zeros = torch.zeros((n, n_heads, head_size), dtype=value_dtype)
         positions = torch.arange(valid_tokens, block_size, dtype=torch.int64)
         for layer in range(len(self.layers)):
             block = self._slot_layer(pages, Run(0, slot, 1), layer)  # [1, H, N, 2D] over the slot
             key_cache, value_cache = block.view(1, n_heads, 2 * block_size, head_size).chunk(2, dim=2)
-            ops.cpu_attn_reshape_and_cache(zeros, zeros, key_cache, value_cache, positions, isa)
+            ops.cpu_attn_reshape_and_cache(
+                zeros, zeros, key_cache, value_cache, positions, isa, kv_cache_dtype=kv_cache_dtype
+            )
 
     def _scrub_latent_rows(self, pages: torch.Tensor, slot: int, valid_tokens: int) -> None:
         """`scrub_after` for an MLA cache, `[num_blocks, 1, block_size, latent]` (one "KV head"):

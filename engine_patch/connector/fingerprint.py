@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dss.namespace import LATENT_KV_LAYOUT, LATENT_ROWS_ISA, ModelFingerprint
+from dss.namespace import FP8_KV_CACHE_DTYPES, LATENT_KV_LAYOUT, LATENT_ROWS_ISA, ModelFingerprint
 from engine_patch.connector.groups import KVGroups, UnsupportedGroups
 from engine_patch.connector.layouts import CANONICAL_FORMAT
 
@@ -75,7 +75,7 @@ def build_fingerprint(
     """The fingerprint of the engine's real KV cache. Every group must be attention with one
     page geometry (a page is one block of every layer); `groups` (default: read from
     `kv_cache_config`) says which layers each group holds and its window."""
-    _check_cache_dtype(vllm_config)
+    kv_cache_dtype_of(vllm_config)
     specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
     if not specs:
         raise UnsupportedKVCache("no KV cache groups")
@@ -133,7 +133,7 @@ def frontend_fingerprint(vllm_config: VllmConfig) -> ModelFingerprint:
     """The same fingerprint, computed in the API process from the config alone (before the engine
     core has sized its KV cache); `build_fingerprint` in the engine must agree, and a test checks it."""
     model_cfg, parallel = vllm_config.model_config, vllm_config.parallel_config
-    _check_cache_dtype(vllm_config)
+    kv_cache_dtype_of(vllm_config)
     hybrid_manager = not getattr(vllm_config.scheduler_config, "disable_hybrid_kv_cache_manager", True)
     if hybrid_manager and model_cfg.get_sliding_window() is not None:
         if int(parallel.pipeline_parallel_size) > 1:
@@ -151,7 +151,7 @@ def frontend_fingerprint(vllm_config: VllmConfig) -> ModelFingerprint:
         num_layers=_total_layers(vllm_config) or model_cfg.get_num_layers(parallel),
         num_kv_heads=model_cfg.get_num_kv_heads(parallel),  # 1 for MLA: one latent vector per token
         head_size=model_cfg.get_head_size(),  # for MLA: kv_lora_rank + qk_rope_head_dim
-        dtype=model_cfg.dtype,
+        dtype=_kv_tensor_dtype(vllm_config, model_cfg.dtype),
         block_size=int(block_size),
         layout=LATENT_KV_LAYOUT if model_cfg.use_mla else _layout_name(vllm_config, None),
     )
@@ -165,12 +165,30 @@ def _total_layers(vllm_config: VllmConfig) -> int | None:
     return int(vllm_config.model_config.get_total_num_hidden_layers())
 
 
-def _check_cache_dtype(vllm_config: VllmConfig) -> None:
-    """Quantized KV caches (fp8) are refused: vLLM's CPU build runs them only on CPUs with AVX-512
-    or AMX (docs/models.md), so no such page has been checked (the model matrix's fp8 row)."""
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    if cache_dtype != "auto":
-        raise UnsupportedKVCache(f"KV cache dtype {cache_dtype!r} is not supported")
+def kv_cache_dtype_of(vllm_config: VllmConfig) -> str:
+    """The engine's KV cache dtype as the fingerprint names it: "auto", or an fp8 format of
+    `FP8_KV_CACHE_DTYPES` (vLLM's "fp8" is its e4m3: the same bytes, so the same pages).
+    `UnsupportedKVCache` for the others (per-token-head scales, Intel's fp8, DeepSeek's MLA fp8),
+    and for fp8 with scales the engine computes from its first batch (`calculate_kv_scales`):
+    each engine would quantize with its own, so its pages would not read back on another."""
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    name = "fp8_e4m3" if cache_dtype == "fp8" else cache_dtype
+    if name == "auto":
+        return name
+    if name not in FP8_KV_CACHE_DTYPES:
+        known = ", ".join(("auto", "fp8", *FP8_KV_CACHE_DTYPES))
+        raise UnsupportedKVCache(f"KV cache dtype {cache_dtype!r} is not supported ({known} are)")
+    if getattr(vllm_config.cache_config, "calculate_kv_scales", False):
+        raise UnsupportedKVCache(
+            f"KV cache dtype {cache_dtype!r} with scales computed at run time (calculate_kv_scales) "
+            "is not supported: each engine's pages would be quantized with its own scales"
+        )
+    return name
+
+
+def _kv_tensor_dtype(vllm_config: VllmConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the engine's KV tensors: the model's, or raw bytes for an fp8 cache."""
+    return model_dtype if kv_cache_dtype_of(vllm_config) == "auto" else torch.uint8
 
 
 def _mla_reason(vllm_config: VllmConfig) -> str | None:
@@ -180,7 +198,7 @@ def _mla_reason(vllm_config: VllmConfig) -> str | None:
     own ways (tiles, padding, fp8 scales) that DSS has not been tested with."""
     from vllm.platforms import current_platform
 
-    if vllm_config.cache_config.cache_dtype != "auto":
+    if vllm_config.cache_config.cache_dtype != "auto":  # an MLA cache in fp8 has its own block format
         return f"MLA with KV cache dtype {vllm_config.cache_config.cache_dtype!r} is not supported"
     if not current_platform.is_cpu():
         return (
@@ -211,16 +229,22 @@ def registered_for_model(
     vllm_config: VllmConfig, registered: Sequence[ModelFingerprint]
 ) -> list[ModelFingerprint]:
     """Of the fingerprints a store knows, those an engine of this config registered with KV cache
-    groups (same model, revision and dtype): how the API process finds a sliding-window model's
-    fingerprint (`GroupsKnownInEngine`)."""
+    groups (same model, revision, KV dtype and format): how the API process finds a sliding-window
+    model's fingerprint (`GroupsKnownInEngine`)."""
     model_cfg = vllm_config.model_config
     model_id = Path(str(model_cfg.model)).name or str(model_cfg.model)
     revision = model_revision(str(model_cfg.model), model_cfg.revision)
-    dtype = dtype_name(model_cfg.dtype) if isinstance(model_cfg.dtype, torch.dtype) else None
+    cache_dtype = kv_cache_dtype_of(vllm_config)
+    dtype = (
+        dtype_name(_kv_tensor_dtype(vllm_config, model_cfg.dtype))
+        if isinstance(model_cfg.dtype, torch.dtype)
+        else None
+    )
+    wanted = (model_id, revision, dtype, cache_dtype)
     return [
         fp
         for fp in registered
-        if fp.kv_groups and (fp.model_id, fp.revision, fp.dtype) == (model_id, revision, dtype)
+        if fp.kv_groups and (fp.model_id, fp.revision, fp.dtype, fp.kv_cache_dtype) == wanted
     ]
 
 
@@ -235,7 +259,10 @@ def _make(
     layout: str,
     kv_groups: str = "",
 ) -> ModelFingerprint:
+    """`dtype`: the KV tensors' (uint8 for an fp8 cache); the kernel's packing follows the
+    model's dtype, as vLLM picks it (`CPUAttentionMetadataBuilder`)."""
     model_cfg, parallel = vllm_config.model_config, vllm_config.parallel_config
+    model_dtype = model_cfg.dtype if isinstance(model_cfg.dtype, torch.dtype) else dtype
     return ModelFingerprint(
         model_id=Path(str(model_cfg.model)).name or str(model_cfg.model),
         revision=model_revision(str(model_cfg.model), model_cfg.revision),
@@ -245,10 +272,11 @@ def _make(
         head_size=head_size,
         block_size=block_size,
         kv_layout=layout,
-        isa=attention_isa(vllm_config, dtype, block_size, head_size),
+        isa=attention_isa(vllm_config, model_dtype, block_size, head_size),
         tp_size=int(parallel.tensor_parallel_size),
         pp_size=int(parallel.pipeline_parallel_size),
         kv_groups=kv_groups,
+        kv_cache_dtype=kv_cache_dtype_of(vllm_config),
     )
 
 

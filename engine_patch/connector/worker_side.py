@@ -306,7 +306,9 @@ class WorkerSide:
         assert self.blocks is not None and self.fingerprint is not None
         isa = self.fingerprint.isa.removeprefix("cpu-")  # the CPU kernel's, for packed blocks
         try:
-            self.blocks.scrub_after(pages, spec.span.slots[-1], spec.tail_tokens, isa)
+            self.blocks.scrub_after(
+                pages, spec.span.slots[-1], spec.tail_tokens, isa, self.fingerprint.kv_cache_dtype
+            )
         except Exception as exc:
             logger.warning("DSS save %s: cannot clear its tail page, not saving it: %s", spec.save_id, exc)
             return False

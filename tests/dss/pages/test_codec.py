@@ -178,3 +178,27 @@ def test_decode_into_matches_decode(name: str) -> None:
         codec.decode_into(blob, np.zeros(len(raw), dtype=np.uint8).view(np.uint16))
     with pytest.raises(CorruptPage):
         codec.decode_into(blob, np.zeros(len(raw) - 2, dtype=np.uint8))  # wrong size
+
+
+def test_a_store_encoding_with_int8_refuses_an_engine_whose_kv_is_not_bf16(tmp_path: Path) -> None:
+    """The int8 codec reads every page as bf16 values: a float32 engine's or an fp8 cache's pages
+    would come back as other values. Such an engine is refused when it registers (the connector
+    then fails its start), before any page is stored; bf16 engines register as before."""
+    from dataclasses import replace
+
+    from tests.store_helpers import SMALL_FP, open_store
+
+    store = open_store(tmp_path / "data", shm_dir=tmp_path / "shm", codec="int8")
+    try:
+        assert store.fingerprints.register(SMALL_FP) == SMALL_FP.id
+        fp8 = replace(SMALL_FP, dtype="uint8", kv_cache_dtype="fp8_e4m3")
+        for fp, named in ((replace(SMALL_FP, dtype="float32"), "float32"), (fp8, "uint8 (fp8_e4m3)")):
+            with pytest.raises(InvalidInput) as err:
+                store.fingerprints.register(fp)
+            assert (
+                str(err.value)
+                == f"the page codec 'int8' quantizes bfloat16 KV only; this engine's KV is {named}"
+            )
+            assert fp.id not in store.fingerprints
+    finally:
+        store.close()

