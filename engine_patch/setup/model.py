@@ -35,7 +35,7 @@ from engine_patch.setup.model_catalog import DEFAULT_MODEL, ReadyModel, ready_mo
 
 DEFAULT_MODEL_NAME = DEFAULT_MODEL.name
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent
+_REPO_ROOT = Path(__file__).resolve().parents[2]  # engine_patch/setup/model.py -> the checkout
 
 
 def default_data_dir() -> Path:

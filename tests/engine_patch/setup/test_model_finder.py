@@ -33,6 +33,17 @@ def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     return tmp_path
 
 
+def test_the_default_data_dir_is_the_checkouts_ignored_dss_folder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without `DSS_DATA_DIR`, `<repo>/.dss`, which git ignores. Before, it resolved to
+    `engine_patch/.dss` (one level short since the module moved into `engine_patch/setup/`): a model
+    pulled there by a test run without `DSS_MODEL_DIR` showed up as 270 MB of untracked files."""
+    from engine_patch.setup.model import default_data_dir
+
+    monkeypatch.delenv("DSS_DATA_DIR", raising=False)
+    assert default_data_dir() == REPO / ".dss"
+    assert "/.dss/" in (REPO / ".gitignore").read_text().splitlines()
+
+
 def test_nothing_prepared_is_none(clean_env: Path) -> None:
     assert find_model() is None
     with pytest.raises(SystemExit, match=re.escape(NOT_PREPARED)):
