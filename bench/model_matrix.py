@@ -99,7 +99,7 @@ class Row:
     def attention(self) -> str:
         if self.model in SPECS:
             return SPECS[self.model].attention
-        return REAL_ATTENTION.get(self.model, "full")
+        return READY_MODELS[self.model].attention if self.model in READY_MODELS else "full"
 
     @property
     def dtype(self) -> str:
@@ -109,9 +109,6 @@ class Row:
         # either way; every other row runs bf16, the dtype served on native-bf16 hardware.
         return "float32" if self.attention == "mla" else "bfloat16"
 
-
-# The attention of the catalog's real models (tiny models name theirs in their spec).
-REAL_ATTENTION = {GEMMA3_270M.name: "sliding+full"}
 
 SMOKE_ROWS = [
     Row("llama-h128-gqa4", kv_cache_dtype="fp8_e4m3"),  # vLLM runs fp8 KV on CPUs with AVX-512 or AMX

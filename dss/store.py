@@ -187,8 +187,9 @@ class Store:
         self.responses = ResponseStore(self.sf, self.versions, self.config.json_limits)
         self.conversations = Conversations(self.versions)
         self.keyring = Keyring(self.keys, self.sf, self.config.data_key_cache_entries)
-        lossy = [name for name in {cfg.codec, cfg.remote.codec} if not make_codec(name).lossless]
-        self.fingerprints = FingerprintRegistry(self.sf, bf16_only_codec=lossy[0] if lossy else None)
+        disk_codec, remote_codec = make_codec(cfg.codec), make_codec(cfg.remote.codec)
+        lossy = next((c.name for c in (disk_codec, remote_codec) if not c.lossless), None)
+        self.fingerprints = FingerprintRegistry(self.sf, bf16_only_codec=lossy)
 
         # The tier makes its own unguessable directory (exclusively, 0700) under `shm_dir`; the
         # record in our private run directory lets it remove the one a crashed owner left.
@@ -196,10 +197,10 @@ class Store:
             cfg.host_capacity_bytes, directory=cfg.shm_dir, record=cfg.run_dir / "host-arena-dir"
         )
         self.disk: DiskTier | None = DiskTier(
-            cfg.disk_dir, cfg.disk_capacity_bytes, make_codec(cfg.codec), fsync=cfg.fsync
+            cfg.disk_dir, cfg.disk_capacity_bytes, disk_codec, fsync=cfg.fsync
         )
         # The fleet's shared tier; Redis not answering now only makes it unavailable for a while.
-        self.remote = RemoteTier(cfg.remote, make_codec(cfg.remote.codec)) if cfg.remote.url else None
+        self.remote = RemoteTier(cfg.remote, remote_codec) if cfg.remote.url else None
         self.index = PrefixIndex()
         page_rows = PageRows(self.sf, cfg.codec, self.server_id, add_factory=relaxed_sf)
         # Rows from before servers had ids whose files are here: a store upgraded from one server.

@@ -51,6 +51,7 @@ class ReadyModel:
     # does not, and without it the model loops ("The capital of France is France of France").
     add_bos_token: bool = False
     sanity_min_correct: int | None = None  # sanity answers a pull's verification needs (None: default)
+    attention: str = "full"  # as the model matrix reports it: "full", "sliding+full"
     about: str = ""
 
     @property
@@ -78,6 +79,7 @@ GEMMA3_270M = ReadyModel(
     # A 270M base model: it follows the chat template, but a quiz is not what it was trained for;
     # verification asks that it runs and answers some (`dss model pull gemma-3-270m` prints the score).
     sanity_min_correct=1,
+    attention="sliding+full",
     about="Google's Gemma-3-270M base (Q4_K_M GGUF): real weights, 5 sliding-window layers to 1 global",
 )
 
