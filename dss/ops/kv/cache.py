@@ -71,7 +71,7 @@ class KVCache:
         gate = TenantGate(is_retired)
         self.pins = PublicPins(self.lookup, pages)
         threads = config.loader_threads
-        self.loads = KVLoads(fingerprints, index, pages, self.lookup, gate, self.writer, threads)
+        self.loads = KVLoads(fingerprints, index, pages, self.lookup, gate, threads)
         self.saves = KVSaves(fingerprints, index, pages, self.lookup, gate, self.writer, self.pins.apply)
         self._closed = False
 

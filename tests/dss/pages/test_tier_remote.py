@@ -230,7 +230,8 @@ def test_redis_stopped_mid_run_makes_the_tier_unavailable_then_back(
 # ------------------------------------------------------------------------- two stores, one fleet
 def test_a_page_saved_on_one_server_loads_on_another(pg_url: str, tmp_path: Path, prefix: str) -> None:
     """Server B never saw the sequence: it finds the pages through their content addresses in
-    Redis, promotes them (its disk tier keeps a copy) and gets A's bytes."""
+    Redis, promotes them into its host tier (not onto its disk: Redis holds them) and gets A's
+    bytes."""
     key_file = tmp_path / "master.key"
     common = {"db_url": pg_url, "master_key_file": key_file, "remote": _config(prefix)}
     bs = SMALL_FP.block_size
@@ -253,7 +254,9 @@ def test_a_page_saved_on_one_server_loads_on_another(pg_url: str, tmp_path: Path
             s = b.stats()
             assert s["hits_pages"][Tier.REMOTE.value] == 6 and s["remote_read_bytes"] > 0
             assert b.flush()
-            assert b.kv.lookup.residency(fid, tenant, tokens)["disk"] == len(tokens)  # kept on B's disk too
+            # Pages the shared tier holds cost B no disk writes (the old code wrote every one).
+            residency = b.kv.lookup.residency(fid, tenant, tokens)
+            assert residency["disk"] == 0 and residency["host"] == len(tokens), residency
             b.check()
             # Another tenant asking for the same tokens finds nothing of alice's.
             assert load_sequence(b, fid, b.identity.tenant_for("bob"), longer)[0] == 0
