@@ -20,9 +20,13 @@ A turn is a mismatch when
   own distribution: `lp_ref(ref token) - lp_ref(DSS token) > LOGPROB_TOL`, or not in its top 5.
   Where DSS serves more than the reference (a tail page; or MLA against cold), the KV of those
   tokens was computed differently (during decode, or in another prefill) and differs in the last
-  bits (bf16 keeps 8 mantissa bits: about 0.4% per value), which moves logprobs by hundredths;
-  a wrong page moves them by whole nats. The table prints the largest logprob difference seen on
-  equal tokens, which is what `LOGPROB_TOL` is judged against.
+  bits (bf16 keeps 8 mantissa bits: about 0.4% per value; fp8 e4m3 keeps 3), which moves logprobs
+  by hundredths to a tenth or so; a wrong page moves them by whole nats. The tolerance is two
+  steps of a bf16 logit between 16 and 32 (0.125 nats each): a real model's logits reach there
+  (Gemma-3-270M), and there one step is the smallest difference two near-tied tokens can have
+  (0.1 refused exactly that on an AMX machine: the fp8 e4m3 row and Gemma-3-270M, 0.125 nats,
+  with equal tokens 0.13-0.15 nats apart elsewhere in the same answers). The table prints the
+  largest logprob difference seen on equal tokens, which is what `LOGPROB_TOL` is judged against.
 
 Reuse is loaded tokens over what the tenant stored of each prompt (`served_by`), summed over
 turns. Hot load vs APC: time to the first token of a long prompt served from the store's host
@@ -66,7 +70,7 @@ from engine_patch.setup.model_catalog import GEMMA3_270M, READY_MODELS
 from tests.engine_helpers import Engine, make_conversations, model_path, words
 from tests.tiny_models import SPECS, make_tiny_model
 
-LOGPROB_TOL = 0.1  # nats; see the module docstring
+LOGPROB_TOL = 0.25  # nats: two steps of a bf16 logit in [16, 32); see the module docstring
 TOP = 5
 
 
