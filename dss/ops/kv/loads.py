@@ -212,7 +212,7 @@ class KVLoads:
                 self._lookup.forget(find.gone)
                 return 0
             index_adopted(self._pages, self._index, fp, fid, own_ns, tokens, list(m.pages), find)
-            _promoted, gone = promote_adopted(self._pages, find)
+            gone = promote_adopted(self._pages, find)
         self._note_arrived(find.new)
         self._lookup.forget(gone)
         return len(find.new)

@@ -110,9 +110,10 @@ def index_adopted(
         pages.copies.drop(pushed_out)
 
 
-def promote_adopted(pages: TieredPages, find: RemoteFind) -> tuple[list[PageHash], list[PageHash]]:
+def promote_adopted(pages: TieredPages, find: RemoteFind) -> list[PageHash]:
     """Copy the pages read into host slots (a page not promoted stays remote-only, read again by
-    the load's promotion): (the pages promoted, the pages that left the table meanwhile)."""
+    the load's promotion); returns the pages that left the table meanwhile."""
     gone = list(find.gone)
-    promoted = [f.page for f in find.fetched if pages.promoter.promote_fetched(f, gone) is not None]
-    return promoted, gone
+    for f in find.fetched:
+        pages.promoter.promote_fetched(f, gone)
+    return gone
