@@ -5,7 +5,7 @@ on the default model, HTTP on loopback, streamed, greedy):
 - `cross_server_ttft_vs_cold`: a session's turn 1 runs on server A; its turn 2 runs on server B,
   which never saw the session and loads its KV from Redis. Its TTFT over the TTFT of the same
   request sent cold (another user, so nothing of it is cached anywhere) to B, interleaved.
-  Goal <= 0.3.
+  Goal <= 0.2 (issue 30).
 - `failover_ttft_vs_cold`: the same right after A was killed with `kill -9` (its sessions' turn 1
   ran on A just before; B continues them).
 - `remote_load_mbps`: MB/s at which B's read path (`RemoteTier.read_many`: pipelined batches,

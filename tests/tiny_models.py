@@ -110,6 +110,10 @@ SPECS: dict[str, TinySpec] = {
                 "num_experts_per_tok": 2,
                 "n_shared_experts": 1,
                 "first_k_dense_replace": 2,
+                # vLLM's DeepseekV2 never ties its output head to the embeddings: a tied checkpoint
+                # (no lm_head weight) left it uninitialised, so every logit was equal (usually 0)
+                # and each answer was token 0, whatever the KV, or a garbage head picked at random.
+                "tie_word_embeddings": False,
             },
             "mla",
         ),
@@ -161,9 +165,8 @@ def make_tiny_model(name: str, root: Path | None = None) -> Path:
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=True,
         torch_dtype="bfloat16",
-        **spec.config,
+        **{"tie_word_embeddings": True, **spec.config},
     )
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
