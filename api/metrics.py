@@ -272,6 +272,12 @@ class _StoreCollector(Collector):
                 phases.add_metric([phase], secs)
             yield phases
             yield CounterMetricFamily(
+                "dss_remote_read_wall_seconds",
+                "Wall-clock seconds of remote reads, from the first round trip sent until the last page "
+                "was decoded (concurrent reads add up; the network and decode phases overlap in it)",
+                value=s["remote_read_wall_seconds"],
+            )
+            yield CounterMetricFamily(
                 "dss_remote_read_pages", "Pages read from the remote tier", value=s["remote_read_pages"]
             )
             yield CounterMetricFamily(

@@ -382,6 +382,8 @@ class Store:
                 "decode": rt.decode_s if rt is not None else 0.0,
                 "promote": c.remote_promote_s,
             },
+            # wall-clock seconds of the reads (`ReadTimes.wall_s`): bytes over these is the rate
+            "remote_read_wall_seconds": rt.wall_s if rt is not None else 0.0,
             "remote_read_pages": rt.pages if rt is not None else 0,
             "remote_read_batches": rt.batches if rt is not None else 0,
             "prefetch_started": c.prefetch_started,

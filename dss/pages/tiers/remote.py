@@ -48,7 +48,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -165,6 +165,11 @@ class ReadTimes:
 
     network_s: float = 0.0
     decode_s: float = 0.0
+    # Wall-clock seconds of the `read_many` calls, from the first batch sent until the caller
+    # took the last page: what a read takes, comparable with a plain client's pipelined GETs
+    # (network and decode are summed over the reader threads, which overlap). Concurrent calls
+    # add up.
+    wall_s: float = 0.0
     batches: int = 0
     pages: int = 0
     bytes: int = 0
@@ -445,6 +450,7 @@ class RemoteTier:
         nxt = 0
         got: list[FetchedPage | None] = []
         yielded = 0
+        started = time.perf_counter()
         try:
             while nxt < len(batches) or pending:
                 while nxt < len(batches) and len(pending) < window:
@@ -466,6 +472,9 @@ class RemoteTier:
                 for item in unused:
                     if item is not None and item.slot is not None:
                         into.give_back(item.slot)
+            wall = time.perf_counter() - started
+            with self._lock:
+                self._times = replace(self._times, wall_s=self._times.wall_s + wall)
 
     def _read_batch(
         self, batch: list[PageHash], data_key: bytes | None, into: ReadInto | None = None
@@ -519,6 +528,7 @@ class RemoteTier:
             self._times = ReadTimes(
                 t.network_s + (t1 - t0),
                 t.decode_s + (t2 - t1),
+                t.wall_s,
                 t.batches + 1,
                 t.pages + sum(1 for x in out if x is not None),
                 t.bytes + nbytes,

@@ -136,6 +136,10 @@ def test_a_load_on_another_server_reads_its_pages_in_few_round_trips_without_exi
             assert s["remote_read_pages"] == 21 and s["remote_read_batches"] == len(reads)
             phases = s["remote_read_seconds"]
             assert phases["network"] > 0 and phases["decode"] > 0 and phases["promote"] > 0
+            # The reads' wall-clock time: the phases overlap on the reader threads, so it is at
+            # most their sum (plus the handing over between threads).
+            wall = s["remote_read_wall_seconds"]
+            assert 0 < wall <= phases["network"] + phases["decode"] + 0.05, (wall, phases)
             b.check()
             # The same in /metrics, apart.
             from api.metrics import Metrics
@@ -150,6 +154,8 @@ def test_a_load_on_another_server_reads_its_pages_in_few_round_trips_without_exi
                     if ln.startswith(f'dss_remote_read_seconds_total{{phase="{phase}"}}')
                 )
                 assert float(line.split()[-1]) > 0
+            walls = [ln for ln in text.splitlines() if ln.startswith("dss_remote_read_wall_seconds_total ")]
+            assert [float(ln.split()[-1]) for ln in walls] == [wall]
             assert (
                 "dss_remote_read_batches_total" in text
                 and 'dss_remote_prefetch_total{outcome="started"}' in text
