@@ -8,8 +8,12 @@ a temp file that the owner then accounts for and renames into place (`DiskTier.a
 small control values cross the pipe: the page metadata, a slot reference, a data key.
 
 The helper is started on first use and restarted if it dies; when it cannot be had, the work runs
-in the calling thread, exactly as before (`DiskTier.write`, `DiskTier.read`). No lock is held
-while waiting for it.
+in the calling thread, exactly as before (`DiskTier.write`, `DiskTier.read`). A load's read never
+waits for a helper to start (`wait_start=False`): the helper starts in the background, and until
+it answers the caller decodes pages itself (`CodecStarting`). A spawned interpreter's start-up
+took over 30 s on 2 cores while a TP=2 engine's processes spun, and the first load after a
+restart waited out its whole load timeout on every rank, then recomputed (issue 31, item 6).
+No lock is held while waiting for a helper.
 """
 
 from __future__ import annotations
@@ -44,8 +48,14 @@ _WORKERS = 2
 _PARENT_POLL_S = 0.5
 
 
+class CodecStarting(TierUnavailable):
+    """No helper has answered yet (they are starting): the caller does the work itself."""
+
+
 class _Worker:
     """One helper process and its pipe; used by one caller at a time (it is taken from a queue)."""
+
+    answered = False  # it answered a job: its interpreter is up
 
     def __init__(self) -> None:
         ctx = multiprocessing.get_context("spawn")
@@ -86,14 +96,43 @@ class PageCodecProcess:
         self._all: list[_Worker] = []
         self._closed = False
 
-    def _take(self) -> _Worker:
+    def _start_one(self) -> None:
+        """Spawn a helper, wait until it answers, then offer it (a background thread)."""
+        worker: _Worker | None = None
+        try:
+            worker = _Worker()
+            worker.call(("ping",))
+        except Exception as exc:
+            log.warning("the page codec process did not start: %s", exc)
+            with self._lock:
+                self._started -= 1
+            if worker is not None:
+                worker.stop(timeout_s=1.0)
+            return
+        worker.answered = True
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._all.append(worker)
+        if closed:
+            worker.stop(timeout_s=1.0)
+            return
+        self._idle.put(worker)
+
+    def _take(self, wait_start: bool) -> _Worker:
         with self._lock:
             if self._closed:
                 raise TierUnavailable("the page codec process is closed")
             start = self._idle.empty() and self._started < self._max
             if start:
                 self._started += 1
-        if start:
+            any_answered = any(w.answered for w in self._all)
+        if not wait_start:  # a load: start a helper in the background, use one that answered
+            if start:
+                threading.Thread(target=self._start_one, name="dss-page-codec-start", daemon=True).start()
+            if not any_answered:
+                raise CodecStarting("the page codec process is starting")
+        elif start:
             try:
                 worker = _Worker()  # spawning runs outside the lock
             except Exception as exc:
@@ -108,10 +147,11 @@ class PageCodecProcess:
         except queue.Empty:
             raise TierUnavailable("no page codec process became free in time") from None
 
-    def _run(self, job: tuple[Any, ...]) -> Any:
-        worker = self._take()
+    def _run(self, job: tuple[Any, ...], wait_start: bool = True) -> Any:
+        worker = self._take(wait_start)
         try:
             result = worker.call(job)
+            worker.answered = True
         except DSSError:
             self._idle.put(worker)  # the job failed, the worker is fine
             raise
@@ -139,10 +179,13 @@ class PageCodecProcess:
             meta.checksum = check
         return int(size)
 
-    def decode_file(self, path: Path, page: PageHash, data_key: bytes | None, ref: SlotRef) -> None:
+    def decode_file(
+        self, path: Path, page: PageHash, data_key: bytes | None, ref: SlotRef, wait_start: bool = True
+    ) -> None:
         """Verify and decode the page file at `path` straight into slot `ref`. Raises
-        `CorruptPage`, `PageMissing` or `TierUnavailable`."""
-        self._run(("decode", str(path), page, data_key, ref))
+        `CorruptPage`, `PageMissing` or `TierUnavailable`; `CodecStarting` when no helper has
+        answered yet and `wait_start` is False (a load's read: it decodes the page itself)."""
+        self._run(("decode", str(path), page, data_key, ref), wait_start)
 
     def close(self) -> None:
         with self._lock:
@@ -165,7 +208,7 @@ def _serve(conn: Connection, parent_pid: int) -> None:
         os._exit(0)
 
     threading.Thread(target=watch_parent, daemon=True).start()
-    jobs: dict[str, Callable[..., Any]] = {"encode": _encode_job, "decode": _decode_job}
+    jobs: dict[str, Callable[..., Any]] = {"encode": _encode_job, "decode": _decode_job, "ping": lambda: None}
     while True:
         try:
             job = conn.recv()

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from dss.errors import CapacityError, CorruptPage, KeyDestroyed, PageMissing, StorageError, TierUnavailable
-from dss.pages.encoder import PageCodecProcess
+from dss.pages.encoder import CodecStarting, PageCodecProcess
 from dss.pages.placement.copies import PageCopies
 from dss.pages.placement.counters import TierCounters
 from dss.pages.placement.host_room import HostRoom
@@ -263,13 +263,15 @@ class Promoter:
         assert disk is not None
         if self._encoder is not None:
             try:
-                self._encoder.decode_file(disk.path_of(page), page, key, ref)
+                self._encoder.decode_file(disk.path_of(page), page, key, ref, wait_start=False)
                 return
             except CorruptPage:
                 disk.drop_corrupt(page)
                 raise
             except PageMissing:
                 raise
+            except CodecStarting:
+                pass  # a load does not wait for a helper's start-up: decoded here meanwhile
             except TierUnavailable as exc:
                 log.warning("page codec process failed (%s); decoding in this process", exc)
         disk.read(page, key, out=self._host.slot_array(ref))

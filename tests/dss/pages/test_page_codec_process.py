@@ -85,3 +85,49 @@ def test_a_helper_that_dies_is_replaced(parts: tuple[PageCodecProcess, HostTier,
         codec.decode_file(disk.path_of(meta.hash), meta.hash, KEY, dst)
     codec.decode_file(disk.path_of(meta.hash), meta.hash, KEY, dst)  # a new helper serves
     assert host.slot_array(dst).tobytes() == raw
+
+
+def test_a_load_after_a_restart_does_not_wait_for_the_helper_to_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first pages a reopened store reads from disk are decoded in the loading thread while
+    the helper starts: a helper's interpreter took over 30 s to start on 2 cores while a TP=2
+    engine's processes spun, and the turn after the restart waited out its whole load timeout on
+    every rank (issue 31, item 6). Here the start is made 5 s slow; the load finishes first, with
+    the right bytes, and the helper serves once it answered."""
+    import time
+
+    import dss.pages.encoder as encoder
+    from tests.store_helpers import SMALL_FP, load_sequence, open_store, pages_for, put_sequence
+
+    store = open_store(tmp_path)
+    fid = store.fingerprints.register(SMALL_FP)
+    tenant = store.identity.tenant_for("alice")
+    tokens = np.arange(1, 41, dtype=np.int32)  # 10 pages
+    pages = pages_for(SMALL_FP, tokens)
+    put_sequence(store, fid, tenant, tokens, pages)
+    store.close()  # the pages are on disk only now
+
+    slow_start = 5.0
+    real_init = encoder._Worker.__init__
+
+    def starved_start(self: encoder._Worker) -> None:
+        time.sleep(slow_start)  # as a spawned interpreter's imports on cores that engines spin on
+        real_init(self)
+
+    monkeypatch.setattr(encoder._Worker, "__init__", starved_start)
+    store = open_store(tmp_path)
+    try:
+        fid = store.fingerprints.register(SMALL_FP)
+        t0 = time.monotonic()
+        n, got = load_sequence(store, fid, tenant, tokens)
+        took = time.monotonic() - t0
+        assert (n, got) == (40, pages)
+        assert took < slow_start / 2, f"the load waited {took:.1f} s for the helper to start"
+        # Meanwhile a helper was started in the background, for the loads to come.
+        deadline = time.monotonic() + 60
+        while not any(p.name == "dss-page-codec" for p in multiprocessing.active_children()):
+            assert time.monotonic() < deadline, "no page codec helper was started"
+            time.sleep(0.2)
+    finally:
+        store.close()
