@@ -71,6 +71,7 @@ class _Worker:
         if not self.conn.poll(_JOB_TIMEOUT_S):
             raise TimeoutError("the page codec process did not answer in time")
         ok, value = self.conn.recv()
+        self.answered = True
         if not ok:
             raise value
         return value
@@ -109,7 +110,6 @@ class PageCodecProcess:
             if worker is not None:
                 worker.stop(timeout_s=1.0)
             return
-        worker.answered = True
         with self._lock:
             closed = self._closed
             if not closed:
@@ -151,7 +151,6 @@ class PageCodecProcess:
         worker = self._take(wait_start)
         try:
             result = worker.call(job)
-            worker.answered = True
         except DSSError:
             self._idle.put(worker)  # the job failed, the worker is fine
             raise
