@@ -15,6 +15,7 @@ The long campaign is the same script with `--duration-s 1200 --kill-every-s 180`
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,14 @@ def parse_line(out: str, tag: str) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in lines[-1].split()[1:])
 
 
+def traffic_floor(out: str, clients: int, duration_s: float) -> int:
+    """The acknowledged versions a soak must reach: half of what `clients` can do in
+    `duration_s` at the chat p50 it printed (`latency chat: n=… p50=… s`), between 3 and 10."""
+    p50 = [float(m) for m in re.findall(r"^latency chat: n=\d+ p50=([0-9.]+)", out, re.M)]
+    possible = clients * duration_s / p50[-1] if p50 and p50[-1] > 0 else 20.0
+    return max(3, min(10, int(possible / 2)))
+
+
 def test_short_soak_with_one_kill(tmp_path: Path) -> None:
     model = model_dir()
     if model is None:
@@ -72,10 +81,15 @@ def test_short_soak_with_one_kill(tmp_path: Path) -> None:
     assert {k: result[k] for k in MUST_BE_ZERO} == dict.fromkeys(MUST_BE_ZERO, "0"), out[-6000:]
     assert {k: detail[k] for k in DETAIL_ZERO} == dict.fromkeys(DETAIL_ZERO, "0"), out[-6000:]
     assert result["restarts"] == "1", out[-6000:]
-    # Enough traffic to mean something, not a speed target: a slow CI machine acked 18 in the 60 s
-    # (chat p50 8 s); the zero counts above are what the soak is for.
-    assert int(detail["acked_versions"]) >= 10, out[-6000:]
-    assert int(detail["verified_versions"]) >= 5, out[-6000:]  # checked after the restart and at the end
+    # Enough traffic to mean something, not a speed target (the zero counts above are what the
+    # soak is for). What 3 clients can ack in 40 s depends on the machine's turn time: a slow CI
+    # machine acked 18 in 60 s with a chat p50 of 8 s; a 2-core AMD EPYC with AVX2 only (the
+    # engine computes in float32 there) had a chat p50 of 31 s and acked 4. So at least half of
+    # what the measured p50 allows, between 3 and 10.
+    floor = traffic_floor(out, clients=3, duration_s=40)
+    assert int(detail["acked_versions"]) >= floor, (floor, out[-6000:])
+    # checked after the restart and at the end
+    assert int(detail["verified_versions"]) >= min(5, floor), (floor, out[-6000:])
     assert int(detail["erasures"]) >= 1 and int(detail["race_erasures"]) >= 1, out[-6000:]
     # The frontend's end users: written to, erased through the frontend key while a write ran.
     assert int(detail["end_user_acked"]) >= 3 and int(detail["end_user_erasures"]) >= 1, out[-6000:]
