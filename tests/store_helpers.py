@@ -107,6 +107,18 @@ def open_store(data_dir: Path, **overrides: object) -> Store:
     return Store.open(cfg)
 
 
+def disk_only_store(data_dir: Path) -> tuple[np.ndarray, list[bytes]]:
+    """Alice's 10 pages of 40 tokens stored, then the store closed: they are on disk only."""
+    store = open_store(data_dir)
+    fid = store.fingerprints.register(SMALL_FP)
+    tenant = store.identity.tenant_for("alice")
+    tokens = np.arange(1, 41, dtype=np.int32)  # 10 pages
+    pages = pages_for(SMALL_FP, tokens)
+    put_sequence(store, fid, tenant, tokens, pages)
+    store.close()  # flushes write-through; the host tier is gone after this
+    return tokens, pages
+
+
 # ---------------------------------------------------------------------------- concurrency stress
 # Shared by tests/dss/test_store_stress.py and bench/store_concurrency.py (one copy of the logic).
 

@@ -11,18 +11,11 @@ import pytest
 
 from dss.config import StoreConfig
 from dss.store import Store
-from tests.store_helpers import SMALL_FP, load_sequence, open_store, pages_for, put_sequence
+from tests.store_helpers import SMALL_FP, disk_only_store, load_sequence, open_store, pages_for, put_sequence
 
 
 def _disk_only_store(tmp_path):
-    store = open_store(tmp_path)
-    fid = store.fingerprints.register(SMALL_FP)
-    tenant = store.identity.tenant_for("alice")
-    tokens = np.arange(1, 41, dtype=np.int32)  # 10 pages
-    pages = pages_for(SMALL_FP, tokens)
-    put_sequence(store, fid, tenant, tokens, pages)
-    store.close()  # flushes write-through; the host tier is gone after this
-    return tokens, pages
+    return disk_only_store(tmp_path)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "zero"])

@@ -98,15 +98,9 @@ def test_a_load_after_a_restart_does_not_wait_for_the_helper_to_start(
     import time
 
     import dss.pages.encoder as encoder
-    from tests.store_helpers import SMALL_FP, load_sequence, open_store, pages_for, put_sequence
+    from tests.store_helpers import SMALL_FP, disk_only_store, load_sequence, open_store
 
-    store = open_store(tmp_path)
-    fid = store.fingerprints.register(SMALL_FP)
-    tenant = store.identity.tenant_for("alice")
-    tokens = np.arange(1, 41, dtype=np.int32)  # 10 pages
-    pages = pages_for(SMALL_FP, tokens)
-    put_sequence(store, fid, tenant, tokens, pages)
-    store.close()  # the pages are on disk only now
+    tokens, pages = disk_only_store(tmp_path)
 
     slow_start = 5.0
     real_init = encoder._Worker.__init__
@@ -120,7 +114,7 @@ def test_a_load_after_a_restart_does_not_wait_for_the_helper_to_start(
     try:
         fid = store.fingerprints.register(SMALL_FP)
         t0 = time.monotonic()
-        n, got = load_sequence(store, fid, tenant, tokens)
+        n, got = load_sequence(store, fid, store.identity.tenant_for("alice"), tokens)
         took = time.monotonic() - t0
         assert (n, got) == (40, pages)
         assert took < slow_start / 2, f"the load waited {took:.1f} s for the helper to start"
