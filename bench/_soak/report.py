@@ -131,8 +131,7 @@ def report(out: Path, rec: Recorder, server: Server, end: RunEnd) -> int:
         for e in ex[:5]:
             print("   ", json.dumps(e, default=str)[:1500], flush=True)
     if tracebacks:
-        first = log_text.index("Traceback (most recent call last)")
-        print("--- first server traceback:\n" + log_text[first : first + 4000], flush=True)
+        print("--- first server traceback (its last frames):\n" + _first_traceback(log_text), flush=True)
     for kind, lat in summary["latency_s"].items():
         print(
             f"latency {kind}: n={lat['n']} p50={lat['p50']} p99={lat['p99']} max={lat['max']} s",
@@ -146,3 +145,14 @@ def report(out: Path, rec: Recorder, server: Server, end: RunEnd) -> int:
     print("DETAIL " + " ".join(f"{k}={v}" for k, v in detail.items()), flush=True)
     print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()), flush=True)
     return 1 if failed else 0
+
+
+def _first_traceback(log_text: str, keep: int = 2500) -> str:
+    """The log's first traceback, cut to its last `keep` characters: the innermost frames and the
+    exception (the outer ones are the ASGI stack, the same for every request)."""
+    lines = log_text[log_text.index("Traceback (most recent call last)") :].splitlines()
+    end = 1
+    while end < len(lines) and (lines[end].startswith((" ", "\t")) or not lines[end].strip()):
+        end += 1  # frames are indented; the exception's own line is the first that is not
+    text = "\n".join(lines[: end + 1])
+    return text if len(text) <= keep else "...\n" + text[-keep:]

@@ -8,12 +8,13 @@ a temp file that the owner then accounts for and renames into place (`DiskTier.a
 small control values cross the pipe: the page metadata, a slot reference, a data key.
 
 The helper is started on first use and restarted if it dies; when it cannot be had, the work runs
-in the calling thread, exactly as before (`DiskTier.write`, `DiskTier.read`). A load's read never
-waits for a helper to start (`wait_start=False`): the helper starts in the background, and until
-it answers the caller decodes pages itself (`CodecStarting`). A spawned interpreter's start-up
-took over 30 s on 2 cores while a TP=2 engine's processes spun, and the first load after a
-restart waited out its whole load timeout on every rank, then recomputed (issue 31, item 6).
-No lock is held while waiting for a helper.
+in the calling thread, exactly as before (`DiskTier.write`, `DiskTier.read`). Neither a load's
+read nor the disk writer waits for a helper to start (`wait_start=False`): the helper starts in
+the background, and until it answers the caller does the work itself (`CodecStarting`). A spawned
+interpreter's start-up took over 30 s on 2 cores while a TP=2 engine's processes spun: the first
+load after a restart waited out its whole load timeout on every rank, then recomputed (issue 31,
+item 6), and a turn's commit waited out its durable wait behind the first page write (the CI run
+of stop 34). No lock is held while waiting for a helper.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ class PageCodecProcess:
             if start:
                 self._started += 1
             any_answered = any(w.answered for w in self._all)
-        if not wait_start:  # a load: start a helper in the background, use one that answered
+        if not wait_start:  # start a helper in the background, use one that answered
             if start:
                 threading.Thread(target=self._start_one, name="dss-page-codec-start", daemon=True).start()
             if not any_answered:
@@ -167,13 +168,34 @@ class PageCodecProcess:
                 self._all.remove(worker)
         worker.stop(timeout_s=1.0)
 
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Start a helper in the background unless one runs, and wait until one answered (a test
+        that must see the helper do the work). True when one did."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                self._idle.put(self._take(wait_start=False))
+                return True
+            except CodecStarting:
+                time.sleep(0.05)
+        return False
+
     def encode_to_file(
-        self, meta: PageMeta, ref: SlotRef, data_key: bytes | None, path: Path, fsync: bool
+        self,
+        meta: PageMeta,
+        ref: SlotRef,
+        data_key: bytes | None,
+        path: Path,
+        fsync: bool,
+        wait_start: bool = True,
     ) -> int:
         """Write the page file of the page in slot `ref` to `path` (a new temp file); returns its
         size and sets `meta.checksum` when it was empty. Raises `CorruptPage` when the slot's bytes
-        do not match an existing checksum, `TierUnavailable` when the file cannot be written."""
-        size, check = self._run(("encode", meta, ref, self._codec_name, data_key, str(path), fsync))
+        do not match an existing checksum, `TierUnavailable` when the file cannot be written;
+        `CodecStarting` when no helper has answered yet and `wait_start` is False (the disk
+        writer: it encodes the page itself)."""
+        job = ("encode", meta, ref, self._codec_name, data_key, str(path), fsync)
+        size, check = self._run(job, wait_start)
         if not meta.checksum:
             meta.checksum = check
         return int(size)

@@ -86,6 +86,8 @@ def paused(
     def make(**overrides: object) -> tuple[Store, PausedWriter]:
         store = open_store(tmp_path, codec_process=request.param, **overrides)
         pw = PausedWriter(store)
+        if store.pages.encoder is not None:  # the writer encodes pages itself until one answered
+            assert store.pages.encoder.wait_ready(60), "the page codec process did not start"
         monkeypatch.setattr(pw.target, pw.method, pw)
         holder.update(store=store, pw=pw)
         return store, pw

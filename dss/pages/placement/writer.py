@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from dss.errors import CapacityError, CorruptPage, KeyDestroyed, TierUnavailable
 from dss.pages.codec import Codec
-from dss.pages.encoder import PageCodecProcess
+from dss.pages.encoder import CodecStarting, PageCodecProcess
 from dss.pages.meta import PageMeta
 from dss.pages.pagefile import encode_page
 from dss.pages.placement.copies import PageCopies
@@ -166,18 +166,21 @@ class PageWriter:
     def _write_file(
         self, disk: DiskTier, meta: PageMeta, ref: SlotRef, key: bytes, gone: list[PageHash]
     ) -> int:
-        """The page file, encoded by the helper process when there is one (else here); evicts
-        disk-only pages when the tier is full."""
+        """The page file, encoded by the helper process when one answers (else here: it may still
+        be starting, and a turn's durable wait must not wait for it); evicts disk-only pages when
+        the tier is full."""
         assert self._disk_room is not None  # there is a disk tier
         if self._encoder is not None:
             tmp = disk.temp_path(meta.hash)
             try:
-                size = self._encoder.encode_to_file(meta, ref, key, tmp, disk.fsync)
+                size = self._encoder.encode_to_file(meta, ref, key, tmp, disk.fsync, wait_start=False)
                 try:
                     return disk.adopt(meta, tmp, size)
                 except CapacityError:
                     self._disk_room.make_room(size, gone)
                     return disk.adopt(meta, tmp, size)
+            except CodecStarting:
+                pass  # encoded here below, as without a helper
             except TierUnavailable as exc:
                 if disk.available:  # the helper died, not the disk: write it here instead
                     log.warning("page codec process failed (%s); encoding in this process", exc)

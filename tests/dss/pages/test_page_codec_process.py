@@ -87,6 +87,22 @@ def test_a_helper_that_dies_is_replaced(parts: tuple[PageCodecProcess, HostTier,
     assert host.slot_array(dst).tobytes() == raw
 
 
+def _starve_the_helper_start(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Every helper takes `seconds` longer to start, as a spawned interpreter's imports did on
+    cores that engines spin on."""
+    import time
+
+    import dss.pages.encoder as encoder
+
+    real_init = encoder._Worker.__init__
+
+    def starved_start(self: encoder._Worker) -> None:
+        time.sleep(seconds)
+        real_init(self)
+
+    monkeypatch.setattr(encoder._Worker, "__init__", starved_start)
+
+
 def test_a_load_after_a_restart_does_not_wait_for_the_helper_to_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -97,19 +113,12 @@ def test_a_load_after_a_restart_does_not_wait_for_the_helper_to_start(
     the right bytes, and the helper serves once it answered."""
     import time
 
-    import dss.pages.encoder as encoder
     from tests.store_helpers import SMALL_FP, disk_only_store, load_sequence, open_store
 
     tokens, pages = disk_only_store(tmp_path)
 
     slow_start = 5.0
-    real_init = encoder._Worker.__init__
-
-    def starved_start(self: encoder._Worker) -> None:
-        time.sleep(slow_start)  # as a spawned interpreter's imports on cores that engines spin on
-        real_init(self)
-
-    monkeypatch.setattr(encoder._Worker, "__init__", starved_start)
+    _starve_the_helper_start(monkeypatch, slow_start)
     store = open_store(tmp_path)
     try:
         fid = store.fingerprints.register(SMALL_FP)
@@ -123,5 +132,33 @@ def test_a_load_after_a_restart_does_not_wait_for_the_helper_to_start(
         while not any(p.name == "dss-page-codec" for p in multiprocessing.active_children()):
             assert time.monotonic() < deadline, "no page codec helper was started"
             time.sleep(0.2)
+    finally:
+        store.close()
+
+
+def test_the_first_page_writes_do_not_wait_for_the_helper_to_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new store's first write-throughs are encoded in the writer thread while the helper
+    starts: a turn's commit waits for them (its durable wait when a remote tier is shared), and
+    on a loaded 2-core CI machine that wait ran out behind the helper's start (stop 34's CI:
+    tests/dss/ops/kv/test_wait_shared.py). Here the start is made 5 s slow."""
+    import time
+
+    from tests.store_helpers import SMALL_FP, open_store, pages_for, put_sequence
+
+    slow_start = 5.0
+    _starve_the_helper_start(monkeypatch, slow_start)
+    store = open_store(tmp_path)
+    try:
+        fid = store.fingerprints.register(SMALL_FP)
+        tokens = np.arange(1, 41, dtype=np.int32)  # 10 pages
+        pages = pages_for(SMALL_FP, tokens)
+        t0 = time.monotonic()
+        assert put_sequence(store, fid, store.identity.tenant_for("alice"), tokens, pages) == 10
+        assert store.flush()
+        took = time.monotonic() - t0
+        assert took < slow_start / 2, f"the writes waited {took:.1f} s for the helper to start"
+        assert store.disk is not None and len(list(store.disk.scan())) == 10
     finally:
         store.close()
