@@ -261,11 +261,15 @@ _SERVERS: dict[str, ApiServer] = {}
 _FAILED: dict[str, str] = {}
 
 
-def _shutdown() -> None:
-    for name in list(_SERVERS):
-        server = _SERVERS.pop(name)
-        server.stop()
-        shutil.rmtree(server.root, ignore_errors=True)
+def stop_servers(*variants: str) -> None:
+    """Stop the shared servers of `variants` (every one when none is named); a later `get_server`
+    starts a new one. Each holds a whole engine (about 3.5 GiB in float32): tests/conftest.py stops
+    them once the tests that share them ran, before tests that start engines of their own."""
+    for name in variants or list(_SERVERS):
+        server = _SERVERS.pop(name, None)
+        if server is not None:
+            server.stop()
+            shutil.rmtree(server.root, ignore_errors=True)
 
 
 def get_server(variant: str = "default") -> ApiServer:
@@ -286,7 +290,7 @@ def get_server(variant: str = "default") -> ApiServer:
             _FAILED[variant] = str(exc)
             raise
         if not _SERVERS:
-            atexit.register(_shutdown)
+            atexit.register(stop_servers)
         _SERVERS[variant] = server
     if server.proc is None:
         server.start()

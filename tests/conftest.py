@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from dss.db.connect import make_engine, make_session_factory, upgrade_to_head
+from tests.paths import REPO
 
 DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
@@ -85,3 +87,17 @@ def session_factory(db_url: str) -> Iterator[sessionmaker[Session]]:
         yield make_session_factory(engine)
     finally:
         engine.dispose()
+
+
+_SHARED_SERVER_TESTS = REPO / "tests" / "api"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """The servers tests share (tests/api_server.py) serve tests/api only: stopped before any test
+    elsewhere, where tests start engines of their own. Left running, the shared default, small and
+    parity servers held about 11 GiB for the whole run, and on a 2-core, 24 GiB machine serving
+    float32 (no AVX-512) the kernel's OOM killer took an engine worker while the cluster smoke ran
+    three more servers (stop 34's CI: "engine not healthy"; every file page evicted on the way)."""
+    servers = sys.modules.get("tests.api_server")  # not imported: no server was started
+    if servers is not None and not item.path.is_relative_to(_SHARED_SERVER_TESTS):
+        servers.stop_servers()

@@ -41,7 +41,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.api_server import ApiServer, get_server, model_dir
+from tests.api_server import ApiServer, get_server, model_dir, stop_servers
 from tests.vllm_openai_server import VllmOpenAIServer
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -102,6 +102,7 @@ def servers() -> Iterator[Servers]:
         yield Servers(dss, vllm)
     finally:
         vllm.stop()
+        stop_servers("parity")  # no other module uses it
 
 
 @dataclass
