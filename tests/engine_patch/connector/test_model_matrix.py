@@ -25,6 +25,7 @@ import torch
 from dss.namespace import LATENT_KV_LAYOUT, LATENT_ROWS_ISA, ModelFingerprint
 from engine_patch.connector.copy import KVBlocks, Run
 from engine_patch.connector.layouts import layout_for
+from engine_patch.setup.factory import native_bf16
 from tests.paths import BENCH
 
 
@@ -42,6 +43,11 @@ def test_model_matrix_row(row: Any) -> None:
         torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
     ):
         pytest.skip("vLLM's CPU build runs fp8 KV caches only with AVX-512 or AMX")
+    if row.model in matrix().READY_MODELS and not native_bf16():
+        # A real model in bfloat16 on a CPU that only emulates it (AVX2): the Gemma-3-270M
+        # row took 414 s there, of a CI run that must end within 90 minutes. The row is
+        # `python bench/model_matrix.py --rows=gemma-3-270m`; the suite runs it where bf16 is native.
+        pytest.skip("a real model's row runs in the suite only where bf16 is native (bench/model_matrix.py)")
     m = matrix()
     res = m.run_row(row, quick=True)
     m.table([res])
