@@ -94,5 +94,7 @@ def test_short_soak_with_one_kill(tmp_path: Path) -> None:
     assert int(detail["verified_versions"]) >= min(5, floor), (floor, out[-6000:])
     assert int(detail["erasures"]) >= 1 and int(detail["race_erasures"]) >= 1, out[-6000:]
     # The frontend's end users: written to, erased through the frontend key while a write ran.
-    assert int(detail["end_user_acked"]) >= 3 and int(detail["end_user_erasures"]) >= 1, out[-6000:]
+    # (3 on every machine so far, also at a 36 s chat p50: the same floor's scale keeps a margin)
+    assert int(detail["end_user_acked"]) >= min(3, floor), out[-6000:]
+    assert int(detail["end_user_erasures"]) >= 1, out[-6000:]
     assert proc.returncode == 0, out[-6000:]
