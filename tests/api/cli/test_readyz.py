@@ -136,13 +136,8 @@ def test_an_engine_that_cannot_start_exits_1_with_one_line(tmp_path: Path) -> No
 def test_readyz_and_metrics_say_caching_is_on(api_server: ApiServer) -> None:
     client = api_server.client("admin", admin=True)
     ready = client.get("/readyz")
-    deadline = time.monotonic() + 60
-    while ready.status_code != 200 and time.monotonic() < deadline:
-        # On a slow machine a busy engine can miss one health check ("engine not healthy", seen
-        # once in a full run on an AVX2-only 2-core machine): readiness, not its first probe.
-        time.sleep(1)
-        ready = client.get("/readyz")
-    # "engine not healthy" for a minute: vLLM says its engine is dead; its log says why.
+    # "engine not healthy" means vLLM's engine is dead (its health check asks nothing else): in
+    # stop 34's CI the kernel's OOM killer had taken its worker (tests/conftest.py). Its log says.
     assert ready.status_code == 200 and ready.json()["kv_caching"] is True, (
         ready.text + "\n" + api_server.log_tail(120)
     )
