@@ -14,13 +14,9 @@ from dss.store import Store
 from tests.store_helpers import SMALL_FP, disk_only_store, load_sequence, open_store, pages_for, put_sequence
 
 
-def _disk_only_store(tmp_path):
-    return disk_only_store(tmp_path)
-
-
 @pytest.mark.parametrize("damage", ["flip", "truncate", "zero"])
 def test_corrupt_page_is_never_served(tmp_path, damage):
-    tokens, pages = _disk_only_store(tmp_path)
+    tokens, pages = disk_only_store(tmp_path)
     store = open_store(tmp_path)
     fid = store.fingerprints.register(SMALL_FP)
     tenant = store.identity.tenant_for("alice")
@@ -51,7 +47,7 @@ def test_corrupt_page_is_never_served(tmp_path, damage):
 
 
 def test_missing_page_file_is_a_miss_after_restart(tmp_path):
-    tokens, pages = _disk_only_store(tmp_path)
+    tokens, pages = disk_only_store(tmp_path)
     files = sorted((tmp_path / "pages").rglob("*.page"))
     files[0].unlink()  # some page vanished (operator error, fs damage)
     store = open_store(tmp_path)
