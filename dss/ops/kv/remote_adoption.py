@@ -56,21 +56,27 @@ def remote_pages_after(
         end = (start + found) * bs
         tail_parent = new[-1] if new else parent
         rest = tokens[end : end + bs - 1]
+        # Only tails longer than the one the match holds here already: after a prefetch, a turn's
+        # prompt ends in the previous turn's tail page, which is in the host tier (asking for it
+        # again read its 3 MB from Redis a second time on every cross-server turn).
+        held = 0 if new else m.partial_tokens
         tail_k = 0
-        if len(rest):
-            candidates = [tail_hash(own_ns.id, tail_parent, rest[:k]) for k in range(1, len(rest) + 1)]
+        if len(rest) > held:
+            lengths = range(held + 1, len(rest) + 1)
+            candidates = [tail_hash(own_ns.id, tail_parent, rest[:k]) for k in lengths]
             # Tail candidates are mostly absent: the values of those Redis holds come back in the
             # same round trip as the nils of the others.
             got = pages.promoter.fetch_remote(
                 candidates, own_ns.tenant, fp.page_nbytes, stop_at_miss=False, one_round_trip=True, gone=gone
             )
-            tail_k = max((k + 1 for k, f in enumerate(got) if f is not None), default=0)  # the longest
-            if tail_k:
-                new.append(candidates[tail_k - 1])
-                tail = got[tail_k - 1]
+            longest = max((i for i, f in enumerate(got) if f is not None), default=None)
+            if longest is not None:
+                tail_k = lengths[longest]
+                new.append(candidates[longest])
+                tail = got[longest]
                 assert tail is not None
                 fetched.append(tail)
-            pages.promoter.discard_fetched([f for k, f in enumerate(got) if k != tail_k - 1])
+            pages.promoter.discard_fetched([f for i, f in enumerate(got) if i != longest])
     except TierUnavailable:
         return None
     if not new:

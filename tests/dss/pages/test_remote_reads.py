@@ -183,8 +183,7 @@ def test_a_prefetch_brings_a_turns_pages_into_the_host_tier_before_the_load(
             assert all(ps.slot is not None and ps.tier == "remote" for ps in plan.pages)
             b.kv.loads.release(plan.load_id)
             again = b.kv.begin_load(fid, tenant, tokens)  # ... once: the next load is a host hit
-            bs = SMALL_FP.block_size  # (its tail page aside: a tail is looked up anew each load)
-            assert again is not None and again.tier_tokens["host"] >= again.n_tokens // bs * bs
+            assert again is not None and again.tier_tokens["host"] == again.n_tokens
             b.kv.loads.release(again.load_id)
             s = b.stats()
             assert s["prefetch_started"] == 1 and s["prefetch_pages"] == len(pages)
@@ -196,6 +195,33 @@ def test_a_prefetch_brings_a_turns_pages_into_the_host_tier_before_the_load(
             assert not c.kv.loads.prefetch(fid, tenant, tokens)
             assert c.stats()["prefetch_skipped"] == 1
             assert c.kv.lookup.residency(fid, tenant, tokens)["host"] == 0
+
+
+def test_the_next_turns_load_after_a_prefetch_reads_nothing_more_from_redis(
+    pg_url: str, tmp_path: Path, prefix: str
+) -> None:
+    """The prefetch brought the previous turn's pages, its tail page too; the load of the next
+    turn's prompt (that history and a few new tokens) finds them all here and reads no page from
+    Redis again (it read the tail page a second time: 3 MB on every cross-server turn)."""
+    key_file = tmp_path / "master.key"
+    common = {"db_url": pg_url, "master_key_file": key_file, "remote": _config(prefix)}
+    with open_store(tmp_path / "a", **common) as a:
+        fid, tenant, tokens, pages = _shared_sequence(a, 6)
+        with open_store(tmp_path / "b", **common) as b:
+            b.fingerprints.register(SMALL_FP)
+            assert b.kv.loads.prefetch(fid, tenant, tokens)
+            deadline = time.monotonic() + 10
+            while b.kv.lookup.residency(fid, tenant, tokens)["host"] < len(tokens):
+                assert time.monotonic() < deadline, "the prefetch did not bring the pages"
+                time.sleep(0.01)
+            read = b.stats()["remote_read_pages"]
+            assert read == len(pages)
+            next_turn = np.concatenate([tokens, np.arange(900, 905, dtype=np.int32)])
+            plan = b.kv.begin_load(fid, tenant, next_turn)
+            assert plan is not None and not plan.is_async and plan.n_tokens == len(tokens)
+            b.kv.loads.release(plan.load_id)
+            assert b.stats()["remote_read_pages"] == read
+            b.check()
 
 
 def test_pages_read_past_a_missing_one_give_their_host_slots_back(
