@@ -33,12 +33,15 @@ from typing import Any
 import httpx
 import pytest
 
+from deploy.haproxy import ensure_haproxy
 from deploy.open_webui import ensure_open_webui, open_webui_env
+from deploy.spec import ClusterError
 from tests.api.test_clients import CLOCK_PERSONA
 from tests.api_server import ApiServer, cached_tokens, free_port, get_server
 from tests.browser import headless_chrome, require_browser
 from tests.paths import ARTIFACTS, REPO
 from tests.recording_proxy import Exchange, RecordingProxy
+from tests.router_stubs import running_stubs, served_by, start_router
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.frontend]
 
@@ -555,3 +558,42 @@ def test_a_system_prompt_with_the_time_keeps_the_history_cached_with_lead_update
                 assert (lead["served"], lead["reason"]) == (False, "off"), lead
                 assert cached < 0.1 * history, (a["usage"], history)
     print("cached share of the history per later turn:", shares)
+
+
+# ---------------------------------------------------------------------- through the router
+_NOT_FORWARDED = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
+
+
+def test_open_webuis_own_requests_through_the_router_stay_on_one_server_per_chat(
+    open_webui: OpenWebUI, tmp_path: Path
+) -> None:
+    """Issue 30, item 3, with the real app's requests: everything this Open WebUI sent DSS in the
+    tests above (kept by the recording proxy: its chat turns with the person and the chat in
+    headers, regenerations, edits, model listings, whatever else it sends), sent again in the same
+    order through the shipped router (deploy/haproxy.cfg, Open WebUI's chat header configured as
+    deploy/cluster.py --session-header does) in front of three stub servers: every request of a
+    chat reaches one server. The stubs (tests/router_stubs.py) stand in for three `dss serve`s,
+    which would take three engines; tests/deploy/test_router.py routes to real ones."""
+    try:
+        haproxy = ensure_haproxy()
+    except ClusterError as exc:
+        pytest.skip(f"haproxy cannot be installed here: {exc}")
+    sent = list(open_webui.proxy)
+    chat_key = CHAT_HEADER.lower()
+    if not any(chat_key in e.headers for e in sent):
+        pytest.skip("no chat was recorded: this test replays the module's earlier tests' chats")
+    landed: dict[str, set[str]] = {}
+    with running_stubs("abc") as stubs:
+        router = start_router(haproxy, stubs, tmp_path / "router", "abc", [CHAT_HEADER])
+        try:
+            with httpx.Client(base_url=router.router_url, timeout=30) as c:
+                for e in sent:
+                    headers = {k: v for k, v in e.headers.items() if k not in _NOT_FORWARDED}
+                    where = served_by(c.request(e.method, e.path, headers=headers, content=e.body))
+                    if chat_key in e.headers:
+                        landed.setdefault(e.headers[chat_key], set()).add(where)
+        finally:
+            router.stop()
+    print(f"{len(sent)} requests replayed; chats and their servers: {landed}")
+    assert len(landed) >= 2, landed  # Alice's and Bob's chats at least
+    assert all(len(servers) == 1 for servers in landed.values()), landed

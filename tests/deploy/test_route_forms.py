@@ -2,10 +2,9 @@
 configuration (deploy/haproxy.cfg through deploy/launcher.py's `Cluster`, real HAProxy) in front
 of three stub backends that answer like DSS does where routing is concerned.
 
-A stub names itself in `X-DSS-Server` (as `dss serve` does) and mints response and conversation
-ids the way `api.routes.responses` and `api.routes.conversations` do, with DSS's own functions
-(`new_response_id`, `new_conversation_id`, `route_key_for`: the id carries the route key of the
-chain it continues, of its conversation, else the `X-DSS-Route` the router sent). That the real
+The stubs (tests/router_stubs.py) name themselves in `X-DSS-Server` and mint response and
+conversation ids as DSS does (the id carries the route key of the chain it continues, of its
+conversation, else the `X-DSS-Route` the router sent). That the real
 routes mint them so: tests/api/test_routing.py and tests/dss/dialogue/test_route_keys.py; real
 `dss serve` behind the router: tests/deploy/test_router.py. Skipped only when haproxy cannot be
 installed.
@@ -13,14 +12,8 @@ installed.
 
 from __future__ import annotations
 
-import contextlib
-import http.server
-import json
-import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,84 +22,12 @@ import pytest
 
 from deploy.haproxy import ensure_haproxy
 from deploy.launcher import Cluster
-from deploy.spec import ClusterError, ServerSpec
-from dss.dialogue.conversations import new_conversation_id
-from dss.dialogue.response_store import new_response_id
-from dss.dialogue.route_keys import route_key_for, route_key_of
-from tests.api_server import free_port
+from deploy.spec import ClusterError
+from dss.dialogue.route_keys import route_key_of
+from tests.router_stubs import Stubs, running_stubs, served_by, start_router
 
 # Open WebUI's chat id header, as deploy/open_webui.py configures it and its frontend key names it.
 OPEN_WEBUI_CHAT = "X-OpenWebUI-Chat-Id"
-NAMES = "abc"
-
-
-@dataclass
-class Seen:
-    """One request a stub answered."""
-
-    server: str
-    method: str
-    path: str
-    headers: dict[str, str]
-    body: Any
-
-
-@dataclass
-class Stubs:
-    """Stub backends by name; what each one saw."""
-
-    servers: dict[str, http.server.ThreadingHTTPServer] = field(default_factory=dict)
-    seen: list[Seen] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def specs(self, names: Sequence[str], work: Path) -> list[ServerSpec]:
-        # The fixed ring ids of deploy/spec.py's server_specs: a=1, b=2, c=3, d=4.
-        return [
-            ServerSpec(n, ord(n) - ord("a") + 1, self.servers[n].server_address[1], work / n) for n in names
-        ]
-
-
-def _handler(name: str, stubs: Stubs) -> type[http.server.BaseHTTPRequestHandler]:
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def _answer(self) -> None:
-            n = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(n) if n else b""
-            body = json.loads(raw) if raw else None
-            path = self.path.split("?")[0]
-            if path != "/readyz":
-                with stubs.lock:
-                    stubs.seen.append(Seen(name, self.command, path, dict(self.headers.items()), body))
-            out: dict[str, Any] = {"server": name}
-            route = self.headers.get("X-DSS-Route")
-            if self.command == "POST" and path == "/v1/responses":
-                conv = body.get("conversation")
-                conv_id = conv.get("id") if isinstance(conv, dict) else conv
-                out["id"] = new_response_id(route_key_for(body.get("previous_response_id"), conv_id, route))
-            elif self.command == "POST" and path == "/v1/conversations":
-                out["id"] = new_conversation_id(route)
-            data = json.dumps(out).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.send_header("X-DSS-Server", name)
-            self.end_headers()
-            self.wfile.write(data)
-
-        do_GET = do_POST = do_DELETE = _answer
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    return Handler
-
-
-class _QuietServer(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request: object, client_address: object) -> None:
-        pass  # the health checks hang up right after their answer
 
 
 @pytest.fixture(scope="module")
@@ -119,38 +40,8 @@ def haproxy() -> str:
 
 @pytest.fixture(scope="module")
 def stubs() -> Iterator[Stubs]:
-    s = Stubs()
-    for name in "abcd":
-        server = _QuietServer(("127.0.0.1", 0), _handler(name, s))
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        s.servers[name] = server
-    yield s
-    for server in s.servers.values():
-        server.shutdown()
-
-
-def start_router(
-    haproxy: str, stubs: Stubs, work: Path, names: Sequence[str] = NAMES, session_headers: Sequence[str] = ()
-) -> Cluster:
-    """deploy/haproxy.cfg filled in for the stubs `names` (as `Cluster.start` does), answering."""
-    work.mkdir(parents=True, exist_ok=True)
-    router = Cluster(
-        servers=stubs.specs(names, work),
-        work_dir=work,
-        router_port=free_port(),
-        haproxy=haproxy,
-        check_interval_ms=200,
-        session_headers=session_headers,
-    )
-    router.start_router()
-    deadline = time.monotonic() + 10
-    up: set[str] = set()
-    while up != set(names):  # every stub passed its health check: in the pool
-        with contextlib.suppress(httpx.HTTPError):
-            up.add(httpx.get(router.router_url + "/healthz", timeout=1).headers["X-DSS-Server"])
-        assert time.monotonic() < deadline, router.log_tail("haproxy")
-        time.sleep(0.02)
-    return router
+    with running_stubs() as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -160,11 +51,6 @@ def router(haproxy: str, stubs: Stubs, tmp_path_factory: pytest.TempPathFactory)
         yield r
     finally:
         r.stop()
-
-
-def served_by(r: httpx.Response) -> str:
-    assert r.status_code == 200, r.text
-    return r.headers["X-DSS-Server"]
 
 
 def bearer(key: str) -> dict[str, str]:
