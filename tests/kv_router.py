@@ -4,7 +4,7 @@
   decoded with vLLM's own msgspec class (`KVEventBatch`), sequence numbers checked.
 - `Holdings`: what each publisher (topic) holds per (block hash, medium), rebuilt from the events
   only (`AllBlocksCleared` empties the publisher's view, as routers do).
-- `DynamoIndex`: NVIDIA Dynamo's own indexer (`ai-dynamo-runtime`), where it is installed.
+- `DynamoIndex`: NVIDIA Dynamo's own indexer (`ai-dynamo-runtime`, `ensure_dynamo_runtime`).
 - `LlmdIndex`: llm-d's precise prefix-cache index reproduced from its source
   (llm-d/llm-d-kv-cache, `pkg/kvcache/kvblock/token_processor.go`, `pkg/kvevents/pool.go`): its
   own block keys are FNV-64a over the canonical CBOR of `[parent, tokens, extra]`, chained from
@@ -20,10 +20,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from pathlib import Path
 
 import cbor2
 import msgspec
@@ -173,6 +179,39 @@ class LlmdIndex:
     def pick(self, tokens: Sequence[int]) -> str | None:
         scores = self.scores(tokens)
         return max(scores, key=lambda p: scores[p]) if scores else None
+
+
+# NVIDIA Dynamo's runtime, for its KV indexer only (not a DSS dependency): installed without its
+# dependencies, outside the checkout, on first use (a 75 MB wheel; it runs offline).
+DYNAMO_RUNTIME = "ai-dynamo-runtime==1.6.1"
+
+
+def dynamo_runtime_dir() -> Path:
+    default = Path.home() / ".cache" / "dss" / "test-deps" / DYNAMO_RUNTIME.replace("==", "-")
+    return Path(os.environ.get("DSS_DYNAMO_RUNTIME_DIR", default))
+
+
+def ensure_dynamo_runtime() -> None:
+    """Make `dynamo._core` importable: the installed one, else `DYNAMO_RUNTIME` installed with
+    `pip --no-deps --target` into `dynamo_runtime_dir()` (once) and appended to `sys.path`.
+    Raises RuntimeError with pip's reason when it cannot be had."""
+    with contextlib.suppress(ImportError):
+        import dynamo._core  # noqa: F401
+
+        return
+    target = dynamo_runtime_dir()
+    if not (target / "dynamo").is_dir():
+        partial = target.with_name(target.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps"]
+        r = subprocess.run([*pip, "--target", str(partial), DYNAMO_RUNTIME],
+                           capture_output=True, text=True, timeout=900, check=False)  # fmt: skip
+        if r.returncode != 0:
+            raise RuntimeError(f"installing {DYNAMO_RUNTIME} failed: {(r.stderr or r.stdout).strip()[-400:]}")
+        shutil.rmtree(target, ignore_errors=True)
+        partial.rename(target)
+    if str(target) not in sys.path:
+        sys.path.append(str(target))
 
 
 class DynamoIndex:

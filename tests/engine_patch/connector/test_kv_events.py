@@ -4,9 +4,9 @@ publisher, into a router's index: two servers (a page table and a publisher each
 - Every event decodes with vLLM's `KVEventBatch`; the (block hash, medium) pairs rebuilt from them
   are exactly each server's host (`CPU`) and disk (`STORAGE`) pages, after stores, a demotion, an
   eviction, an erasure and a store restart (`AllBlocksCleared`, then the holdings again).
-- llm-d's index (its key computation reproduced in `tests.kv_router.LlmdIndex`) and, where
-  `ai-dynamo-runtime` is importable, NVIDIA Dynamo's own `RadixTree`
-  (`tests.kv_router.DynamoIndex`) pick the server that holds a session's KV for that session's
+- llm-d's index (its key computation reproduced in `tests.kv_router.LlmdIndex`) and NVIDIA
+  Dynamo's own `RadixTree` (`tests.kv_router.DynamoIndex`; `ai-dynamo-runtime` from PyPI, installed
+  for the tests on first use) pick the server that holds a session's KV for that session's
   next turn, and neither once the pages are erased.
 """
 
@@ -28,7 +28,7 @@ from dss.pages.table import PageEntry, PageTable
 from dss.types import FingerprintId, NamespaceId, PageHash, TenantId, Tier
 from dss.wire import PageEventBatch
 from engine_patch.connector.kv_events import StoreEvents, block_hash
-from tests.kv_router import DynamoIndex, Holdings, LlmdIndex, Subscriber
+from tests.kv_router import DynamoIndex, Holdings, LlmdIndex, Subscriber, ensure_dynamo_runtime
 
 BS = 4
 FID = FingerprintId("fp-events")
@@ -114,25 +114,22 @@ def fleet(tmp_path: Path) -> Iterator[tuple[list[Server], Subscriber]]:
             s.publisher.shutdown()
 
 
-def dynamo_index() -> DynamoIndex | None:
-    """Dynamo's own indexer where `ai-dynamo-runtime` is installed (it is not a DSS dependency:
-    `pip install --no-deps --target DIR ai-dynamo-runtime` and put DIR on PYTHONPATH)."""
-    try:
-        return DynamoIndex(BS)
-    except ImportError:
-        return None
+def dynamo_index() -> DynamoIndex:
+    """Dynamo's own indexer (`ai-dynamo-runtime`, installed for the tests on first use:
+    `tests.kv_router.ensure_dynamo_runtime`)."""
+    ensure_dynamo_runtime()
+    return DynamoIndex(BS)
 
 
 def deliver(
-    servers: list[Server], sub: Subscriber, holdings: Holdings, index: LlmdIndex, dynamo: DynamoIndex | None
+    servers: list[Server], sub: Subscriber, holdings: Holdings, index: LlmdIndex, dynamo: DynamoIndex
 ) -> None:
     for s in servers:
         s.step()
     for topic, batch in sub.receive(1.0):
         holdings.apply(topic, batch)
         index.apply(topic.split("@")[1], batch)
-        if dynamo is not None:
-            dynamo.apply(topic.split("@")[1], batch)
+        dynamo.apply(topic.split("@")[1], batch)
     for s in servers:
         assert holdings.held[s.topic] == expected(s.table), f"{s.pod}'s view differs from its store"
 
@@ -143,7 +140,7 @@ def test_a_router_rebuilds_each_servers_holdings_and_picks_the_holder(
     servers, sub = fleet
     a, b = servers
     holdings, index, dynamo = Holdings(), LlmdIndex(BS, MODEL), dynamo_index()
-    routers: list[LlmdIndex | DynamoIndex] = [index] if dynamo is None else [index, dynamo]
+    routers: list[LlmdIndex | DynamoIndex] = [index, dynamo]
     s1 = list(range(100, 114))  # 3 whole pages and a tail of 2
     s2 = list(range(500, 512))
     deliver(servers, sub, holdings, index, dynamo)
@@ -180,9 +177,8 @@ def test_a_router_rebuilds_each_servers_holdings_and_picks_the_holder(
     assert holdings.cleared[a.topic] == 2
     assert all(router.pick([*s1, 7]) == a.pod for router in routers)
     assert all(router.pick([*s2, 7]) == b.pod for router in routers)
-    if dynamo is not None:
-        assert dynamo.scores(s1) == {a.pod: 3 * 0.25}, "Dynamo: three blocks at disk credit"
-        assert dynamo.skipped_removals == 0, "removals come deepest block first"
+    assert dynamo.scores(s1) == {a.pod: 3 * 0.25}, "Dynamo: three blocks at disk credit"
+    assert dynamo.skipped_removals == 0, "removals come deepest block first"
 
 
 def test_events_carry_vllms_fields_and_the_tenant_as_the_first_blocks_salt() -> None:
