@@ -227,6 +227,7 @@ class DynamoIndex:
     CREDIT = {"host_pinned": 0.75, "disk": 0.25}
 
     def __init__(self, block_size: int) -> None:
+        ensure_dynamo_runtime()
         from dynamo._core import RadixTree, compute_block_hash_for_seq
 
         self._local_hashes = compute_block_hash_for_seq

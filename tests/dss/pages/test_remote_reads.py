@@ -162,6 +162,17 @@ def test_a_load_on_another_server_reads_its_pages_in_few_round_trips_without_exi
             )
 
 
+def _prefetched(b: Any, fid: Any, tenant: Any, tokens: np.ndarray) -> None:
+    """Server `b` prefetches `tokens`' pages from the remote tier; returns once all are in its
+    host tier."""
+    b.fingerprints.register(SMALL_FP)
+    assert b.kv.loads.prefetch(fid, tenant, tokens)
+    deadline = time.monotonic() + 10
+    while b.kv.lookup.residency(fid, tenant, tokens)["host"] < len(tokens):
+        assert time.monotonic() < deadline, "the prefetch did not bring the pages"
+        time.sleep(0.01)
+
+
 def test_a_prefetch_brings_a_turns_pages_into_the_host_tier_before_the_load(
     pg_url: str, tmp_path: Path, prefix: str
 ) -> None:
@@ -170,12 +181,7 @@ def test_a_prefetch_brings_a_turns_pages_into_the_host_tier_before_the_load(
     with open_store(tmp_path / "a", **common) as a:
         fid, tenant, tokens, pages = _shared_sequence(a, 6)
         with open_store(tmp_path / "b", **common) as b:
-            b.fingerprints.register(SMALL_FP)
-            assert b.kv.loads.prefetch(fid, tenant, tokens)
-            deadline = time.monotonic() + 10
-            while b.kv.lookup.residency(fid, tenant, tokens)["host"] < len(tokens):
-                assert time.monotonic() < deadline, "the prefetch did not bring the pages"
-                time.sleep(0.01)
+            _prefetched(b, fid, tenant, tokens)
             plan = b.kv.begin_load(fid, tenant, tokens)
             assert plan is not None and not plan.is_async  # every page in the host tier already
             # ... and reported as read from the remote tier (where this turn's KV came from) ...
@@ -208,12 +214,7 @@ def test_the_next_turns_load_after_a_prefetch_reads_nothing_more_from_redis(
     with open_store(tmp_path / "a", **common) as a:
         fid, tenant, tokens, pages = _shared_sequence(a, 6)
         with open_store(tmp_path / "b", **common) as b:
-            b.fingerprints.register(SMALL_FP)
-            assert b.kv.loads.prefetch(fid, tenant, tokens)
-            deadline = time.monotonic() + 10
-            while b.kv.lookup.residency(fid, tenant, tokens)["host"] < len(tokens):
-                assert time.monotonic() < deadline, "the prefetch did not bring the pages"
-                time.sleep(0.01)
+            _prefetched(b, fid, tenant, tokens)
             read = b.stats()["remote_read_pages"]
             assert read == len(pages)
             next_turn = np.concatenate([tokens, np.arange(900, 905, dtype=np.int32)])

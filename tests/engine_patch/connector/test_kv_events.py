@@ -28,7 +28,7 @@ from dss.pages.table import PageEntry, PageTable
 from dss.types import FingerprintId, NamespaceId, PageHash, TenantId, Tier
 from dss.wire import PageEventBatch
 from engine_patch.connector.kv_events import StoreEvents, block_hash
-from tests.kv_router import DynamoIndex, Holdings, LlmdIndex, Subscriber, ensure_dynamo_runtime
+from tests.kv_router import DynamoIndex, Holdings, LlmdIndex, Subscriber
 
 BS = 4
 FID = FingerprintId("fp-events")
@@ -114,13 +114,6 @@ def fleet(tmp_path: Path) -> Iterator[tuple[list[Server], Subscriber]]:
             s.publisher.shutdown()
 
 
-def dynamo_index() -> DynamoIndex:
-    """Dynamo's own indexer (`ai-dynamo-runtime`, installed for the tests on first use:
-    `tests.kv_router.ensure_dynamo_runtime`)."""
-    ensure_dynamo_runtime()
-    return DynamoIndex(BS)
-
-
 def deliver(
     servers: list[Server], sub: Subscriber, holdings: Holdings, index: LlmdIndex, dynamo: DynamoIndex
 ) -> None:
@@ -139,7 +132,7 @@ def test_a_router_rebuilds_each_servers_holdings_and_picks_the_holder(
 ) -> None:
     servers, sub = fleet
     a, b = servers
-    holdings, index, dynamo = Holdings(), LlmdIndex(BS, MODEL), dynamo_index()
+    holdings, index, dynamo = Holdings(), LlmdIndex(BS, MODEL), DynamoIndex(BS)
     routers: list[LlmdIndex | DynamoIndex] = [index, dynamo]
     s1 = list(range(100, 114))  # 3 whole pages and a tail of 2
     s2 = list(range(500, 512))
