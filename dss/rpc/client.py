@@ -47,6 +47,34 @@ class _Failure:
     why: str = ""
 
 
+_BACKING_OFF = _Failure(why="backing off")  # the call was not attempted
+
+
+class PendingCall:
+    """A request sent whose reply is read later (`result`, exactly once): the engine sends
+    what it may learn after its forward pass (the validation of a load's copies) before the
+    pass, and reads the answer after it. The client's connection is held until `result`."""
+
+    def __init__(
+        self,
+        client: StoreClient,
+        method: str,
+        args: tuple[Any, ...],
+        deadline: float,
+        budget: float,
+        sent: _Failure | None,
+    ) -> None:
+        self.client, self.method, self.args = client, method, args
+        self.deadline = deadline  # the send's (a call read at once: the reply's too)
+        self.budget = budget
+        self.sent = sent  # a failure to send (None: sent)
+
+    def result(self) -> Any:
+        """The reply; its deadline starts now, so a request answered during a long forward pass
+        is not late."""
+        return self.client._finish(self, time.monotonic() + self.budget)
+
+
 class StoreClient:
     """Thread-safe client used in vLLM's scheduler and worker processes. Every failure raises
     `StoreUnavailable` (or `StoreTimeout`, a subclass) or another `DSSError` sent back by the
@@ -102,6 +130,11 @@ class StoreClient:
 
     # --- transport ------------------------------------------------------------------------
     def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        call = self._start(method, args, timeout_s)
+        return self._finish(call, call.deadline)
+
+    def _start(self, method: str, args: tuple[Any, ...], timeout_s: float | None) -> PendingCall:
+        """Send one request and hold the connection for its reply (`PendingCall.result`)."""
         budget = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + budget
         self._fail_fast_if_backing_off(method)
@@ -109,47 +142,85 @@ class StoreClient:
             self._failed(method, timed_out=True, backoff=False, why="client busy with another call")
         try:
             backing_off = time.monotonic() < self._backoff_until
-            outcome = _Failure() if backing_off else self._exchange(method, args, deadline)
+            sent = _BACKING_OFF if backing_off else self._send(method, args, deadline)
+        except BaseException:
+            self._lock.release()
+            raise
+        return PendingCall(self, method, args, deadline, budget, sent)
+
+    def _finish(self, call: PendingCall, deadline: float) -> Any:
+        """Read `call`'s reply by `deadline` (or take its failure), let go of the connection,
+        then raise any failure."""
+        try:
+            outcome = call.sent if call.sent is not None else self._receive(call, deadline)
         finally:
             self._lock.release()
+        if outcome is _BACKING_OFF:
+            self._fail_fast(call.method)
         if isinstance(outcome, _Failure):
-            if backing_off:
-                self._fail_fast(method)
-            self._failed(method, timed_out=outcome.timed_out, backoff=outcome.backoff, why=outcome.why)
+            self._failed(call.method, timed_out=outcome.timed_out, backoff=outcome.backoff, why=outcome.why)
         ok, value = outcome
         if not ok:
             name, message = value
             raise DSSError(f"{name}: {message}")
         return value
 
-    def _exchange(self, method: str, args: tuple[Any, ...], deadline: float) -> tuple[bool, Any] | _Failure:
-        """One request and its reply, under the lock; retried once on a fresh connection. A
-        failure is returned, for `_call` to count and raise once the lock is released."""
+    def _send(self, method: str, args: tuple[Any, ...], deadline: float) -> _Failure | None:
+        """Send one request, under the lock, connecting first when needed; a broken connection
+        is replaced once. A failure is returned, for `_finish` to count and raise."""
         for attempt in range(2):
             try:
                 conn = self._conn if self._conn is not None else self._connect(deadline)
                 self._conn = conn
                 set_conn_timeouts(conn, self._remaining(deadline))
                 conn.send((method, args))
+                return None
+            except Exception as exc:
+                failure = self._broken(exc, last=attempt == 1)
+                if failure is not None:
+                    return failure
+        raise AssertionError("unreachable")
+
+    def _receive(self, call: PendingCall, deadline: float) -> tuple[bool, Any] | _Failure:
+        """The reply to the request just sent, under the lock; a connection that broke before
+        it answered is replaced and the request sent again, once."""
+        for attempt in range(2):
+            try:
+                conn = self._conn
+                if conn is None:
+                    raise EOFError("connection dropped")
+                if deadline != call.deadline:  # read later than sent: the kernel bounds move too
+                    set_conn_timeouts(conn, self._remaining(deadline))
                 if not conn.poll(self._remaining(deadline)):
                     raise DeadlineMissed
                 reply = conn.recv()
-            except (DeadlineMissed, BlockingIOError, TimeoutError):
-                self._drop()
-                return _Failure(timed_out=True, backoff=True, why="no answer within the deadline")
-            except (AuthenticationError, AssertionError) as exc:  # wrong authkey: retrying cannot help
-                self._drop()
-                return _Failure(why=f"handshake failed: {exc}")
-            except (OSError, EOFError) as exc:
-                self._drop()
-                if attempt == 1:
-                    return _Failure(why=f"{type(exc).__name__}: {exc}")
+            except Exception as exc:
+                failure = self._broken(exc, last=attempt == 1)
+                if failure is None:  # sent again on a fresh connection, bounded like this read
+                    failure = self._send(call.method, call.args, deadline)
+                    call.deadline = deadline
+                if failure is not None:
+                    return failure
                 continue
             if not (isinstance(reply, tuple) and len(reply) == 2):
                 self._drop()
                 return _Failure(why="malformed reply")
             return reply
         raise AssertionError("unreachable")
+
+    def _broken(self, exc: Exception, *, last: bool) -> _Failure | None:
+        """What a failed send or receive means: the connection is dropped (a late reply would
+        desynchronise it), and a failure returned, or None where a fresh connection may help."""
+        if isinstance(exc, (DeadlineMissed, BlockingIOError, TimeoutError)):
+            self._drop()
+            return _Failure(timed_out=True, backoff=True, why="no answer within the deadline")
+        if isinstance(exc, (AuthenticationError, AssertionError)):  # wrong authkey: retrying cannot help
+            self._drop()
+            return _Failure(why=f"handshake failed: {exc}")
+        if isinstance(exc, (OSError, EOFError)):
+            self._drop()
+            return _Failure(why=f"{type(exc).__name__}: {exc}") if last else None
+        raise exc
 
     def _connect(self, deadline: float) -> Connection:
         """A fresh, authenticated connection. `connect` runs under a socket timeout and the
@@ -255,6 +326,14 @@ class StoreClient:
             "wait_loaded", load_id, timeout_s, release, shard, timeout_s=timeout_s + self.wait_grace_s
         )
         return tuple(pages)
+
+    def check_and_release_later(self, load_id: str, *, shard: int | None = None) -> PendingCall:
+        """`wait_loaded(load_id, 0.0, release=True, shard=shard)` sent now and answered later:
+        `.result()` gives the pages, None for each one whose copy cannot be trusted. A worker sends
+        it once it has copied a load's pages, before the forward pass that reads them, and reads
+        the answer after the pass (vLLM takes a load's failed blocks only then anyway), so the
+        round trip overlaps the pass. The connection is held until then: use a client of its own."""
+        return self._start("wait_loaded", (load_id, 0.0, True, shard), None)
 
     def release(self, load_id: str, *, shard: int | None = None, timeout_s: float | None = None) -> None:
         """End this engine rank's (`shard`) part of a lease without waiting for its pages."""

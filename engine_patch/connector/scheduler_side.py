@@ -15,8 +15,9 @@ each one is counted in the request's `dss.wire.TurnReport`.
 
 Store round trips per session turn from this process: one `begin_load` when the request is first
 scheduled (unless vLLM's own cache covers all but the last prompt token), one `plan_save` when
-its prefill completes (its whole prompt pages), and one `plan_save` at finish (the pages decoding
-completed and the tail).
+its prefill completes (its whole prompt pages; none when the load brought them all: a plan's pages
+and every page before them were pinned in the store), and one `plan_save` at finish (the pages
+decoding completed and the tail).
 """
 
 from __future__ import annotations
@@ -258,6 +259,9 @@ class SchedulerSide:
             p.tier or (Tier.HOST.value if p.slot is not None else Tier.DISK.value) for p in pages
         ]
         st.loaded_tokens = min(num_external_tokens, claim.plan.n_tokens)
+        # The store held every whole page up to the load's end (it pinned them to plan it): no
+        # save needs to ask about them again.
+        st.planned_tokens = max(st.planned_tokens, (claim.start_token + st.loaded_tokens) // bs * bs)
         st.loading_async = is_async
         per_tier = tokens_by_tier(st.page_tiers, st.loaded_tokens, bs)
         st.hit_sources = {

@@ -11,6 +11,9 @@ Every copy out of the arena is validated after it is taken, twice: here, against
 of each slot (the store bumps it before a slot's bytes change, see `dss.pages.tiers.host`), and by
 the store (`wait_loaded(..., release=True)`, which also ends the lease in the same round trip): a
 page erased or dropped while it was being copied comes back None and its block is recomputed.
+A load copied on the forward pass's thread sends that check before the pass and reads its answer
+after it (`StoreClient.check_and_release_later`): vLLM learns a load's failed blocks after the
+pass in any case, so the round trip costs the turn nothing.
 Store round trips per turn from this process: one per load (two for an async load: wait for the
 promotion, then validate), one `commit_save` per save plan.
 """
@@ -28,7 +31,7 @@ from vllm.logger import init_logger
 
 from dss.errors import DSSError
 from dss.namespace import ModelFingerprint
-from dss.rpc import StoreClient
+from dss.rpc import PendingCall, StoreClient
 from dss.wire import PageSlot, span_of
 from engine_patch.connector.copy import ArenaViews, KVBlocks
 from engine_patch.connector.fingerprint import UnsupportedKVCache, check_layer_tensors
@@ -89,8 +92,11 @@ class WorkerSide:
         self.groups = KVGroups.parse(fingerprint.kv_groups, fingerprint.num_layers) if fingerprint else None
         self._client = client_factory() if client_factory is not None else None
         # The loader thread blocks in `wait_loaded`; it gets its own connection so the main
-        # thread's commits and releases never queue behind it.
+        # thread's commits and releases never queue behind it. So do the checks of loads copied
+        # on the forward pass's thread: each holds its connection from before the pass to after.
         self._loader_client = client_factory() if client_factory is not None else None
+        self._check_client = client_factory() if client_factory is not None else None
+        self._checking: list[tuple[LoadSpec, int, PendingCall]] = []  # forward thread only
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dss-async-load")
         self._lock = threading.Lock()
         self.blocks: KVBlocks | None = None
@@ -176,9 +182,9 @@ class WorkerSide:
         interval, 5 ms, and more steps while it waits for it: the 9x hot loads of issue 31)."""
         for spec in meta.loads:
             if spec.span is None:
-                self._loader.submit(self._load, spec)
+                self._loader.submit(self._load_promoted, spec)
             else:
-                self._load(spec)
+                self._load_in_place(spec, spec.span)
 
     def _copy_in(self, span: SlotSpan, block_ids: tuple[tuple[int, ...], ...]) -> int:
         """Copy slots into blocks; returns how many pages, from the first, are still the pages
@@ -200,49 +206,80 @@ class WorkerSide:
             )
         return unchanged
 
-    def _load(self, spec: LoadSpec) -> None:
-        """One load, on the forward pass's thread (the plan named every slot) or on the loader
-        thread (the store promotes pages first and names their slots now). Copy,
-        then validate the copies and release the lease in one round trip; any failure is a miss
-        from the first page not known good, recomputed by vLLM."""
-        client = self._loader_client if spec.span is None else self._client
+    def _load_in_place(self, spec: LoadSpec, span: SlotSpan) -> None:
+        """A load whose plan named every slot, on the forward pass's thread: copy, then send the
+        check of the copies (which also releases the lease) and read its answer after the pass
+        (`settle_checks`)."""
+        client = self._check_client
         kind = "async" if spec.is_async else "sync"
+        try:
+            if not self.ready or client is None:
+                raise DSSError("connector not ready for loads")
+            n_copied = self._copy_in(span, spec.block_ids)
+            # One check in flight on the connection: the previous load's, answered while this
+            # one was copied, is read first.
+            self.settle_checks()
+            pending = client.check_and_release_later(spec.load_id, shard=self.shard)
+            self._checking.append((spec, n_copied, pending))
+        except Exception as exc:
+            logger.warning(
+                "DSS %s load %s for %s failed, recomputing: %s", kind, spec.load_id, spec.req_id, exc
+            )
+            self._release(self._client, spec.load_id, self.shard)
+            self._record_load(spec, 0, async_done=spec.is_async)
+
+    def settle_checks(self) -> None:
+        """Read the answers to the checks sent before this step's forward pass and record each
+        load: the pages from the first one not known good on are misses, recomputed by vLLM.
+        Called after the pass, before this step's loads are reported."""
+        checking, self._checking = self._checking, []
+        for spec, n_copied, pending in checking:
+            try:
+                n_ok = min(n_copied, _usable_prefix(tuple(pending.result()), spec.n_pages))
+            except Exception as exc:
+                logger.warning(
+                    "DSS load %s for %s could not be checked, recomputing: %s", spec.load_id, spec.req_id, exc
+                )
+                self._release(self._client, spec.load_id, self.shard)
+                n_ok = 0
+            self._record_load(spec, n_ok, async_done=spec.is_async)
+
+    def _load_promoted(self, spec: LoadSpec) -> None:
+        """An async load on the loader thread: wait for the store to promote the pages and name
+        their slots, copy, then validate the copies and release the lease in one round trip;
+        any failure is a miss from the first page not known good, recomputed by vLLM."""
+        client = self._loader_client
         n_ok = 0
         released = False
         try:
-            if not self.ready or client is None or (spec.span is None and not spec.is_async):
+            if not self.ready or client is None or not spec.is_async:
                 raise DSSError("connector not ready for loads")
-            span = spec.span
-            n_ok = spec.n_pages
-            if spec.span is None:  # the store names the slots once it has promoted the pages
-                got = client.wait_loaded(spec.load_id, self.load_timeout_s)
-                n_ok = _usable_prefix(got, spec.n_pages)
-                if n_ok < spec.n_pages:
-                    logger.warning(
-                        "DSS async load %s for %s: %d of %d pages could not be had, recomputing from page %d",
-                        spec.load_id,
-                        spec.req_id,
-                        spec.n_pages - n_ok,
-                        spec.n_pages,
-                        n_ok,
-                    )
-                span = span_of(got[:n_ok]) if n_ok else None
-                if n_ok and span is None:
-                    raise DSSError("promoted pages came back without slots in one arena")
+            got = client.wait_loaded(spec.load_id, self.load_timeout_s)
+            n_ok = _usable_prefix(got, spec.n_pages)
+            if n_ok < spec.n_pages:
+                logger.warning(
+                    "DSS async load %s for %s: %d of %d pages could not be had, recomputing from page %d",
+                    spec.load_id,
+                    spec.req_id,
+                    spec.n_pages - n_ok,
+                    spec.n_pages,
+                    n_ok,
+                )
+            span = span_of(got[:n_ok]) if n_ok else None
+            if n_ok and span is None:
+                raise DSSError("promoted pages came back without slots in one arena")
             if n_ok and span is not None:
                 n_copied = self._copy_in(span, tuple(ids[:n_ok] for ids in spec.block_ids))
                 valid = client.wait_loaded(spec.load_id, 0.0, release=True, shard=self.shard)
                 released = True
                 n_ok = min(n_copied, _usable_prefix(valid, n_ok))
         except Exception as exc:
-            logger.warning(
-                "DSS %s load %s for %s failed, recomputing: %s", kind, spec.load_id, spec.req_id, exc
-            )
+            logger.warning("DSS async load %s for %s failed, recomputing: %s", spec.load_id, spec.req_id, exc)
             n_ok = 0
         finally:
             if not released:
                 self._release(client, spec.load_id, self.shard)
-        self._record_load(spec, n_ok, async_done=spec.is_async)
+        self._record_load(spec, n_ok, async_done=True)
 
     def _record_load(self, spec: LoadSpec, n_ok: int, async_done: bool) -> None:
         if n_ok < spec.n_pages and self.groups is not None and self.groups.hybrid:
@@ -316,6 +353,7 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ per-step reporting
     def get_finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str] | None, set[str] | None]:
+        self.settle_checks()
         for req_id in finished_req_ids:
             self._finished[req_id] = None
         while len(self._finished) > _FINISHED_MEMORY:
@@ -344,6 +382,7 @@ class WorkerSide:
         return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self.settle_checks()
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
@@ -363,7 +402,8 @@ class WorkerSide:
         self._loader.shutdown(wait=True, cancel_futures=False)
         if self.views is not None:
             self.views.close()
-        for client in (self._client, self._loader_client):
+        self.settle_checks()
+        for client in (self._client, self._loader_client, self._check_client):
             if client is not None:
                 client.close()
 

@@ -176,6 +176,20 @@ def test_every_method_round_trips(client: StoreClient, service: FakeService) -> 
     assert (client.failures, client.timeouts) == (0, 0)
 
 
+def test_a_check_sent_before_a_long_forward_pass_is_read_after_it(
+    client: StoreClient, service: FakeService
+) -> None:
+    """A worker sends the check of a load's copies before the forward pass and reads the answer
+    after it: the reply's deadline runs from the read, so a pass longer than the client's
+    timeout does not turn every load into a miss; the connection then serves the next call."""
+    client.timeout_s = 0.3
+    pending = client.check_and_release_later("L1", shard=2)
+    time.sleep(0.5)  # the forward pass
+    assert pending.result() == (PAGE, None)
+    assert service.calls[-1] == ("wait_loaded", ("L1", 0.0, True, 2))
+    assert client.ping() and (client.failures, client.timeouts) == (0, 0)
+
+
 def test_socket_is_private(server: StoreServer, address: str) -> None:
     assert stat.S_IMODE(os.stat(address).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(Path(address).parent).st_mode) == 0o700
@@ -382,7 +396,8 @@ def test_one_contract_the_owners_the_client_and_the_server_follow(tmp_path: Path
     contract = {n for n, v in vars(EngineStore).items() if inspect.isfunction(v) and not n.startswith("_")}
     assert set(ENGINE_CALLS) == contract
     served = {n for n, v in vars(StoreClient).items() if inspect.isfunction(v) and not n.startswith("_")}
-    served -= {"ping", "close"}
+    # `check_and_release_later` is the contract's `wait_loaded`, its reply read later
+    served -= {"ping", "close", "check_and_release_later"}
     assert served == contract
     store = open_store(tmp_path / "d", shm_dir=tmp_path / "shm")
     try:

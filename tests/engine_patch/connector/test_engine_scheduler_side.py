@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -184,6 +185,39 @@ def test_prompt_pages_are_saved_when_prefill_completes(store: Store, side: Sched
     assert save.tail_tokens == 0  # after prefill: whole pages only
     assert step(side, {"r1": 1}).saves == []
     store.kv.saves.abort_save(save.save_id)
+
+
+def test_a_prefill_whose_pages_the_load_brought_asks_the_store_nothing(
+    store: Store, side: SchedulerSide, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same prompt again (a regenerated answer, a hot turn): the load pinned every whole
+    page of the prompt in the store, so the save after its prefill has nothing to ask about; a
+    prompt with a new whole page still asks, for that page."""
+    tenant = store.identity.tenant_for("u")
+    tokens = stored(store, tenant, 3 * BS)
+    assert side.client is not None
+    asked: list[int] = []
+    plan_save = side.client.plan_save
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        asked.append(args[3])
+        return plan_save(*args, **kwargs)
+
+    monkeypatch.setattr(side.client, "plan_save", counted)
+    for req_id, prompt, new_pages in (
+        ("r1", [*tokens, 1, 2], ()),
+        ("r2", [*tokens, *range(7, 7 + BS)], (3,)),
+    ):
+        r = request(req_id, prompt, tenant)
+        assert side.get_num_new_matched_tokens(r, 0) == (3 * BS, False)
+        side.update_state_after_alloc(r, blocks_of([4, 5, 6, 7]), 3 * BS)
+        side.test_blocks[req_id] = ([4, 5, 6, 7],)  # type: ignore[attr-defined]
+        r.num_computed_tokens = 3 * BS  # loaded; the step computes the rest of the prompt
+        meta = step(side, {req_id: len(prompt) - 3 * BS})
+        assert [s.page_indexes for s in meta.saves] == ([new_pages] if new_pages else [])
+        for save in meta.saves:
+            store.kv.saves.abort_save(save.save_id)
+    assert asked == [4]  # r2's four whole pages; nothing for r1
 
 
 def test_a_hung_owner_is_a_miss_within_the_deadline(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
