@@ -7,6 +7,7 @@ authenticated user id under a server secret, derived on the server, never taken 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -73,8 +74,7 @@ class ModelFingerprint:
 
     @property
     def id(self) -> FingerprintId:
-        canon = json.dumps(self._canonical(), sort_keys=True, separators=(",", ":"))
-        return FingerprintId(hashlib.blake2b(canon.encode(), digest_size=16).hexdigest())
+        return _fingerprint_id(self)  # asked on every save plan and turn report: computed once
 
     def _canonical(self) -> dict[str, object]:
         """The fields the id covers. Fields added after the first release are left out while they
@@ -120,6 +120,12 @@ class ModelFingerprint:
         return cls(**json.loads(text))
 
 
+@functools.lru_cache(maxsize=64)
+def _fingerprint_id(fp: ModelFingerprint) -> FingerprintId:
+    canon = json.dumps(fp._canonical(), sort_keys=True, separators=(",", ":"))
+    return FingerprintId(hashlib.blake2b(canon.encode(), digest_size=16).hexdigest())
+
+
 def tenant_for_user(server_secret: bytes, user: UserId, epoch: int = 0) -> TenantId:
     """The per-user cache salt: an HMAC under the server secret, so it cannot be guessed or chosen.
     `epoch` counts the user's erasures: a re-created user gets a tenant nothing was ever stored
@@ -143,6 +149,7 @@ def namespace_id(fingerprint: FingerprintId, tenant: TenantId) -> NamespaceId:
     return NamespaceId(blake2b("dss/namespace/v2", fingerprint, tenant, digest_size=16))
 
 
+@functools.lru_cache(maxsize=4096)  # a few per store call, for the same few tenants at a time
 def make_namespace(fingerprint: FingerprintId, tenant: TenantId) -> Namespace:
     return Namespace(fingerprint=fingerprint, tenant=tenant, id=namespace_id(fingerprint, tenant))
 

@@ -41,10 +41,16 @@ def chain_hashes(
     """
     arr = as_tokens(tokens)
     n_pages = len(arr) // block_size
+    # Bytes-level: one conversion, then one digest per page of slices of it (the same bytes
+    # `page_hash` digests); asked on every load and save plan, for every page of the prompt.
+    raw = arr.tobytes()
+    step = block_size * arr.itemsize
     out: list[PageHash] = []
     prev = parent
     for i in range(start_page, n_pages):
         ns = namespaces[i - start_page] if namespaces is not None else namespace
-        prev = page_hash(ns, prev, arr[i * block_size : (i + 1) * block_size])
+        prev = PageHash(
+            hashlib.blake2b(ns + prev + raw[i * step : (i + 1) * step], digest_size=HASH_BYTES).digest()
+        )
         out.append(prev)
     return out

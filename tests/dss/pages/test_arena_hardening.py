@@ -419,7 +419,7 @@ def test_the_engine_worker_discards_a_copy_whose_slot_moved_on(store: Store) -> 
     pytest.importorskip("vllm")
     from dss.rpc import StoreClient
     from dss.wire import span_of
-    from engine_patch.connector.metadata import LoadSpec
+    from engine_patch.connector.metadata import DSSConnectorMetadata, LoadSpec
     from engine_patch.connector.worker_side import WorkerSide
 
     address, authkey = store.serve_rpc()
@@ -449,7 +449,9 @@ def test_the_engine_worker_discards_a_copy_whose_slot_moved_on(store: Store) -> 
         # Between the scheduler's plan and the worker's copy, alice's page is dropped and bob's saved.
         store.kv.lookup.forget(store.pages.copies.drop([plan.pages[0].hash]))
         put_sequence(store, fid, store.identity.tenant_for("bob"), bob_tokens, [bob_page])
-        worker._load(LoadSpec("req-a", plan.load_id, ((5,),), span, False))
+        worker.start_load_kv(
+            DSSConnectorMetadata([LoadSpec("req-a", plan.load_id, ((5,),), span, False)], [])
+        )
         assert block_bytes(5) != bob_page, "another tenant's KV reached the engine's blocks"
         assert worker.get_block_ids_with_load_errors() == {5}  # recomputed, not served
         assert worker._copy_in(span, ((6,),)) == 0  # the worker's own check, without the store's
