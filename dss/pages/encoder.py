@@ -105,9 +105,11 @@ class PageCodecProcess:
             worker = _Worker()
             worker.call(("ping",))
         except Exception as exc:
-            log.warning("the page codec process did not start: %s", exc)
             with self._lock:
                 self._started -= 1
+                closed = self._closed
+            if not closed:  # closed meanwhile: the helper was stopped on purpose, or exited with us
+                log.warning("the page codec process did not start: %s", exc)
             if worker is not None:
                 worker.stop(timeout_s=1.0)
             return
