@@ -19,11 +19,12 @@ ROOT_PARENT = PageHash(b"\x00" * HASH_BYTES)
 
 
 def page_hash(namespace: NamespaceId, parent: PageHash, page_tokens: np.ndarray) -> PageHash:
-    h = hashlib.blake2b(digest_size=HASH_BYTES)
-    h.update(namespace)
-    h.update(parent)
-    h.update(as_tokens(page_tokens).tobytes())
-    return PageHash(h.digest())
+    return _digest(namespace, parent, as_tokens(page_tokens).tobytes())
+
+
+def _digest(namespace: bytes, parent: bytes, token_bytes: bytes) -> PageHash:
+    """The one definition of a page's address: its namespace, its parent's hash, its tokens."""
+    return PageHash(hashlib.blake2b(namespace + parent + token_bytes, digest_size=HASH_BYTES).digest())
 
 
 def chain_hashes(
@@ -41,16 +42,14 @@ def chain_hashes(
     """
     arr = as_tokens(tokens)
     n_pages = len(arr) // block_size
-    # Bytes-level: one conversion, then one digest per page of slices of it (the same bytes
-    # `page_hash` digests); asked on every load and save plan, for every page of the prompt.
+    # Bytes-level: one conversion, then one digest per page of a slice of it; asked on every
+    # load and save plan, for every page of the prompt.
     raw = arr.tobytes()
     step = block_size * arr.itemsize
     out: list[PageHash] = []
     prev = parent
     for i in range(start_page, n_pages):
         ns = namespaces[i - start_page] if namespaces is not None else namespace
-        prev = PageHash(
-            hashlib.blake2b(ns + prev + raw[i * step : (i + 1) * step], digest_size=HASH_BYTES).digest()
-        )
+        prev = _digest(ns, prev, raw[i * step : (i + 1) * step])
         out.append(prev)
     return out

@@ -209,7 +209,7 @@ class WorkerSide:
     def _load_in_place(self, spec: LoadSpec, span: SlotSpan) -> None:
         """A load whose plan named every slot, on the forward pass's thread: copy, then send the
         check of the copies (which also releases the lease) and read its answer after the pass
-        (`settle_checks`)."""
+        (`_settle_checks`)."""
         client = self._check_client
         kind = "async" if spec.is_async else "sync"
         try:
@@ -218,7 +218,7 @@ class WorkerSide:
             n_copied = self._copy_in(span, spec.block_ids)
             # One check in flight on the connection: the previous load's, answered while this
             # one was copied, is read first.
-            self.settle_checks()
+            self._settle_checks()
             pending = client.check_and_release_later(spec.load_id, shard=self.shard)
             self._checking.append((spec, n_copied, pending))
         except Exception as exc:
@@ -228,7 +228,7 @@ class WorkerSide:
             self._release(self._client, spec.load_id, self.shard)
             self._record_load(spec, 0, async_done=spec.is_async)
 
-    def settle_checks(self) -> None:
+    def _settle_checks(self) -> None:
         """Read the answers to the checks sent before this step's forward pass and record each
         load: the pages from the first one not known good on are misses, recomputed by vLLM.
         Called after the pass, before this step's loads are reported."""
@@ -353,7 +353,7 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ per-step reporting
     def get_finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str] | None, set[str] | None]:
-        self.settle_checks()
+        self._settle_checks()
         for req_id in finished_req_ids:
             self._finished[req_id] = None
         while len(self._finished) > _FINISHED_MEMORY:
@@ -382,7 +382,7 @@ class WorkerSide:
         return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        self.settle_checks()
+        self._settle_checks()
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
@@ -402,7 +402,7 @@ class WorkerSide:
         self._loader.shutdown(wait=True, cancel_futures=False)
         if self.views is not None:
             self.views.close()
-        self.settle_checks()
+        self._settle_checks()
         for client in (self._client, self._loader_client, self._check_client):
             if client is not None:
                 client.close()
