@@ -103,6 +103,10 @@ class LoadPlan:
     pages: tuple[PageSlot, ...]
     is_async: bool
     tier_tokens: dict[str, int]  # tokens of `pages` by the tier they are read from
+    # How many of the tokens asked about, from the first, the store held in the tenant's own pages
+    # when it planned (at least `start_token + n_tokens`; beyond the load's `max_tokens` too): a
+    # save of no more tokens than these has nothing to ask for.
+    stored_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

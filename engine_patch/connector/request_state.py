@@ -49,7 +49,8 @@ class RequestState:
     found_in: dict[str, int] = field(default_factory=dict)  # what the store had, by tier
     failed_tokens: int = 0
     stored_pages: int = 0
-    planned_tokens: int = 0  # tokens covered by a save plan already (prompt pages after prefill)
+    # tokens, from the first, the store is known to hold: a save plan's, or what the load found
+    planned_tokens: int = 0
     store_errors: int = 0
 
     @property

@@ -17,7 +17,8 @@ Store round trips per session turn from this process: one `begin_load` when the 
 scheduled (unless vLLM's own cache covers all but the last prompt token), one `plan_save` when
 its prefill completes (its whole prompt pages; none when the load brought them all: a plan's pages
 and every page before them were pinned in the store), and one `plan_save` at finish (the pages
-decoding completed and the tail).
+decoding completed and the tail; none when the store held all of them when the load was planned,
+`LoadPlan.stored_tokens`: a prompt seen before whose answer is one token).
 """
 
 from __future__ import annotations
@@ -178,8 +179,10 @@ class SchedulerSide:
         if fid is None:
             return 0, False
         try:
+            # The whole sequence, not only what may be loaded: the plan says how far the store
+            # holds it, which spares asking to save what it has (`RequestState.planned_tokens`).
             plan = self.client.begin_load(  # type: ignore[union-attr]
-                fid, st.session.tenant, request.all_token_ids[:max_tokens], num_computed_tokens, max_tokens
+                fid, st.session.tenant, request.all_token_ids, num_computed_tokens, max_tokens
             )
         except DSSError as exc:
             st.store_errors += 1
@@ -259,9 +262,12 @@ class SchedulerSide:
             p.tier or (Tier.HOST.value if p.slot is not None else Tier.DISK.value) for p in pages
         ]
         st.loaded_tokens = min(num_external_tokens, claim.plan.n_tokens)
-        # The store held every whole page up to the load's end (it pinned them to plan it): no
-        # save needs to ask about them again.
-        st.planned_tokens = max(st.planned_tokens, (claim.start_token + st.loaded_tokens) // bs * bs)
+        # The store held every whole page up to the load's end (it pinned them to plan it), and,
+        # when vLLM took the whole plan, the sequence as far as `stored_tokens`: no save needs to
+        # ask about those again (a hot turn with a one-token answer asks nothing at finish).
+        held = claim.plan.stored_tokens if st.loaded_tokens == claim.plan.n_tokens else 0
+        end = (claim.start_token + st.loaded_tokens) // bs * bs
+        st.planned_tokens = max(st.planned_tokens, end, min(held, request.num_tokens))
         st.loading_async = is_async
         per_tier = tokens_by_tier(st.page_tiers, st.loaded_tokens, bs)
         st.hit_sources = {

@@ -145,8 +145,10 @@ class KVLoads:
         start_token: int = 0,
         max_tokens: int | None = None,
     ) -> LoadPlan | None:
-        """Match and pin the pages after `start_token` (a multiple of the block size). Pages only
-        on disk are promoted into the host arena by loader threads (the plan is then async)."""
+        """Match and pin the pages after `start_token` (a multiple of the block size) among the
+        first `max_tokens` of `tokens` (all of them when None); the plan's `stored_tokens` also
+        says how far the store holds the rest. Pages only on disk are promoted into the host
+        arena by loader threads (the plan is then async)."""
         bs = self._fingerprints.get(fid).block_size
         if start_token % bs:
             raise InvalidInput(f"start_token {start_token} is not a multiple of the block size {bs}")
@@ -182,7 +184,21 @@ class KVLoads:
         with self._lock:
             self._leases[load_id] = Lease(held, tuple(plan_pages), futures, shards)
         n_tokens = sum(sizes[first:])
-        return LoadPlan(load_id, n_tokens, start_token, tuple(plan_pages), bool(futures), tier_tokens)
+        stored = start_token + n_tokens
+        if len(held) == len(pages) and stored == len(query) < len(arr):
+            stored = self._stored_beyond(fid, tenant, arr, stored)
+        return LoadPlan(load_id, n_tokens, start_token, tuple(plan_pages), bool(futures), tier_tokens, stored)
+
+    def _stored_beyond(self, fid: FingerprintId, tenant: TenantId, tokens: np.ndarray, loaded: int) -> int:
+        """How far the tenant's own pages hold `tokens`, for a load that reached its `max_tokens`
+        (at least `loaded`): the engine then need not ask to save what the store holds (a turn
+        whose answer is one token computes nothing past its prompt). A match that starts with
+        public pages counts only what is loaded: saving it links those pages into the tenant's
+        own trie."""
+        full = self._index.match(fid, tenant, tokens, touch=False)
+        if full.public_pages:
+            return loaded
+        return max(loaded, full.n_tokens(self._fingerprints.get(fid).block_size))
 
     def _promote(self, page: PageHash) -> SlotRef | None:
         gone: list[PageHash] = []

@@ -220,6 +220,40 @@ def test_a_prefill_whose_pages_the_load_brought_asks_the_store_nothing(
     assert asked == [4]  # r2's four whole pages; nothing for r1
 
 
+def test_a_one_token_answer_to_a_stored_prompt_asks_nothing_at_finish(
+    store: Store, side: SchedulerSide, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt the store holds whole, its tail page too (a hot turn, a regenerated one-token
+    answer): the request computes nothing the store lacks, so its finish asks no `plan_save`;
+    an answer that decoded a token past the prompt still asks, and saves that token's page."""
+    tenant = store.identity.tenant_for("u")
+    prompt = stored(store, tenant, 3 * BS)
+    assert side.client is not None
+    asked: list[int] = []
+    plan_save = side.client.plan_save
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        asked.append(len(args[2]))
+        return plan_save(*args, **kwargs)
+
+    monkeypatch.setattr(side.client, "plan_save", counted)
+    for req_id, computed in (("r1", 3 * BS), ("r2", 3 * BS + 1)):
+        r = request(req_id, prompt, tenant)
+        assert side.get_num_new_matched_tokens(r, 0) == (3 * BS - 1, False)
+        side.update_state_after_alloc(r, blocks_of([4, 5, 6]), 3 * BS - 1)
+        (load,) = step(side).loads
+        store.kv.loads.release(load.load_id)  # copied, as a worker would
+        r.append_output_token_ids([9, 9][: computed - 3 * BS + 1])
+        r.num_computed_tokens = computed
+        done, _ = side.request_finished(r, ([4, 5, 6, 7],))
+        saves = step(side).saves
+        assert done == bool(saves)
+        for save in saves:
+            assert save.page_indexes == (3,) and save.tail_tokens == 1
+            store.kv.saves.abort_save(save.save_id)
+    assert asked == [3 * BS + 1]  # r2's; nothing for r1
+
+
 def test_a_hung_owner_is_a_miss_within_the_deadline(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """The store stops answering (say, it deadlocked): vLLM's scheduler must not hang in
     `get_num_new_matched_tokens`; the request recomputes and its report counts the failure."""
