@@ -403,6 +403,10 @@ class SchedulerSide:
             for req_id, n in meta.failed_tokens.items():
                 if (st := self._requests.get(req_id)) is not None:
                     st.failed_tokens += n
+                    # A page that failed its check may be gone from the store (replaced while it
+                    # was copied): what the load said the store held no longer counts, so the
+                    # finish asks about every token and the recomputed pages are saved again.
+                    st.planned_tokens = 0
             if meta.disabled and not self.disabled:
                 self._turn_off("a worker's KV cache does not match the fingerprint (see the engine log)")
 

@@ -225,7 +225,8 @@ def test_a_one_token_answer_to_a_stored_prompt_asks_nothing_at_finish(
 ) -> None:
     """A prompt the store holds whole, its tail page too (a hot turn, a regenerated one-token
     answer): the request computes nothing the store lacks, so its finish asks no `plan_save`;
-    an answer that decoded a token past the prompt still asks, and saves that token's page."""
+    an answer that decoded a token past the prompt still asks, and saves that token's page; and
+    so does one whose load failed a check (the store may have lost what it said it held)."""
     tenant = store.identity.tenant_for("u")
     prompt = stored(store, tenant, 3 * BS)
     assert side.client is not None
@@ -237,12 +238,15 @@ def test_a_one_token_answer_to_a_stored_prompt_asks_nothing_at_finish(
         return plan_save(*args, **kwargs)
 
     monkeypatch.setattr(side.client, "plan_save", counted)
-    for req_id, computed in (("r1", 3 * BS), ("r2", 3 * BS + 1)):
+    for req_id, computed, failed in (("r1", 3 * BS, 0), ("r2", 3 * BS + 1, 0), ("r3", 3 * BS, BS)):
         r = request(req_id, prompt, tenant)
         assert side.get_num_new_matched_tokens(r, 0) == (3 * BS - 1, False)
         side.update_state_after_alloc(r, blocks_of([4, 5, 6]), 3 * BS - 1)
         (load,) = step(side).loads
         store.kv.loads.release(load.load_id)  # copied, as a worker would
+        if failed:
+            worker = DSSWorkerMetadata({req_id: failed})
+            side.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=worker))
         r.append_output_token_ids([9, 9][: computed - 3 * BS + 1])
         r.num_computed_tokens = computed
         done, _ = side.request_finished(r, ([4, 5, 6, 7],))
@@ -251,7 +255,8 @@ def test_a_one_token_answer_to_a_stored_prompt_asks_nothing_at_finish(
         for save in saves:
             assert save.page_indexes == (3,) and save.tail_tokens == 1
             store.kv.saves.abort_save(save.save_id)
-    assert asked == [3 * BS + 1]  # r2's; nothing for r1
+            side.update_connector_output(KVConnectorOutput(finished_sending={req_id}))
+    assert asked == [3 * BS + 1, 3 * BS]  # r2's and r3's; nothing for r1
 
 
 def test_a_hung_owner_is_a_miss_within_the_deadline(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
