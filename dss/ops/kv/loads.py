@@ -186,10 +186,12 @@ class KVLoads:
         n_tokens = sum(sizes[first:])
         stored = start_token + n_tokens
         if len(held) == len(pages) and stored == len(query) < len(arr):
-            stored = self._stored_beyond(fid, tenant, arr, stored)
+            stored = self._stored_beyond(fid, tenant, arr, stored, bs)
         return LoadPlan(load_id, n_tokens, start_token, tuple(plan_pages), bool(futures), tier_tokens, stored)
 
-    def _stored_beyond(self, fid: FingerprintId, tenant: TenantId, tokens: np.ndarray, loaded: int) -> int:
+    def _stored_beyond(
+        self, fid: FingerprintId, tenant: TenantId, tokens: np.ndarray, loaded: int, block_size: int
+    ) -> int:
         """How far the tenant's own pages hold `tokens`, for a load that reached its `max_tokens`
         (at least `loaded`): the engine then need not ask to save what the store holds (a turn
         whose answer is one token computes nothing past its prompt). A match that starts with
@@ -198,7 +200,7 @@ class KVLoads:
         full = self._index.match(fid, tenant, tokens, touch=False)
         if full.public_pages:
             return loaded
-        return max(loaded, full.n_tokens(self._fingerprints.get(fid).block_size))
+        return max(loaded, full.n_tokens(block_size))
 
     def _promote(self, page: PageHash) -> SlotRef | None:
         gone: list[PageHash] = []

@@ -83,6 +83,20 @@ def stored(store: Store, tenant: str, n_tokens: int, seed: int = 0) -> list[int]
     return [int(t) for t in tokens]
 
 
+def recorded_plan_saves(side: SchedulerSide, monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
+    """The arguments of every `plan_save` the scheduler asks the store from now on."""
+    assert side.client is not None
+    calls: list[tuple[Any, ...]] = []
+    plan_save = side.client.plan_save
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return plan_save(*args, **kwargs)
+
+    monkeypatch.setattr(side.client, "plan_save", recorded)
+    return calls
+
+
 def test_request_without_session_is_left_alone(store: Store, side: SchedulerSide) -> None:
     tokens = stored(store, store.identity.tenant_for("u"), 5 * BS)
     assert side.get_num_new_matched_tokens(request("r", tokens, None), 0) == (0, False)
@@ -195,15 +209,7 @@ def test_a_prefill_whose_pages_the_load_brought_asks_the_store_nothing(
     prompt with a new whole page still asks, for that page."""
     tenant = store.identity.tenant_for("u")
     tokens = stored(store, tenant, 3 * BS)
-    assert side.client is not None
-    asked: list[int] = []
-    plan_save = side.client.plan_save
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        asked.append(args[3])
-        return plan_save(*args, **kwargs)
-
-    monkeypatch.setattr(side.client, "plan_save", counted)
+    calls = recorded_plan_saves(side, monkeypatch)
     for req_id, prompt, new_pages in (
         ("r1", [*tokens, 1, 2], ()),
         ("r2", [*tokens, *range(7, 7 + BS)], (3,)),
@@ -217,7 +223,7 @@ def test_a_prefill_whose_pages_the_load_brought_asks_the_store_nothing(
         assert [s.page_indexes for s in meta.saves] == ([new_pages] if new_pages else [])
         for save in meta.saves:
             store.kv.saves.abort_save(save.save_id)
-    assert asked == [4]  # r2's four whole pages; nothing for r1
+    assert [args[3] for args in calls] == [4]  # r2's four whole pages; nothing for r1
 
 
 def test_a_one_token_answer_to_a_stored_prompt_asks_nothing_at_finish(
@@ -229,15 +235,7 @@ def test_a_one_token_answer_to_a_stored_prompt_asks_nothing_at_finish(
     so does one whose load failed a check (the store may have lost what it said it held)."""
     tenant = store.identity.tenant_for("u")
     prompt = stored(store, tenant, 3 * BS)
-    assert side.client is not None
-    asked: list[int] = []
-    plan_save = side.client.plan_save
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        asked.append(len(args[2]))
-        return plan_save(*args, **kwargs)
-
-    monkeypatch.setattr(side.client, "plan_save", counted)
+    calls = recorded_plan_saves(side, monkeypatch)
     for req_id, computed, failed in (("r1", 3 * BS, 0), ("r2", 3 * BS + 1, 0), ("r3", 3 * BS, BS)):
         r = request(req_id, prompt, tenant)
         assert side.get_num_new_matched_tokens(r, 0) == (3 * BS - 1, False)
@@ -256,7 +254,7 @@ def test_a_one_token_answer_to_a_stored_prompt_asks_nothing_at_finish(
             assert save.page_indexes == (3,) and save.tail_tokens == 1
             store.kv.saves.abort_save(save.save_id)
             side.update_connector_output(KVConnectorOutput(finished_sending={req_id}))
-    assert asked == [3 * BS + 1, 3 * BS]  # r2's and r3's; nothing for r1
+    assert [len(args[2]) for args in calls] == [3 * BS + 1, 3 * BS]  # r2's and r3's; nothing for r1
 
 
 def test_a_hung_owner_is_a_miss_within_the_deadline(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
