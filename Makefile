@@ -54,8 +54,12 @@ test-core: install
 test-engine: install model
 	$(BIN)/pytest -m engine $(PYTEST_ARGS)
 
-test-gpu: install
-	$(BIN)/pytest -m gpu $(PYTEST_ARGS)
+# The CUDA tests and the GPU hot-load benchmark need only torch with CUDA (and transformers for the
+# benchmark's prefill), not `make install`: on a bare GPU machine they run under its own python3.
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+test-gpu:
+	$(GPU_PYTHON) -m pytest --noconftest -m gpu tests/engine_patch/connector/test_cuda_copy.py $(PYTEST_ARGS)
+	$(GPU_PYTHON) bench/gpu_hot_load.py
 
 serve: install model
 	$(BIN)/dss serve --dev --model $(DSS_MODEL_DIR) --data-dir $(DSS_DATA_DIR)

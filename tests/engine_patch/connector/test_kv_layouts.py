@@ -5,15 +5,13 @@ vLLM 0.32's layer tensors are made by vLLM's own allocator (`allocate_kv_cache`,
 GPU model runner calls) for each `KVCacheLayout`, from real `FullAttentionSpec`/`MLAAttentionSpec`
 objects, on CPU tensors. The K/V-split shapes older vLLM backends declared through
 `get_kv_cache_shape` (no longer in 0.32's backends) are built here by hand, each with the file it
-came from. The CUDA path is in the `gpu`-marked tests at the end (skipped without CUDA).
+came from. The CUDA path is in `test_cuda_copy.py`, on views built by hand
+(`kv_copies.engine_layers`); `test_hand_built_views_are_vllms` below holds them to vLLM's.
 """
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Callable
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -33,19 +31,28 @@ from vllm.v1.worker.utils import allocate_kv_cache
 
 from dss.errors import InvalidInput
 from dss.namespace import LATENT_ROWS_ISA, ModelFingerprint
-from dss.pages.tiers.host import HostArena
-from engine_patch.connector.copy import ArenaViews, KVBlocks, Run, runs
+from engine_patch.connector.copy import KVBlocks, Run, runs
 from engine_patch.connector.fingerprint import _layout_name, attention_isa, check_layer_tensors
 from engine_patch.connector.layouts import CANONICAL_FORMAT, VLLM_AXES, KVLayout, layout_for, physical_order
-
-L, NB, H, BS, D = 3, 12, 4, 16, 8  # layers, blocks, KV heads, block size, head size
-DTYPE = torch.bfloat16
-BLOCKS, SLOTS = [2, 3, 4, 9, 0, 7], [5, 6, 7, 1, 2, 3]  # runs: 3 consecutive, then three single
-TARGETS = [10, 11, 5, 1, 6, 8]  # where the loading engine's blocks are (other runs again)
-NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-KV = tuple[torch.Tensor, torch.Tensor | None]  # K [H, N, D] and V (None for MLA's latent)
-BlockKV = Callable[[torch.Tensor, int], KV]
+from tests.engine_patch.connector.kv_copies import (
+    BLOCKS,
+    BS,
+    DTYPE,
+    KV,
+    NB,
+    SLOTS,
+    STRIDE_ORDERS,
+    TARGETS,
+    BlockKV,
+    D,
+    H,
+    L,
+    arena_pages,
+    assert_same_kv,
+    engine_layers,
+    round_trip,
+    vllm_block_kv,
+)
 
 
 # ------------------------------------------------------------------ engines of each layout
@@ -85,18 +92,6 @@ def vllm_layers(
     return layers
 
 
-def vllm_block_kv(kernel_blocks: int = 1, mla: bool = False) -> BlockKV:
-    """K and V of manager block `b` in vLLM's `[B*S, H, N/S, C]` view: C is K then V."""
-
-    def kv(t: torch.Tensor, b: int) -> KV:
-        block = torch.cat([t[b * kernel_blocks + s] for s in range(kernel_blocks)], dim=1)  # [H, N, C]
-        if mla:
-            return block, None
-        return block[..., :D], block[..., D:]
-
-    return kv
-
-
 def flash_attn_old(seed: int | None) -> torch.Tensor:
     """FlashAttention before vLLM 0.32 (v1/attention/backends/flash_attn.py get_kv_cache_shape):
     `(2, num_blocks, block_size, num_kv_heads, head_size)`, K at 0 and V at 1."""
@@ -127,44 +122,34 @@ def _random(shape: tuple[int, ...], seed: int | None) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ the round trip
-def arena_pages(layer_block_nbytes: int, n_slots: int = 8) -> torch.Tensor:
-    """An arena-like uint8 tensor, `[n_slots, num_layers, layer_block_nbytes]` (as `ArenaViews`)."""
-    return torch.full((n_slots, L, layer_block_nbytes), 0xA5, dtype=torch.uint8)
-
-
-def round_trip(
-    src: list[torch.Tensor], src_layout: KVLayout, dst: list[torch.Tensor], dst_layout: KVLayout
-) -> torch.Tensor:
-    saver, loader = KVBlocks(src, src_layout), KVBlocks(dst, dst_layout)
-    assert saver.layer_block_nbytes == loader.layer_block_nbytes
-    assert saver.block_shape == loader.block_shape
-    pages = arena_pages(saver.layer_block_nbytes)
-    saver.save(pages, runs(BLOCKS, SLOTS))
-    loader.load(pages, runs(TARGETS, SLOTS))
-    return pages
-
-
-def assert_same_kv(
-    src: list[torch.Tensor], src_kv: BlockKV, dst: list[torch.Tensor], dst_kv: BlockKV
-) -> None:
-    """Every token and head of every copied block: the loading engine has the saver's K and V;
-    every other block of the loading engine is untouched (zero)."""
-    for layer in range(L):
-        for b, t in zip(BLOCKS, TARGETS, strict=True):
-            k_src, v_src = src_kv(src[layer], b)
-            k_dst, v_dst = dst_kv(dst[layer], t)
-            assert k_dst.shape == k_src.shape
-            assert torch.equal(k_dst, k_src), f"layer {layer} block {b}->{t}: K differs"
-            if v_src is None or v_dst is None:
-                assert v_src is None and v_dst is None
-            else:
-                assert torch.equal(v_dst, v_src), f"layer {layer} block {b}->{t}: V differs"
-        for other in set(range(NB)) - set(TARGETS):
-            k, v = dst_kv(dst[layer], other)
-            assert not k.any() and (v is None or not v.any())
-
-
 LAYOUTS = list(KVCacheLayout)
+
+
+def test_hand_built_views_are_vllms() -> None:
+    """The views the CUDA tests build without vLLM (`engine_layers`) have the shapes, strides and
+    offsets of vLLM's own allocator's, for every layout, a kernel-block split and MLA's latent."""
+    assert {m.name: m.value for m in KVCacheLayout} == STRIDE_ORDERS
+    mla = MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=24, dtype=DTYPE)
+    cases: list[tuple[KVCacheLayout, AttentionSpec, int | None, int, int]] = [
+        *((m, attention_spec(), None, H, 2 * D) for m in KVCacheLayout),
+        (KVCacheLayout.LBNHC, attention_spec(32), 16, H, 2 * D),
+        (KVCacheLayout.LBNHC, mla, None, 1, 24),
+        (KVCacheLayout.LBHNC, mla, None, 1, 24),
+    ]
+    for layout, spec, kernel, heads, content in cases:
+        theirs = vllm_layers(layout, spec, kernel_block_size=kernel, seed=None)
+        ours = engine_layers(
+            layout.name,
+            block_size=spec.block_size,
+            heads=heads,
+            content=content,
+            kernel_block_size=kernel,
+            seed=None,
+        )
+        base_theirs, base_ours = theirs[0].data_ptr(), ours[0].data_ptr()
+        for a, b in zip(theirs, ours, strict=True):
+            assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype), (layout.name, kernel)
+            assert a.data_ptr() - base_theirs == b.data_ptr() - base_ours, (layout.name, kernel)
 
 
 @pytest.mark.parametrize("src_layout", LAYOUTS, ids=lambda m: m.name)
@@ -349,65 +334,3 @@ def test_layouts_refuse_what_they_cannot_describe() -> None:
         KVBlocks(layers, KVLayout("KBNHD", NB))  # a 4-dim tensor under 5 axes
     with pytest.raises(InvalidInput):
         KVBlocks([layers[0], layers[1].float()], KVLayout(VLLM_AXES, NB))
-
-
-# ------------------------------------------------------------------ CUDA
-@pytest.mark.gpu
-@NEEDS_CUDA
-def test_cuda_pages_through_a_pinned_arena_match_the_cpu_copy() -> None:
-    """On a real CUDA device: the arena is registered as pinned memory; a save from FlashAttention's
-    layout (LBNHC) writes exactly the bytes the CPU path writes for the same values; a load into
-    FlashInfer's HND layout gives the same K and V; the copies are ordered with the compute stream
-    (values written by a kernel right before the save are saved; a kernel right after the load
-    reads the loaded values)."""
-    src = vllm_layers(KVCacheLayout.LBNHC, attention_spec(), device="cuda", seed=None)
-    dst = vllm_layers(KVCacheLayout.LBHNC, attention_spec(), device="cuda", seed=None)
-    layout = KVLayout(VLLM_AXES, NB)
-    saver, loader = KVBlocks(src, layout), KVBlocks(dst, layout)
-    assert saver.on_cuda and loader.on_cuda
-    g = torch.Generator(device="cuda").manual_seed(8)
-    for t in src:  # queued on the compute stream, not waited for: the save must order itself
-        t.copy_(torch.randn(t.shape, generator=g, device="cuda").to(DTYPE))
-
-    path = Path("/dev/shm") / f"dss-test-cuda-layouts-{os.getpid()}-{time.monotonic_ns()}.shm"
-    arena = HostArena.create(path, L * saver.layer_block_nbytes, 8)
-    views = ArenaViews(L, saver.layer_block_nbytes, pin=True)
-    try:
-        pages = views.pages(str(path), arena.slot_nbytes)
-        assert pages.is_pinned()  # cudaHostRegister over the shared mapping
-        saver.save(pages, runs(BLOCKS, SLOTS))  # returns once the pages are in the arena
-
-        cpu_src = [t.cpu() for t in src]
-        expected = arena_pages(saver.layer_block_nbytes)
-        KVBlocks(cpu_src, layout).save(expected, runs(BLOCKS, SLOTS))
-        for s in SLOTS:
-            assert torch.equal(pages[s], expected[s])
-
-        loader.load(pages, runs(TARGETS, SLOTS))
-        sums = torch.stack([t.float().sum() for t in dst])  # on the compute stream, right after
-        got = [t.cpu() for t in dst]
-        assert_same_kv(cpu_src, vllm_block_kv(), got, vllm_block_kv())
-        want = torch.stack([t.float().sum() for t in got])
-        assert torch.allclose(sums.cpu(), want)
-    finally:
-        views.close()
-        arena.close()
-        arena.unlink()
-
-
-@pytest.mark.gpu
-@NEEDS_CUDA
-def test_cuda_kernel_blocks_and_mla_round_trip() -> None:
-    split = vllm_layers(KVCacheLayout.LBNHC, attention_spec(32), kernel_block_size=16, device="cuda", seed=9)
-    whole = vllm_layers(KVCacheLayout.LBHNC, attention_spec(32), device="cuda", seed=None)
-    layout = KVLayout(VLLM_AXES, NB)
-    round_trip(split, layout, whole, layout)  # an unpinned tensor: correct, only slower
-    assert_same_kv(
-        [t.cpu() for t in split], vllm_block_kv(kernel_blocks=2), [t.cpu() for t in whole], vllm_block_kv()
-    )
-    spec = MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=24, dtype=DTYPE)
-    src = vllm_layers(KVCacheLayout.LBNHC, spec, device="cuda", seed=10)
-    dst = vllm_layers(KVCacheLayout.LBHNC, spec, device="cuda", seed=None)
-    round_trip(src, layout, dst, layout)
-    mla = vllm_block_kv(mla=True)
-    assert_same_kv([t.cpu() for t in src], mla, [t.cpu() for t in dst], mla)
