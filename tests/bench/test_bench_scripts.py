@@ -28,6 +28,7 @@ SMOKED_HERE = (
     "branches",
     "dialogue_commits",
     "erase",
+    "gpu_hot_load",
     "history_memory",
     "remote_read",
     "retention",
