@@ -58,6 +58,8 @@ test-engine: install model
 # benchmark's prefill), not `make install`: on a bare GPU machine they run under its own python3.
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 test-gpu:
+	@$(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
+		'make test-gpu: $(GPU_PYTHON) has no CUDA device (GPU_PYTHON=... names a python whose torch has one)')"
 	$(GPU_PYTHON) -m pytest --noconftest -m gpu tests/engine_patch/connector/test_cuda_copy.py $(PYTEST_ARGS)
 	$(GPU_PYTHON) bench/gpu_hot_load.py
 
