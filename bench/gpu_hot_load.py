@@ -156,7 +156,8 @@ def main() -> None:
     slot_nbytes = n_layers * saver.layer_block_nbytes
     kv_bytes = n_blocks * slot_nbytes
 
-    with tempfile.TemporaryDirectory(dir=arena_dir(kv_bytes)) as private:
+    where = arena_dir(kv_bytes)
+    with tempfile.TemporaryDirectory(dir=where) as private:
         path = Path(private) / "arena.shm"
         arena = HostArena.create(path, slot_nbytes, n_blocks)
         views = ArenaViews(n_layers, saver.layer_block_nbytes, pin=cuda)
@@ -201,8 +202,9 @@ def main() -> None:
     fields["exact"] = int(exact)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     print(
-        f"{name}: {args.tokens} tokens, {gib:.3f} GiB of KV; load {load_s * 1e3:.2f} ms (fragmented "
-        f"{fragmented_s * 1e3:.2f} ms), one plain DMA {dma_s * 1e3:.2f} ms, save {save_s * 1e3:.2f} ms"
+        f"{name}: {args.tokens} tokens, {gib:.3f} GiB of KV, arena in {where}; "
+        f"load {load_s * 1e3:.2f} ms (fragmented {fragmented_s * 1e3:.2f} ms), "
+        f"one plain DMA {dma_s * 1e3:.2f} ms, save {save_s * 1e3:.2f} ms"
         + (f", prefill {prefill_s * 1e3:.1f} ms" if prefill_s is not None else "")
     )
     print("RESULT " + " ".join(f"{k}={v}" for k, v in fields.items()))
