@@ -137,7 +137,7 @@ class KVBlocks:
         block ids)."""
         self._check(pages, run_list)
         if self._cuda is not None and layers is None:
-            self._cuda.load(_run_rows(pages, run_list), self._staged_to_blocks(run_list))
+            self._cuda.load(_run_rows(pages, run_list), self.scatter_from_staging(run_list))
             return
         chosen = self._held(layers)
         for r in run_list:
@@ -148,7 +148,7 @@ class KVBlocks:
         """Engine blocks -> arena slots, of `layers` (as in `load`)."""
         self._check(pages, run_list)
         if self._cuda is not None and layers is None:
-            self._cuda.save(_run_rows(pages, run_list), self._blocks_to_staged(run_list))
+            self._cuda.save(_run_rows(pages, run_list), self.gather_to_staging(run_list))
             return
         chosen = self._held(layers)
         for r in run_list:
@@ -165,7 +165,10 @@ class KVBlocks:
 
     # A run's staging buffer on the device holds its slots' bytes, `[n, num_layers,
     # layer_row_nbytes]`: it is addressed like the arena from slot 0.
-    def _staged_to_blocks(self, run_list: Sequence[Run]) -> Callable[[int, torch.Tensor], None]:
+    def scatter_from_staging(self, run_list: Sequence[Run]) -> Callable[[int, torch.Tensor], None]:
+        """The device-side half of a CUDA load: `scatter(i, staged)` copies run `i`'s staged slot
+        bytes into its blocks. Runs on tensors of any device (CPU in the suite)."""
+
         def scatter(i: int, staged: torch.Tensor) -> None:
             r = run_list[i]
             for layer, kv in enumerate(self.views):
@@ -173,7 +176,10 @@ class KVBlocks:
 
         return scatter
 
-    def _blocks_to_staged(self, run_list: Sequence[Run]) -> Callable[[int, torch.Tensor], None]:
+    def gather_to_staging(self, run_list: Sequence[Run]) -> Callable[[int, torch.Tensor], None]:
+        """The device-side half of a CUDA save: `gather(i, staging)` copies run `i`'s blocks into a
+        buffer shaped like its slots, `[n, num_layers, layer_row_nbytes]`."""
+
         def gather(i: int, staging: torch.Tensor) -> None:
             r = run_list[i]
             for layer, kv in enumerate(self.views):

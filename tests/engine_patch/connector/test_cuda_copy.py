@@ -1,9 +1,10 @@
 """The CUDA copy path (`engine_patch.connector.cuda_copy`) on a real device: pages through a pinned
 host arena, ordered with the engine's compute stream, in vLLM 0.32's layouts.
 
-Skipped without CUDA; `make test-gpu` runs these on a machine that has torch and a GPU and nothing
-else of DSS's environment: no vLLM import (the engine's views are built by `kv_copies`, which
-`test_kv_layouts.py` holds to vLLM's allocator) and no conftest fixtures.
+The `gpu` tests are skipped without CUDA; `make test-gpu` runs them on a machine that has torch and
+a GPU and nothing else of DSS's environment: no vLLM import (the engine's views are built by
+`kv_copies`, which `test_kv_layouts.py` holds to vLLM's allocator) and no conftest fixtures. The
+device-side half of the CUDA copies (staging buffer <-> blocks) also runs here on CPU tensors.
 """
 
 from __future__ import annotations
@@ -32,12 +33,39 @@ from tests.engine_patch.connector.kv_copies import (
     vllm_block_kv,
 )
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-]
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+def test_the_device_side_copies_on_cpu_tensors() -> None:
+    """What the CUDA path runs on the device between its DMAs (`gather_to_staging`,
+    `scatter_from_staging`), here on CPU tensors: each run gathered into a staging buffer shaped
+    like its slots is exactly the bytes the CPU path saves, and scattering those buffers into
+    another layout gives the same K and V."""
+    src = engine_layers("LBNHC", seed=11)
+    dst = engine_layers("LBHNC", seed=None)
+    layout = KVLayout(VLLM_AXES, NB)
+    saver, loader = KVBlocks(src, layout), KVBlocks(dst, layout)
+    expected = arena_pages(saver.layer_block_nbytes)
+    saver.save(expected, runs(BLOCKS, SLOTS))
+
+    pages = arena_pages(saver.layer_block_nbytes)
+    saving = runs(BLOCKS, SLOTS)
+    gather = saver.gather_to_staging(saving)
+    for i, r in enumerate(saving):
+        staging = torch.empty_like(pages[r.slot : r.slot + r.n])
+        gather(i, staging)
+        pages[r.slot : r.slot + r.n] = staging
+    assert torch.equal(pages, expected)
+
+    loading = runs(TARGETS, SLOTS)
+    scatter = loader.scatter_from_staging(loading)
+    for i, r in enumerate(loading):
+        scatter(i, pages[r.slot : r.slot + r.n].clone())
+    assert_same_kv(src, vllm_block_kv(), dst, vllm_block_kv())
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
 def test_cuda_pages_through_a_pinned_arena_match_the_cpu_copy() -> None:
     """The arena is registered as pinned memory; a save from FlashAttention's layout (LBNHC) writes
     exactly the bytes the CPU path writes for the same values; a load into FlashInfer's HND layout
@@ -79,6 +107,8 @@ def test_cuda_pages_through_a_pinned_arena_match_the_cpu_copy() -> None:
             arena.close()
 
 
+@pytest.mark.gpu
+@NEEDS_CUDA
 def test_cuda_kernel_blocks_and_mla_round_trip() -> None:
     split = engine_layers("LBNHC", block_size=32, kernel_block_size=16, device="cuda", seed=9)
     whole = engine_layers("LBHNC", block_size=32, device="cuda", seed=None)
