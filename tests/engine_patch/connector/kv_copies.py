@@ -61,10 +61,15 @@ def engine_layers(
     logical = physical.permute([order.index(axis) for axis in range(5)])  # back to [L, B, H, N, C]
     views = [logical[i] for i in range(layers)]
     if seed is not None:
-        g = torch.Generator().manual_seed(seed)
-        for t in views:
-            t.copy_(torch.randn(t.shape, generator=g).to(dtype))
+        fill_random(views, seed)
     return views
+
+
+def fill_random(layers: list[torch.Tensor], seed: int) -> None:
+    """Random values in every layer, from `seed` (drawn on the CPU: the same on any device)."""
+    g = torch.Generator().manual_seed(seed)
+    for t in layers:
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
 
 
 def vllm_block_kv(kernel_blocks: int = 1, mla: bool = False, head_size: int = D) -> BlockKV:

@@ -45,11 +45,11 @@ def test_the_device_side_copies_on_cpu_tensors() -> None:
     dst = engine_layers("LBHNC", seed=None)
     layout = KVLayout(VLLM_AXES, NB)
     saver, loader = KVBlocks(src, layout), KVBlocks(dst, layout)
+    saving = runs(BLOCKS, SLOTS)
     expected = arena_pages(saver.layer_block_nbytes)
-    saver.save(expected, runs(BLOCKS, SLOTS))
+    saver.save(expected, saving)
 
     pages = arena_pages(saver.layer_block_nbytes)
-    saving = runs(BLOCKS, SLOTS)
     gather = saver.gather_to_staging(saving)
     for i, r in enumerate(saving):
         staging = torch.empty_like(pages[r.slot : r.slot + r.n])

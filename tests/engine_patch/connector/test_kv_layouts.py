@@ -50,6 +50,7 @@ from tests.engine_patch.connector.kv_copies import (
     arena_pages,
     assert_same_kv,
     engine_layers,
+    fill_random,
     round_trip,
     vllm_block_kv,
 )
@@ -65,7 +66,6 @@ def vllm_layers(
     spec: AttentionSpec,
     *,
     kernel_block_size: int | None = None,
-    device: str = "cpu",
     seed: int | None = 0,
 ) -> list[torch.Tensor]:
     """The layer tensors vLLM 0.32 gives a connector for `layout` (vllm/v1/worker/utils.py
@@ -83,12 +83,10 @@ def vllm_layers(
         kv_cache_layout=layout.name,
     )
     kernel = [kernel_block_size] if kernel_block_size is not None else None
-    caches = allocate_kv_cache(config, torch.device(device), layout, kernel)
+    caches = allocate_kv_cache(config, torch.device("cpu"), layout, kernel)
     layers = [caches[n] for n in names]
     if seed is not None:
-        g = torch.Generator().manual_seed(seed)
-        for t in layers:
-            t.copy_(torch.randn(t.shape, generator=g).to(DTYPE))
+        fill_random(layers, seed)
     return layers
 
 
