@@ -292,6 +292,11 @@ class DssInfo(BaseModel):
     truncated_messages: int = Field(
         default=0, description='history messages left out of the prompt (`truncation: "auto"`)'
     )
+    echoed_answers: int = Field(
+        default=0,
+        description="earlier answers the client sent back with the whitespace around them trimmed, "
+        "matched to the stored answers and continued from as generated",
+    )
 
 
 class ChatCompletion(BaseModel):

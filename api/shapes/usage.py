@@ -33,6 +33,7 @@ def dss_info(done: Done) -> DssInfo:
         resident=_tiers(split.found_in),
         lead_update=_lead(plan.lead),
         truncated_messages=plan.truncated,
+        echoed_answers=done.turn.target.echoed if done.turn.target is not None else 0,
     )
 
 

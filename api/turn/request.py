@@ -120,7 +120,9 @@ class ChatTurn(TurnRequest):
                 admitted.epoch,
                 self.lead,
             )
-        return Turn(self.user, admitted, self.messages, self.params, target, self.fields)
+        # Answers the client sent back trimmed are committed (and continued from) as generated.
+        messages = target.dialogue if target is not None and target.dialogue is not None else self.messages
+        return Turn(self.user, admitted, messages, self.params, target, self.fields)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from dss.dialogue.echoes import as_stored, recent_versions
 from dss.dialogue.lead.match import drifted_base
 from dss.dialogue.lead.policy import LeadDrift, LeadPolicy, classify, has_lead
 from dss.dialogue.response_store import ResponseRecord, ResponseStore
@@ -54,6 +55,11 @@ class TurnTarget:
     # as a lead update on `base` when `lead.served`, else rendered whole (and `lead.reason` says
     # why); None when the lead did not change.
     lead: LeadDrift | None = field(default=None, compare=False)
+    # The turn's dialogue as it attaches, when it is not the request's messages: answers the
+    # client sent back with the whitespace around them trimmed, taken back in their stored form
+    # (`dss.dialogue.echoes`); `echoed` says how many. None: the request's messages.
+    dialogue: list[dict[str, Any]] | None = field(default=None, compare=False, repr=False)
+    echoed: int = 0
 
     @property
     def expected_head(self) -> int:
@@ -98,8 +104,10 @@ def chat_target(
     lead_policy: LeadPolicy | None = None,
 ) -> TurnTarget:
     """Where a `/v1/chat/completions` turn with the full `messages` attaches: the deepest
-    version its messages extend; or, when a deeper one matches all but the lead, that one (the
-    turn is a lead update on it when `lead_policy` allows: `TurnTarget.lead`)."""
+    version its messages extend, once answers the client sent back trimmed are taken back in
+    their stored form (`dss.dialogue.echoes`: `TurnTarget.dialogue`); or, when a deeper one
+    matches all but the lead, that one (the turn is a lead update on it when `lead_policy`
+    allows: `TurnTarget.lead`)."""
     session = open_session(versions, user, sid, epoch)
     if state_version is not None:
         base = versions.get_version(user, sid, state_version)
@@ -114,17 +122,31 @@ def chat_target(
         )
     found = versions.find_deepest_prefix_version(user, sid, messages)
     depth = len(found.messages) if found is not None else 0
-    lead = None
-    if has_lead(messages) and depth < len(messages) - 1:
-        drifted = drifted_base(versions, user, session, messages, depth)
-        if drifted is not None:
-            # Attached to the version it continues even when not served from it: the session's
-            # tree stays the conversation's, not a new root each time the lead moves.
-            found = drifted
-            lead = classify(lead_policy or LeadPolicy(), drifted.messages[0], messages[0])
+    lead, reconciled = None, None
+    if depth < len(messages) - 1:  # matched short: an echoed answer, a moved lead, or an edit
+        recent = recent_versions(versions, user, session)
+        reconciled = as_stored(messages, recent)
+        if reconciled is not None:
+            messages = reconciled.messages
+            found = versions.find_deepest_prefix_version(user, sid, messages)
+            depth = len(found.messages) if found is not None else 0
+        if has_lead(messages) and depth < len(messages) - 1:
+            drifted = drifted_base(versions, user, session.id, messages, depth, recent)
+            if drifted is not None:
+                # Attached to the version it continues even when not served from it: the session's
+                # tree stays the conversation's, not a new root each time the lead moves.
+                found = drifted
+                lead = classify(lead_policy or LeadPolicy(), drifted.messages[0], messages[0])
     parent = found.number if found is not None else None
     return TurnTarget(
-        session.id, parent, branch_at(session, parent), fork_on_race=True, base=found, lead=lead
+        session.id,
+        parent,
+        branch_at(session, parent),
+        fork_on_race=True,
+        base=found,
+        lead=lead,
+        dialogue=reconciled.messages if reconciled is not None else None,
+        echoed=reconciled.echoed if reconciled is not None else 0,
     )
 
 

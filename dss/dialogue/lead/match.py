@@ -4,10 +4,10 @@ The exact match (`VersionReads.find_deepest_prefix_version`) is one indexed look
 request's prefix digests; those digests chain over the lead, so a changed lead matches nothing
 beyond it. Here the request is probed again with the leads a continuing client most likely
 extends: those of the session's most recent branch heads and of their parents (a regenerated
-answer extends a head's parent). Each probe is the same indexed lookup with the request's lead
-swapped for a stored one. Bounded: at most `MAX_PROBED_HEADS` heads, so at most twice as many
-version reads and distinct-lead lookups per turn, and only for a turn whose exact match did not
-reach its last stored message.
+answer extends a head's parent: `dss.dialogue.echoes.recent_versions`, read once per turn). Each
+probe is the same indexed lookup with the request's lead swapped for a stored one. Bounded: at
+most `dss.dialogue.echoes.MAX_PROBED_HEADS` heads, so at most twice as many distinct-lead
+lookups per turn, and only for a turn whose exact match did not reach its last stored message.
 """
 
 from __future__ import annotations
@@ -18,11 +18,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dss.dialogue.lead.policy import has_lead, same_but_lead
-from dss.dialogue.versions import EMPTY_HEAD, SessionInfo, VersionInfo, VersionStore
-from dss.errors import VersionNotFound
+from dss.dialogue.versions import VersionInfo, VersionStore
 from dss.types import SessionId, UserId
 
-MAX_PROBED_HEADS = 4
 AUTO_SESSION_PREFIX = "auto-"
 
 
@@ -42,21 +40,22 @@ def content_session_id(messages: Sequence[Mapping[str, Any]]) -> SessionId | Non
 def drifted_base(
     versions: VersionStore,
     user: UserId,
-    session: SessionInfo,
+    sid: SessionId,
     messages: Sequence[Mapping[str, Any]],
     exact_depth: int,
+    recent: Sequence[VersionInfo],
 ) -> VersionInfo | None:
     """The deepest version holding token ids whose messages equal `messages`' first ones but for
     the lead, when it is deeper than `exact_depth` (how many messages the exact match covered);
-    else None."""
+    else None. The leads probed are those of `recent` (`dss.dialogue.echoes.recent_versions`)."""
     if not has_lead(messages):
         return None
     best: VersionInfo | None = None
-    for lead in _candidate_leads(versions, user, session):
+    for lead in _leads(recent):
         if lead == messages[0] or not same_but_lead(lead, messages[0]):
             continue
         probe = [lead, *messages[1:]]
-        found = versions.find_deepest_prefix_version(user, session.id, probe, holding_tokens=True)
+        found = versions.find_deepest_prefix_version(user, sid, probe, holding_tokens=True)
         if found is None or len(found.messages) <= max(exact_depth, 1):
             continue
         if best is None or len(found.messages) > len(best.messages):
@@ -64,32 +63,9 @@ def drifted_base(
     return best
 
 
-def _candidate_leads(versions: VersionStore, user: UserId, session: SessionInfo) -> list[dict[str, Any]]:
-    heads = sorted({b.head_version for b in session.branches if b.head_version != EMPTY_HEAD}, reverse=True)[
-        :MAX_PROBED_HEADS
-    ]
+def _leads(recent: Sequence[VersionInfo]) -> list[dict[str, Any]]:
     leads: list[dict[str, Any]] = []
-    for number in heads:
-        try:
-            head = versions.get_version(user, session.id, number)
-        except VersionNotFound:  # deleted meanwhile
-            continue
-        for lead in (_lead(head), _parent_lead(versions, user, session.id, head)):
-            if lead is not None and lead not in leads:
-                leads.append(lead)
+    for version in recent:
+        if has_lead(version.messages) and version.messages[0] not in leads:
+            leads.append(dict(version.messages[0]))
     return leads
-
-
-def _lead(version: VersionInfo) -> dict[str, Any] | None:
-    return dict(version.messages[0]) if has_lead(version.messages) else None
-
-
-def _parent_lead(
-    versions: VersionStore, user: UserId, sid: SessionId, version: VersionInfo
-) -> dict[str, Any] | None:
-    if version.parent is None:
-        return None
-    try:
-        return _lead(versions.get_version(user, sid, version.parent))
-    except VersionNotFound:
-        return None

@@ -89,6 +89,23 @@ def test_every_turn_of_a_long_chat_reuses_the_whole_history(api_server: ApiServe
         messages = [*messages, answer_of(resp), user_msg(follow_up)]
 
 
+def test_an_answer_the_client_sends_back_trimmed_continues_its_version(api_server: ApiServer) -> None:
+    """Open WebUI keeps every answer with the whitespace around it stripped and sends it back so.
+    Before: such a turn matched no stored version and became a new root (`parent_version` None)."""
+    c = api_server.client("reuse-trimmed")
+    q1 = [user_msg("List three colours, one per line.")]
+    r1 = chat(c, q1, session_id="trim-1", max_tokens=24)
+    text = r1["choices"][0]["message"]["content"]
+    # What such a frontend sends: the answer trimmed, or (already trimmed) with a newline after it.
+    sent = text.strip() if text != text.strip() else text + "\n"
+    r2 = chat(c, [*q1, {"role": "assistant", "content": sent}, user_msg("Thanks!")], session_id="trim-1")
+    assert (r2["parent_version"], r2["branch"]) == (r1["state_version"], "main"), r2
+    assert r2["dss"]["echoed_answers"] == 1
+    assert cached(r2) >= computed(r1), (r1["usage"], r2["usage"], r2["dss"])
+    stored = c.get(f"/v1/sessions/trim-1/versions/{r2['state_version']}").json()
+    assert stored["messages"][1]["content"] == text  # the answer as generated, as the model saw it
+
+
 def test_the_stateful_messages_route_continues_from_stored_tokens(api_server: ApiServer) -> None:
     c: httpx.Client = api_server.client("reuse-messages")
     assert c.post("/v1/sessions", json={"session_id": "msg-1"}).status_code == 201
