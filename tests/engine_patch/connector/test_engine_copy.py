@@ -105,6 +105,26 @@ def test_arena_views_reattach_when_the_file_is_recreated(tmp_path: Path) -> None
         path.unlink(missing_ok=True)
 
 
+def test_an_attached_arena_is_mapped_in_the_background(arena: HostArena) -> None:
+    """The worker maps an arena's slots off the engine's steps (`HostArena.prefault`), so a
+    save's first copy into a slot takes no page fault per 4 KiB (before: 120-180 ms of a step for
+    a 2,000-token prompt's 47 MB). Its thread ends when every slot is mapped."""
+    import resource
+    import threading
+
+    views = ArenaViews(L, FP.layer_block_nbytes)
+    pages = views.pages(str(arena.path), arena.slot_nbytes)
+    deadline = time.monotonic() + 30
+    while any(t.name == "dss-arena-prefault" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the prefault thread did not finish"
+        time.sleep(0.01)
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    KVBlocks(make_layers(2), CPU).save(pages, runs(list(range(12)), list(range(12))))
+    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+    assert faults < 12 * FP.page_nbytes // 4096 // 4, faults  # not one per 4 KiB written
+    views.close()
+
+
 def test_check_layer_tensors_accepts_only_the_fingerprinted_shape() -> None:
     layers = dict(enumerate(make_layers(3)))
     check_layer_tensors(FP, layers, NB)

@@ -16,12 +16,13 @@ in another process that copied a slot compares the two afterwards (`HostArena.un
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import mmap
 import os
 import stat
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +45,8 @@ _MAGIC = b"DSSARN01"
 _HEADER = struct.Struct("<8sQQQ")  # magic, slot_nbytes, n_slots, data_offset
 _GENERATIONS_AT = 64  # byte offset of the uint64 generation array (8-byte aligned: atomic loads)
 _DATA_ALIGN = 4096  # slots start page-aligned (page-locked registration, DMA)
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+ (`mmap.MADV_POPULATE_WRITE` from Python 3.13 on)
+_PREFAULT_CHUNK = 32 << 20  # one madvise call: ~15 ms; `stop` is asked between calls
 
 
 def arena_layout(slot_nbytes: int, n_slots: int) -> tuple[int, int]:
@@ -250,6 +253,33 @@ class HostArena:
         return SlotRef(self.info.path, self.info.slot_nbytes, slot, self.info.n_slots, self.generation(slot))
 
     # --- life cycle -----------------------------------------------------------------------------
+    def prefault(self, stop: Callable[[], bool] = lambda: False) -> bool:
+        """Map every slot into this process's page tables now, writable, without changing a byte
+        (`madvise(MADV_POPULATE_WRITE)`), a chunk at a time, until done, the arena is closed or
+        `stop()` says so. True when every slot was mapped.
+
+        Why: a process's first write to each 4 KiB of a shared mapping is a page fault. The
+        engine's worker copying a new 2,000-token prompt's pages (47 MB) into slots it had never
+        touched spent 120-180 ms of an engine step in them, against ~5 ms for the copy itself;
+        populating costs ~0.4 s per GiB once. Meant for a thread: each call releases the GIL
+        (ctypes). A kernel older than 5.14 refuses the advice: then nothing changes (False)."""
+        whole = self._whole
+        if whole is None:
+            return False
+        # This view is a buffer export: a `close` meanwhile leaves the mapping in place until the
+        # view is gone (at return), so no call below can reach memory that is not the arena's.
+        data = whole[self.data_offset :]
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        madvise.restype = ctypes.c_int
+        start, size = int(data.ctypes.data), int(data.nbytes)
+        for offset in range(0, size, _PREFAULT_CHUNK):
+            if self.closed or stop():
+                return False
+            if madvise(start + offset, min(_PREFAULT_CHUNK, size - offset), _MADV_POPULATE_WRITE) != 0:
+                return False  # EINVAL: a kernel older than 5.14; whatever else: faults stay lazy
+        return True
+
     def pin(self) -> None:
         """Register the mapping with CUDA as page-locked memory, for fast async copies."""
         import torch
