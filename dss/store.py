@@ -48,6 +48,7 @@ from dss.index.prefix_index import PrefixIndex
 from dss.keys.crypto import KeyManager, forget_env_master_key
 from dss.keys.identity import Identity, load_master_key
 from dss.keys.keyring import Keyring
+from dss.namespace import ModelFingerprint
 from dss.ops import recovery
 from dss.ops.erasure.eraser import Eraser, OnTenantErased
 from dss.ops.erasure.receipts import ErasureReceipt
@@ -67,7 +68,7 @@ from dss.pages.tiers.disk import DiskTier
 from dss.pages.tiers.host import HostTier
 from dss.pages.tiers.remote import RemoteTier
 from dss.rpc import EngineCalls, StoreServer, socket_path_for
-from dss.types import Tier, UserId
+from dss.types import FingerprintId, Tier, UserId
 
 __all__ = ["ErasureReceipt", "MatchInfo", "PrefixInfo", "Store", "Verification"]
 
@@ -404,7 +405,7 @@ class Store:
         part that owns each call."""
         kv = self.kv
         return EngineCalls(
-            register_fingerprint=self.fingerprints.register,
+            register_fingerprint=self._register_engine,
             begin_load=kv.begin_load,
             wait_loaded=kv.loads.wait_loaded,
             release=kv.loads.release,
@@ -414,6 +415,13 @@ class Store:
             stats=self.stats,
             take_events=self.pages.table.take_events,
         )
+
+    def _register_engine(self, fp: ModelFingerprint) -> FingerprintId:
+        """An engine's fingerprint, and its page size's host arena made now, at the engine's start
+        (`HostTier.prepare`)."""
+        fid = self.fingerprints.register(fp)
+        self.pages.host.prepare(fp.page_nbytes)
+        return fid
 
     def serve_rpc(self) -> tuple[str, bytes]:
         """Start (once) the local RPC server engine processes use; returns (address, authkey).

@@ -191,3 +191,18 @@ def test_closing_the_rpc_server_hangs_up_clients(tmp_path):
     time.sleep(1.1)  # past the client's back-off after the failed call
     assert client.ping()  # the same client reconnects
     store.close()
+
+
+def test_an_engine_registering_gets_its_host_arena_made_then(tmp_path):
+    """Before: the first save made the arena (reserving the host tier's whole size in /dev/shm)
+    inside the store call an engine step waits for: 0.5 s for 2 GiB, paid by the first turn
+    after every start."""
+    store = open_store(tmp_path)
+    try:
+        arena = store.pages.host.directory / f"arena-{SMALL_FP.page_nbytes}.shm"
+        assert not arena.exists()
+        store.engine_calls().register_fingerprint(SMALL_FP)
+        assert arena.exists()
+        store.engine_calls().register_fingerprint(SMALL_FP)  # every rank registers: once is enough
+    finally:
+        store.close()

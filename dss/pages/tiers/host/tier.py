@@ -127,6 +127,13 @@ class HostTier(IndexedTier):
         return available
 
     # --- arenas -------------------------------------------------------------------------------
+    def prepare(self, slot_nbytes: int) -> None:
+        """Make the arena for pages of `slot_nbytes` now, when an engine of that page size
+        registers, rather than in its first save (which waits for it inside an engine step:
+        0.5 s for 2 GiB). A page larger than the tier is left for the save to refuse."""
+        with contextlib.suppress(CapacityError):
+            self._slots_for(slot_nbytes)
+
     def _slots_for(self, slot_nbytes: int) -> _ArenaSlots:
         """The arena for a slot size, made on first use. Making one reserves up to the capacity
         in the filesystem (seconds for GiBs), so it runs outside the lock; callers of the same
