@@ -227,6 +227,11 @@ class EngineGroup(BaseModel):
     # A model or parallel layout DSS cannot cache refuses to start (one line, the reason); True
     # serves it as plain vLLM, with `/readyz` `kv_caching: false` and `dss_kv_caching_enabled 0`.
     allow_uncached: bool = False
+    # False: the engine runs without DSS's connector (vLLM's own prefix cache only), announced as
+    # an uncached model is (`/readyz` `kv_caching: false`, the reason logged); sessions, versions
+    # and the rest work as ever. For A/B measurements (bench/cold_concurrent.py) and for taking
+    # the store off the engine's path without another deployment.
+    kv_caching: bool = True
     # vLLM's KV events, with the store's host and disk pages (docs/operations.md, "KV events"):
     # the ZMQ endpoint vLLM's publisher binds (`tcp://*:5557`) or connects to; None: off.
     kv_events_endpoint: str | None = Field(default=None, max_length=256)
@@ -259,6 +264,7 @@ class EngineGroup(BaseModel):
             pipeline_parallel_size=self.pipeline_parallel_size,
             kv_cache_dtype=self.kv_cache_dtype,
             allow_uncached=self.allow_uncached,
+            connector=self.kv_caching,
             kv_events_endpoint=self.kv_events_endpoint,
             kv_events_topic=self.kv_events_topic,
             extra_engine_args=dict(self.extra_args),

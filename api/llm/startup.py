@@ -24,6 +24,8 @@ from dss.wire import tag_key
 
 log = logging.getLogger("dss.api.llm")
 
+KV_CACHING_OFF = "KV caching is turned off (DSS_ENGINE__KV_CACHING=false)"
+
 
 async def start_chat_engine(settings: Settings, store: Store) -> ChatEngine:
     """Start the engine against the store's RPC (blocking parts run in a worker thread)."""
@@ -44,6 +46,10 @@ async def start_chat_engine(settings: Settings, store: Store) -> ChatEngine:
         # Before any engine process starts: refuse, rather than serve uncached unannounced.
         from engine_patch.connector.fingerprint import uncached_reason
 
+        if not eng.kv_caching:
+            log.warning("serving model %s WITHOUT KV caching: %s", Path(model_path).name, KV_CACHING_OFF)
+            uncached.append(KV_CACHING_OFF)
+            return
         reason = uncached_reason(vllm_config)
         if reason is None:
             return

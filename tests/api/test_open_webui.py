@@ -536,6 +536,14 @@ def test_a_system_prompt_with_the_time_keeps_the_history_cached_with_lead_update
             assert DATETIME.sub("", system) == DATETIME.sub("", turns[0].json()["messages"][0]["content"])
             systems.append(system)
         assert len(set(systems)) == len(systems), systems
+        # Open WebUI sends each earlier answer back with the whitespace around it stripped; DSS
+        # takes such an answer as the stored one (`dss.echoed_answers`). Before, a turn after an
+        # answer that ended in a newline became a new root (a flaky run of this test).
+        for k, e in enumerate(turns[1:], start=1):
+            sent = [m["content"] for m in e.json()["messages"] if m["role"] == "assistant"]
+            assert sent == [a["content"].strip() for a in answers[:k]], (sent, answers[:k])
+            trimmed = sum(a["content"] != a["content"].strip() for a in answers[:k])
+            assert _dss_block(e)["echoed_answers"] == trimmed, (_dss_block(e), answers[:k])
         # One session (the chat), each turn extending the one before: with lead updates or not.
         assert {a["session_id"] for a in answers} == {chat}
         for before, a in itertools.pairwise(answers):

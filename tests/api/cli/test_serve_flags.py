@@ -289,3 +289,37 @@ def test_serve_runs_the_engine_with_vllm_flags(tmp_path: Path, monkeypatch: pyte
         assert (fp.block_size, fp.dtype) == (32, factory.served_dtype())
     finally:
         store.close()
+
+
+@needs_model
+def test_kv_caching_off_serves_through_plain_vllm_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`DSS_ENGINE__KV_CACHING=false`: the engine runs without DSS's connector (the baseline of
+    bench/cold_concurrent.py), announced as an uncached model is; sessions and versions as ever."""
+    env = {"DSS_ENGINE__KV_CACHING": "false", "DSS_ENGINE__STARTUP_TIMEOUT_S": "1800"}
+    server = ApiServer(MODEL, tmp_path, env=env)
+    monkeypatch.setattr(api_server, "START_TIMEOUT_S", 1800.0)
+    server.start()
+    try:
+        ready = httpx.get(server.base_url + "/readyz", timeout=10).json()
+        assert ready["kv_caching"] is False and "DSS_ENGINE__KV_CACHING" in ready["uncached_reason"], ready
+        with server.client("alice") as http:
+            turn = [{"role": "user", "content": "Name three rivers."}]
+            body = {"session_id": "off", "max_tokens": 8, "temperature": 0, "messages": turn}
+            first = http.post("/v1/chat/completions", json=body).json()
+            answer = first["choices"][0]["message"]
+            again = {**body, "messages": [*turn, answer, {"role": "user", "content": "And lakes?"}]}
+            second = http.post("/v1/chat/completions", json=again).json()
+            assert (first["state_version"], second["parent_version"]) == (1, 1), second
+            assert first["dss"]["loaded_tokens"] == second["dss"]["loaded_tokens"] == 0, second["dss"]
+    finally:
+        server.stop()
+    from dss.config import StoreConfig
+    from dss.store import Store
+
+    store = Store.open(StoreConfig(data_dir=server.data_dir, fsync=False, codec_process=False))
+    try:
+        assert not list(store.fingerprints)  # no connector registered, nothing stored
+    finally:
+        store.close()
