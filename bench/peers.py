@@ -396,19 +396,24 @@ def print_round(col: Column, rnd: int) -> None:
 
 
 # ---------------------------------------------------------------------------------- the peers
-def start_dss(procs: list[Proc], shape: EngineShape, model: Path, root: Path, code_root: Path) -> str:
+def start_dss(procs: list[Proc], shape: EngineShape, model: Path, root: Path, code_root: Path,
+              name: str = "dss", settings: dict[str, str] | None = None) -> str:  # fmt: skip
+    """`dss serve --dev` on its own data directory (`root/<name>-data`), with `settings` (DSS_*
+    variables) on top of the shape's."""
     port = free_port()
     env = server_env(shape, code_root)
     env.update({
         "DSS_ENGINE__MAX_MODEL_LEN": str(shape.max_model_len),
         "DSS_ENGINE__KV_CACHE_SPACE_GIB": str(shape.kv_cache_space_gib),
         "DSS_ENGINE__NICE": "0",  # the peers' engines run at the caller's priority too
+        **(settings or {}),
     })  # fmt: skip
     script = Path(sys.executable).with_name("dss")
     cli = [str(script)] if script.exists() else [sys.executable, "-m", "api.cli"]
-    cmd = [*cli, "serve", "--dev", "--model", str(model), "--data-dir", str(root / "dss-data"),
+    cmd = [*cli, "serve", "--dev", "--model", str(model), "--data-dir", str(root / f"{name}-data"),
            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]  # fmt: skip
-    proc = Proc("dss serve", cmd, env, root / "dss.log", code_root)
+    label = "dss serve" if name == "dss" else f"dss serve ({name})"
+    proc = Proc(label, cmd, env, root / f"{name}.log", code_root)
     procs.append(proc)
     url = f"http://127.0.0.1:{port}"
     proc.wait_ready(url + "/readyz")

@@ -56,7 +56,7 @@ SMOKED_ELSEWHERE = {
 NOT_IN_THE_SUITE = {
     "api_load": "a server under load for a minute; tests/bench/test_bench_api_load.py runs its reporting",
     "block_size": "one engine per block size (4 engine starts)",
-    "cold_concurrent": "two servers up at once and rounds of cold prompts (`--quick`: minutes)",
+    "cold_concurrent": "three servers up at once and rounds of cold prompts (`--quick`: minutes)",
     "engine_multiround": "three or four differently configured engines at once",
     "peers": "four servers (vLLM's, LMCache's) one after another",
     "reuse": "a server and several multi-turn sessions (`--quick`: 2 x 3 turns)",
