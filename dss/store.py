@@ -48,7 +48,6 @@ from dss.index.prefix_index import PrefixIndex
 from dss.keys.crypto import KeyManager, forget_env_master_key
 from dss.keys.identity import Identity, load_master_key
 from dss.keys.keyring import Keyring
-from dss.namespace import ModelFingerprint
 from dss.ops import recovery
 from dss.ops.erasure.eraser import Eraser, OnTenantErased
 from dss.ops.erasure.receipts import ErasureReceipt
@@ -405,7 +404,7 @@ class Store:
         part that owns each call."""
         kv = self.kv
         return EngineCalls(
-            register_fingerprint=self._register_engine,
+            register_fingerprint=self.fingerprints.register,
             begin_load=kv.begin_load,
             wait_loaded=kv.loads.wait_loaded,
             release=kv.loads.release,
@@ -416,12 +415,12 @@ class Store:
             take_events=self.pages.table.take_events,
         )
 
-    def _register_engine(self, fp: ModelFingerprint) -> FingerprintId:
-        """An engine's fingerprint, and its page size's host arena made now, at the engine's start
-        (`HostTier.prepare`)."""
-        fid = self.fingerprints.register(fp)
-        self.pages.host.prepare(fp.page_nbytes)
-        return fid
+    def prepare_pages(self, fid: FingerprintId) -> None:
+        """Make the host arena for a registered engine's pages now, before it serves (its first
+        save would make it, reserving the host tier's whole size in /dev/shm inside the store call
+        an engine step waits for: 0.5 s for 2 GiB, past the engine's 2-s deadline for larger
+        tiers). `SharedMemoryFull` when /dev/shm cannot hold it."""
+        self.pages.host.prepare(self.fingerprints.get(fid).page_nbytes)
 
     def serve_rpc(self) -> tuple[str, bytes]:
         """Start (once) the local RPC server engine processes use; returns (address, authkey).

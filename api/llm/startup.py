@@ -68,6 +68,8 @@ async def start_chat_engine(settings: Settings, store: Store) -> ChatEngine:
         max_len = int(model_config.max_model_len)
         name = eng.served_model_name or Path(model_path).name
         fid = None if uncached else _engine_fingerprint(factory, llm, store, known)
+        if fid is not None:
+            await asyncio.to_thread(store.prepare_pages, fid)  # not in the first turn's engine step
     except BaseException:
         llm.shutdown()
         raise

@@ -193,16 +193,17 @@ def test_closing_the_rpc_server_hangs_up_clients(tmp_path):
     store.close()
 
 
-def test_an_engine_registering_gets_its_host_arena_made_then(tmp_path):
+def test_a_server_makes_its_engines_host_arena_before_it_serves(tmp_path):
     """Before: the first save made the arena (reserving the host tier's whole size in /dev/shm)
     inside the store call an engine step waits for: 0.5 s for 2 GiB, paid by the first turn
-    after every start."""
+    after every start. `dss serve` now asks for it at start-up (`api.llm.startup`)."""
     store = open_store(tmp_path)
     try:
         arena = store.pages.host.directory / f"arena-{SMALL_FP.page_nbytes}.shm"
+        fid = store.fingerprints.register(SMALL_FP)
         assert not arena.exists()
-        store.engine_calls().register_fingerprint(SMALL_FP)
+        store.prepare_pages(fid)
         assert arena.exists()
-        store.engine_calls().register_fingerprint(SMALL_FP)  # every rank registers: once is enough
+        store.prepare_pages(fid)  # made once
     finally:
         store.close()

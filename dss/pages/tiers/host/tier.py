@@ -128,9 +128,9 @@ class HostTier(IndexedTier):
 
     # --- arenas -------------------------------------------------------------------------------
     def prepare(self, slot_nbytes: int) -> None:
-        """Make the arena for pages of `slot_nbytes` now, when an engine of that page size
-        registers, rather than in its first save (which waits for it inside an engine step:
-        0.5 s for 2 GiB). A page larger than the tier is left for the save to refuse."""
+        """Make the arena for pages of `slot_nbytes` now (`Store.prepare_pages`, at a server's
+        start), rather than in the first save. A page larger than the tier is left for the save
+        to refuse."""
         with contextlib.suppress(CapacityError):
             self._slots_for(slot_nbytes)
 
