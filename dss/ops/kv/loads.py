@@ -167,6 +167,9 @@ class KVLoads:
             self._pages.unlease(held)
             return None
         sizes = match_info(m, len(held), bs).page_tokens(bs)
+        if not worth_loading(sum(sizes[first:]), start_token, len(arr), bs):
+            self._pages.unlease(held)
+            return None
         futures: dict[int, Future[SlotRef | None]] = {}
         tier_tokens = {t.value: 0 for t in Tier}
         plan_pages: list[PageSlot] = []
@@ -315,3 +318,21 @@ class KVLoads:
     def count(self) -> int:
         with self._lock:
             return len(self._leases)
+
+
+# At most what every chat of a user shares: the chat template's opening (4-8 tokens for the
+# default model's, ~30 for Llama 3's with its date lines).
+OPENING_TOKENS = 32
+
+
+def worth_loading(n_tokens: int, start_token: int, n_sequence: int, block_size: int) -> bool:
+    """Whether a load of `n_tokens` from `start_token` is worth making: not when it is a few
+    tokens (`OPENING_TOKENS`) of one page at the very start of a sequence that is mostly new,
+    which is another chat's tail page matching the chat template's opening. Such a load saves
+    computing those few tokens and cost cold prompts under concurrent load far more: skipping it
+    took DSS's mean time to first token from 1.31x to 1.05x the same engine without the connector
+    (bench/cold_concurrent.py; docs/operations.md, "Cold turns under concurrent load"; why a few
+    loaded tokens cost that much is not established). A short history that is most of its
+    sequence still loads, and so does any tail after whole pages."""
+    few = n_tokens < min(block_size, OPENING_TOKENS)
+    return start_token > 0 or not few or 2 * n_tokens >= n_sequence

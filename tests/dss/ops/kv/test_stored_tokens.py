@@ -59,3 +59,20 @@ def test_public_pages_count_only_as_far_as_they_are_loaded(store: Store) -> None
     prompt = np.concatenate([system, np.arange(1, 1 + 2 * BS, dtype=np.int32)])
     put_sequence(store, fid, bob, prompt, pages_for(SMALL_FP, prompt))
     assert stored_tokens(store, bob, prompt, 3 * BS) == 3 * BS
+
+
+def test_a_few_tokens_at_the_start_of_a_new_sequence_are_not_loaded(store: Store) -> None:
+    """Another chat's tail page matching only the chat template's opening: loading those few
+    tokens cost a cold prompt more than computing them (bench/cold_concurrent.py: DSS's time to
+    first token 1.3x the same engine's without the connector; docs/operations.md)."""
+    alice = store.identity.tenant_for("alice")
+    short = np.arange(1, BS, dtype=np.int32)  # a short chat: one tail page
+    put_sequence(store, SMALL_FP.id, alice, short, [page_bytes(SMALL_FP, 3)])
+    opening = short[:2]
+    cold = np.concatenate([opening, np.arange(900, 900 + 3 * BS, dtype=np.int32)])
+    assert store.kv.begin_load(SMALL_FP.id, alice, cold, 0, len(cold) - 1) is None
+    # The same short history as most of a sequence (its next turn) still loads, whole.
+    follow = np.concatenate([short, np.arange(900, 902, dtype=np.int32)])
+    plan = store.kv.begin_load(SMALL_FP.id, alice, follow, 0, len(follow) - 1)
+    assert plan is not None and plan.n_tokens == len(short)
+    store.kv.loads.release(plan.load_id)
