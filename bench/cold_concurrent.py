@@ -55,8 +55,9 @@ from peers import (  # noqa: E402
     start_vllm,
 )
 
-# What every chat shares, at most: the template's opening (`<|im_start|>system\n`, a word or so),
-# which DSS may serve from another chat's tail page of the same user.
+# What every chat shares, at most: the template's opening (`<|im_start|>system\n`, a word or so).
+# The store no longer loads it from another chat's tail page (`dss.ops.kv.loads.worth_loading`);
+# a cold turn served more than this was not cold.
 OPENING_TOKENS = 8
 CONNECTOR_OFF = {"DSS_ENGINE__KV_CACHING": "false"}  # the same server, its engine without DSS's connector
 
