@@ -408,6 +408,7 @@ class Store:
             begin_load=kv.begin_load,
             wait_loaded=kv.loads.wait_loaded,
             release=kv.loads.release,
+            release_checked=kv.loads.release_checked,
             plan_save=kv.plan_save,
             commit_save=kv.saves.commit_save,
             abort_save=kv.saves.abort_save,

@@ -92,12 +92,8 @@ def load_sequence(
                 break
             copies.append(store.pages.host.slot_array(ps.slot).tobytes())
     finally:
-        valid = store.kv.loads.wait_loaded(plan.load_id, 0.0, release=True)
-    n = 0
-    for ps in valid[: len(copies)]:
-        if ps is None:
-            break
-        n += 1
+        valid = store.kv.loads.release_checked(plan.load_id)
+    n = min(valid, len(copies))
     return min(n * store.fingerprints.get(fid).block_size, plan.n_tokens), copies[:n]
 
 

@@ -327,13 +327,20 @@ class StoreClient:
         )
         return tuple(pages)
 
+    def release_checked(
+        self, load_id: str, *, shard: int | None = None, timeout_s: float | None = None
+    ) -> int:
+        """End this engine rank's (`shard`) part of a lease after copying: how many pages, from
+        the first, its copies can be trusted for."""
+        return int(self._call("release_checked", load_id, shard, timeout_s=timeout_s))
+
     def check_and_release_later(self, load_id: str, *, shard: int | None = None) -> PendingCall:
-        """`wait_loaded(load_id, 0.0, release=True, shard=shard)` sent now and answered later:
-        `.result()` gives the pages, None for each one whose copy cannot be trusted. A worker sends
+        """`release_checked(load_id, shard=shard)` sent now and answered later: `.result()` is
+        how many pages, from the first, the copies can be trusted for. A worker sends
         it once it has copied a load's pages, before the forward pass that reads them, and reads
         the answer after the pass (vLLM takes a load's failed blocks only then anyway), so the
         round trip overlaps the pass. The connection is held until then: use a client of its own."""
-        return self._start("wait_loaded", (load_id, 0.0, True, shard), None)
+        return self._start("release_checked", (load_id, shard), None)
 
     def release(self, load_id: str, *, shard: int | None = None, timeout_s: float | None = None) -> None:
         """End this engine rank's (`shard`) part of a lease without waiting for its pages."""

@@ -23,8 +23,9 @@ from dss.wire import LoadPlan, PageEventBatch, PageSlot, SavePlan
 class EngineStore(Protocol):
     """The calls of the KV path, in the order an engine makes them: a model registers its
     fingerprint; a request's lookup pins the stored pages after what the engine holds
-    (`begin_load`), the workers wait for them and copy them (`wait_loaded`, which can `release`
-    in the same round trip) or give the lease back (`release`); a finished request reserves host
+    (`begin_load`), the workers wait for them and copy them (`wait_loaded`), then end their part
+    of the lease and learn how far their copies can be trusted in one round trip (`release_checked`),
+    or give the lease back unused (`release`); a finished request reserves host
     slots for the pages the store lacks (`plan_save`), each rank reports what it copied
     (`commit_save`) or that it copied nothing (`abort_save`); with KV events on, the scheduler
     reads the page events of its fingerprint (`take_events`). `shard` is the engine rank
@@ -46,6 +47,13 @@ class EngineStore(Protocol):
     ) -> tuple[PageSlot | None, ...]: ...
 
     def release(self, load_id: str, *, shard: int | None = None) -> None: ...
+
+    def release_checked(self, load_id: str, *, shard: int | None = None) -> int:
+        """End this rank's part of the lease after copying: how many of the plan's pages, from
+        the first, are still the pages it leased (a copy taken before the call is good that far;
+        one that raced an erasure is not). A count, not the pages: the answer an engine waits
+        for after every load, kept small."""
+        ...
 
     def plan_save(
         self,
@@ -79,6 +87,7 @@ class EngineCalls:
     begin_load: Callable[..., LoadPlan | None]
     wait_loaded: Callable[..., tuple[PageSlot | None, ...]]
     release: Callable[..., None]
+    release_checked: Callable[..., int]
     plan_save: Callable[..., SavePlan]
     commit_save: Callable[..., int]
     abort_save: Callable[..., None]

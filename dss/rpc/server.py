@@ -74,6 +74,7 @@ class StoreServer:
             "begin_load": self._begin_load,
             "wait_loaded": self._wait_loaded,
             "release": self._release,
+            "release_checked": self._release_checked,
             "plan_save": self._plan_save,
             "commit_save": self._commit_save,
             "abort_save": self._abort_save,
@@ -131,6 +132,9 @@ class StoreServer:
 
     def _release(self, load_id: str, shard: int | None = None) -> None:
         self.service.release(load_id, shard=_shard(shard))
+
+    def _release_checked(self, load_id: str, shard: int | None = None) -> int:
+        return int(self.service.release_checked(load_id, shard=_shard(shard)))
 
     def _abort_save(self, save_id: str, shard: int | None = None) -> None:
         self.service.abort_save(save_id, shard=_shard(shard))

@@ -9,8 +9,9 @@ request itself never fails because of the store.
 
 Every copy out of the arena is validated after it is taken, twice: here, against the generation
 of each slot (the store bumps it before a slot's bytes change, see `dss.pages.tiers.host`), and by
-the store (`wait_loaded(..., release=True)`, which also ends the lease in the same round trip): a
-page erased or dropped while it was being copied comes back None and its block is recomputed.
+the store (`release_checked`, which also ends the lease in the same round trip and answers how many
+pages from the first are still good): a page erased or dropped while it was being copied is not,
+and its block and those after it are recomputed.
 A load copied on the forward pass's thread sends that check before the pass and reads its answer
 after it (`StoreClient.check_and_release_later`): vLLM learns a load's failed blocks after the
 pass in any case, so the round trip costs the turn nothing.
@@ -235,7 +236,7 @@ class WorkerSide:
         checking, self._checking = self._checking, []
         for spec, n_copied, pending in checking:
             try:
-                n_ok = min(n_copied, _usable_prefix(tuple(pending.result()), spec.n_pages))
+                n_ok = min(n_copied, int(pending.result()), spec.n_pages)
             except Exception as exc:
                 logger.warning(
                     "DSS load %s for %s could not be checked, recomputing: %s", spec.load_id, spec.req_id, exc
@@ -270,9 +271,9 @@ class WorkerSide:
                 raise DSSError("promoted pages came back without slots in one arena")
             if n_ok and span is not None:
                 n_copied = self._copy_in(span, tuple(ids[:n_ok] for ids in spec.block_ids))
-                valid = client.wait_loaded(spec.load_id, 0.0, release=True, shard=self.shard)
+                valid = client.release_checked(spec.load_id, shard=self.shard)
                 released = True
-                n_ok = min(n_copied, _usable_prefix(valid, n_ok))
+                n_ok = min(n_copied, valid, n_ok)
         except Exception as exc:
             logger.warning("DSS async load %s for %s failed, recomputing: %s", spec.load_id, spec.req_id, exc)
             n_ok = 0

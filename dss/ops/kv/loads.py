@@ -288,6 +288,17 @@ class KVLoads:
             self.release(load_id, shard)
         return tuple(out)
 
+    def release_checked(self, load_id: str, shard: int | None = None) -> int:
+        """`wait_loaded(load_id, 0.0, release=True, shard=shard)` as a count: how many of the
+        plan's pages, from the first, a copy taken before this call can be trusted for (0 for a
+        lease that is gone)."""
+        n = 0
+        for ps in self.wait_loaded(load_id, 0.0, release=True, shard=shard):
+            if ps is None or ps.slot is None:
+                break
+            n += 1
+        return n
+
     def release(self, load_id: str, shard: int | None = None) -> None:
         """End a load's lease. Each rank of a parallel engine releases its own `shard` after its
         copy; the pages stay pinned until every rank did. None releases it whole (the scheduler

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import socket
 import stat
 import threading
@@ -78,6 +79,10 @@ class FakeService:
 
     def release(self, load_id: str, *, shard: int | None = None) -> None:
         self.calls.append(("release", (load_id, shard)))
+
+    def release_checked(self, load_id: str, *, shard: int | None = None) -> int:
+        self.calls.append(("release_checked", (load_id, shard)))
+        return 1
 
     def plan_save(
         self,
@@ -159,6 +164,8 @@ def test_every_method_round_trips(client: StoreClient, service: FakeService) -> 
 
     client.release("L1")
     assert service.calls[-1] == ("release", ("L1", None))
+    assert client.release_checked("L1", shard=1) == 1
+    assert service.calls[-1] == ("release_checked", ("L1", 1))
 
     save = client.plan_save(fid, "t1", np.arange(8, dtype=np.int64), 2)
     assert save == SavePlan("S1", (PAGE,))
@@ -185,8 +192,8 @@ def test_a_check_sent_before_a_long_forward_pass_is_read_after_it(
     client.timeout_s = 0.3
     pending = client.check_and_release_later("L1", shard=2)
     time.sleep(0.5)  # the forward pass
-    assert pending.result() == (PAGE, None)
-    assert service.calls[-1] == ("wait_loaded", ("L1", 0.0, True, 2))
+    assert pending.result() == 1
+    assert service.calls[-1] == ("release_checked", ("L1", 2))
     assert client.ping() and (client.failures, client.timeouts) == (0, 0)
 
 
@@ -396,7 +403,7 @@ def test_one_contract_the_owners_the_client_and_the_server_follow(tmp_path: Path
     contract = {n for n, v in vars(EngineStore).items() if inspect.isfunction(v) and not n.startswith("_")}
     assert set(ENGINE_CALLS) == contract
     served = {n for n, v in vars(StoreClient).items() if inspect.isfunction(v) and not n.startswith("_")}
-    # `check_and_release_later` is the contract's `wait_loaded`, its reply read later
+    # `check_and_release_later` is the contract's `release_checked`, its reply read later
     served -= {"ping", "close", "check_and_release_later"}
     assert served == contract
     store = open_store(tmp_path / "d", shm_dir=tmp_path / "shm")
@@ -417,3 +424,17 @@ def test_one_contract_the_owners_the_client_and_the_server_follow(tmp_path: Path
             client.close()
     finally:
         store.close()
+
+
+def test_plans_pickle_as_their_constructor_and_fields() -> None:
+    """A load plan crosses the RPC on every load: its pages and slots pickle as constructor calls
+    (issue 31: the dataclasses' default state protocol took half a hot load's round trip), and
+    come back equal."""
+    ref = SlotRef("/dev/shm/dss-1/arena", 4096, 7, 64, 3)
+    pages = tuple(PageSlot(i, PageHash(f"{i:032x}"), ref) for i in range(4))
+    plan = LoadPlan("L9", 12, 0, pages, False, {"host": 12}, 16)
+    for obj in (ref, pages[0], plan, SavePlan("S9", pages)):
+        constructor = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)[0]
+        assert constructor is type(obj)
+        assert pickle.loads(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)) == obj
+    assert len(pickle.dumps(plan, pickle.HIGHEST_PROTOCOL)) < 600
