@@ -266,10 +266,10 @@ async def _open(app: FastAPI, settings: Settings, startup: Startup) -> None:
 def freeze_startup_heap() -> None:
     """Take what start-up made (vLLM's client, torch, transformers and the tokenizer, SQLAlchemy,
     the app: some 800,000 objects) out of the garbage collector's full collections, which walked
-    them all a few times a minute under load and stopped every thread of this process for
-    100-350 ms each time: the tail of every request, rollbacks included (issue 31). What serving
-    allocates is still collected; `_stop` gives the frozen objects back. vLLM's own server and
-    engine core do the same (`vllm.utils.gc_utils.freeze_gc_heap`)."""
+    them all and stopped every thread of this process for 386 ms about once a minute under
+    `bench/api_load.py` (issue 31; 12-18 ms since). What serving allocates is still collected;
+    `_stop` gives the frozen objects back. vLLM's own server and engine core do the same
+    (`vllm.utils.gc_utils.freeze_gc_heap`)."""
     gc.collect()
     gc.freeze()
 

@@ -24,9 +24,9 @@ class EngineStore(Protocol):
     """The calls of the KV path, in the order an engine makes them: a model registers its
     fingerprint; a request's lookup pins the stored pages after what the engine holds
     (`begin_load`), the workers wait for them and copy them (`wait_loaded`), then end their part
-    of the lease and learn how far their copies can be trusted in one round trip (`release_checked`),
-    or give the lease back unused (`release`); a finished request reserves host
-    slots for the pages the store lacks (`plan_save`), each rank reports what it copied
+    of the lease and learn how far their copies can be trusted in one round trip
+    (`release_checked`), or give the lease back unused (`release`); a finished request reserves
+    host slots for the pages the store lacks (`plan_save`), each rank reports what it copied
     (`commit_save`) or that it copied nothing (`abort_save`); with KV events on, the scheduler
     reads the page events of its fingerprint (`take_events`). `shard` is the engine rank
     (tensor/pipeline parallel engines report one part each)."""

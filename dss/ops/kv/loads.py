@@ -265,9 +265,10 @@ class KVLoads:
         self, load_id: str, timeout_s: float = 30.0, release: bool = False, shard: int | None = None
     ) -> tuple[PageSlot | None, ...]:
         """Every page of the plan with its host slot, or None where the page cannot be had (not
-        promoted in time, or erased since it was pinned). An engine calls it again with
-        `release=True` after copying: a copy that raced an erasure comes back None, never
-        trusted. `shard`: the engine rank releasing (see `release`)."""
+        promoted in time, or erased since it was pinned). `release=True` also ends the lease
+        (`shard`: the engine rank releasing, see `release`): a copy taken before then that raced
+        an erasure comes back None, never trusted; an engine asks this as a count
+        (`release_checked`)."""
         with self._lock:
             lease = self._leases.get(load_id)
         if lease is None:
