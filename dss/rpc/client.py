@@ -316,15 +316,10 @@ class StoreClient:
         )
         return plan
 
-    def wait_loaded(
-        self, load_id: str, timeout_s: float, release: bool = False, *, shard: int | None = None
-    ) -> tuple[PageSlot | None, ...]:
-        """Wait up to `timeout_s` (on the owner) for a plan's pages; `release` also releases the
-        lease (this engine rank's part, `shard`) in the same round trip. The call's deadline is
-        `timeout_s + wait_grace_s`."""
-        pages = self._call(
-            "wait_loaded", load_id, timeout_s, release, shard, timeout_s=timeout_s + self.wait_grace_s
-        )
+    def wait_loaded(self, load_id: str, timeout_s: float) -> tuple[PageSlot | None, ...]:
+        """Wait up to `timeout_s` (on the owner) for a plan's pages (`release_checked` ends the
+        lease after the copy). The call's deadline is `timeout_s + wait_grace_s`."""
+        pages = self._call("wait_loaded", load_id, timeout_s, timeout_s=timeout_s + self.wait_grace_s)
         return tuple(pages)
 
     def release_checked(

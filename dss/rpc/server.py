@@ -115,10 +115,8 @@ class StoreServer:
     ) -> LoadPlan | None:
         return self.service.begin_load(FingerprintId(fid), TenantId(tenant), tokens, start_token, max_tokens)
 
-    def _wait_loaded(
-        self, load_id: str, timeout_s: float, release: bool, shard: int | None = None
-    ) -> tuple[PageSlot | None, ...]:
-        return tuple(self.service.wait_loaded(load_id, timeout_s, release=release, shard=_shard(shard)))
+    def _wait_loaded(self, load_id: str, timeout_s: float) -> tuple[PageSlot | None, ...]:
+        return tuple(self.service.wait_loaded(load_id, timeout_s))
 
     def _plan_save(
         self, fid: str, tenant: str, tokens: np.ndarray, n_pages: int, with_tail: bool = False

@@ -69,10 +69,8 @@ class FakeService:
             return None
         return LoadPlan("L1", 4, start_token, (PAGE,), False, {"host": 4})
 
-    def wait_loaded(
-        self, load_id: str, timeout_s: float, *, release: bool = False, shard: int | None = None
-    ) -> tuple[PageSlot | None, ...]:
-        self.calls.append(("wait_loaded", (load_id, timeout_s, release, shard)))
+    def wait_loaded(self, load_id: str, timeout_s: float) -> tuple[PageSlot | None, ...]:
+        self.calls.append(("wait_loaded", (load_id, timeout_s)))
         if load_id == "slow":
             time.sleep(timeout_s)
         return (PAGE, None)
@@ -158,9 +156,7 @@ def test_every_method_round_trips(client: StoreClient, service: FakeService) -> 
     assert client.begin_load(fid, "t1", [], 0, 8) is None
 
     assert client.wait_loaded("L1", 1.5) == (PAGE, None)
-    assert service.calls[-1] == ("wait_loaded", ("L1", 1.5, False, None))
-    assert client.wait_loaded("L1", 1.5, release=True, shard=1) == (PAGE, None)
-    assert service.calls[-1] == ("wait_loaded", ("L1", 1.5, True, 1))
+    assert service.calls[-1] == ("wait_loaded", ("L1", 1.5))
 
     client.release("L1")
     assert service.calls[-1] == ("release", ("L1", None))
