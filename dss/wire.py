@@ -115,6 +115,17 @@ def span_of(pages: tuple[PageSlot | None, ...] | tuple[PageSlot, ...]) -> SlotSp
     )
 
 
+def usable_prefix(pages: tuple[PageSlot | None, ...]) -> int:
+    """How many pages, from the first, can be had (a page and its slot): an engine recomputes
+    from the first missing one on anyway."""
+    n = 0
+    for ps in pages:
+        if ps is None or ps.slot is None:
+            break
+        n += 1
+    return n
+
+
 @_pickled_by_fields
 @dataclass(frozen=True, slots=True)
 class LoadPlan:

@@ -33,7 +33,7 @@ from vllm.logger import init_logger
 from dss.errors import DSSError
 from dss.namespace import ModelFingerprint
 from dss.rpc import PendingCall, StoreClient
-from dss.wire import PageSlot, span_of
+from dss.wire import span_of, usable_prefix
 from engine_patch.connector.copy import ArenaViews, KVBlocks
 from engine_patch.connector.fingerprint import UnsupportedKVCache, check_layer_tensors
 from engine_patch.connector.groups import KVGroups, group_runs
@@ -256,7 +256,7 @@ class WorkerSide:
             if not self.ready or client is None or not spec.is_async:
                 raise DSSError("connector not ready for loads")
             got = client.wait_loaded(spec.load_id, self.load_timeout_s)
-            n_ok = _usable_prefix(got, spec.n_pages)
+            n_ok = usable_prefix(got[: spec.n_pages])
             if n_ok < spec.n_pages:
                 logger.warning(
                     "DSS async load %s for %s: %d of %d pages could not be had, recomputing from page %d",
@@ -407,13 +407,3 @@ class WorkerSide:
         for client in (self._client, self._loader_client, self._check_client):
             if client is not None:
                 client.close()
-
-
-def _usable_prefix(got: tuple[PageSlot | None, ...], n_wanted: int) -> int:
-    """Pages usable from the start: vLLM recomputes from the first failed block on anyway."""
-    n = 0
-    for ps in got[:n_wanted]:
-        if ps is None or ps.slot is None:
-            break
-        n += 1
-    return n

@@ -41,7 +41,7 @@ from dss.ops.kv.remote_adoption import index_adopted, promote_adopted, remote_pa
 from dss.ops.kv.tenant_gate import TenantGate
 from dss.pages.placement import TieredPages
 from dss.types import FingerprintId, PageHash, TenantId, Tier
-from dss.wire import LoadPlan, PageSlot, SlotRef
+from dss.wire import LoadPlan, PageSlot, SlotRef, usable_prefix
 
 log = logging.getLogger("dss.kv")
 
@@ -293,12 +293,7 @@ class KVLoads:
         """`wait_loaded(load_id, 0.0, release=True, shard=shard)` as a count: how many of the
         plan's pages, from the first, a copy taken before this call can be trusted for (0 for a
         lease that is gone)."""
-        n = 0
-        for ps in self.wait_loaded(load_id, 0.0, release=True, shard=shard):
-            if ps is None or ps.slot is None:
-                break
-            n += 1
-        return n
+        return usable_prefix(self.wait_loaded(load_id, 0.0, release=True, shard=shard))
 
     def release(self, load_id: str, shard: int | None = None) -> None:
         """End a load's lease. Each rank of a parallel engine releases its own `shard` after its
