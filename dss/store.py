@@ -251,6 +251,7 @@ class Store:
             pseudonymise_audit_in=api.pseudonymise_audit_in if api is not None else None,
         )
         self.check()
+        self.eraser.scrub_at_open()  # before the retention sweeper reads (the writer has no work yet)
         self.retention.sweeper.start()
         if self.membership is not None:
             self.membership.start()

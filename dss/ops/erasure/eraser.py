@@ -158,6 +158,13 @@ class Eraser:
         self._wal = WalScrubber(db)
         self._one_per_user = _OneErasurePerUser()
 
+    def scrub_at_open(self) -> bool | None:
+        """Scrub SQLite's WAL once, waiting, while nothing else of the store uses the database
+        yet (`Store` calls it before its threads start): the receipts of earlier runs are then
+        known to be scrubbed. False (and logged) when another process's reader kept it from
+        finishing; None when not SQLite."""
+        return self._wal.scrub()
+
     def holds_user(self, user: UserId) -> bool:
         """Whether anything of `user` is stored: a session, a stored response, or a data key of
         its tenant (KV it wrote). API keys are the API's (`ApiKeys.holds_user`)."""

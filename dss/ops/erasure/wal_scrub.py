@@ -12,8 +12,10 @@ verification of a receipt not yet covered tries once more, waiting for nobody (b
 if a reader or a writer is in the way it gives up at once), and never while another try runs:
 readers and writers of everyone else are not held up by verifications.
 
-State is per process (a restart forgets it: the first verification then tries once, without
-waiting). PostgreSQL keeps no WAL copies a client can scrub: `None` there.
+State is per process. The store scrubs once when it opens, waiting, before any of its threads
+starts (`Eraser.scrub_at_open`): every receipt of an earlier run is covered by that, so verifying
+one after a restart never depends on a reader that happens to be active at that moment.
+PostgreSQL keeps no WAL copies a client can scrub: `None` there.
 """
 
 from __future__ import annotations
