@@ -81,6 +81,12 @@ class Metrics:
         self.tokens_hit = Counter(
             "dss_tokens_hit_total", "Prompt tokens served from a cache, by source", ["tier"], registry=r
         )
+        self.loads_planned_ahead = Counter(
+            "dss_kv_loads_planned_ahead_total",
+            "Session turns whose KV load was planned before the request went to the engine "
+            "(the engine asked the store nothing for it)",
+            registry=r,
+        )
         self.commits = Counter("dss_versions_committed_total", "Versions committed by chat turns", registry=r)
         self.aborted = Counter(
             "dss_generations_aborted_total", "Generations cancelled before their commit", registry=r
@@ -168,8 +174,12 @@ class Metrics:
     def observe_cut(self, reason: str) -> None:
         self.connections_cut.labels(reason).inc()
 
-    def observe_prompt(self, prompt_tokens: int, engine_cached: int, loaded_from: dict[str, int]) -> None:
+    def observe_prompt(
+        self, prompt_tokens: int, engine_cached: int, loaded_from: dict[str, int], planned_ahead: bool = False
+    ) -> None:
         self.prompt_tokens.inc(prompt_tokens)
+        if planned_ahead:
+            self.loads_planned_ahead.inc()
         self.tokens_looked_up.inc(prompt_tokens)
         if engine_cached > 0:
             self.tokens_hit.labels("engine").inc(engine_cached)

@@ -211,15 +211,19 @@ def generate(
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    t0 = time.perf_counter()
+    # Planned on arrival, as `dss serve` plans a turn's load: inside the time measured.
+    planned = [engine.planned(p, s) for p, s in zip(prompts, sessions, strict=True)]
     params = [
         SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=TOP, extra_args=s or None)
-        for s in sessions
+        for s in planned
     ]
-    t0 = time.perf_counter()
     outs = engine.llm.generate(
         [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
     )
     wall = time.perf_counter() - t0
+    for o in outs:
+        engine.note_report(o.kv_transfer_params)
     return [
         Answer(
             list(o.outputs[0].token_ids),
@@ -376,6 +380,8 @@ class Matrix:
             (d,) = generate(e, [prompt], [e.session(tenant, f"hot-{i + 1}")], 1)
             if d.loaded_tokens != len(prompt) - 1:
                 self.res.mismatches.append(f"hot load {i}: loaded {d.loaded_tokens} of {len(prompt) - 1}")
+            if not (d.params or {}).get("planned_ahead"):  # as `dss serve` sends it (`engine_for`)
+                self.res.mismatches.append(f"hot load {i}: the engine looked the load up itself")
             hot.append(d.wall_s)
             (a,) = generate(e, [prompt], [None], 1)  # APC hot hit; without APC a recompute
             ref.append(a.wall_s)
@@ -428,7 +434,7 @@ def engine_for(row: Row, served: ServedStore) -> Engine:
     else:
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     with prefix_cache_kept_for_mla(row):
-        return Engine(
+        engine = Engine(
             served.address,
             served.authkey,
             deterministic_batches=ranks == 1,
@@ -444,6 +450,9 @@ def engine_for(row: Row, served: ServedStore) -> Engine:
             # (engine_patch/connector/fingerprint.py): MLA rows ask for the reference CPU backend.
             extra_engine_args={"attention_backend": "CPU_MLA"} if row.attention == "mla" else {},
         )
+    # As `dss serve` does: a session request's load is planned by the store before it is sent.
+    engine.plan_loads(served.store.kv)
+    return engine
 
 
 def run_row(row: Row, quick: bool, hot_only: bool = False) -> RowResult:

@@ -19,6 +19,8 @@ vLLM carries `kv_transfer_params` as plain JSON-like dicts, so the two request-l
 from __future__ import annotations
 
 import hmac
+import io
+import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypeVar
@@ -143,6 +145,16 @@ class LoadPlan:
 
 @_pickled_by_fields
 @dataclass(frozen=True, slots=True)
+class PlannedLoad:
+    """A load planned for a request before it was sent to the engine (`SessionTag.planned_load`):
+    the store's answer to `begin_load(fingerprint, tenant, prompt, 0, len(prompt) - 1)`."""
+
+    fingerprint: str  # the engine's, as the store registered it: a plan for another is not used
+    plan: LoadPlan
+
+
+@_pickled_by_fields
+@dataclass(frozen=True, slots=True)
 class SavePlan:
     save_id: str
     pages: tuple[PageSlot, ...]
@@ -220,12 +232,44 @@ class SessionTag:
     def _mac(self, key: bytes) -> str:
         return hmac_sha256(key, "dss/session-tag/v3", self.tenant, self.session_id).hex()
 
-    def to_params(self, key: bytes) -> dict[str, Any]:
-        return {"tenant": self.tenant, "session_id": self.session_id, "sig": self._mac(key)}
+    def to_params(self, key: bytes, planned: PlannedLoad | None = None) -> dict[str, Any]:
+        """`planned`: the load the API process planned for the request before sending it (see
+        `planned_load`), signed for this session with the same key."""
+        params: dict[str, Any] = {"tenant": self.tenant, "session_id": self.session_id, "sig": self._mac(key)}
+        if planned is not None:
+            blob = pickle.dumps(planned, protocol=pickle.HIGHEST_PROTOCOL)
+            params[_PLAN] = blob
+            params[_PLAN_SIG] = self._plan_mac(key, blob)
+        return params
 
-    def extra_args(self, key: bytes) -> dict[str, Any]:
+    def extra_args(self, key: bytes, planned: PlannedLoad | None = None) -> dict[str, Any]:
         """`SamplingParams(extra_args=...)`: vLLM hands `kv_transfer_params` to the connector."""
-        return {KV_TRANSFER_PARAMS: self.to_params(key)}
+        return {KV_TRANSFER_PARAMS: self.to_params(key, planned)}
+
+    def _plan_mac(self, key: bytes, blob: bytes) -> str:
+        return hmac_sha256(key, "dss/planned-load/v1", self.tenant, self.session_id, blob).hex()
+
+    def planned_load(self, params: object, key: bytes) -> PlannedLoad | None:
+        """The load planned for this request by the process that sent it, when one came with it
+        and its signature verifies for this session (None otherwise).
+
+        The API's store plans a session turn's load (matches and pins its pages) before the
+        request reaches the engine, and the plan travels in the request's `kv_transfer_params`:
+        the scheduler then asks the store nothing for it (issue 31: that round trip was most of
+        what a hot turn cost beyond vLLM's own prefix-cache hit). A plan names host-arena slots
+        the worker copies from, so only a signed one is read, and only as the plan classes."""
+        if not isinstance(params, Mapping):
+            return None
+        blob, sig = params.get(_PLAN), params.get(_PLAN_SIG)
+        if not isinstance(blob, bytes) or not isinstance(sig, str):
+            return None
+        if not hmac.compare_digest(sig, self._plan_mac(key, blob)):
+            return None
+        try:
+            plan = _PlanUnpickler(io.BytesIO(blob)).load()
+        except (pickle.UnpicklingError, EOFError, TypeError, ValueError):
+            return None
+        return plan if isinstance(plan, PlannedLoad) and isinstance(plan.plan, LoadPlan) else None
 
     @classmethod
     def from_params(cls, params: object, key: bytes) -> SessionTag | None:
@@ -249,6 +293,18 @@ class SessionTag:
         return named and SessionTag.from_params(params, key) is None
 
 
+_PLAN, _PLAN_SIG = "load_plan", "load_plan_sig"
+
+
+class _PlanUnpickler(pickle.Unpickler):
+    """Builds nothing but the plan's own classes (a signed plan is ours; this keeps it so)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == __name__ and name in ("PlannedLoad", "LoadPlan", "PageSlot", "SlotRef"):
+            return globals()[name]
+        raise pickle.UnpicklingError(f"a load plan holds no {module}.{name}")
+
+
 @dataclass(frozen=True, slots=True)
 class TurnReport:
     """What the connector did for one finished session request.
@@ -256,7 +312,9 @@ class TurnReport:
     `engine_cached_tokens` came from vLLM's own prefix cache; `loaded_from` from each DSS tier
     (tokens that failed to load and were recomputed are not in it); `found_in` is what the store
     held beyond the engine's cache when the connector asked, by tier; `store_errors` counts store
-    calls for this request that failed or missed their deadline (each one was a cache miss).
+    calls for this request that failed or missed their deadline (each one was a cache miss);
+    `planned_ahead`: the load was the one planned before the request was sent (`PlannedLoad`),
+    so the engine asked the store nothing for it.
     """
 
     session_id: SessionId
@@ -271,6 +329,7 @@ class TurnReport:
     # Why the connector stopped storing and loading in this engine ("" while it works): the API
     # process shows it in /readyz and `dss_kv_caching_enabled` instead of a log line in the engine.
     caching_off: str = ""
+    planned_ahead: bool = False
 
     @property
     def loaded_tokens(self) -> int:
@@ -289,6 +348,7 @@ class TurnReport:
             "computed_tokens": self.computed_tokens,
             "store_errors": self.store_errors,
             "caching_off": self.caching_off,
+            "planned_ahead": self.planned_ahead,
         }
 
     @classmethod
@@ -307,6 +367,7 @@ class TurnReport:
             computed_tokens=_count(params.get("computed_tokens")),
             store_errors=_count(params.get("store_errors")),
             caching_off=str(params.get("caching_off") or "")[:500],
+            planned_ahead=params.get("planned_ahead") is True,
         )
 
 

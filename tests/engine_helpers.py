@@ -19,8 +19,11 @@ from typing import Any
 import numpy as np
 
 from dss.config import StoreConfig
+from dss.ops.kv import KVCache
 from dss.store import Store
-from engine_patch.setup.factory import EngineSettings, build_llm, session_params
+from dss.types import FingerprintId
+from dss.wire import KV_TRANSFER_PARAMS, SessionTag
+from engine_patch.setup.factory import EngineSettings, build_llm, session_params, tag_key
 from engine_patch.setup.model import default_data_dir, find_model, pull_model, resolve_model
 
 IM_END = "<|im_end|>"
@@ -140,6 +143,8 @@ class Engine:
     ) -> None:
         self.settings = settings(**overrides)
         self.authkey = authkey
+        self.planner: KVCache | None = None
+        self.fingerprint: FingerprintId | None = None  # as the connector reports it
         key = "VLLM_ENABLE_V1_MULTIPROCESSING"
         old = os.environ.get(key)
         self.in_process = deterministic_batches
@@ -159,6 +164,27 @@ class Engine:
         assert self.authkey is not None, "a session request needs the store's authkey"
         return session_params(self.authkey, tenant, session_id)
 
+    def plan_loads(self, planner: KVCache | None) -> None:
+        """Plan each session request's load in the store before sending it, as `dss serve` does
+        (`KVCache.plan_ahead`), once the connector has reported the fingerprint it registered."""
+        self.planner = planner
+
+    def planned(self, prompt: Sequence[int], session: dict[str, Any] | None) -> dict[str, Any] | None:
+        """`session` with the load of `prompt` planned in (when a planner is set)."""
+        if session is None or self.planner is None or self.fingerprint is None or self.authkey is None:
+            return session
+        key = tag_key(self.authkey)
+        tag = SessionTag.from_params(session.get(KV_TRANSFER_PARAMS), key)
+        if tag is None:
+            return session
+        return tag.extra_args(key, self.planner.plan_ahead(self.fingerprint, tag.tenant, prompt))
+
+    def note_report(self, params: dict[str, Any] | None) -> None:
+        """Follow the fingerprint the connector reports (what the API does, `generate`)."""
+        reported = (params or {}).get("fingerprint")
+        if reported:
+            self.fingerprint = FingerprintId(str(reported))
+
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -168,6 +194,7 @@ class Engine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        sessions = [self.planned(p, s) for p, s in zip(prompts, sessions, strict=True)]
         limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
         params = [
             SamplingParams(max_tokens=m, temperature=0.0, extra_args=s or None)
@@ -175,6 +202,8 @@ class Engine:
         ]
         inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         outs = self.llm.generate(inputs, params, use_tqdm=False)
+        for o in outs:
+            self.note_report(o.kv_transfer_params)
         return [
             Result(
                 list(o.prompt_token_ids or []),

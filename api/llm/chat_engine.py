@@ -6,8 +6,8 @@ those ids are what a version stores), continues a version from its stored ids
 (`dss.dialogue.continuation`), fixes `max_tokens` against the context, validates requests with
 vLLM's request model (`api.llm.sampling`), and holds what the generations share: the generation
 slots (`api.llm.slots`), the generations running per tenant (`api.llm.tenant_aborts`), the key
-that signs session tags, and the model fingerprint. Generating is `api.llm.generation`; starting
-the engine is `api.llm.startup`.
+that signs session tags, the model fingerprint, and the store's load planner (`LoadPlanner`).
+Generating is `api.llm.generation`; starting the engine is `api.llm.startup`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from api.http_errors import BadRequest
 from api.llm.sampling import Sampling, ValidatedRequest, sampling_for, tool_calls, validate_request
@@ -26,9 +26,19 @@ from api.llm.tenant_aborts import TenantAborts
 from dss.dialogue.continuation import continuation_text
 from dss.errors import InvalidInput
 from dss.types import FingerprintId, TenantId
-from dss.wire import TurnReport
+from dss.wire import PlannedLoad, TurnReport
 
 log = logging.getLogger("dss.api.llm")
+
+
+class LoadPlanner(Protocol):
+    """What plans a session request's load before it is sent (`dss.ops.kv.KVCache`)."""
+
+    def plan_ahead(
+        self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int]
+    ) -> PlannedLoad | None: ...
+
+    def drop_planned(self, planned: PlannedLoad) -> None: ...
 
 
 class ChatEngine:
@@ -46,6 +56,7 @@ class ChatEngine:
         slots_per_user: int | None = None,
         default_sampling: Mapping[str, Any] | None = None,
         tool_call_parser: str | None = None,
+        planner: LoadPlanner | None = None,
     ) -> None:
         self.llm = llm
         self.tokenizer = tokenizer
@@ -53,6 +64,7 @@ class ChatEngine:
         self.max_model_len = max_model_len
         self.fingerprint = fingerprint
         self.session_tag_key = tag_key  # signs the session tags the connector acts on
+        self.planner = planner  # plans a session request's load before it is sent (None: the engine asks)
         # The model's generation defaults (its generation_config), as vLLM's own server uses them.
         self.default_sampling = dict(default_sampling or {})
         self.tool_call_parser = tool_call_parser

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from api.http_errors import BadRequest, EngineOverloaded, EngineUnavailable
 from api.llm.sampling import Sampling
-from dss.errors import ErasedDuringGeneration
+from dss.errors import DSSError, ErasedDuringGeneration
 from dss.types import FingerprintId, SessionId, TenantId
-from dss.wire import SessionTag, TurnReport
+from dss.wire import PlannedLoad, SessionTag, TurnReport
 
 if TYPE_CHECKING:
     from api.llm.chat_engine import ChatEngine
@@ -85,7 +85,6 @@ async def generate(
     sid = session_id if session_id is not None else SessionId(f"anon-{uuid.uuid4().hex}")
     params = sampling.params.clone()
     params.output_kind = RequestOutputKind.DELTA
-    params.extra_args = SessionTag(tenant, sid).extra_args(engine.session_tag_key) if persist else None
     prompt = TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=cache_salt)
     request_id = "chatcmpl-" + uuid.uuid4().hex
     aborts = engine.tenant_aborts
@@ -93,10 +92,17 @@ async def generate(
     choices = [_ChoiceState() for _ in range(sampling.n)]
     finished: list[Finished] = []
     aborted = False
+    answered = False
+    # One request per prompt (n choices are n engine requests, each needing its own lease). The
+    # last step before the request goes: every way out from here ends the plan's lease.
+    planned = _plan_load(engine, tenant, prompt_ids) if persist and sampling.n == 1 else None
+    tag = SessionTag(tenant, sid)
+    params.extra_args = tag.extra_args(engine.session_tag_key, planned) if persist else None
     try:
         # aclosing: a consumer that stops early (client gone) aborts the request at once.
         async with contextlib.aclosing(engine.llm.generate(prompt, params, request_id)) as outputs:
             async for out in outputs:
+                answered = True
                 for comp in out.outputs:
                     st = choices[comp.index]
                     if out.num_cached_tokens is not None:
@@ -134,6 +140,11 @@ async def generate(
         raise
     finally:
         aborted = aborts.end(tenant, request_id)
+        if planned is not None and not answered and engine.planner is not None:
+            # The engine may never have had the request: its planned load's lease would wait for
+            # the lease timeout. One it did have and used is copied from a lease that ends now:
+            # its check fails and the (aborted) request recomputes.
+            engine.planner.drop_planned(planned)
     if aborted:
         raise ErasedDuringGeneration(_ERASED)
     for fin in finished:
@@ -145,6 +156,19 @@ async def generate(
                 engine.fingerprint,
             )
             engine.fingerprint = FingerprintId(str(reported))
+
+
+def _plan_load(engine: ChatEngine, tenant: TenantId, prompt_ids: Sequence[int]) -> PlannedLoad | None:
+    """The request's load, planned by the store beside this process before the request is sent
+    (`KVCache.plan_ahead`), so that the engine's scheduler need not ask (issue 31). None when
+    there is nothing to load or no planner; a store error leaves the lookup to the engine."""
+    if engine.planner is None or engine.fingerprint is None or engine.uncached_reason is not None:
+        return None
+    try:
+        return engine.planner.plan_ahead(engine.fingerprint, tenant, prompt_ids)
+    except DSSError as exc:
+        log.warning("planning a load before the request failed; the engine looks it up: %s", exc)
+        return None
 
 
 @dataclass

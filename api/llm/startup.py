@@ -88,6 +88,7 @@ async def start_chat_engine(settings: Settings, store: Store) -> ChatEngine:
         tag_key=tag_key(authkey),
         default_sampling=_generation_defaults(model_config),
         tool_call_parser=eng.tool_call_parser,
+        planner=store.kv if fid is not None else None,
     )
     engine.model_names |= {Path(model_path).name, str(model_path)}
     engine.uncached_reason = uncached[0] if uncached else None

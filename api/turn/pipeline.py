@@ -85,6 +85,7 @@ class PromptSplit:
     loaded: int  # from the store's tiers
     loaded_from: Mapping[str, int]  # tokens per tier
     found_in: Mapping[str, int]  # where the store found them
+    planned_ahead: bool = False  # the load was planned before the request went to the engine
 
 
 def prompt_split(prep: Prepared, fins: Sequence[Finished]) -> PromptSplit:
@@ -95,7 +96,15 @@ def prompt_split(prep: Prepared, fins: Sequence[Finished]) -> PromptSplit:
     if report is None:
         return PromptSplit(n_prompt, cached, cached, 0, {}, {})
     loaded = report.loaded_tokens
-    return PromptSplit(n_prompt, cached, max(0, cached - loaded), loaded, report.loaded_from, report.found_in)
+    return PromptSplit(
+        n_prompt,
+        cached,
+        max(0, cached - loaded),
+        loaded,
+        report.loaded_from,
+        report.found_in,
+        report.planned_ahead,
+    )
 
 
 # ----------------------------------------------------------------------------------- the events
@@ -294,7 +303,7 @@ def wait_until_shared(state: AppState, turn: Turn) -> None:
 
 def observe(state: AppState, prep: Prepared, split: PromptSplit, answers: Sequence[Answer]) -> None:
     m = state.metrics
-    m.observe_prompt(split.prompt_tokens, split.engine_cached, dict(split.loaded_from))
+    m.observe_prompt(split.prompt_tokens, split.engine_cached, dict(split.loaded_from), split.planned_ahead)
     lead = prep.plan.lead
     if lead is not None:
         m.observe_lead(lead.served, lead.reason, lead.update_tokens)

@@ -33,6 +33,9 @@ class LoadSpec:
     block_ids: tuple[tuple[int, ...], ...]
     span: SlotSpan | None
     is_async: bool
+    # Pages at the front of the store's lease this load leaves out (vLLM's own cache had them):
+    # the store's check counts usable pages from the lease's first.
+    skip_pages: int = 0
 
     @property
     def n_pages(self) -> int:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from dss.wire import LoadPlan, SessionTag, TurnReport
+from dss.wire import LoadPlan, PlannedLoad, SessionTag, TurnReport
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -22,10 +22,13 @@ def session_key(tag: SessionTag) -> tuple[str, str]:
 
 @dataclass(slots=True)
 class Claim:
-    """A lookup answered for a waiting request: its pages are pinned in the store."""
+    """A lookup answered for a waiting request: its pages are pinned in the store. `skip_pages`:
+    pages at the front of the store's lease that the load leaves out (a plan made before the
+    engine's own prefix-cache hit was known, `SchedulerSide._take_planned`)."""
 
     plan: LoadPlan
     start_token: int
+    skip_pages: int = 0
 
 
 @dataclass(slots=True)
@@ -39,6 +42,8 @@ class RequestState:
     saves_prompt: bool = False  # its whole prompt pages are saved when its prefill completes
     windowed: bool = False  # its pages are saved before they leave a sliding window
     claim: Claim | None = None  # a lookup's pinned pages, until vLLM allocates the blocks
+    planned: PlannedLoad | None = None  # the load planned before the request came (until taken)
+    planned_ahead: bool = False  # that plan was taken: no lookup of the store
     deferred_since: float | None = None  # first "ask again" while the session's last save settles
     loading_async: bool = False  # pages still arriving on the worker's loader thread
     hit_sources: dict[CacheHitSource, int] = field(default_factory=dict)  # for vLLM's hit metrics
@@ -74,6 +79,7 @@ class RequestState:
             computed_tokens=int(self.request.num_computed_tokens),
             store_errors=self.store_errors,
             caching_off=caching_off,
+            planned_ahead=self.planned_ahead,
         )
 
 

@@ -14,7 +14,9 @@ failure (an error, or an RPC past its deadline) is a cache miss, never an error 
 each one is counted in the request's `dss.wire.TurnReport`.
 
 Store round trips per session turn from this process: one `begin_load` when the request is first
-scheduled (unless vLLM's own cache covers all but the last prompt token), one `plan_save` when
+scheduled (unless vLLM's own cache covers all but the last prompt token, or the request came with
+a load the API's store planned before sending it, `SessionTag.planned_load`: then none, and one
+`release` only when vLLM's own cache already held everything it planned), one `plan_save` when
 its prefill completes (its whole prompt pages; none when the load brought them all: a plan's pages
 and every page before them were pinned in the store), and one `plan_save` at finish (the pages
 decoding completed and the tail; none when the store held all of them when the load was planned,
@@ -146,14 +148,7 @@ class SchedulerSide:
             session = self.session_of(request)
             if session is None:
                 return 0, False
-            st = self._requests[req_id] = RequestState(
-                request,
-                session,
-                saves_prompt=self.save_after_prefill and request.num_output_tokens == 0,
-                windowed=self.groups is not None
-                and bool(self.groups.windowed)
-                and self._block_ids_of is not None,
-            )
+            st = self._requests[req_id] = self._new_state(request, session)
         st.engine_cached = num_computed_tokens
         if st.claim is not None:
             if st.claim.start_token == num_computed_tokens:
@@ -166,6 +161,8 @@ class SchedulerSide:
             # save never completes.
             if st.deferred_since is None:
                 st.deferred_since = time.monotonic()
+            # A load planned before this save landed may lack its pages: asked again below.
+            self._drop_planned(st)
             if time.monotonic() - st.deferred_since < self.settle_timeout_s:
                 return None, False
         st.deferred_since = None
@@ -174,7 +171,10 @@ class SchedulerSide:
         # The limit need not be a whole page: a tail page may end anywhere before it.
         max_tokens = request.num_tokens - 1
         if max_tokens <= num_computed_tokens:
+            self._drop_planned(st)
             return 0, False
+        if st.planned is not None and (taken := self._take_planned(st, num_computed_tokens, max_tokens)):
+            return taken
         fid = self._fingerprint_id()
         if fid is None:
             return 0, False
@@ -196,6 +196,51 @@ class SchedulerSide:
         st.claim = Claim(plan, num_computed_tokens)
         st.found_in = {k: v for k, v in plan.tier_tokens.items() if v}
         return plan.n_tokens, self._is_async(plan)
+
+    def _new_state(self, request: Request, session: SessionTag) -> RequestState:
+        assert self._tag_key is not None  # a session was verified with it
+        return RequestState(
+            request,
+            session,
+            saves_prompt=self.save_after_prefill and request.num_output_tokens == 0,
+            windowed=bool(self.groups and self.groups.windowed) and self._block_ids_of is not None,
+            planned=session.planned_load(request.kv_transfer_params, self._tag_key),
+        )
+
+    def _take_planned(self, st: RequestState, start: int, max_tokens: int) -> tuple[int, bool] | None:
+        """Answer the lookup with the load planned before the request came (for its whole prompt,
+        from the first token), less the pages vLLM's own cache already holds: the store is not
+        asked again. Nothing left to load: the plan is released (the one round trip). None: the
+        plan does not fit this engine or this request; it is released and the store asked."""
+        given, st.planned = st.planned, None
+        assert given is not None
+        planned, bs = given.plan, self.block_size
+        skip = start // bs
+        if given.fingerprint != self._fingerprint_id() or planned.start_token != 0 or start % bs:
+            self._release(st, planned.load_id)
+            return None
+        if skip >= len(planned.pages):  # vLLM's own cache holds all the store held
+            self._release(st, planned.load_id)
+            return 0, False
+        pages = planned.pages[skip:]
+        n_tokens = planned.n_tokens - skip * bs
+        tiers: dict[str, int] = {}
+        for i, p in enumerate(pages):
+            tier = p.tier or (Tier.HOST.value if p.slot is not None else Tier.DISK.value)
+            tiers[tier] = tiers.get(tier, 0) + (bs if i + 1 < len(pages) else n_tokens - i * bs)
+        plan = replace(planned, n_tokens=n_tokens, start_token=start, pages=pages, tier_tokens=tiers)
+        if not self._plan_is_sane(plan, start, max_tokens):
+            self._release(st, plan.load_id)
+            return None
+        st.claim = Claim(plan, start, skip)
+        st.planned_ahead = True
+        st.found_in = {k: v for k, v in plan.tier_tokens.items() if v}
+        return plan.n_tokens, self._is_async(plan)
+
+    def _drop_planned(self, st: RequestState) -> None:
+        given, st.planned = st.planned, None
+        if given is not None:
+            self._release(st, given.plan.load_id)
 
     def _is_async(self, plan: LoadPlan) -> bool:
         """Whether the worker copies the plan's pages on its loader thread, before the request is
@@ -254,7 +299,9 @@ class SchedulerSide:
         is_async = self._is_async(claim.plan)
         # Pages in the host arena name their slots now, whichever way vLLM takes the load.
         span = None if claim.plan.is_async else span_of(pages)
-        self._loads.append(LoadSpec(st.req_id, claim.plan.load_id, block_ids, span, is_async))
+        self._loads.append(
+            LoadSpec(st.req_id, claim.plan.load_id, block_ids, span, is_async, claim.skip_pages)
+        )
         # The tier the plan names for each page: the host arena, a page promoted on the way (disk,
         # or the fleet's remote tier), or one the store has just read from the remote tier into
         # the host arena for this turn (a prefetch: reported as remote, where its KV came from).
@@ -418,7 +465,7 @@ class SchedulerSide:
             session = self.session_of(request)
             if session is None:
                 return False, None
-            st = RequestState(request, session)  # finished before the connector was asked
+            st = self._new_state(request, session)  # finished before the connector was asked
         self._drop_claim(st)
         delay_free = False
         # Aborted while its pages were still arriving: its blocks hold nothing to save yet.
@@ -457,6 +504,7 @@ class SchedulerSide:
             self.client.close()
 
     def _drop_claim(self, st: RequestState) -> None:
+        self._drop_planned(st)
         claim, st.claim = st.claim, None
         if claim is not None:
             self._release(st, claim.plan.load_id)

@@ -236,7 +236,7 @@ class WorkerSide:
         checking, self._checking = self._checking, []
         for spec, n_copied, pending in checking:
             try:
-                n_ok = min(n_copied, int(pending.result()), spec.n_pages)
+                n_ok = max(0, min(n_copied, int(pending.result()) - spec.skip_pages, spec.n_pages))
             except Exception as exc:
                 logger.warning(
                     "DSS load %s for %s could not be checked, recomputing: %s", spec.load_id, spec.req_id, exc
@@ -256,7 +256,10 @@ class WorkerSide:
             if not self.ready or client is None or not spec.is_async:
                 raise DSSError("connector not ready for loads")
             got = client.wait_loaded(spec.load_id, self.load_timeout_s)
-            n_ok = usable_prefix(got[: spec.n_pages])
+            skip = spec.skip_pages
+            # Usable from the lease's first page: one missing before `skip` fails the whole load.
+            n_ok = max(0, min(usable_prefix(got[: skip + spec.n_pages]) - skip, spec.n_pages))
+            got = got[skip:]
             if n_ok < spec.n_pages:
                 logger.warning(
                     "DSS async load %s for %s: %d of %d pages could not be had, recomputing from page %d",
@@ -271,9 +274,9 @@ class WorkerSide:
                 raise DSSError("promoted pages came back without slots in one arena")
             if n_ok and span is not None:
                 n_copied = self._copy_in(span, tuple(ids[:n_ok] for ids in spec.block_ids))
-                valid = client.release_checked(spec.load_id, shard=self.shard)
+                valid = client.release_checked(spec.load_id, shard=self.shard) - skip
                 released = True
-                n_ok = min(n_copied, valid, n_ok)
+                n_ok = max(0, min(n_copied, valid, n_ok))
         except Exception as exc:
             logger.warning("DSS async load %s for %s failed, recomputing: %s", spec.load_id, spec.req_id, exc)
             n_ok = 0

@@ -121,5 +121,10 @@ def test_sessions_and_response_chains_continue_from_the_store_after_a_restart(ap
 
     with api_server.client("rs-jo") as client:
         session_after(client)  # first: its turn must find the new engine's cache empty
+    # That turn's load (pages promoted from disk) was planned by the API's store before the
+    # request went to the engine, which asked the store nothing for it.
+    metrics = api_server.client("admin", admin=True).get("/metrics").text
+    (line,) = [m for m in metrics.splitlines() if m.startswith("dss_kv_loads_planned_ahead_total ")]
+    assert float(line.split()[1]) >= 1, line
     chain_after(api_server.openai("resp-ann"), chain)
     conversation_after(api_server.openai("conv-rs"), conversation)

@@ -47,7 +47,7 @@ from dss.ops.kv.tenant_gate import TenantGate
 from dss.ops.kv.writeback import DiskWriter
 from dss.pages.placement import TieredPages
 from dss.types import FingerprintId, TenantId
-from dss.wire import LoadPlan, SavePlan
+from dss.wire import LoadPlan, PlannedLoad, SavePlan
 
 
 class KVCache:
@@ -128,6 +128,26 @@ class KVCache:
         self.ensure_open()
         self._expire_stale()
         return self.loads.pin(fid, tenant, tokens, start_token, max_tokens)
+
+    def plan_ahead(
+        self, fid: FingerprintId, tenant: TenantId, tokens: Sequence[int] | np.ndarray
+    ) -> PlannedLoad | None:
+        """The load of a request's whole prompt, planned by the process that sends the request to
+        the engine: `begin_load(fid, tenant, tokens, 0, len(tokens) - 1)`, to travel with the
+        request (`SessionTag.planned_load`) so that the engine's scheduler asks the store nothing.
+        None when there is nothing to load, and in a store with a remote tier, where planning may
+        wait for Redis (a prefetch, the fleet's pages), which the sender's event loop must not:
+        the engine's own lookup does that. The plan's lease ends as any load's does (the engine's
+        workers, or its scheduler dropping it); a sender that never sent the request ends it
+        (`drop_planned`)."""
+        if self._pages.remote is not None or len(tokens) < 2:
+            return None
+        plan = self.begin_load(fid, tenant, tokens, 0, len(tokens) - 1)
+        return None if plan is None else PlannedLoad(str(fid), plan)
+
+    def drop_planned(self, planned: PlannedLoad) -> None:
+        """End the lease of a plan that never reached the engine (its request failed first)."""
+        self.loads.release(planned.plan.load_id)
 
     def plan_save(
         self,

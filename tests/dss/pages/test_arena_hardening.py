@@ -467,6 +467,54 @@ def test_the_engine_worker_discards_a_copy_whose_slot_moved_on(store: Store) -> 
         worker.shutdown()
 
 
+def test_a_load_that_leaves_out_the_leases_first_pages_is_checked_from_the_first(store: Store) -> None:
+    """A load planned before the engine's own cache hit was known copies the pages after it
+    (`LoadSpec.skip_pages`); the store's check counts good pages from the lease's first, so a
+    page left out that was dropped meanwhile fails the load rather than being miscounted."""
+    pytest.importorskip("vllm")
+    from dss.rpc import StoreClient
+    from dss.wire import span_of
+    from engine_patch.connector.metadata import DSSConnectorMetadata, LoadSpec
+    from engine_patch.connector.worker_side import WorkerSide
+
+    address, authkey = store.serve_rpc()
+    n_blocks = 8
+    worker = WorkerSide(SMALL_FP, lambda: StoreClient(address, authkey), n_blocks)
+    shape = (n_blocks, SMALL_FP.num_kv_heads, SMALL_FP.block_size, 2 * SMALL_FP.head_size)
+    layers = {f"layer.{i}": torch.zeros(shape, dtype=torch.bfloat16) for i in range(SMALL_FP.num_layers)}
+    worker.register_kv_caches(layers, lambda name: int(name.rsplit(".", 1)[1]))
+    fid, tenant = SMALL_FP.id, store.identity.tenant_for("alice")
+    tokens = np.arange(1, 13, dtype=np.int32)  # 3 pages
+    pages = pages_for(SMALL_FP, tokens)
+
+    def block_bytes(block: int) -> bytes:
+        parts = [kv[block].reshape(-1).view(torch.uint8) for kv in layers.values()]
+        return torch.cat(parts).numpy().tobytes()
+
+    def load_after_first(blocks: tuple[int, int]) -> tuple[PageHash, LoadSpec]:
+        plan = store.kv.begin_load(fid, tenant, tokens)
+        assert plan is not None and len(plan.pages) == 3
+        span = span_of(plan.pages[1:])
+        assert span is not None
+        return plan.pages[0].hash, LoadSpec("req", plan.load_id, (blocks,), span, False, skip_pages=1)
+
+    try:
+        put_sequence(store, fid, tenant, tokens, pages)
+        _first, spec = load_after_first((5, 6))
+        worker.start_load_kv(DSSConnectorMetadata([spec], []))
+        assert worker.get_block_ids_with_load_errors() == set()
+        assert [block_bytes(5), block_bytes(6)] == pages[1:]
+        # The page left out is dropped between the plan and the check: the load is not trusted.
+        first, spec = load_after_first((3, 4))
+        store.kv.lookup.forget(store.pages.copies.drop([first]))
+        worker.start_load_kv(DSSConnectorMetadata([spec], []))
+        assert worker.get_block_ids_with_load_errors() == {3, 4}
+        assert store.stats()["leases"] == 0
+        store.check()
+    finally:
+        worker.shutdown()
+
+
 def test_a_worker_unmaps_the_arena_of_a_store_that_restarted(tmp_path: Path) -> None:
     """A restarted store makes its arena in a new directory; the worker's mapping of the old one
     (unlinked, but reserved in full) must not keep that memory allocated for the engine's life."""

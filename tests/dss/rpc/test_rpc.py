@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import pickle
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dss.derive import rpc_authkey
+from dss.derive import hmac_sha256, rpc_authkey
 from dss.errors import DSSError, SessionNotFound
 from dss.namespace import ModelFingerprint
 from dss.rpc import (
@@ -28,8 +29,8 @@ from dss.rpc import (
     StoreUnavailable,
     socket_path_for,
 )
-from dss.types import FingerprintId, PageHash, TenantId
-from dss.wire import LoadPlan, PageSlot, SavePlan, SlotRef
+from dss.types import FingerprintId, PageHash, SessionId, TenantId
+from dss.wire import LoadPlan, PageSlot, PlannedLoad, SavePlan, SessionTag, SlotRef
 
 KEY = rpc_authkey(b"s" * 32)
 FP = ModelFingerprint(
@@ -420,6 +421,31 @@ def test_one_contract_the_owners_the_client_and_the_server_follow(tmp_path: Path
             client.close()
     finally:
         store.close()
+
+
+def test_a_planned_load_travels_signed_for_its_session_and_as_plan_classes_only() -> None:
+    """A load planned by the API's store rides in the request's `kv_transfer_params`
+    (`SessionTag.to_params`): read back only under the session's key, for that very tenant and
+    session, and unpickled as nothing but the plan classes even when its signature verifies."""
+    key = b"k" * 32
+    ref = SlotRef("/dev/shm/dss-1/arena", 4096, 7, 64, 3)
+    pages = (PageSlot(0, PageHash("a" * 32), ref), PageSlot(1, PageHash("b" * 32), ref))
+    plan = LoadPlan("L9", 8, 0, pages, False, {"host": 8}, 8)
+    planned = PlannedLoad("fp1", plan)
+    tag = SessionTag(TenantId("t1"), SessionId("s1"))
+    params = tag.to_params(key, planned)
+    assert SessionTag.from_params(params, key) == tag and tag.planned_load(params, key) == planned
+    assert tag.planned_load(tag.to_params(key), key) is None  # none was planned
+    assert tag.planned_load(params, b"x" * 32) is None  # another key
+    assert SessionTag(TenantId("t2"), SessionId("s1")).planned_load(params, key) is None
+    assert SessionTag(TenantId("t1"), SessionId("s2")).planned_load(params, key) is None
+    blob = params["load_plan"]
+    tampered = {**params, "load_plan": blob.replace(b"/dev/shm/dss-1", b"/dev/shm/dss-2")}
+    assert tag.planned_load(tampered, key) is None
+    # Signed with the right key yet holding another class: refused all the same.
+    evil = pickle.dumps(PlannedLoad("fp1", datetime.date(2026, 1, 1)), pickle.HIGHEST_PROTOCOL)  # type: ignore[arg-type]
+    mac = hmac_sha256(key, "dss/planned-load/v1", "t1", "s1", evil).hex()
+    assert tag.planned_load({**params, "load_plan": evil, "load_plan_sig": mac}, key) is None
 
 
 def test_plans_pickle_as_their_constructor_and_fields() -> None:

@@ -21,7 +21,7 @@ from vllm.v1.request import Request
 from dss.rpc import StoreClient
 from dss.store import Store
 from dss.types import TenantId
-from dss.wire import SessionTag, SlotRef, TurnReport, tag_key
+from dss.wire import PlannedLoad, SessionTag, SlotRef, TurnReport, tag_key
 from engine_patch.connector.metadata import DSSConnectorMetadata, DSSWorkerMetadata
 from engine_patch.connector.scheduler_side import SchedulerSide
 from tests.store_helpers import SMALL_FP, open_store, pages_for, put_sequence
@@ -60,10 +60,31 @@ def side(store: Store) -> Iterator[SchedulerSide]:
 
 
 def request(
-    req_id: str, tokens: list[int], tenant: str | None, session_id: str = "s1", key: bytes = TAG_KEY
+    req_id: str,
+    tokens: list[int],
+    tenant: str | None,
+    session_id: str = "s1",
+    key: bytes = TAG_KEY,
+    planned: PlannedLoad | None = None,
 ) -> Request:
-    extra = SessionTag(TenantId(tenant), session_id).extra_args(key) if tenant else None
+    extra = SessionTag(TenantId(tenant), session_id).extra_args(key, planned) if tenant else None
     return Request(req_id, tokens, SamplingParams(max_tokens=4, extra_args=extra), None)
+
+
+def planned_request(store: Store, req_id: str, tokens: list[int], tenant: str, **kw: Any) -> Request:
+    """A request whose load the API's store planned before sending it (`KVCache.plan_ahead`)."""
+    planned = store.kv.plan_ahead(SMALL_FP.id, TenantId(tenant), tokens)
+    assert planned is not None
+    return request(req_id, tokens, tenant, planned=planned, **kw)
+
+
+def no_lookups(side: SchedulerSide, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From now on the scheduler may not ask the store for a load plan."""
+
+    def refused(*_args: Any, **_kwargs: Any) -> Any:
+        raise AssertionError("the scheduler asked the store for a load it was given")
+
+    monkeypatch.setattr(side.client, "begin_load", refused)
 
 
 def step(side: SchedulerSide, scheduled: dict[str, int] | None = None) -> DSSConnectorMetadata:
@@ -149,6 +170,98 @@ def test_unsigned_or_forged_session_tags_are_ignored(store: Store, side: Schedul
         assert side.request_finished(r, (list(range(5)),)) == (False, None)
     assert store.stats()["leases"] == 0
     assert side.get_num_new_matched_tokens(request("r3", [*tokens, 1], tenant), 0) == (4 * BS, False)
+
+
+def test_a_planned_load_is_taken_without_asking_the_store(
+    store: Store, side: SchedulerSide, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tenant = store.identity.tenant_for("u")
+    tokens = [*stored(store, tenant, 4 * BS), 1]
+    r = planned_request(store, "r1", tokens, tenant)
+    assert store.stats()["leases"] == 1  # pinned when planned, before the engine had the request
+    no_lookups(side, monkeypatch)
+    assert side.get_num_new_matched_tokens(r, 0) == (4 * BS, False)
+    side.update_state_after_alloc(r, blocks_of([9, 8, 7, 6, 5]), 4 * BS)
+    (load,) = step(side).loads
+    assert load.block_ids == ((9, 8, 7, 6),) and load.skip_pages == 0 and load.span is not None
+    # vLLM's own cache holds the first two pages: the load leaves them out of the same lease.
+    r2 = planned_request(store, "r2", tokens, tenant)
+    assert side.get_num_new_matched_tokens(r2, 2 * BS) == (2 * BS, False)
+    side.update_state_after_alloc(r2, blocks_of([1, 2, 3, 4, 5]), 2 * BS)
+    (load,) = step(side).loads
+    assert load.block_ids == ((3, 4),) and load.skip_pages == 2 and len(load.span.slots) == 2
+    r2.num_computed_tokens = len(tokens)
+    report = TurnReport.from_params(side.request_finished(r2, ([1, 2, 3, 4, 5],))[1])
+    assert report is not None and report.engine_cached_tokens == 2 * BS and report.loaded_tokens == 2 * BS
+    assert report.found_in == {"host": 2 * BS}
+    assert store.stats()["leases"] == 2  # the workers release them after their copies
+
+
+def test_a_planned_load_that_cannot_be_used_is_released(
+    store: Store, side: SchedulerSide, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tenant = store.identity.tenant_for("u")
+    tokens = [*stored(store, tenant, 4 * BS), 1]
+    no_lookups(side, monkeypatch)
+    # vLLM's own cache holds all of it: nothing to load, and the plan's pages are unpinned.
+    assert side.get_num_new_matched_tokens(planned_request(store, "r1", tokens, tenant), 4 * BS) == (0, False)
+    assert store.stats()["leases"] == 0
+    # Aborted before the scheduler ever asked.
+    r2 = planned_request(store, "r2", tokens, tenant)
+    side.request_finished(r2, ([],))
+    assert store.stats()["leases"] == 0
+    # A plan made for another engine's model is not trusted with this one's blocks.
+    other = store.kv.plan_ahead(SMALL_FP.id, TenantId(tenant), tokens)
+    assert other is not None
+    r3 = request("r3", tokens, tenant, planned=PlannedLoad("another-model", other.plan))
+    monkeypatch.undo()
+    assert side.get_num_new_matched_tokens(r3, 0) == (4 * BS, False)  # looked up instead
+    assert store.stats()["leases"] == 1
+    side.request_finished(r3, ([],))
+    assert store.stats()["leases"] == 0
+
+
+def test_a_planned_load_is_only_read_under_the_sessions_signature(
+    store: Store, side: SchedulerSide, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plan names arena slots: one not signed for this very session (forged, or copied from
+    another request's parameters) is never used, whatever it names."""
+    alice, mallory = store.identity.tenant_for("alice"), store.identity.tenant_for("mallory")
+    tokens = [*stored(store, alice, 4 * BS), 1]
+    alices = store.kv.plan_ahead(SMALL_FP.id, TenantId(alice), tokens)
+    assert alices is not None
+    copied = SessionTag(TenantId(alice), "s1").to_params(TAG_KEY, alices)
+    theirs = SessionTag(TenantId(mallory), "s1").to_params(TAG_KEY)
+    theirs.update(load_plan=copied["load_plan"], load_plan_sig=copied["load_plan_sig"])
+    forged = SessionTag(TenantId(mallory), "s1").to_params(tag_key(b"a guess"), alices)
+    forged.update(sig=theirs["sig"])
+    for i, params in enumerate((theirs, forged)):
+        sampling = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params})
+        r = Request(f"m{i}", tokens, sampling, None)
+        assert side.get_num_new_matched_tokens(r, 0) == (0, False)  # mallory's own lookup: nothing
+        side.request_finished(r, ([],))
+    assert store.stats()["leases"] == 1  # alice's plan, never used: it waits for its timeout
+    store.kv.drop_planned(alices)
+    assert store.stats()["leases"] == 0
+
+
+def test_a_planned_load_waits_for_the_sessions_save_in_flight(
+    store: Store, side: SchedulerSide, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planned before the previous turn's save landed, the plan may lack its pages: it is
+    released and the store asked again once the save settled."""
+    tenant = store.identity.tenant_for("u")
+    tokens = stored(store, tenant, 2 * BS)
+    r = request("r1", [*tokens, *range(500, 500 + BS + 1)], tenant)
+    r.num_computed_tokens = 3 * BS + 1
+    assert side.request_finished(r, ([10, 11, 12, 13],))[0]
+    (save,) = step(side).saves
+    nxt = planned_request(store, "r2", [*r.all_token_ids, 7], tenant)
+    assert side.get_num_new_matched_tokens(nxt, 0) == (None, False)
+    assert store.stats()["leases"] == 0
+    store.kv.saves.abort_save(save.save_id)
+    side.update_connector_output(KVConnectorOutput(finished_sending={"r1"}))
+    assert side.get_num_new_matched_tokens(nxt, 0) == (2 * BS, False)
 
 
 def test_other_tenants_match_nothing(store: Store, side: SchedulerSide) -> None:
