@@ -37,7 +37,7 @@ from dss.errors import DSSError
 from dss.namespace import ModelFingerprint
 from dss.rpc import StoreClient
 from dss.types import FingerprintId, Tier
-from dss.wire import LoadPlan, SessionTag, TurnReport, span_of
+from dss.wire import LoadPlan, SessionTag, TurnReport, span_of, tokens_digest
 from engine_patch.connector.groups import KVGroups, complete_prefix
 from engine_patch.connector.metadata import DSSConnectorMetadata, DSSWorkerMetadata, LoadSpec, SaveSpec
 from engine_patch.connector.request_state import BlockIds, Claim, RequestState, session_key, tokens_by_tier
@@ -216,7 +216,12 @@ class SchedulerSide:
         assert given is not None
         planned, bs = given.plan, self.block_size
         skip = start // bs
-        if given.fingerprint != self._fingerprint_id() or planned.start_token != 0 or start % bs:
+        if (
+            given.fingerprint != self._fingerprint_id()
+            or planned.start_token != 0
+            or start % bs
+            or given.prompt != tokens_digest(st.request.prompt_token_ids or ())
+        ):
             self._release(st, planned.load_id)
             return None
         if skip >= len(planned.pages):  # vLLM's own cache holds all the store held

@@ -47,7 +47,7 @@ from dss.ops.kv.tenant_gate import TenantGate
 from dss.ops.kv.writeback import DiskWriter
 from dss.pages.placement import TieredPages
 from dss.types import FingerprintId, TenantId
-from dss.wire import LoadPlan, PlannedLoad, SavePlan
+from dss.wire import LoadPlan, PlannedLoad, SavePlan, tokens_digest
 
 
 class KVCache:
@@ -143,7 +143,7 @@ class KVCache:
         if self._pages.remote is not None or len(tokens) < 2:
             return None
         plan = self.begin_load(fid, tenant, tokens, 0, len(tokens) - 1)
-        return None if plan is None else PlannedLoad(str(fid), plan)
+        return None if plan is None else PlannedLoad(str(fid), tokens_digest(tokens), plan)
 
     def drop_planned(self, planned: PlannedLoad) -> None:
         """End the lease of a plan that never reached the engine (its request failed first)."""

@@ -30,7 +30,7 @@ from dss.rpc import (
     socket_path_for,
 )
 from dss.types import FingerprintId, PageHash, SessionId, TenantId
-from dss.wire import LoadPlan, PageSlot, PlannedLoad, SavePlan, SessionTag, SlotRef
+from dss.wire import LoadPlan, PageSlot, PlannedLoad, SavePlan, SessionTag, SlotRef, tokens_digest
 
 KEY = rpc_authkey(b"s" * 32)
 FP = ModelFingerprint(
@@ -431,7 +431,7 @@ def test_a_planned_load_travels_signed_for_its_session_and_as_plan_classes_only(
     ref = SlotRef("/dev/shm/dss-1/arena", 4096, 7, 64, 3)
     pages = (PageSlot(0, PageHash("a" * 32), ref), PageSlot(1, PageHash("b" * 32), ref))
     plan = LoadPlan("L9", 8, 0, pages, False, {"host": 8}, 8)
-    planned = PlannedLoad("fp1", plan)
+    planned = PlannedLoad("fp1", tokens_digest(range(9)), plan)
     tag = SessionTag(TenantId("t1"), SessionId("s1"))
     params = tag.to_params(key, planned)
     assert SessionTag.from_params(params, key) == tag and tag.planned_load(params, key) == planned
@@ -443,7 +443,7 @@ def test_a_planned_load_travels_signed_for_its_session_and_as_plan_classes_only(
     tampered = {**params, "load_plan": blob.replace(b"/dev/shm/dss-1", b"/dev/shm/dss-2")}
     assert tag.planned_load(tampered, key) is None
     # Signed with the right key yet holding another class: refused all the same.
-    evil = pickle.dumps(PlannedLoad("fp1", datetime.date(2026, 1, 1)), pickle.HIGHEST_PROTOCOL)  # type: ignore[arg-type]
+    evil = pickle.dumps(PlannedLoad("fp1", "d", datetime.date(2026, 1, 1)), pickle.HIGHEST_PROTOCOL)  # type: ignore[arg-type]
     mac = hmac_sha256(key, "dss/planned-load/v1", "t1", "s1", evil).hex()
     assert tag.planned_load({**params, "load_plan": evil, "load_plan_sig": mac}, key) is None
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from vllm.v1.request import Request
 from dss.rpc import StoreClient
 from dss.store import Store
 from dss.types import TenantId
-from dss.wire import PlannedLoad, SessionTag, SlotRef, TurnReport, tag_key
+from dss.wire import PlannedLoad, SessionTag, SlotRef, TurnReport, tag_key, tokens_digest
 from engine_patch.connector.metadata import DSSConnectorMetadata, DSSWorkerMetadata
 from engine_patch.connector.scheduler_side import SchedulerSide
 from tests.store_helpers import SMALL_FP, open_store, pages_for, put_sequence
@@ -210,15 +211,19 @@ def test_a_planned_load_that_cannot_be_used_is_released(
     r2 = planned_request(store, "r2", tokens, tenant)
     side.request_finished(r2, ([],))
     assert store.stats()["leases"] == 0
-    # A plan made for another engine's model is not trusted with this one's blocks.
-    other = store.kv.plan_ahead(SMALL_FP.id, TenantId(tenant), tokens)
-    assert other is not None
-    r3 = request("r3", tokens, tenant, planned=PlannedLoad("another-model", other.plan))
+    # A plan made for another engine's model, or for another prompt, is not trusted with this
+    # request's blocks: released, and the store asked.
     monkeypatch.undo()
-    assert side.get_num_new_matched_tokens(r3, 0) == (4 * BS, False)  # looked up instead
-    assert store.stats()["leases"] == 1
-    side.request_finished(r3, ([],))
-    assert store.stats()["leases"] == 0
+    another_model: dict[str, Any] = {"fingerprint": "another-model"}
+    another_prompt: dict[str, Any] = {"prompt": tokens_digest([7, 7])}
+    for i, wrong in enumerate((another_model, another_prompt)):
+        made = store.kv.plan_ahead(SMALL_FP.id, TenantId(tenant), tokens)
+        assert made is not None
+        r = request(f"r3-{i}", tokens, tenant, planned=replace(made, **wrong))
+        assert side.get_num_new_matched_tokens(r, 0) == (4 * BS, False)  # looked up instead
+        assert store.stats()["leases"] == 1
+        side.request_finished(r, ([],))
+        assert store.stats()["leases"] == 0
 
 
 def test_a_planned_load_is_only_read_under_the_sessions_signature(
