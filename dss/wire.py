@@ -158,7 +158,8 @@ class PlannedLoad:
 
 def tokens_digest(tokens: Iterable[int]) -> str:
     """A digest of token ids (32-bit), to check that a planned load meets the prompt it was planned
-    for: 128k tokens take about 1 ms."""
+    for. Most of its cost is reading a list of ints (2-6 ms for 128k tokens on a 2-core machine,
+    about what converting them for a `begin_load` round trip cost the scheduler)."""
     return hashlib.blake2b(array("i", tokens).tobytes(), digest_size=16).hexdigest()
 
 
