@@ -154,6 +154,9 @@ class PlannedLoad:
     fingerprint: str  # the engine's, as the store registered it: a plan for another is not used
     prompt: str  # `tokens_digest` of the prompt it was planned for: used for exactly that prompt
     plan: LoadPlan
+    # `time.monotonic()` before it was planned (the store and its engines share a host, hence a
+    # clock): a save of the session the engine saw land after this may hold pages it lacks.
+    planned_at: float = 0.0
 
 
 def tokens_digest(tokens: Iterable[int]) -> str:

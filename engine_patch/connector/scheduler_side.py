@@ -25,7 +25,9 @@ decoding completed and the tail; none when the store held all of them when the l
 
 from __future__ import annotations
 
+import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -49,6 +51,10 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger("vllm.dss_connector")
+
+# How long the scheduler remembers when each session's last save landed: a load planned longer
+# ago than this is not taken (a plan is made the moment before its request is sent).
+_SAVES_REMEMBERED_S = 60.0
 
 
 class SchedulerSide:
@@ -85,6 +91,9 @@ class SchedulerSide:
         # session -> {request id: when its finish-time save was handed to the worker}; kept past
         # the request's finish, until the worker reports the copy done.
         self._saving: dict[tuple[str, str], dict[str, float]] = {}
+        # session -> when the engine last saw one of its saves land (oldest first, for
+        # `_saved_since`): a load planned before then may lack that save's pages.
+        self._saved_at: OrderedDict[tuple[str, str], float] = OrderedDict()
         self._loads: list[LoadSpec] = []
         self._saves: list[SaveSpec] = []
         # Registered at start so the store (and the API beside it) knows this engine's pages; a
@@ -221,6 +230,7 @@ class SchedulerSide:
             or planned.start_token != 0
             or start % bs
             or given.prompt != tokens_digest(st.request.prompt_token_ids or ())
+            or self._saved_since(session_key(st.session), given.planned_at)
         ):
             self._release(st, planned.load_id)
             return None
@@ -241,6 +251,15 @@ class SchedulerSide:
         st.planned_ahead = True
         st.found_in = {k: v for k, v in plan.tier_tokens.items() if v}
         return plan.n_tokens, self._is_async(plan)
+
+    def _saved_since(self, key: tuple[str, str], planned_at: float) -> bool:
+        """Whether a save of the session landed after a load of it was planned (the plan may
+        lack its pages: the store is asked again), or the plan is too old to tell."""
+        now = time.monotonic()
+        horizon = now - _SAVES_REMEMBERED_S
+        while self._saved_at and next(iter(self._saved_at.values())) < horizon:
+            self._saved_at.popitem(last=False)
+        return planned_at < horizon or self._saved_at.get(key, -math.inf) >= planned_at
 
     def _drop_planned(self, st: RequestState) -> None:
         given, st.planned = st.planned, None
@@ -450,6 +469,8 @@ class SchedulerSide:
                 del self._saving[key][req_id]
                 if not self._saving[key]:
                     del self._saving[key]
+                self._saved_at[key] = time.monotonic()
+                self._saved_at.move_to_end(key)
         meta = output.kv_connector_worker_meta
         if isinstance(meta, DSSWorkerMetadata):
             for req_id, n in meta.failed_tokens.items():

@@ -142,8 +142,9 @@ class KVCache:
         (`drop_planned`)."""
         if self._pages.remote is not None or len(tokens) < 2:
             return None
+        planned_at = time.monotonic()  # before: a save that lands meanwhile counts as after it
         plan = self.begin_load(fid, tenant, tokens, 0, len(tokens) - 1)
-        return None if plan is None else PlannedLoad(str(fid), tokens_digest(tokens), plan)
+        return None if plan is None else PlannedLoad(str(fid), tokens_digest(tokens), plan, planned_at)
 
     def drop_planned(self, planned: PlannedLoad) -> None:
         """End the lease of a plan that never reached the engine (its request failed first)."""

@@ -269,6 +269,35 @@ def test_a_planned_load_waits_for_the_sessions_save_in_flight(
     assert side.get_num_new_matched_tokens(nxt, 0) == (2 * BS, False)
 
 
+def test_a_load_planned_before_the_sessions_last_save_landed_is_not_taken(
+    store: Store, side: SchedulerSide
+) -> None:
+    """CI, s43: the API planned a turn the moment the previous turn's answer came back, before
+    the engine's worker had committed that turn's finish-time save; by the time the scheduler
+    saw the new request the save had landed (nothing in flight any more) and the plan, lacking
+    its pages, was taken: the turn loaded less than the store held. A save the engine saw land
+    after the plan was made now sends the scheduler to the store."""
+    tenant = store.identity.tenant_for("u")
+    tokens = stored(store, tenant, 2 * BS)
+    r = request("r1", [*tokens, *range(500, 500 + BS + 1)], tenant)
+    r.num_computed_tokens = 3 * BS + 1
+    assert side.request_finished(r, ([10, 11, 12, 13],))[0]
+    (save,) = step(side).saves
+    nxt = planned_request(store, "r2", [*r.all_token_ids, 7], tenant)  # planned: 2 pages
+    # The worker copies the save's pages and the store commits them; the engine learns it.
+    whole = pages_for(SMALL_FP, np.asarray(r.all_token_ids[: 3 * BS], dtype=np.int32))
+    written = [*whole, bytes(SMALL_FP.page_nbytes)]  # and the tail page
+    for idx, slot in zip(save.page_indexes, save.span.slots, strict=True):
+        ref = SlotRef(save.span.arena_path, save.span.slot_nbytes, slot)
+        store.pages.host.slot_array(ref)[:] = np.frombuffer(written[idx], dtype=np.uint8)
+    assert store.kv.saves.commit_save(save.save_id, save.page_indexes) == len(save.page_indexes)
+    side.update_connector_output(KVConnectorOutput(finished_sending={"r1"}))
+    n, _ = side.get_num_new_matched_tokens(nxt, 0)
+    assert n is not None and n > 2 * BS  # the saved pages too, not the plan's 2 pages
+    side.request_finished(nxt, ([],))
+    assert store.stats()["leases"] == 0
+
+
 def test_other_tenants_match_nothing(store: Store, side: SchedulerSide) -> None:
     tokens = stored(store, store.identity.tenant_for("alice"), 4 * BS)
     bob = request("r", [*tokens, 1], store.identity.tenant_for("bob"))
