@@ -39,7 +39,7 @@ from dss.errors import DSSError
 from dss.namespace import ModelFingerprint
 from dss.rpc import StoreClient
 from dss.types import FingerprintId, Tier
-from dss.wire import LoadPlan, SessionTag, TurnReport, span_of, tokens_digest
+from dss.wire import LoadPlan, PageSlot, SessionTag, TurnReport, span_of, tokens_digest
 from engine_patch.connector.groups import KVGroups, complete_prefix
 from engine_patch.connector.metadata import DSSConnectorMetadata, DSSWorkerMetadata, LoadSpec, SaveSpec
 from engine_patch.connector.request_state import BlockIds, Claim, RequestState, session_key, tokens_by_tier
@@ -239,10 +239,7 @@ class SchedulerSide:
             return 0, False
         pages = planned.pages[skip:]
         n_tokens = planned.n_tokens - skip * bs
-        tiers: dict[str, int] = {}
-        for i, p in enumerate(pages):
-            tier = p.tier or (Tier.HOST.value if p.slot is not None else Tier.DISK.value)
-            tiers[tier] = tiers.get(tier, 0) + (bs if i + 1 < len(pages) else n_tokens - i * bs)
+        tiers = tokens_by_tier(_tiers_of(pages), n_tokens, bs)
         plan = replace(planned, n_tokens=n_tokens, start_token=start, pages=pages, tier_tokens=tiers)
         if not self._plan_is_sane(plan, start, max_tokens):
             self._release(st, plan.load_id)
@@ -329,9 +326,7 @@ class SchedulerSide:
         # The tier the plan names for each page: the host arena, a page promoted on the way (disk,
         # or the fleet's remote tier), or one the store has just read from the remote tier into
         # the host arena for this turn (a prefetch: reported as remote, where its KV came from).
-        st.page_tiers = [
-            p.tier or (Tier.HOST.value if p.slot is not None else Tier.DISK.value) for p in pages
-        ]
+        st.page_tiers = _tiers_of(pages)
         st.loaded_tokens = min(num_external_tokens, claim.plan.n_tokens)
         # The store held every whole page up to the load's end (it pinned them to plan it), and,
         # when vLLM took the whole plan, the sequence as far as `stored_tokens`: no save needs to
@@ -534,3 +529,8 @@ class SchedulerSide:
         claim, st.claim = st.claim, None
         if claim is not None:
             self._release(st, claim.plan.load_id)
+
+
+def _tiers_of(pages: tuple[PageSlot, ...]) -> list[str]:
+    """The tier each page of a plan is read from (a plan's pages name it; an old store's did not)."""
+    return [p.tier or (Tier.HOST.value if p.slot is not None else Tier.DISK.value) for p in pages]

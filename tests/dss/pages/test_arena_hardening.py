@@ -24,6 +24,7 @@ import textwrap
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -415,11 +416,9 @@ def test_a_slot_parked_for_a_lease_is_freed_when_the_lease_ends(store: Store) ->
     store.check()
 
 
-def test_the_engine_worker_discards_a_copy_whose_slot_moved_on(store: Store) -> None:
-    pytest.importorskip("vllm")
+def _worker_of(store: Store) -> tuple[Any, dict[str, torch.Tensor]]:
+    """An engine worker of `SMALL_FP` with 8 blocks per layer, talking to `store` over its RPC."""
     from dss.rpc import StoreClient
-    from dss.wire import span_of
-    from engine_patch.connector.metadata import DSSConnectorMetadata, LoadSpec
     from engine_patch.connector.worker_side import WorkerSide
 
     address, authkey = store.serve_rpc()
@@ -428,15 +427,26 @@ def test_the_engine_worker_discards_a_copy_whose_slot_moved_on(store: Store) -> 
     shape = (n_blocks, SMALL_FP.num_kv_heads, SMALL_FP.block_size, 2 * SMALL_FP.head_size)
     layers = {f"layer.{i}": torch.zeros(shape, dtype=torch.bfloat16) for i in range(SMALL_FP.num_layers)}
     worker.register_kv_caches(layers, lambda name: int(name.rsplit(".", 1)[1]))
+    return worker, layers
+
+
+def _block_bytes(layers: dict[str, torch.Tensor], block: int) -> bytes:
+    """A block as a page lays it out: the block of layer 0, then layer 1."""
+    parts = [kv[block].reshape(-1).view(torch.uint8) for kv in layers.values()]
+    return torch.cat(parts).numpy().tobytes()
+
+
+def test_the_engine_worker_discards_a_copy_whose_slot_moved_on(store: Store) -> None:
+    pytest.importorskip("vllm")
+    from dss.wire import span_of
+    from engine_patch.connector.metadata import DSSConnectorMetadata, LoadSpec
+
+    worker, layers = _worker_of(store)
     assert worker.ready
     fid = SMALL_FP.id
     alice_tokens = np.arange(1, 5, dtype=np.int32)
     bob_tokens = np.arange(900, 904, dtype=np.int32)
     (bob_page,) = pages_for(SMALL_FP, bob_tokens, salt=7)
-
-    def block_bytes(block: int) -> bytes:  # a page's layout: the block of layer 0, then layer 1
-        parts = [kv[block].reshape(-1).view(torch.uint8) for kv in layers.values()]
-        return torch.cat(parts).numpy().tobytes()
 
     try:
         put_sequence(
@@ -452,7 +462,7 @@ def test_the_engine_worker_discards_a_copy_whose_slot_moved_on(store: Store) -> 
         worker.start_load_kv(
             DSSConnectorMetadata([LoadSpec("req-a", plan.load_id, ((5,),), span, False)], [])
         )
-        assert block_bytes(5) != bob_page, "another tenant's KV reached the engine's blocks"
+        assert _block_bytes(layers, 5) != bob_page, "another tenant's KV reached the engine's blocks"
         assert worker.get_block_ids_with_load_errors() == {5}  # recomputed, not served
         assert worker._copy_in(span, ((6,),)) == 0  # the worker's own check, without the store's
         # A slot that did not move on is copied and kept.
@@ -460,7 +470,7 @@ def test_the_engine_worker_discards_a_copy_whose_slot_moved_on(store: Store) -> 
         assert bob_plan is not None
         bob_span = span_of(bob_plan.pages)
         assert bob_span is not None and worker._copy_in(bob_span, ((3,),)) == 1
-        assert block_bytes(3) == bob_page
+        assert _block_bytes(layers, 3) == bob_page
         store.kv.loads.release(bob_plan.load_id)
         store.check()
     finally:
@@ -472,24 +482,13 @@ def test_a_load_that_leaves_out_the_leases_first_pages_is_checked_from_the_first
     (`LoadSpec.skip_pages`); the store's check counts good pages from the lease's first, so a
     page left out that was dropped meanwhile fails the load rather than being miscounted."""
     pytest.importorskip("vllm")
-    from dss.rpc import StoreClient
     from dss.wire import span_of
     from engine_patch.connector.metadata import DSSConnectorMetadata, LoadSpec
-    from engine_patch.connector.worker_side import WorkerSide
 
-    address, authkey = store.serve_rpc()
-    n_blocks = 8
-    worker = WorkerSide(SMALL_FP, lambda: StoreClient(address, authkey), n_blocks)
-    shape = (n_blocks, SMALL_FP.num_kv_heads, SMALL_FP.block_size, 2 * SMALL_FP.head_size)
-    layers = {f"layer.{i}": torch.zeros(shape, dtype=torch.bfloat16) for i in range(SMALL_FP.num_layers)}
-    worker.register_kv_caches(layers, lambda name: int(name.rsplit(".", 1)[1]))
+    worker, layers = _worker_of(store)
     fid, tenant = SMALL_FP.id, store.identity.tenant_for("alice")
     tokens = np.arange(1, 13, dtype=np.int32)  # 3 pages
     pages = pages_for(SMALL_FP, tokens)
-
-    def block_bytes(block: int) -> bytes:
-        parts = [kv[block].reshape(-1).view(torch.uint8) for kv in layers.values()]
-        return torch.cat(parts).numpy().tobytes()
 
     def load_after_first(blocks: tuple[int, int]) -> tuple[PageHash, LoadSpec]:
         plan = store.kv.begin_load(fid, tenant, tokens)
@@ -503,7 +502,7 @@ def test_a_load_that_leaves_out_the_leases_first_pages_is_checked_from_the_first
         _first, spec = load_after_first((5, 6))
         worker.start_load_kv(DSSConnectorMetadata([spec], []))
         assert worker.get_block_ids_with_load_errors() == set()
-        assert [block_bytes(5), block_bytes(6)] == pages[1:]
+        assert [_block_bytes(layers, 5), _block_bytes(layers, 6)] == pages[1:]
         # The page left out is dropped between the plan and the check: the load is not trusted.
         first, spec = load_after_first((3, 4))
         store.kv.lookup.forget(store.pages.copies.drop([first]))

@@ -23,7 +23,7 @@ from dss.rpc import StoreClient
 from dss.store import Store
 from dss.types import TenantId
 from dss.wire import PlannedLoad, SessionTag, SlotRef, TurnReport, tag_key, tokens_digest
-from engine_patch.connector.metadata import DSSConnectorMetadata, DSSWorkerMetadata
+from engine_patch.connector.metadata import DSSConnectorMetadata, DSSWorkerMetadata, SaveSpec
 from engine_patch.connector.scheduler_side import SchedulerSide
 from tests.store_helpers import SMALL_FP, open_store, pages_for, put_sequence
 
@@ -77,6 +77,26 @@ def planned_request(store: Store, req_id: str, tokens: list[int], tenant: str, *
     planned = store.kv.plan_ahead(SMALL_FP.id, TenantId(tenant), tokens)
     assert planned is not None
     return request(req_id, tokens, tenant, planned=planned, **kw)
+
+
+def finished_turn_then_planned_next(store: Store, side: SchedulerSide) -> tuple[Request, SaveSpec, Request]:
+    """A turn (2 stored pages, then one more and a tail computed) whose finish-time save is handed
+    to the worker, and the session's next turn, planned at once (before that save landed)."""
+    tenant = store.identity.tenant_for("u")
+    tokens = stored(store, tenant, 2 * BS)
+    r = request("r1", [*tokens, *range(500, 500 + BS + 1)], tenant)
+    r.num_computed_tokens = 3 * BS + 1
+    assert side.request_finished(r, ([10, 11, 12, 13],))[0]
+    (save,) = step(side).saves
+    return r, save, planned_request(store, "r2", [*r.all_token_ids, 7], tenant)
+
+
+def write_slots(store: Store, save: SaveSpec, written: list[bytes]) -> None:
+    """The worker's copy into a save's reserved slots, as the store sees it."""
+    assert save.span is not None
+    for idx, slot in zip(save.page_indexes, save.span.slots, strict=True):
+        ref = SlotRef(save.span.arena_path, save.span.slot_nbytes, slot)
+        store.pages.host.slot_array(ref)[:] = np.frombuffer(written[idx], dtype=np.uint8)
 
 
 def no_lookups(side: SchedulerSide, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -255,13 +275,7 @@ def test_a_planned_load_waits_for_the_sessions_save_in_flight(
 ) -> None:
     """Planned before the previous turn's save landed, the plan may lack its pages: it is
     released and the store asked again once the save settled."""
-    tenant = store.identity.tenant_for("u")
-    tokens = stored(store, tenant, 2 * BS)
-    r = request("r1", [*tokens, *range(500, 500 + BS + 1)], tenant)
-    r.num_computed_tokens = 3 * BS + 1
-    assert side.request_finished(r, ([10, 11, 12, 13],))[0]
-    (save,) = step(side).saves
-    nxt = planned_request(store, "r2", [*r.all_token_ids, 7], tenant)
+    _, save, nxt = finished_turn_then_planned_next(store, side)
     assert side.get_num_new_matched_tokens(nxt, 0) == (None, False)
     assert store.stats()["leases"] == 0
     store.kv.saves.abort_save(save.save_id)
@@ -277,19 +291,11 @@ def test_a_load_planned_before_the_sessions_last_save_landed_is_not_taken(
     saw the new request the save had landed (nothing in flight any more) and the plan, lacking
     its pages, was taken: the turn loaded less than the store held. A save the engine saw land
     after the plan was made now sends the scheduler to the store."""
-    tenant = store.identity.tenant_for("u")
-    tokens = stored(store, tenant, 2 * BS)
-    r = request("r1", [*tokens, *range(500, 500 + BS + 1)], tenant)
-    r.num_computed_tokens = 3 * BS + 1
-    assert side.request_finished(r, ([10, 11, 12, 13],))[0]
-    (save,) = step(side).saves
-    nxt = planned_request(store, "r2", [*r.all_token_ids, 7], tenant)  # planned: 2 pages
+    r, save, nxt = finished_turn_then_planned_next(store, side)  # planned: 2 pages
     # The worker copies the save's pages and the store commits them; the engine learns it.
     whole = pages_for(SMALL_FP, np.asarray(r.all_token_ids[: 3 * BS], dtype=np.int32))
     written = [*whole, bytes(SMALL_FP.page_nbytes)]  # and the tail page
-    for idx, slot in zip(save.page_indexes, save.span.slots, strict=True):
-        ref = SlotRef(save.span.arena_path, save.span.slot_nbytes, slot)
-        store.pages.host.slot_array(ref)[:] = np.frombuffer(written[idx], dtype=np.uint8)
+    write_slots(store, save, written)
     assert store.kv.saves.commit_save(save.save_id, save.page_indexes) == len(save.page_indexes)
     side.update_connector_output(KVConnectorOutput(finished_sending={"r1"}))
     n, _ = side.get_num_new_matched_tokens(nxt, 0)
@@ -448,9 +454,7 @@ def test_a_turn_loads_the_previous_turns_tail_page_and_computes_only_new_tokens(
     assert save.page_indexes == (0, 1, 2) and save.block_ids == ((20, 21, 22),) and save.tail_tokens == 2
     # The worker's copy, as the store sees it: the reserved slots are written, then committed.
     written = [*pages_for(SMALL_FP, np.asarray(prev, dtype=np.int32)), bytes(SMALL_FP.page_nbytes)]
-    for idx, slot in zip(save.page_indexes, save.span.slots, strict=True):
-        ref = SlotRef(save.span.arena_path, save.span.slot_nbytes, slot)
-        store.pages.host.slot_array(ref)[:] = np.frombuffer(written[idx], dtype=np.uint8)
+    write_slots(store, save, written)
     assert store.kv.saves.commit_save(save.save_id, save.page_indexes) == 3
     side.update_connector_output(KVConnectorOutput(finished_sending={"r1"}))
 
