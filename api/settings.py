@@ -221,7 +221,10 @@ class EngineGroup(BaseModel):
     # 429 `too_many_user_generations`. None: half of `max_inflight` (at least 1).
     max_slots_per_user: int | None = Field(default=None, ge=1)
     retry_after_s: int = Field(default=1, ge=1)
-    # Nice value of the engine's processes (0: unchanged); keeps API latency low under load.
+    # How the engine's processes yield the CPU to the API's (api/llm/engine_priority.py): "idle",
+    # Linux's SCHED_IDLE class (an API thread that wakes preempts them at once), or "nice", the
+    # nice value below (0: unchanged). Keeps API latency low while the engine computes.
+    cpu_priority: Literal["idle", "nice"] = "idle"
     nice: int = Field(default=10, ge=0, le=19)
     startup_timeout_s: float = Field(default=600.0, gt=0)
     # A model or parallel layout DSS cannot cache refuses to start (one line, the reason); True

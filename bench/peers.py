@@ -405,7 +405,9 @@ def start_dss(procs: list[Proc], shape: EngineShape, model: Path, root: Path, co
     env.update({
         "DSS_ENGINE__MAX_MODEL_LEN": str(shape.max_model_len),
         "DSS_ENGINE__KV_CACHE_SPACE_GIB": str(shape.kv_cache_space_gib),
-        "DSS_ENGINE__NICE": "0",  # the peers' engines run at the caller's priority too
+        # The peers' engines run at the caller's priority: so does this one (nice 0 = unchanged).
+        "DSS_ENGINE__CPU_PRIORITY": "nice",
+        "DSS_ENGINE__NICE": "0",
         **(settings or {}),
     })  # fmt: skip
     script = Path(sys.executable).with_name("dss")

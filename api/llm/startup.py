@@ -1,6 +1,7 @@
 """Starting the embedded vLLM engine against the store's RPC: the model resolved (and prepared),
 caching checked before any engine process starts (refused, or served uncached when allowed), the
-model fingerprint the connector writes pages under registered, the engine's processes niced.
+model fingerprint the connector writes pages under registered, the engine's processes put behind
+the API's on the CPU (`api.llm.engine_priority`).
 
 vLLM and `engine_patch.setup` are imported only here, and only when the engine starts.
 """
@@ -8,14 +9,13 @@ vLLM and `engine_patch.setup` are imported only here, and only when the engine s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 from api.http_errors import UncachedModel
 from api.llm.chat_engine import ChatEngine
+from api.llm.engine_priority import child_pids, lower_engine_priority
 from api.llm.sampling import tool_parser_class
 from api.settings import Settings
 from dss.store import Store
@@ -61,6 +61,7 @@ async def start_chat_engine(settings: Settings, store: Store) -> ChatEngine:
         log.warning("serving model %s WITHOUT KV caching: %s", Path(model_path).name, reason)
         uncached.append(reason)
 
+    before = child_pids()
     llm = await asyncio.to_thread(factory.build_async_engine, address, authkey, es, check_caching)
     try:
         tokenizer = llm.get_tokenizer()
@@ -73,8 +74,7 @@ async def start_chat_engine(settings: Settings, store: Store) -> ChatEngine:
     except BaseException:
         llm.shutdown()
         raise
-    if eng.nice > 0:
-        _lower_engine_priority(eng.nice)
+    lower_engine_priority(before, eng.cpu_priority, eng.nice)
     log.info("engine ready: model %s, context %d tokens, fingerprint %s", name, max_len, fid)
     engine = ChatEngine(
         llm,
@@ -100,28 +100,6 @@ def _generation_defaults(model_config: Any) -> dict[str, Any]:
         return dict(model_config.get_diff_sampling_param())
     except Exception:  # a model without a generation config
         return {}
-
-
-def _lower_engine_priority(nice: int) -> None:
-    """Run the engine's processes at a higher nice value than the API process.
-
-    The engine computes for long stretches on every core it gets; the API answers in a few
-    milliseconds of CPU. With equal priority a rollback waits behind the engine's time slices
-    (tens of milliseconds on a 2-core machine); with the engine niced, the kernel runs the API's
-    short bursts at once and the engine loses only what the API actually uses. Linux keeps a
-    nice value per thread, so every thread of every engine process is reniced (threads created
-    later inherit it from their creator).
-    """
-    try:
-        import psutil
-    except ImportError:
-        return
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            for thread in child.threads():
-                with contextlib.suppress(OSError):
-                    if os.getpriority(os.PRIO_PROCESS, thread.id) < nice:
-                        os.setpriority(os.PRIO_PROCESS, thread.id, nice)
 
 
 def _engine_fingerprint(
