@@ -51,7 +51,8 @@ same code), so each DSS turn is compared only with its own neighbour.
 `--smoke` runs the rows `make test` runs (tests/engine_patch/connector/test_model_matrix.py);
 `--rows a,b` picks rows; `--hot-only` skips the restart and measures the hot load with 15 pairs
 (after the row's turns, like the full mode), to compare its cost between two versions of the code
-(a mismatch is then a turn that differed, or a hot load that did not load the whole prompt).
+(a mismatch is then a turn that differed, or a hot load that did not load the whole prompt);
+`--hot-only --phases` also prints where the DSS turns' time went (`bench/_hot_phases.py`).
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ from _engine_common import (
     root_cause,
     served_by,
 )
+from _hot_phases import HotPhases
 
 from engine_patch.setup.model import find_ready, model_cache_dir, pull_model
 from engine_patch.setup.model_catalog import GEMMA3_270M, READY_MODELS
@@ -365,10 +367,11 @@ class Matrix:
             self.res.mismatches.append(f"after restart: loaded from {loaded_from}, not the disk tier alone")
         self.res.restart_loaded = out.loaded_tokens
 
-    def hot_load(self, repeats: int = 9) -> None:
+    def hot_load(self, repeats: int = 9, phases: HotPhases | None = None) -> None:
         """A long prompt's first token from the store's host tier vs from vLLM's hot prefix cache
-        (or, where vLLM keeps none, vs recomputing the prompt)."""
+        (or, where vLLM keeps none, vs recomputing the prompt); `phases` times the DSS turns'."""
         e, rng = self.engine, np.random.default_rng(31)
+        timing = phases.turn if phases is not None else contextlib.nullcontext
         tenant = self.served.store.identity.tenant_for(f"{self.row.name}-hot")
         prompt = e.chat_ids([{"role": "user", "content": f"Hot: {words(rng, 900)}"}])
         e.reset_prefix_cache()
@@ -377,7 +380,9 @@ class Matrix:
         for i in range(repeats):
             e.reset_prefix_cache()
             e.settle()
-            (d,) = generate(e, [prompt], [e.session(tenant, f"hot-{i + 1}")], 1)
+            session = e.session(tenant, f"hot-{i + 1}")
+            with timing():
+                (d,) = generate(e, [prompt], [session], 1)
             if d.loaded_tokens != len(prompt) - 1:
                 self.res.mismatches.append(f"hot load {i}: loaded {d.loaded_tokens} of {len(prompt) - 1}")
             if not (d.params or {}).get("planned_ahead"):  # as `dss serve` sends it (`engine_for`)
@@ -455,9 +460,10 @@ def engine_for(row: Row, served: ServedStore) -> Engine:
     return engine
 
 
-def run_row(row: Row, quick: bool, hot_only: bool = False) -> RowResult:
+def run_row(row: Row, quick: bool, hot_only: bool = False, phases: bool = False) -> RowResult:
     """One row end to end (`hot_only`: without the restart, the hot load with 15 pairs, for
-    comparing its cost between two versions of the code); a row whose engine does not start (vLLM
+    comparing its cost between two versions of the code; `phases`: with where its DSS turns'
+    time went, printed); a row whose engine does not start (vLLM
     refuses the configuration, or DSS refuses to cache it) is `unsupported` with the first error it
     raised."""
     pin_cpu_reservation()
@@ -481,7 +487,11 @@ def run_row(row: Row, quick: bool, hot_only: bool = False) -> RowResult:
             m.rollback_and_branch()
             m.restart_reference()
             if hot_only:
-                m.hot_load(repeats=15)
+                timed = HotPhases() if phases else None
+                with timed.installed() if timed is not None else contextlib.nullcontext():
+                    m.hot_load(repeats=15, phases=timed)
+                if timed is not None:
+                    print(f"{row.name}: a hot turn's phases", *timed.lines(), sep="\n", flush=True)
                 return m.res
             m.hot_load()
             served.store.check()
@@ -531,11 +541,16 @@ def main() -> None:
     args = sys.argv[1:]
     smoke = "--smoke" in args
     hot_only = "--hot-only" in args
+    phases = "--phases" in args
+    if phases and not hot_only:
+        raise SystemExit("--phases times the hot load of --hot-only: give both")
     picked = next((a.split("=", 1)[1] for a in args if a.startswith("--rows=")), None)
-    unknown = [a for a in args if a not in ("--smoke", "--hot-only") and not a.startswith("--rows=")]
+    flags = ("--smoke", "--hot-only", "--phases")
+    unknown = [a for a in args if a not in flags and not a.startswith("--rows=")]
     if unknown:
         raise SystemExit(
-            f"unknown arguments {unknown}; options: --smoke, --hot-only, --rows=NAME,NAME (see FULL_ROWS)"
+            f"unknown arguments {unknown}; options: --smoke, --hot-only [--phases], --rows=NAME,NAME "
+            "(see FULL_ROWS)"
         )
     rows = SMOKE_ROWS if smoke else FULL_ROWS
     if picked:  # NAME (every layout of it) or NAME@TPxPP, in the order given
@@ -545,7 +560,7 @@ def main() -> None:
     results = []
     for row in rows:
         t0 = time.perf_counter()
-        r = run_row(row, quick=smoke, hot_only=hot_only)
+        r = run_row(row, quick=smoke, hot_only=hot_only, phases=phases)
         print(f"{row.name} {row.layout}: done in {time.perf_counter() - t0:.0f} s", flush=True)
         table([r])
         results.append(r)

@@ -1,0 +1,88 @@
+"""Where a hot turn's time goes beyond vLLM's own prefix-cache hit (`model_matrix.py --phases`).
+
+Wraps the public entry points of the store and the connector that a DSS session turn passes
+through and sums their wall time over the turns measured. Only an in-process engine (a row with
+one rank) runs its scheduler and worker in this process: other rows report the API-side phases
+alone. The wrappers cost about a microsecond per call; phases nest nowhere, so they add up to
+what DSS adds to a turn (the copy included), less what happens between them (vLLM's own work for
+a longer prompt context, the GIL handed between this thread and the store's RPC thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+def _phases() -> dict[str, tuple[type, str]]:
+    from dss.ops.kv.cache import KVCache
+    from dss.wire import SessionTag
+    from engine_patch.connector.scheduler_side import SchedulerSide
+    from engine_patch.connector.worker_side import WorkerSide
+
+    return {
+        "plan (store: match, pin)": (KVCache, "plan_ahead"),
+        "sign (tag + pickled plan)": (SessionTag, "to_params"),
+        "lookup (verify, unpickle, take)": (SchedulerSide, "get_num_new_matched_tokens"),
+        "after alloc": (SchedulerSide, "update_state_after_alloc"),
+        "step metadata": (SchedulerSide, "build_connector_meta"),
+        "worker load (copy, check sent)": (WorkerSide, "start_load_kv"),
+        "worker finished (check read)": (WorkerSide, "get_finished"),
+        "finished (report)": (SchedulerSide, "request_finished"),
+    }
+
+
+class HotPhases:
+    """Sums of each phase's wall time over the turns run inside `turn()`, while `installed()`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.turns = 0
+        self._on = False
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        originals: list[tuple[type, str, Callable[..., Any]]] = []
+        try:
+            for name, (cls, attr) in _phases().items():
+                fn = cls.__dict__[attr]
+                originals.append((cls, attr, fn))
+                setattr(cls, attr, self._timed(name, fn))
+            yield
+        finally:
+            for cls, attr, fn in originals:
+                setattr(cls, attr, fn)
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[None]:
+        self._on = True
+        try:
+            yield
+        finally:
+            self._on = False
+            self.turns += 1
+
+    def _timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self._on:
+                return fn(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - t0
+
+        return timed
+
+    def lines(self) -> list[str]:
+        """One line per phase, in ms per turn, and their sum."""
+        n = max(1, self.turns)
+        out = [f"    {1000 * s / n:6.3f} ms  {name}" for name, s in self.seconds.items()]
+        total = 1000 * sum(self.seconds.values()) / n
+        out.append(f"    {total:6.3f} ms  in all, per DSS turn ({self.turns} turns)")
+        return out
