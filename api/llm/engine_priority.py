@@ -7,8 +7,9 @@ milliseconds on a 2-core machine). Two ways to put the engine behind the API:
 - `idle` (the default, Linux): every thread of the engine's processes runs in the `SCHED_IDLE`
   class. A thread of the API that wakes preempts an idle-class thread at once, where it would wait
   for the end of a niced thread's slice first; the engine still gets every cycle the API leaves.
-  On a 2-core machine under `bench/api_load.py` this answered 82-83 % of rollbacks within 20 ms
-  against 75-77 % with nice 10, and lowered the median time to first token by 8-16 %.
+  On a 2-core machine under `bench/api_load.py` it served a few more requests a second with a
+  lower median time to first token than nice 10; the rollbacks' tail moved less than the
+  machine's noise (docs/operations.md).
 - `nice`: the nice value `DSS_ENGINE__NICE` (0: unchanged), where `SCHED_IDLE` is not available.
 
 Only the processes the engine started are changed, not the store's own helpers (the page codec
