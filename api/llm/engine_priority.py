@@ -53,12 +53,27 @@ def lower_engine_priority(started_since: set[int], priority: CpuPriority, nice: 
         with contextlib.suppress(psutil.Error):
             threads += [t.id for t in proc.threads()]
     idle = getattr(os, "SCHED_IDLE", None) if priority == "idle" else None
+    if priority == "idle" and idle is None:
+        log.warning("no SCHED_IDLE class on this platform: the engine runs at nice %d instead", nice)
+    refused: list[str] = []
     for tid in threads:
-        with contextlib.suppress(OSError):
+        try:
             if idle is not None:
                 os.sched_setscheduler(tid, idle, os.sched_param(0))
             elif nice > 0 and os.getpriority(os.PRIO_PROCESS, tid) < nice:
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+        except OSError as exc:
+            refused.append(exc.strerror or type(exc).__name__)
+    if refused:  # a container's seccomp policy, say: said, not silently left as it was
+        log.warning(
+            "the engine's CPU priority (%s) was refused for %d of its %d threads: %s",
+            priority,
+            len(refused),
+            len(threads),
+            refused[0],
+        )
 
 
 def _with_descendants(procs: Iterable[Any]) -> list[Any]:
