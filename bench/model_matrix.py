@@ -462,10 +462,9 @@ def engine_for(row: Row, served: ServedStore) -> Engine:
 
 def run_row(row: Row, quick: bool, hot_only: bool = False, phases: bool = False) -> RowResult:
     """One row end to end (`hot_only`: without the restart, the hot load with 15 pairs, for
-    comparing its cost between two versions of the code; `phases`: with where its DSS turns'
-    time went, printed); a row whose engine does not start (vLLM
-    refuses the configuration, or DSS refuses to cache it) is `unsupported` with the first error it
-    raised."""
+    comparing its cost between two versions of the code; `phases`: with where its DSS turns' time
+    went, printed); a row whose engine does not start (vLLM refuses the configuration, or DSS
+    refuses to cache it) is `unsupported` with the first error it raised."""
     pin_cpu_reservation()
     served = ServedStore(host_gib=1.0)
     try:
