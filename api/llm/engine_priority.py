@@ -22,8 +22,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Literal
+
+import psutil
 
 log = logging.getLogger("dss.api.llm")
 
@@ -31,25 +32,21 @@ CpuPriority = Literal["idle", "nice"]
 
 
 def child_pids() -> set[int]:
-    """The pids of this process's direct children (none known without psutil)."""
-    try:
-        import psutil
-    except ImportError:
-        return set()
+    """The pids of this process's direct children."""
     return {p.pid for p in psutil.Process().children()}
 
 
 def lower_engine_priority(started_since: set[int], priority: CpuPriority, nice: int) -> None:
     """Put the processes started since `started_since` (`child_pids()` before the engine was
     built), and their descendants, behind the API."""
-    try:
-        import psutil
-    except ImportError:
-        log.warning("psutil is missing: the engine runs at the API's CPU priority")
-        return
-    engine = [p for p in psutil.Process().children() if p.pid not in started_since]
+    engine: list[psutil.Process] = []
+    for child in psutil.Process().children():
+        if child.pid not in started_since:
+            engine.append(child)
+            with contextlib.suppress(psutil.Error):  # it ended meanwhile
+                engine += child.children(recursive=True)
     threads: list[int] = []
-    for proc in _with_descendants(engine):
+    for proc in engine:
         with contextlib.suppress(psutil.Error):
             threads += [t.id for t in proc.threads()]
     idle = getattr(os, "SCHED_IDLE", None) if priority == "idle" else None
@@ -74,14 +71,3 @@ def lower_engine_priority(started_since: set[int], priority: CpuPriority, nice: 
             len(threads),
             refused[0],
         )
-
-
-def _with_descendants(procs: Iterable[Any]) -> list[Any]:
-    import psutil
-
-    out = []
-    for proc in procs:
-        out.append(proc)
-        with contextlib.suppress(psutil.Error):
-            out += proc.children(recursive=True)
-    return out

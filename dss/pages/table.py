@@ -194,18 +194,23 @@ class PageTable:
         with self._lock:
             return [ref for refs in self._parked.values() for ref in refs]
 
-    def valid(self, held: Held, ref: SlotRef | None) -> bool:
-        """Whether a reader's copy from `ref` is of the page it leased (not erased, not moved)."""
+    def valid_each(self, copies: Iterable[tuple[Held, SlotRef | None]]) -> list[bool]:
+        """For each reader's copy from a slot, whether it is of the page it leased (not erased,
+        not moved): one lock for a whole load's pages."""
         with self._lock:
-            e = self._entries.get(held.hash)
-            return (
-                e is not None
-                and not e.doomed
-                and e.serial == held.serial
-                and ref is not None
-                and e.host_ref == ref
-                and Tier.HOST in e.tiers
-            )
+            return [self._valid(held, ref) for held, ref in copies]
+
+    def _valid(self, held: Held, ref: SlotRef | None) -> bool:
+        """Caller holds the lock."""
+        e = self._entries.get(held.hash)
+        return (
+            e is not None
+            and not e.doomed
+            and e.serial == held.serial
+            and ref is not None
+            and e.host_ref == ref
+            and Tier.HOST in e.tiers
+        )
 
     def set_pinned(self, pages: Iterable[PageHash], pinned: bool) -> None:
         with self._lock:

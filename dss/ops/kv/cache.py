@@ -46,6 +46,7 @@ from dss.ops.kv.saves import KVSaves
 from dss.ops.kv.tenant_gate import TenantGate
 from dss.ops.kv.writeback import DiskWriter
 from dss.pages.placement import TieredPages
+from dss.tokens import as_tokens
 from dss.types import FingerprintId, TenantId
 from dss.wire import LoadPlan, PlannedLoad, SavePlan, tokens_digest
 
@@ -143,8 +144,9 @@ class KVCache:
         if self._pages.remote is not None or len(tokens) < 2:
             return None
         planned_at = time.monotonic()  # before: a save that lands meanwhile counts as after it
-        plan = self.begin_load(fid, tenant, tokens, 0, len(tokens) - 1)
-        return None if plan is None else PlannedLoad(str(fid), tokens_digest(tokens), plan, planned_at)
+        arr = as_tokens(tokens)  # once: matched, and digested in place
+        plan = self.begin_load(fid, tenant, arr, 0, len(arr) - 1)
+        return None if plan is None else PlannedLoad(str(fid), tokens_digest(arr), plan, planned_at)
 
     def drop_planned(self, planned: PlannedLoad) -> None:
         """End the lease of a plan that never reached the engine (its request failed first)."""

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -40,8 +40,9 @@ from dss.ops.kv.matching import match_info, with_partial
 from dss.ops.kv.remote_adoption import index_adopted, promote_adopted, remote_pages_after
 from dss.ops.kv.tenant_gate import TenantGate
 from dss.pages.placement import TieredPages
+from dss.pages.table import Held
 from dss.types import FingerprintId, PageHash, TenantId, Tier
-from dss.wire import LoadPlan, PageSlot, SlotRef, usable_prefix
+from dss.wire import LoadPlan, PageSlot, SlotRef
 
 log = logging.getLogger("dss.kv")
 
@@ -273,27 +274,49 @@ class KVLoads:
             lease = self._leases.get(load_id)
         if lease is None:
             return ()
-        deadline = time.monotonic() + timeout_s
-        out: list[PageSlot | None] = []
-        for ps in lease.plan_pages:
-            ref = ps.slot
-            fut = lease.futures.get(ps.page_index)
-            if fut is not None:
-                try:
-                    ref = fut.result(timeout=max(0.0, deadline - time.monotonic()))
-                except FutureTimeout:
-                    ref = None
-            ok = ref is not None and self._pages.table.valid(lease.held[ps.page_index], ref)
-            out.append(PageSlot(ps.page_index, ps.hash, ref) if ok else None)
+        refs = self._slots_of(lease, time.monotonic() + timeout_s)
+        ok = self._pages.table.valid_each(self._copies(lease, refs))
         if release:
             self.release(load_id, shard)
-        return tuple(out)
+        return tuple(
+            PageSlot(ps.page_index, ps.hash, ref) if good else None
+            for ps, ref, good in zip(lease.plan_pages, refs, ok, strict=True)
+        )
 
     def release_checked(self, load_id: str, shard: int | None = None) -> int:
         """`wait_loaded(load_id, 0.0, release=True, shard=shard)` as a count: how many of the
         plan's pages, from the first, a copy taken before this call can be trusted for (0 for a
-        lease that is gone)."""
-        return usable_prefix(self.wait_loaded(load_id, 0.0, release=True, shard=shard))
+        lease that is gone). Asked once per load, on the path of every hot turn: the pages are
+        checked under one lock, and no page objects are built."""
+        with self._lock:
+            lease = self._leases.get(load_id)
+        if lease is None:
+            return 0
+        refs = self._slots_of(lease, time.monotonic())
+        ok = self._pages.table.valid_each(self._copies(lease, refs))
+        self.release(load_id, shard)
+        return next((i for i, good in enumerate(ok) if not good), len(ok))
+
+    @staticmethod
+    def _copies(lease: Lease, refs: list[SlotRef | None]) -> Iterator[tuple[Held, SlotRef | None]]:
+        """Each plan page's lease with the slot its copy is read from."""
+        return ((lease.held[ps.page_index], ref) for ps, ref in zip(lease.plan_pages, refs, strict=True))
+
+    @staticmethod
+    def _slots_of(lease: Lease, deadline: float) -> list[SlotRef | None]:
+        """Each plan page's host slot: the one planned, or the one its promotion ends in
+        (waited for until `deadline`; None when not promoted by then)."""
+        refs: list[SlotRef | None] = []
+        for ps in lease.plan_pages:
+            fut = lease.futures.get(ps.page_index)
+            if fut is None:
+                refs.append(ps.slot)
+                continue
+            try:
+                refs.append(fut.result(timeout=max(0.0, deadline - time.monotonic())))
+            except FutureTimeout:
+                refs.append(None)
+        return refs
 
     def release(self, load_id: str, shard: int | None = None) -> None:
         """End a load's lease. Each rank of a parallel engine releases its own `shard` after its

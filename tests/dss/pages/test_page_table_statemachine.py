@@ -178,7 +178,7 @@ class PagesMachine(RuleBasedStateMachine):
             if ref is None:  # no host room: every slot is pinned or leased
                 assert Tier.HOST not in self.pages.tiers_of(page)
                 return
-            assert self.pages.table.valid(held[0], ref)
+            assert self.pages.table.valid_each([(held[0], ref)]) == [True]
             assert self.host.slot_array(ref).tobytes() == self.model[page]
         finally:
             self.pages.unlease(held)

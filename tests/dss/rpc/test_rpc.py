@@ -11,6 +11,7 @@ import stat
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -423,10 +424,11 @@ def test_one_contract_the_owners_the_client_and_the_server_follow(tmp_path: Path
         store.close()
 
 
-def test_a_planned_load_travels_signed_for_its_session_and_as_plan_classes_only() -> None:
+def test_a_planned_load_travels_signed_for_its_session_and_as_plain_values_only() -> None:
     """A load planned by the API's store rides in the request's `kv_transfer_params`
     (`SessionTag.to_params`): read back only under the session's key, for that very tenant and
-    session, and unpickled as nothing but the plan classes even when its signature verifies."""
+    session, and unpickled as plain values only (no class, not even the plan's own) even when its
+    signature verifies."""
     key = b"k" * 32
     ref = SlotRef("/dev/shm/dss-1/arena", 4096, 7, 64, 3)
     pages = (PageSlot(0, PageHash("a" * 32), ref), PageSlot(1, PageHash("b" * 32), ref))
@@ -442,10 +444,21 @@ def test_a_planned_load_travels_signed_for_its_session_and_as_plan_classes_only(
     blob = params["load_plan"]
     tampered = {**params, "load_plan": blob.replace(b"/dev/shm/dss-1", b"/dev/shm/dss-2")}
     assert tag.planned_load(tampered, key) is None
-    # Signed with the right key yet holding another class: refused all the same.
-    evil = pickle.dumps(PlannedLoad("fp1", "d", datetime.date(2026, 1, 1)), pickle.HIGHEST_PROTOCOL)  # type: ignore[arg-type]
-    mac = hmac_sha256(key, "dss/planned-load/v1", "t1", "s1", evil).hex()
-    assert tag.planned_load({**params, "load_plan": evil, "load_plan_sig": mac}, key) is None
+    # Signed with the right key yet holding a class (another one, or the plan's own as the
+    # layout before this one pickled it), or plain values of another layout: refused all the same.
+    for evil in (
+        pickle.dumps(PlannedLoad("fp1", "d", datetime.date(2026, 1, 1)), pickle.HIGHEST_PROTOCOL),  # type: ignore[arg-type]
+        pickle.dumps(planned, pickle.HIGHEST_PROTOCOL),
+        pickle.dumps((1, "fp1"), pickle.HIGHEST_PROTOCOL),
+    ):
+        mac = hmac_sha256(key, "dss/planned-load/v2", "t1", "s1", evil).hex()
+        assert tag.planned_load({**params, "load_plan": evil, "load_plan_sig": mac}, key) is None
+    # A plan with pages on disk (no slot yet) and digested from the store's token array (the
+    # same digest as the prompt's list) comes back equal too.
+    on_disk = replace(plan, pages=(pages[0], PageSlot(1, PageHash("c" * 32), None, "disk")), is_async=True)
+    digested = PlannedLoad("fp1", tokens_digest(np.arange(9, dtype="<i4")), on_disk, 12.5)
+    assert digested.prompt == planned.prompt
+    assert tag.planned_load(tag.to_params(key, digested), key) == digested
 
 
 def test_plans_pickle_as_their_constructor_and_fields() -> None:
