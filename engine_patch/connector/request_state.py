@@ -3,6 +3,7 @@ to its finish, where it becomes the request's `TurnReport`."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -85,9 +86,11 @@ class RequestState:
 
 def tokens_by_tier(tiers: list[str], n_tokens: int, block_size: int) -> dict[str, int]:
     """`n_tokens` spread over pages of `block_size` read from `tiers` (the last may be partial)."""
-    out: dict[str, int] = {}
-    for i, tier in enumerate(tiers):
-        n = min(block_size, n_tokens - i * block_size)
-        if n > 0:
-            out[tier] = out.get(tier, 0) + n
+    if block_size <= 0 or n_tokens <= 0:
+        return {}
+    whole = min(len(tiers), n_tokens // block_size)
+    out = {tier: pages * block_size for tier, pages in Counter(tiers[:whole]).items()}
+    rest = n_tokens - whole * block_size
+    if rest > 0 and whole < len(tiers):
+        out[tiers[whole]] = out.get(tiers[whole], 0) + min(rest, block_size)
     return out

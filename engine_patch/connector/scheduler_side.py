@@ -237,10 +237,12 @@ class SchedulerSide:
         if skip >= len(planned.pages):  # vLLM's own cache holds all the store held
             self._release(st, planned.load_id)
             return 0, False
-        pages = planned.pages[skip:]
-        n_tokens = planned.n_tokens - skip * bs
-        tiers = tokens_by_tier(_tiers_of(pages), n_tokens, bs)
-        plan = replace(planned, n_tokens=n_tokens, start_token=start, pages=pages, tier_tokens=tiers)
+        plan = planned  # from the first page (vLLM's cache held none of it): as the store made it
+        if skip:
+            pages = planned.pages[skip:]
+            n_tokens = planned.n_tokens - skip * bs
+            tiers = tokens_by_tier(_tiers_of(pages), n_tokens, bs)
+            plan = replace(planned, n_tokens=n_tokens, start_token=start, pages=pages, tier_tokens=tiers)
         if not self._plan_is_sane(plan, start, max_tokens):
             self._release(st, plan.load_id)
             return None
