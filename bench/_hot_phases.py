@@ -17,6 +17,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
+
 
 def _phases() -> dict[str, tuple[type, str]]:
     from dss.ops.kv.cache import KVCache
@@ -43,6 +45,10 @@ class HotPhases:
         self.seconds: dict[str, float] = defaultdict(float)
         self.turns = 0
         self._on = False
+        self._this_turn: dict[str, float] = defaultdict(float)
+        # Each turn's time per phase: on a shared 2-core machine one preempted turn can double a
+        # phase's mean, so the lines give the median too.
+        self.per_turn: dict[str, list[float]] = defaultdict(list)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -65,6 +71,9 @@ class HotPhases:
         finally:
             self._on = False
             self.turns += 1
+            for name, seconds in self._this_turn.items():
+                self.per_turn[name].append(seconds)
+            self._this_turn.clear()
 
     def _timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
@@ -75,14 +84,24 @@ class HotPhases:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[name] += time.perf_counter() - t0
+                took = time.perf_counter() - t0
+                self.seconds[name] += took
+                self._this_turn[name] += took
 
         return timed
 
     def lines(self) -> list[str]:
-        """One line per phase, in ms per turn, and their sum."""
+        """One line per phase, in ms per turn (mean, then median over the turns; a turn that did
+        not pass a phase counts 0 there), and their sums."""
         n = max(1, self.turns)
-        out = [f"    {1000 * s / n:6.3f} ms  {name}" for name, s in self.seconds.items()]
+
+        def median_ms(name: str) -> float:
+            got = self.per_turn.get(name, [])
+            return 1000 * float(np.median(got + [0.0] * (self.turns - len(got)))) if self.turns else 0.0
+
+        out = [f"    {1000 * s / n:6.3f} {median_ms(k):6.3f} ms  {k}" for k, s in self.seconds.items()]
         total = 1000 * sum(self.seconds.values()) / n
-        out.append(f"    {total:6.3f} ms  in all, per DSS turn ({self.turns} turns)")
+        medians = sum(median_ms(k) for k in self.seconds)
+        turns = f"{self.turns} turns; mean, median"
+        out.append(f"    {total:6.3f} {medians:6.3f} ms  in all, per DSS turn ({turns})")
         return out

@@ -25,4 +25,5 @@ def test_only_the_turns_measured_are_timed_and_the_originals_come_back() -> None
             assert tag.to_params(key) == original(tag, key)
     assert SessionTag.__dict__["to_params"] is original
     assert phases.turns == 1 and set(phases.seconds) == {"sign (tag + pickled plan)"}
-    assert phases.lines()[-1].endswith("in all, per DSS turn (1 turns)")
+    assert phases.lines()[-1].endswith("in all, per DSS turn (1 turns; mean, median)")
+    assert phases.per_turn["sign (tag + pickled plan)"] == [phases.seconds["sign (tag + pickled plan)"]]
