@@ -332,15 +332,11 @@ def _plan_values(planned: PlannedLoad) -> tuple[Any, ...]:
         + (() if (r := p.slot) is None else (r.path, r.slot_nbytes, r.slot, r.n_slots, r.generation))
         for p in plan.pages
     )
-    head = (
-        plan.load_id,
-        plan.n_tokens,
-        plan.start_token,
-        plan.is_async,
-        plan.tier_tokens,
-        plan.stored_tokens,
-    )
-    return (_PLAN_LAYOUT, planned.fingerprint, planned.prompt, planned.planned_at, *head, rows)
+    return (
+        _PLAN_LAYOUT, planned.fingerprint, planned.prompt, planned.planned_at,
+        plan.load_id, plan.n_tokens, plan.start_token, plan.is_async, plan.tier_tokens, plan.stored_tokens,
+        rows,
+    )  # fmt: skip
 
 
 def _plan_of_values(values: Any) -> PlannedLoad | None:

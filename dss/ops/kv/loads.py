@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -40,7 +40,6 @@ from dss.ops.kv.matching import match_info, with_partial
 from dss.ops.kv.remote_adoption import index_adopted, promote_adopted, remote_pages_after
 from dss.ops.kv.tenant_gate import TenantGate
 from dss.pages.placement import TieredPages
-from dss.pages.table import Held
 from dss.types import FingerprintId, PageHash, TenantId, Tier
 from dss.wire import LoadPlan, PageSlot, SlotRef
 
@@ -274,8 +273,7 @@ class KVLoads:
             lease = self._leases.get(load_id)
         if lease is None:
             return ()
-        refs = self._slots_of(lease, time.monotonic() + timeout_s)
-        ok = self._pages.table.valid_each(self._copies(lease, refs))
+        refs, ok = self._checked(lease, time.monotonic() + timeout_s)
         if release:
             self.release(load_id, shard)
         return tuple(
@@ -292,20 +290,14 @@ class KVLoads:
             lease = self._leases.get(load_id)
         if lease is None:
             return 0
-        refs = self._slots_of(lease, time.monotonic())
-        ok = self._pages.table.valid_each(self._copies(lease, refs))
+        _, ok = self._checked(lease, time.monotonic())
         self.release(load_id, shard)
         return next((i for i, good in enumerate(ok) if not good), len(ok))
 
-    @staticmethod
-    def _copies(lease: Lease, refs: list[SlotRef | None]) -> Iterator[tuple[Held, SlotRef | None]]:
-        """Each plan page's lease with the slot its copy is read from."""
-        return ((lease.held[ps.page_index], ref) for ps, ref in zip(lease.plan_pages, refs, strict=True))
-
-    @staticmethod
-    def _slots_of(lease: Lease, deadline: float) -> list[SlotRef | None]:
-        """Each plan page's host slot: the one planned, or the one its promotion ends in
-        (waited for until `deadline`; None when not promoted by then)."""
+    def _checked(self, lease: Lease, deadline: float) -> tuple[list[SlotRef | None], list[bool]]:
+        """Each plan page's host slot (the one planned, or the one its promotion ends in, waited
+        for until `deadline`; None when not promoted by then), and whether a copy from it is of
+        the page leased: every page under one lock of the page table."""
         refs: list[SlotRef | None] = []
         for ps in lease.plan_pages:
             fut = lease.futures.get(ps.page_index)
@@ -316,7 +308,8 @@ class KVLoads:
                 refs.append(fut.result(timeout=max(0.0, deadline - time.monotonic())))
             except FutureTimeout:
                 refs.append(None)
-        return refs
+        leased = (lease.held[ps.page_index] for ps in lease.plan_pages)
+        return refs, self._pages.table.valid_each(zip(leased, refs, strict=True))
 
     def release(self, load_id: str, shard: int | None = None) -> None:
         """End a load's lease. Each rank of a parallel engine releases its own `shard` after its
