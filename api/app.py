@@ -29,6 +29,7 @@ from api.deps import authenticate_before_body, check_request_text
 from api.http_errors import UncachedModel, install_error_handlers
 from api.keys.api_keys import ApiKeys
 from api.keys.store_tables import StoreTables
+from api.loop_lag import watch_loop_lag
 from api.metrics import Metrics
 from api.middleware import AuthBeforeBody, BodyLimit, DevHostGuard, RequestMetrics, ServerIdHeader
 from api.routes import (
@@ -178,9 +179,11 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     check_startup(settings)
     startup: Startup = app.state.startup
     boot = asyncio.create_task(_start(app), name="dss-start")
+    lag = asyncio.create_task(watch_loop_lag(app.state.metrics.loop_lag_seconds), name="dss-loop-lag")
     try:
         yield
     finally:
+        lag.cancel()
         if startup.phase is not Phase.FAILED:
             startup.phase = Phase.STOPPING
         # The step in progress runs in a worker thread (store open, engine load) that a cancel

@@ -50,6 +50,8 @@ _LATENCY_BUCKETS = (
     120.0,
 )
 
+_LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+
 
 class Metrics:
     def __init__(self) -> None:
@@ -71,6 +73,19 @@ class Metrics:
             "dss_ttft_seconds",
             "Time from a chat request's arrival to its first generated token",
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.loop_lag_seconds = Histogram(
+            "dss_event_loop_lag_seconds",
+            "How late the event loop woke a timer (api.loop_lag): the wait of every ready request",
+            buckets=_LAG_BUCKETS,
+            registry=r,
+        )
+        self.short_writes = Counter(
+            "dss_short_writes_total",
+            "Short metadata writes (rollbacks, new branches) by where they ran: on the event loop, "
+            "or on a thread when the loop would have waited (api.state.AppState.short_db_op)",
+            ["ran_on"],
             registry=r,
         )
         self.prompt_tokens = Counter("dss_prompt_tokens_total", "Prompt tokens of chat requests", registry=r)
@@ -167,6 +182,8 @@ class Metrics:
             self.key_lookups.labels(outcome)
         for ended in SHARED_TIER_OUTCOMES:
             self.shared_tier_waits.labels(ended)
+        for ran_on in ("loop", "thread"):
+            self.short_writes.labels(ran_on)
 
     def observe_key_lookup(self, outcome: str) -> None:
         self.key_lookups.labels(outcome).inc()

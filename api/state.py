@@ -4,6 +4,7 @@ and, while it starts, how far it got (`Startup`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import functools
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from api.keys.api_keys import ApiKeys
 from api.metrics import Metrics
 from api.ratelimit import TokenBuckets
 from api.settings import Settings
+from dss.db.write_gate import without_waiting, would_wait
 from dss.dialogue.lead.gate import QualityGate
 from dss.store import Store
 from dss.types import TenantId
@@ -29,6 +31,15 @@ T = TypeVar("T")
 # behind long thread-pool work (rendering, tokenizing, erasure) nor add many more writers to
 # contend for SQLite's write lock, whose busy handler sleeps 1, 2, 5, 10... ms between tries.
 SHORT_DB_THREADS = 2
+# How long a short write waits on the event loop for the write gate kept for it
+# (`AppState.short_db_op`) before it goes to the short-operation threads (where it waits at the
+# gate again, first in line): a writer inside SQLite's lock that long is stuck, not busy.
+RESERVATION_WAIT_S = 2.0
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():  # its waiter may have gone (a client that hung up)
+        future.set_result(None)
 
 
 def _short_db_pool() -> ThreadPoolExecutor:
@@ -107,9 +118,50 @@ class AppState:
         )
 
     async def short_db_op(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        """`fn(*args, **kwargs)` on the short-operation threads: one trip from the event loop."""
+        """`fn(*args, **kwargs)`, a short metadata write a client waits for (a rollback, a new
+        branch): on the event loop itself where it waits for nothing there, else on the
+        short-operation threads.
+
+        Under load a write on a thread waited for the GIL at each of its SQLite calls, behind
+        the loop and the other threads of the process (rollback p99 52-69 ms in
+        `bench/api_load.py`, issue 31); on the loop it runs its 2-3 ms in one piece. On a SQLite
+        file the loop first has the write gate kept for it (`WriteGate.reserve`): while another
+        writer of this process is inside SQLite's lock (a turn's commit, the disk writer's page
+        rows) the loop serves others, and the writer leaving wakes it. The write then runs inside
+        `without_waiting()`: should it still meet a writer (another process's, SQLite's busy
+        handler then gives up at once), its transaction is rolled back, nothing of it written,
+        and it runs again on a thread, where waiting is fine; its commit leaves the WAL's
+        checkpoint to the next writer. PostgreSQL (row locks no gate knows), or every pooled
+        connection held: a thread at once."""
+        call = functools.partial(fn, *args, **kwargs)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.short_db, functools.partial(fn, *args, **kwargs))
+        gate = self.store.write_gate
+        if gate is not None and self.store.db_checkout_free():
+            kept = loop.create_future()
+
+            def wake() -> None:  # on the thread leaving the gate
+                loop.call_soon_threadsafe(_settle, kept)
+
+            try:
+                in_time = gate.reserve(wake)
+                if not in_time:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(kept, RESERVATION_WAIT_S)
+                        in_time = True
+                if in_time:
+                    try:
+                        with without_waiting():
+                            result = call()
+                    except Exception as exc:
+                        if not would_wait(exc):
+                            raise
+                    else:
+                        self.metrics.short_writes.labels("loop").inc()
+                        return result
+            finally:
+                gate.unreserve(wake)
+        self.metrics.short_writes.labels("thread").inc()
+        return await loop.run_in_executor(self.short_db, call)
 
     @property
     def dev_mode(self) -> bool:

@@ -34,7 +34,15 @@ from typing import IO, Any, Protocol
 from sqlalchemy import Engine, orm
 
 from dss.config import StoreConfig
-from dss.db.connect import is_sqlite_file, make_engine, make_session_factory, upgrade_to_head
+from dss.db.connect import (
+    checkout_free,
+    is_sqlite_file,
+    make_engine,
+    make_session_factory,
+    upgrade_to_head,
+    write_gate_of,
+)
+from dss.db.write_gate import WriteGate
 from dss.dialogue.conversations import Conversations
 from dss.dialogue.response_store import ResponseStore
 from dss.dialogue.versions import VersionStore
@@ -172,6 +180,7 @@ class Store:
         # Page rows commit without an fsync (see `PageRows`): the disk writer records a row per
         # page, and through an fsync each would hold SQLite's write lock that rollbacks wait for.
         self._db_relaxed = make_engine(url, durable_commits=False) if is_sqlite_file(url) else None
+        self._write_gate = write_gate_of(url)
         relaxed_sf = make_session_factory(self._db_relaxed) if self._db_relaxed is not None else self.sf
         self.keys = load_master_key(self.sf, cfg.resolved_key_file, cfg.create_master_key)
         if cfg.forget_env_master_key:
@@ -328,6 +337,18 @@ class Store:
             fcntl.flock(self._owner_lock, fcntl.LOCK_UN)
             self._owner_lock.close()
             self._owner_lock = None
+
+    @property
+    def write_gate(self) -> WriteGate | None:
+        """The gate this process's writers of the SQLite file pass (`dss.db.write_gate`); None
+        on PostgreSQL, where a write may wait for another transaction's row lock that no gate
+        of this process knows."""
+        return self._write_gate
+
+    def db_checkout_free(self) -> bool:
+        """Whether a write's checkout of a pooled connection now waits for no other thread
+        (`dss.db.connect.checkout_free`)."""
+        return checkout_free(self.db)
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Wait until every committed page reached the disk tier (tests, clean shutdown)."""

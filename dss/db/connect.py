@@ -22,9 +22,9 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
-from sqlalchemy.pool import StaticPool
+from sqlalchemy.pool import QueuePool, StaticPool
 
-from dss.db.write_gate import GatedConnection, gate_for
+from dss.db.write_gate import GatedConnection, WriteGate, gate_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MIGRATIONS_DIR = REPO_ROOT / "migrations"
@@ -69,6 +69,31 @@ def is_sqlite_file(url: str) -> bool:
     return bool(database) and database != ":memory:" and not database.startswith("file:")
 
 
+def write_gate_of(url: str) -> WriteGate | None:
+    """The one `WriteGate` of this process for a SQLite file's writers (creating the file, private,
+    when missing); None for other databases."""
+    if not is_sqlite_file(url):
+        return None
+    return gate_for(str(private_sqlite_file(Path(make_url(url).database or ""))))
+
+
+class FilePool(QueuePool):
+    """The pool of a SQLite file's engine: a `QueuePool` that says how many connections it may
+    hold at most (`checkout_free`)."""
+
+    def __init__(self, creator: Any, pool_size: int = 5, max_overflow: int = 10, **kw: Any) -> None:
+        super().__init__(creator, pool_size=pool_size, max_overflow=max_overflow, **kw)
+        self.max_connections = pool_size + max_overflow
+
+
+def checkout_free(engine: Engine) -> bool:
+    """Whether a checkout from a SQLite file's engine now waits for no other thread: below its
+    pool's limit it takes an idle connection or opens one. (Another thread may take the last
+    one first; the checkout then waits, as any checkout would.)"""
+    pool = engine.pool
+    return isinstance(pool, FilePool) and pool.checkedout() < pool.max_connections
+
+
 def _set_sqlite_pragmas(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
     cur = dbapi_conn.cursor()
     try:
@@ -111,9 +136,11 @@ def make_engine(url: str, *, durable_commits: bool = True, **kwargs: Any) -> Eng
             kwargs.setdefault("connect_args", {"check_same_thread": False})
             engine = create_engine(parsed, **kwargs)
         else:
-            gate = gate_for(str(private_sqlite_file(Path(database))))
+            gate = write_gate_of(url)
+            assert gate is not None
             connect_args = kwargs.setdefault("connect_args", {})
             connect_args.setdefault("factory", GatedConnection)
+            kwargs.setdefault("poolclass", FilePool)
             engine = create_engine(parsed, **kwargs)
 
             def _set_gate(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
