@@ -5,9 +5,12 @@ chat-turn-sized versions (600 token ids, a few messages) to their own sessions w
 between turns, one thread stands in for the disk writer's page rows (small inserts through the
 relaxed engine, back to back), and `--rollbackers` threads roll their own sessions back and
 measure each call. Reports rollback p50/p99/max and the other writers' throughput (goal:
-`rollback_p99_ms` <= 20 while they keep going).
+`rollback_p99_ms` <= 20 while they keep going). `--history N`: each rollbacker's session holds N
+versions, and each rollback moves its head one version back from a new one (committed before,
+not timed) instead of onto itself: what a long session costs a rollback.
 
-Run: `.venv/bin/python bench/rollback_contention.py [--seconds 20] [--smoke]`.
+Run: `.venv/bin/python bench/rollback_contention.py [--seconds 20] [--history N] [--smoke]`
+(idle: `--committers 0`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--committers", type=int, default=8)
     ap.add_argument("--rollbackers", type=int, default=4)
+    ap.add_argument("--history", type=int, default=0, help="versions a rollbacker's session holds (0: 3)")
     ap.add_argument("--smoke", action="store_true", help="2 s, for the suite")
     args = ap.parse_args()
     seconds = 2.0 if args.smoke else args.seconds
@@ -51,6 +55,7 @@ def main() -> None:
             commits = [0] * args.committers
             rows = [0]
             took: list[float] = []
+            ready = threading.Semaphore(0)
             failures: list[str] = []
 
             def turn(i: int) -> None:
@@ -75,13 +80,19 @@ def main() -> None:
             def rollbacker(i: int) -> None:
                 sid = f"rollbacks-{i}"
                 store.create_session("u", sid)
-                for n in range(3):
+                kept = max(3, args.history)
+                for n in range(kept):
                     store.commit("u", sid, tokens=[1, 2, n], messages=[{"role": "user", "content": str(n)}])
                 rng = random.Random(100 + i)
+                ready.release()
                 while not stop.is_set():
+                    head = kept
+                    if args.history:
+                        message = {"role": "user", "content": "x"}
+                        head = store.commit("u", sid, tokens=[1, 2], messages=[message]).number
                     start = time.perf_counter()
                     try:
-                        store.rollback("u", sid, "main", 3, expected_head=3)
+                        store.rollback("u", sid, "main", kept, expected_head=head)
                     except Exception as exc:
                         failures.append(type(exc).__name__)
                     took.append(time.perf_counter() - start)
@@ -92,6 +103,8 @@ def main() -> None:
             threads += [threading.Thread(target=rollbacker, args=(i,)) for i in range(args.rollbackers)]
             for t in threads:
                 t.start()
+            for _ in range(args.rollbackers):  # their sessions made (`--history`: may take a while)
+                ready.acquire()
             time.sleep(seconds)
             stop.set()
             for t in threads:

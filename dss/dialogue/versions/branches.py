@@ -22,13 +22,13 @@ from dss.dialogue.versions.shared import (
     MAX_COMMIT_ATTEMPTS,
     LostRace,
     VersionTables,
-    ancestors_of,
     branch_row,
     branch_rows,
     move_head,
+    on_history_of,
     owned_session,
-    parents_having,
     touch,
+    version_exists,
     version_key,
 )
 from dss.errors import BranchExists, DSSError, NotAnAncestor, StaleHead, VersionNotFound
@@ -66,8 +66,8 @@ class Branches(VersionTables):
                         head = brow.head_version
                         if expected_head is not None and head != expected_head:
                             raise StaleHead(f"branch {branch!r} head is {head}, expected {expected_head}")
-                        parents = parents_having(db, user, sid, to_version)
-                        if to_version not in ancestors_of(parents, head):
+                        version_exists(db, user, sid, to_version)
+                        if not on_history_of(db, user, sid, head, to_version):
                             raise NotAnAncestor(
                                 f"version {to_version} is not on the history of branch {branch!r}"
                             )

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal, Protocol, TypeVar, cast, overload
 
-from sqlalchemy import CursorResult, Delete, Update, and_, delete, select, update
+from sqlalchemy import CursorResult, Delete, Update, and_, delete, select, text, update
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from dss.config import Quotas
@@ -261,6 +261,40 @@ def ancestors_of(parents: Mapping[int, int | None], start: int) -> list[int]:
         out.append(cur)
         cur = parents[cur]
     return out
+
+
+# `on_history_of`'s walk, in SQL text: built with SQLAlchemy's constructs (an aliased model, a
+# recursive CTE) the statement's construction and cache key cost ~1.1 ms a call, its run 0.08 ms.
+_WALK_DOWN = text(
+    "WITH RECURSIVE walk(n) AS ("
+    " SELECT parent FROM versions WHERE user_id = :user AND session_id = :sid AND number = :head"
+    " UNION ALL"
+    " SELECT v.parent FROM versions AS v JOIN walk ON v.number = walk.n"
+    " WHERE v.user_id = :user AND v.session_id = :sid AND walk.n > :number"
+    ") SELECT count(*) FROM walk WHERE n = :number"
+)
+
+
+def on_history_of(db: Session, user: UserId, sid: SessionId, head: int, number: int) -> bool:
+    """Whether existing version `number` is `head` or one of its ancestors. Walks the parents
+    from `head` down to `number` only, in one recursive query (parents always have smaller
+    numbers): a rollback a few versions back reads a few rows, not the session's whole tree
+    (it runs on the API's event loop: `api.state.AppState.short_db_op`)."""
+    if number == head:
+        return True
+    if head == EMPTY_HEAD or number > head:
+        return False
+    found = db.scalar(_WALK_DOWN, {"user": user, "sid": sid, "head": head, "number": number})
+    return bool(found)
+
+
+def version_exists(db: Session, user: UserId, sid: SessionId, number: int) -> None:
+    """`VersionNotFound` unless the session has version `number` (`InvalidInput` for a number
+    that cannot be one)."""
+    check_number(number, sid)
+    q = select(VersionRow.number).where(*version_key(user, sid), VersionRow.number == number)
+    if db.scalar(q) is None:
+        raise VersionNotFound(f"version {number} not found in session {sid!r}")
 
 
 def parents_having(db: Session, user: UserId, sid: SessionId, number: int) -> dict[int, int | None]:
