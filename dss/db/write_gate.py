@@ -106,6 +106,7 @@ class WriteGate:
         # The gate is kept for this thread (`reserve`) until it enters or lets go; a keep not
         # taken up within RESERVATION_TTL_S lapses (a waiter that vanished blocks no one for good).
         self._kept_for: int | None = None
+        self._kept_wake: Callable[[], None] | None = None  # whose reservation (a thread may hold several)
         self._kept_until = 0.0
         self._reservations: deque[tuple[int, Callable[[], None]]] = deque()
 
@@ -114,7 +115,7 @@ class WriteGate:
             return False
         if time.monotonic() < self._kept_until:
             return True
-        self._kept_for = None  # lapsed
+        self._kept_for = self._kept_wake = None  # lapsed
         return False
 
     def acquire(self, timeout_s: float) -> None:
@@ -146,7 +147,7 @@ class WriteGate:
                     self._waiting_first -= 1
             self._owner, self._depth = me, 1
             if self._kept_for == me:
-                self._kept_for = None
+                self._kept_for = self._kept_wake = None
 
     def reserve(self, wake: Callable[[], None]) -> bool:
         """Keep the gate for this thread's next write, before every other waiter: True when it
@@ -157,7 +158,7 @@ class WriteGate:
         me = threading.get_ident()
         with self._cond:
             if self._owner is None and not self._kept_for_other(me) and not self._reservations:
-                self._keep(me)
+                self._keep(me, wake)
                 return True
             self._reservations.append((me, wake))
             return False
@@ -168,9 +169,9 @@ class WriteGate:
         me = threading.get_ident()
         with self._cond:
             self._reservations = deque(r for r in self._reservations if r[1] is not wake)
-            if self._kept_for != me or self._owner == me:
-                return
-            self._kept_for = None
+            if self._kept_for != me or self._kept_wake is not wake or self._owner == me:
+                return  # used by its write, lapsed, or kept for another reservation
+            self._kept_for = self._kept_wake = None
             woken = self._hand_on()
         self._wake(woken)
 
@@ -194,8 +195,9 @@ class WriteGate:
             woken = self._hand_on()
         self._wake(woken)
 
-    def _keep(self, thread: int) -> None:
-        self._kept_for, self._kept_until = thread, time.monotonic() + RESERVATION_TTL_S
+    def _keep(self, thread: int, wake: Callable[[], None]) -> None:
+        self._kept_for, self._kept_wake = thread, wake
+        self._kept_until = time.monotonic() + RESERVATION_TTL_S
 
     def _hand_on(self) -> tuple[int, Callable[[], None]] | None:
         """(Under the lock.) The gate is free: kept for the oldest reservation, if any."""
@@ -203,7 +205,7 @@ class WriteGate:
         if not self._reservations:
             return None
         thread, wake = self._reservations.popleft()
-        self._keep(thread)
+        self._keep(thread, wake)
         return thread, wake
 
     def _wake(self, woken: tuple[int, Callable[[], None]] | None) -> None:
@@ -214,8 +216,8 @@ class WriteGate:
             wake()
         except Exception:  # its loop is closed: nobody will take the gate up
             with self._cond:
-                if self._kept_for == thread and self._owner is None:
-                    self._kept_for = None
+                if self._kept_for == thread and self._kept_wake is wake and self._owner is None:
+                    self._kept_for = self._kept_wake = None
                     woken = self._hand_on()
                 else:
                     woken = None

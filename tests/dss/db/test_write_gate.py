@@ -233,3 +233,40 @@ def test_a_reserved_gate_is_kept_for_its_thread_before_every_other_waiter() -> N
     gate.acquire(5.0)
     assert RESERVATION_TTL_S - 0.1 <= time.perf_counter() - start < RESERVATION_TTL_S + 1.0
     gate.release()
+
+
+def test_one_threads_reservations_are_kept_one_at_a_time() -> None:
+    """An event loop's thread holds a reservation per waiting write: giving one up never drops
+    the keep that another of them was handed."""
+    gate = WriteGate()
+    inside, leave = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        gate.acquire(1.0)
+        inside.set()
+        leave.wait(5)
+        gate.release()
+
+    t = threading.Thread(target=writer)
+    t.start()
+    assert inside.wait(5)
+    woken: list[str] = []
+    first, second = (lambda: woken.append("first")), (lambda: woken.append("second"))
+    assert not gate.reserve(first) and not gate.reserve(second)
+    leave.set()
+    t.join(5)
+    assert woken == ["first"]  # kept for the first
+    gate.unreserve(second)  # the second gives up: the first's keep stands
+
+    def free_for_another_thread() -> bool:
+        answer: list[bool] = []
+        other = threading.Thread(target=lambda: answer.append(gate.free()))
+        other.start()
+        other.join(5)
+        return answer[0]
+
+    assert not free_for_another_thread()
+    gate.acquire(0.01)  # the first's write takes it up
+    gate.release()
+    gate.unreserve(first)
+    assert free_for_another_thread() and woken == ["first"]
