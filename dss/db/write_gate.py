@@ -110,13 +110,17 @@ class WriteGate:
         self._kept_until = 0.0
         self._reservations: deque[tuple[int, Callable[[], None]]] = deque()
 
-    def _kept_for_other(self, me: int) -> bool:
-        if self._kept_for is None or self._kept_for == me:
+    def _kept(self) -> bool:
+        """(Under the lock.) Whether the gate is kept for a reservation now (a lapsed keep ends)."""
+        if self._kept_for is None:
             return False
         if time.monotonic() < self._kept_until:
             return True
-        self._kept_for = self._kept_wake = None  # lapsed
+        self._kept_for = self._kept_wake = None
         return False
+
+    def _kept_for_other(self, me: int) -> bool:
+        return self._kept() and self._kept_for != me
 
     def acquire(self, timeout_s: float) -> None:
         """Enter, or `sqlite3.OperationalError("database is locked")` after `timeout_s`."""
@@ -157,7 +161,9 @@ class WriteGate:
         `without_waiting()`). Call `unreserve(wake)` after the write, or when giving up."""
         me = threading.get_ident()
         with self._cond:
-            if self._owner is None and not self._kept_for_other(me) and not self._reservations:
+            # Not when kept for another reservation, of this thread too (a loop woken for one
+            # write has not run it yet when another write of the loop asks).
+            if self._owner is None and not self._kept() and not self._reservations:
                 self._keep(me, wake)
                 return True
             self._reservations.append((me, wake))

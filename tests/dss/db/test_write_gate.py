@@ -270,3 +270,26 @@ def test_one_threads_reservations_are_kept_one_at_a_time() -> None:
     gate.release()
     gate.unreserve(first)
     assert free_for_another_thread() and woken == ["first"]
+
+
+def test_a_keep_handed_to_one_reservation_is_not_taken_by_a_new_one_of_the_same_thread() -> None:
+    """The loop was woken for one write and has not run it yet when another write of the loop
+    asks: the new one queues behind it instead of taking over its keep."""
+    gate = WriteGate()
+    woken: list[str] = []
+    first, second = (lambda: woken.append("first")), (lambda: woken.append("second"))
+    held = threading.Thread(target=lambda: gate.acquire(1.0))
+    held.start()
+    held.join(5)
+    assert not gate.reserve(first)
+    gate.release()  # from another thread than the holder's, as a closed connection may
+    assert woken == ["first"]
+    assert not gate.reserve(second)  # kept for the first: the second waits its turn
+    gate.acquire(0.01)  # the first's write
+    gate.release()
+    assert woken == ["first", "second"]
+    gate.unreserve(first)
+    gate.acquire(0.01)  # the second's write
+    gate.release()
+    gate.unreserve(second)
+    assert gate.free()
