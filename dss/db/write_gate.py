@@ -40,7 +40,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 # Python's sqlite3 (3.11, `isolation_level=""`) opens a transaction before these statements only.
@@ -71,27 +71,26 @@ def would_wait(exc: BaseException) -> bool:
 
 
 @contextmanager
-def without_waiting() -> Iterator[None]:
+def _flagged(flag: str) -> Iterator[None]:
+    """Set this thread's `flag` on `_first` inside the block (nested blocks restore it)."""
+    before = getattr(_first, flag, False)
+    setattr(_first, flag, True)
+    try:
+        yield
+    finally:
+        setattr(_first, flag, before)
+
+
+def without_waiting() -> AbstractContextManager[None]:
     """Statements of this thread inside the block never wait (see the module docstring); the
     block is synchronous (no `await` inside: another task of the loop must not inherit it)."""
-    before = getattr(_first, "no_wait", False)
-    _first.no_wait = True
-    try:
-        yield
-    finally:
-        _first.no_wait = before
+    return _flagged("no_wait")
 
 
-@contextmanager
-def first_in_line() -> Iterator[None]:
+def first_in_line() -> AbstractContextManager[None]:
     """Writes of this thread inside the block go before other waiting writers (`WriteGate`):
     for short metadata transactions that a client waits for, such as a rollback."""
-    before = getattr(_first, "on", False)
-    _first.on = True
-    try:
-        yield
-    finally:
-        _first.on = before
+    return _flagged("on")
 
 
 class WriteGate:
