@@ -13,7 +13,7 @@ from dss.db import transaction
 from dss.db.models import BranchRow, ResponseRow, SessionRow, VersionRow
 
 # The newest migration (migrations/versions/): tests that upgrade to the head compare with it.
-HEAD_REVISION = "0014_page_drops"
+HEAD_REVISION = "0015_version_bytes_index"
 
 
 def _count(db: Session, user: str) -> dict[str, int]:

@@ -157,7 +157,12 @@ class VersionRow(Base):
     an indexed lookup of the request's prefix digests (see `dss.dialogue.history`)."""
 
     __tablename__ = "versions"
-    __table_args__ = (_session_fk(), Index("ix_versions_digest", "user_id", "session_id", "digest"))
+    __table_args__ = (
+        _session_fk(),
+        Index("ix_versions_digest", "user_id", "session_id", "digest"),
+        # Covers a commit's quota check (the user's version count and stored bytes): migration 0015.
+        Index("ix_versions_user_bytes", "user_id", "body_bytes"),
+    )
 
     user_id: Mapped[str] = mapped_column(String(256), primary_key=True)
     session_id: Mapped[str] = mapped_column(String(ID_LEN), primary_key=True)

@@ -308,7 +308,7 @@ def test_the_migration_keeps_existing_frontends_trusting_what_they_did(db_url: s
                 text("INSERT INTO frontends (name, user_headers, created_by) VALUES ('old', '[]', 'cli')")
             )
         upgrade_to_head(db_url)
-        assert current_revision(db_url) == HEAD_REVISION == "0014_page_drops"
+        assert current_revision(db_url) == HEAD_REVISION == "0015_version_bytes_index"
         old = Frontends(make_session_factory(engine)).get("old")
         assert (old.trust_dss_user_header, old.trust_body_user) == (True, True)
         command.downgrade(alembic_config(db_url), "0010_lead_updates")
