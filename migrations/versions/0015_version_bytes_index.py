@@ -6,6 +6,9 @@ rows, messages and tokens beside them: 8.9 ms a commit for a user holding 50,000
 SQLite (the default quota allows 100,000). This index covers the query: 3.2 ms at 50,000
 (`bench/dialogue_commits.py`); still linear in the user's versions.
 
+Building it reads the whole table once; on PostgreSQL writes to `versions` wait for the build
+(plain `CREATE INDEX`, within the upgrade's transaction).
+
 Revision ID: 0015_version_bytes_index
 Revises: 0014_page_drops
 Create Date: 2026-12-07 11:10:00
