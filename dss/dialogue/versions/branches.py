@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from dss.db.connect import transaction
-from dss.db.models import BranchRow, VersionRow, utcnow
+from dss.db.models import BranchRow, utcnow
 from dss.db.write_gate import first_in_line
 from dss.dialogue.versions.records import BranchInfo, branch_info
 from dss.dialogue.versions.rules import EMPTY_HEAD, check_name, check_number
@@ -29,9 +28,8 @@ from dss.dialogue.versions.shared import (
     owned_session,
     touch,
     version_exists,
-    version_key,
 )
-from dss.errors import BranchExists, DSSError, NotAnAncestor, StaleHead, VersionNotFound
+from dss.errors import BranchExists, DSSError, NotAnAncestor, StaleHead
 from dss.types import SessionId, UserId
 
 
@@ -97,13 +95,7 @@ class Branches(VersionTables):
                 self.hold_user(db, user, epoch)
                 owned_session(db, user, sid)
                 if from_version != EMPTY_HEAD:
-                    exists = db.scalar(
-                        select(VersionRow.number).where(
-                            *version_key(user, sid), VersionRow.number == from_version
-                        )
-                    )
-                    if exists is None:
-                        raise VersionNotFound(f"version {from_version} not found in session {sid!r}")
+                    version_exists(db, user, sid, from_version)
                 if branch_row(db, user, sid, name, missing_ok=True) is not None:
                     raise BranchExists(f"branch {name!r} already exists")
                 row = BranchRow(
