@@ -97,6 +97,33 @@ def test_second_pull_is_a_fast_no_op(pulled: Path) -> None:
     assert (marker.stat().st_mtime_ns, (pulled / "model.safetensors").stat().st_mtime_ns) == before
 
 
+def test_a_pull_parses_its_gguf_once_and_builds_the_same_folder(
+    pulled: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers parses a GGUF's metadata for the config, the tokenizer and the weights, each
+    time element by element in Python (11 s a time for Gemma-3-270M's vocabulary): a pull parses
+    it once, and what it builds is what a pull builds."""
+    import gguf
+
+    built: list[str] = []
+
+    class CountedReader(gguf.GGUFReader):  # type: ignore[misc]
+        def __init__(self, path: str, mode: str = "r") -> None:
+            built.append(os.fspath(path))
+            super().__init__(path, mode)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountedReader)
+    again = pull_model(tmp_path, progress=False)
+    assert len(built) == 1, built
+    assert gguf.GGUFReader is CountedReader  # restored after the pull
+    marker, reference = (json.loads((d / READY_MARKER).read_text()) for d in (again, pulled))
+    # (tokenizer_config.json records the caller's `local_files_only`, which varies with HF_HUB_OFFLINE)
+    files, reference_files = ({k: v for k, v in m["files"].items() if k != "tokenizer_config.json"}
+                              for m in (marker, reference))  # fmt: skip
+    assert files == reference_files and marker["gguf_sha256"] == reference["gguf_sha256"]
+    assert set(files) >= {"model.safetensors", "tokenizer.json", "config.json"}
+
+
 @pytest.fixture(scope="module")
 def model() -> Path:
     """The model the engine tests serve (the engine helpers' `model_path`)."""
