@@ -1,4 +1,4 @@
-"""bench/cluster.py in its smoke mode: three real `dss serve` (engines on the default model) on one
+"""bench/cluster.py in its smoke mode: two real `dss serve` (engines on the default model) on one
 PostgreSQL and one Redis, HAProxy in front (the shipped configuration), one session per phase and
 per way of naming a session. Its RESULT line parses, nothing acknowledged is lost, and every way
 of naming a session kept its turns on the server that holds it (`routed_to_holder=1`).
