@@ -257,10 +257,14 @@ def _gguf_parsed_once() -> Iterator[None]:
     called); `GGUFReader` reads every array of the metadata element by element in Python, ~11 s a
     time for Gemma-3-270M's 262,144-token vocabulary on a 2-core machine, 33 s of a 60 s pull. The
     reader only memory-maps the file read-only, so one per path and mode is handed out again.
+    Pulls into two data directories at once in one process (two threads) stay correct: each
+    wraps the class itself, and only the last one in puts it back (the other's later loads parse
+    again).
     """
     import gguf
 
-    original = gguf.GGUFReader
+    current = gguf.GGUFReader
+    original = getattr(current, "__wrapped__", current)
     readers: dict[tuple[str, str], Any] = {}
 
     def reader(path: str | os.PathLike[str], mode: str = "r") -> Any:
@@ -269,11 +273,13 @@ def _gguf_parsed_once() -> Iterator[None]:
             readers[key] = original(path, mode)  # type: ignore[arg-type]
         return readers[key]
 
+    reader.__wrapped__ = original  # type: ignore[attr-defined]
     gguf.GGUFReader = reader  # type: ignore[assignment,misc]
     try:
         yield
     finally:
-        gguf.GGUFReader = original  # type: ignore[misc]
+        if gguf.GGUFReader is reader:
+            gguf.GGUFReader = original  # type: ignore[misc]
 
 
 def _dequantize_kwargs(gguf: Path) -> dict[str, Any]:

@@ -124,6 +124,24 @@ def test_a_pull_parses_its_gguf_once_and_builds_the_same_folder(
     assert set(files) >= {"model.safetensors", "tokenizer.json", "config.json"}
 
 
+@pytest.mark.parametrize("first_out", ["first in", "last in"])
+def test_pulls_overlapping_in_one_process_leave_the_gguf_reader_as_it_was(first_out: str) -> None:
+    """Two pulls into two data directories from two threads: the blocks that parse a GGUF once
+    overlap and end in either order; afterwards the class is gguf's own again."""
+    import gguf
+
+    from engine_patch.setup.model import _gguf_parsed_once
+
+    before = gguf.GGUFReader
+    one, two = _gguf_parsed_once(), _gguf_parsed_once()
+    one.__enter__()
+    two.__enter__()
+    assert gguf.GGUFReader is not before and gguf.GGUFReader.__wrapped__ is before
+    for block in (one, two) if first_out == "first in" else (two, one):
+        block.__exit__(None, None, None)
+    assert gguf.GGUFReader is before
+
+
 @pytest.fixture(scope="module")
 def model() -> Path:
     """The model the engine tests serve (the engine helpers' `model_path`)."""
