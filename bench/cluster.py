@@ -28,7 +28,7 @@ on the default model, HTTP on loopback, streamed, greedy):
 
     .venv/bin/python bench/cluster.py                 # ~7 min on 2 cores
     .venv/bin/python bench/cluster.py --sessions 2    # quicker
-    .venv/bin/python bench/cluster.py --smoke         # ~90 s: two servers, one session per phase and form
+    .venv/bin/python bench/cluster.py --smoke         # ~100 s: two servers, one session per phase and form
 
 Needs PostgreSQL (`DSS_TEST_PG_URL`, default the local `test` server; a fresh database is made and
 dropped) and Redis (`DSS_TEST_REDIS_URL`, keys under a fresh prefix, removed at the end).
