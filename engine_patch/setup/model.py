@@ -174,11 +174,16 @@ def _build(out: Path, ready: ReadyModel, progress: bool) -> None:
         gguf, version = _source_gguf(ready, Path(scratch))
         bar.update()
         with _offline(), _gguf_parsed_once():
+            import torch
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
             step(1)
-            tok = _load_tokenizer(gguf)
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
             bar.update()
             step(2)
-            model = _load_weights(gguf)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16, **_dequantize_kwargs(gguf)
+            )
             bar.update()
             step(3)
             _save(model, tok, out, ready)
@@ -231,21 +236,6 @@ def _source_gguf(ready: ReadyModel, scratch: Path) -> tuple[Path, str]:
     if not gguf.is_file():
         raise ModelPrepareError(f"{ready.package} {version} does not ship {ready.gguf_name}")
     return gguf, version
-
-
-def _load_tokenizer(gguf: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-
-
-def _load_weights(gguf: Path) -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16, **_dequantize_kwargs(gguf)
-    )
 
 
 @contextlib.contextmanager
