@@ -130,8 +130,12 @@ class Engine:
     not batch-invariant, and with the engine core in its own process the requests of one
     `generate` call trickle in while it already steps, so two runs of one batch can be scheduled
     differently and differ in the last bits. In-process, every request is queued before the
-    first step and the schedule is a function of the inputs alone. (The worker is still its own
-    process, so the connector's two halves still talk across processes.)
+    first step and the schedule is a function of the inputs alone. With one rank the worker runs
+    in this process too (vLLM's single-process executor): a start takes ~3-6 s instead of ~25-30 s
+    on 2 cores (no interpreter spawned to import vLLM), and the connector's two halves share this
+    process; their metadata crossing processes is what the served engines (`dss serve`) and
+    parallel engines check. Such an engine steps only inside `generate`: `settle` runs the
+    saves a finished request left.
     """
 
     def __init__(
