@@ -218,6 +218,17 @@ class ServedStore:
         assert isinstance(pages, dict)
         return int(pages["host"])
 
+    def wait_for_host_pages(self, engine: Engine, n: int, timeout_s: float) -> bool:
+        """Whether the host tier holds `n` pages within `timeout_s`. An engine in this process
+        steps only when asked: it is settled meanwhile, so the saves its finished requests left
+        run (an engine in processes of its own runs them by itself)."""
+
+        def reached() -> bool:
+            engine.settle()
+            return self.host_pages() >= n
+
+        return wait_until(reached, timeout_s=timeout_s)
+
     def close(self) -> None:
         self.store.close()
         self._tmp.cleanup()

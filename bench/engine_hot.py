@@ -27,7 +27,6 @@ from _engine_common import (
     ratio,
     session_params,
     text_of_tokens,
-    wait_until,
 )
 
 CONTEXT_TOKENS = 3000
@@ -58,7 +57,7 @@ def run(served: ServedStore, engine: TimedEngine, smoke: bool = False) -> dict[s
         raise RuntimeError(
             f"the first request stored {params and params['stored_pages']} pages, not {stored}"
         )
-    if not wait_until(lambda: served.host_pages() >= stored, timeout_s=30):
+    if not served.wait_for_host_pages(engine, stored, timeout_s=30):
         raise RuntimeError("the first request's pages never reached the host tier")
     print(f"context={len(prompt)} tokens, reused={reuse} ({reuse // BS} pages), reps={reps}", flush=True)
 

@@ -39,7 +39,6 @@ from _engine_common import (
     served_by,
     smoke_flag,
     text_of_tokens,
-    wait_until,
 )
 
 SESSIONS = 8
@@ -100,15 +99,19 @@ def measure(
     return cold, loaded, apc
 
 
-def run(served: ServedStore, a: TimedEngine | None = None, smoke: bool = False) -> dict[str, float]:
+def run(
+    served: ServedStore, a: TimedEngine | None = None, smoke: bool = False, in_process: bool = False
+) -> dict[str, float]:
     """The measurement on a store; engine A (the caller's, or one started here) serves turn 1
-    and is closed here, then two engines are started. The store is reopened: the caller's
-    other engines on it stop working."""
+    and is closed here, then two engines are started (`in_process`: in this process, as the
+    suite's smoke starts them, seconds instead of half a minute each on 2 cores; the timings are
+    then not a served engine's). The store is reopened: the caller's other engines on it stop
+    working."""
     z = SMOKE if smoke else Sizes()
     tenant = served.store.identity.tenant_for("restart-user")
     rng = np.random.default_rng(5)
 
-    a = a or TimedEngine(served.address, served.authkey)
+    a = a or TimedEngine(served.address, served.authkey, deterministic_batches=in_process)
     try:
         a.warm_up()
         turn1: list[list[int]] = []
@@ -129,7 +132,7 @@ def run(served: ServedStore, a: TimedEngine | None = None, smoke: bool = False) 
             turn2.append(p2)
             want.append(served_by([seq], p2))  # all of turn 1 DSS computed
         # (The worker commits a finished request's last save after the request returned.)
-        if not wait_until(lambda: served.host_pages() >= saved_pages, timeout_s=120):
+        if not served.wait_for_host_pages(a, saved_pages, timeout_s=120):
             raise RuntimeError(
                 f"engine A's pages never reached the store: {served.host_pages()} of {saved_pages}"
             )
@@ -137,7 +140,7 @@ def run(served: ServedStore, a: TimedEngine | None = None, smoke: bool = False) 
         a.close()
     print(f"turn-2 contexts {[len(p) for p in turn2]} tokens, loadable {want}", flush=True)
 
-    b = TimedEngine(served.address, served.authkey)
+    b = TimedEngine(served.address, served.authkey, deterministic_batches=in_process)
     try:
         label = "engine restart (store alive, host tier)"
         cold_b, host_b, apc_b = measure(b, turn2, tenant, 2, want, label, primers=turn1)
@@ -150,7 +153,7 @@ def run(served: ServedStore, a: TimedEngine | None = None, smoke: bool = False) 
     # Engine B's turn-2 requests (one token each) stored their whole prompts: all but the last
     # prompt token loads now.
     want = [len(p) - 1 for p in turn2]
-    c = TimedEngine(served.address, served.authkey)
+    c = TimedEngine(served.address, served.authkey, deterministic_batches=in_process)
     try:
         cold_c, disk_c, _ = measure(c, turn2, tenant, 3, want, "whole restart (store reopened, disk tier)")
     finally:

@@ -46,7 +46,6 @@ from _engine_common import (
     ratio,
     session_params,
     text_of_tokens,
-    wait_until,
 )
 
 from dss.namespace import ModelFingerprint
@@ -137,7 +136,7 @@ def store_and_load(side: Side, served: ServedStore, prompt: list[int], sid: str)
     stored = int((first.params or {}).get("stored_pages", 0))
     if not stored:
         raise RuntimeError(f"[{side.dtype}] the pages of {sid} were not stored: {first.params}")
-    if not wait_until(lambda: served.host_pages() >= before + stored, timeout_s=30):
+    if not served.wait_for_host_pages(side.engine, before + stored, timeout_s=30):
         raise RuntimeError(f"[{side.dtype}] the pages of {sid} never reached the host tier")
     return first.loaded_tokens, stored
 

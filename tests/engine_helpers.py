@@ -254,13 +254,17 @@ class Engine:
         return [*prompt, *tail, *self.user_turn_ids(user_text)]
 
     def close(self) -> None:
-        """Shut the engine's processes down (so the next engine gets the CPU and memory)."""
-        engine = getattr(self.llm, "llm_engine", None)
-        core = getattr(engine, "engine_core", None)
-        if core is not None:
-            core.shutdown()
-        del self.llm
-        gc.collect()
+        """Shut the engine's processes down (so the next engine gets the CPU and memory), once an
+        engine in this process ran the saves its finished requests left (`settle`)."""
+        try:
+            self.settle()
+        finally:
+            engine = getattr(self.llm, "llm_engine", None)
+            core = getattr(engine, "engine_core", None)
+            if core is not None:
+                core.shutdown()
+            del self.llm
+            gc.collect()
 
 
 @dataclass
