@@ -7,7 +7,7 @@ it, then survives a lost arena file, a whole-store restart (pages only on disk: 
 a corrupted page file. Each engine runs in this process (`deterministic_batches`: no engine
 processes to spawn, a start of ~3-6 s instead of ~25-30 s on 2 cores); what a restart loses is
 the engine, its KV cache and its connector, which closing it takes down all the same. Engines in
-processes of their own restart in `tests/api/test_restart.py` and the bench smokes.
+processes of their own (`dss serve`'s) restart in `tests/api/test_restart.py` and the soak.
 """
 
 from __future__ import annotations
