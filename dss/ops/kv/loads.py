@@ -43,6 +43,10 @@ from dss.pages.placement import TieredPages
 from dss.types import FingerprintId, PageHash, TenantId, Tier
 from dss.wire import LoadPlan, PageSlot, SlotRef
 
+# A plan names each page's tier by its plain value: read once, not per page of every load.
+_TIER_NAMES = tuple(t.value for t in Tier)
+_HOST, _DISK, _REMOTE = Tier.HOST.value, Tier.DISK.value, Tier.REMOTE.value
+
 log = logging.getLogger("dss.kv")
 
 _PREFETCH_WAIT_S = 5.0  # how long a load waits for a prefetch of its tenant in flight
@@ -171,17 +175,17 @@ class KVLoads:
             self._pages.unlease(held)
             return None
         futures: dict[int, Future[SlotRef | None]] = {}
-        tier_tokens = {t.value: 0 for t in Tier}
+        tier_tokens = dict.fromkeys(_TIER_NAMES, 0)
         plan_pages: list[PageSlot] = []
         arrived = self._take_arrived(h.hash for h in held[first:])
         for i in range(first, len(held)):
-            ref = held[i].host_ref
-            tier = Tier.REMOTE if held[i].hash in arrived else Tier.HOST
+            page, ref = held[i].hash, held[i].host_ref
+            tier = _REMOTE if page in arrived else _HOST
             if ref is None:
-                tier = Tier.REMOTE if self._pages.tiers_of(held[i].hash) == {Tier.REMOTE} else Tier.DISK
-                futures[i] = self._loader.submit(self._promote, held[i].hash)
-            tier_tokens[tier.value] += sizes[i]
-            plan_pages.append(PageSlot(i, held[i].hash, ref, tier.value))
+                tier = _REMOTE if self._pages.tiers_of(page) == {Tier.REMOTE} else _DISK
+                futures[i] = self._loader.submit(self._promote, page)
+            tier_tokens[tier] += sizes[i]
+            plan_pages.append(PageSlot(i, page, ref, tier))
         load_id = uuid.uuid4().hex
         shards = self._fingerprints.get(fid).shards
         with self._lock:
@@ -255,6 +259,8 @@ class KVLoads:
         limit = time.monotonic() - _ARRIVED_S
         out: set[PageHash] = set()
         with self._lock:
+            if not self._arrived:  # the common case: nothing read from the remote tier lately
+                return out
             for h in pages:
                 t = self._arrived.pop(h, None)
                 if t is not None and t > limit:

@@ -195,6 +195,37 @@ def test_a_check_sent_before_a_long_forward_pass_is_read_after_it(
     assert client.ping() and (client.failures, client.timeouts) == (0, 0)
 
 
+def test_the_kernel_bounds_are_set_once_per_connection_and_lowered_for_a_shorter_call(
+    server: StoreServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Setting a connection's kernel send/recv bounds takes six syscalls: calls with the same
+    budget keep the bound set (issue 31: two sets on every hot turn's path), one with a shorter
+    budget lowers it (no syscall may outlast a deadline), and a new connection sets its own."""
+    import dss.rpc.client as client_module
+
+    bounds: list[float] = []
+    real = client_module.set_conn_timeouts
+
+    def counted(conn: Any, seconds: float) -> None:
+        bounds.append(seconds)
+        real(conn, seconds)
+
+    monkeypatch.setattr(client_module, "set_conn_timeouts", counted)
+    client = StoreClient(server.address, KEY, timeout_s=5.0)
+    for _ in range(20):
+        assert client.ping()
+        client.check_and_release_later("L1", shard=0).result()
+    assert len(bounds) == 1 and 4.0 <= bounds[0] <= 5.0
+    assert client.ping(timeout_s=0.5)
+    assert len(bounds) == 2 and bounds[1] <= 0.5
+    assert client.ping()  # a long budget again: raised, within it
+    assert len(bounds) == 3 and 0.5 < bounds[2] <= 5.0
+    client.close()
+    assert client.ping()  # reconnected: the new socket gets its bound
+    assert len(bounds) == 4
+    client.close()
+
+
 def test_socket_is_private(server: StoreServer, address: str) -> None:
     assert stat.S_IMODE(os.stat(address).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(Path(address).parent).st_mode) == 0o700

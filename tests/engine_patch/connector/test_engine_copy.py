@@ -46,6 +46,23 @@ def test_runs_split_where_blocks_or_slots_jump() -> None:
         runs([1, 2], [1])
 
 
+@pytest.mark.parametrize("n", [1, 2, 33, 256, 257, 4096])
+def test_runs_of_a_short_and_a_long_load_split_alike(n: int) -> None:
+    """A short list is split by a plain loop, a long one by numpy: the same runs either way."""
+    rng = np.random.default_rng(n)
+    for _ in range(20):
+        blocks = np.cumsum(rng.integers(1, 3, n)).tolist()
+        slots = np.cumsum(rng.integers(1, 3, n)).tolist()
+        got = runs(blocks, slots)
+        assert sum(r.n for r in got) == n
+        want, first = [], 0  # by definition: cut wherever blocks or slots do not step by one
+        for i in range(1, n + 1):
+            if i == n or blocks[i] != blocks[i - 1] + 1 or slots[i] != slots[i - 1] + 1:
+                want.append(Run(blocks[first], slots[first], i - first))
+                first = i
+        assert got == want
+
+
 def test_save_writes_layer_major_pages_and_load_restores_them(arena: HostArena) -> None:
     src = make_layers(1)
     views = ArenaViews(L, FP.layer_block_nbytes)
