@@ -32,8 +32,8 @@ def _phases() -> dict[str, tuple[type, str]]:
         "lookup (verify, unpickle, take)": (SchedulerSide, "get_num_new_matched_tokens"),
         "after alloc": (SchedulerSide, "update_state_after_alloc"),
         "step metadata": (SchedulerSide, "build_connector_meta"),
-        "worker load (copy, check sent)": (WorkerSide, "start_load_kv"),
-        "worker finished (check read)": (WorkerSide, "get_finished"),
+        "worker load (copy, check)": (WorkerSide, "start_load_kv"),
+        "worker finished": (WorkerSide, "get_finished"),
         "finished (report)": (SchedulerSide, "request_finished"),
     }
 

@@ -220,10 +220,13 @@ def generate(
         SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=TOP, extra_args=s or None)
         for s in planned
     ]
-    outs = engine.llm.generate(
-        [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
-    )
-    wall = time.perf_counter() - t0
+    try:
+        outs = engine.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
+        )
+        wall = time.perf_counter() - t0
+    finally:
+        engine.drop_planned()  # as `dss serve` ends them once the first token is back
     for o in outs:
         engine.note_report(o.kv_transfer_params)
     return [

@@ -150,7 +150,10 @@ class LoadPlan:
 @dataclass(frozen=True, slots=True)
 class PlannedLoad:
     """A load planned for a request before it was sent to the engine (`SessionTag.planned_load`):
-    the store's answer to `begin_load(fingerprint, tenant, prompt, 0, len(prompt) - 1)`."""
+    the store's answer to `begin_load(fingerprint, tenant, prompt, 0, len(prompt) - 1)`. Its
+    lease is the sender's to end (`KVCache.drop_planned`) once the engine has answered the
+    request's first token (its workers have copied the pages by then) or once the request is
+    gone: the engine makes no store round trip for it, used or not."""
 
     fingerprint: str  # the engine's, as the store registered it: a plan for another is not used
     prompt: str  # `tokens_digest` of the prompt it was planned for: used for exactly that prompt

@@ -22,7 +22,7 @@ from dss.config import StoreConfig
 from dss.ops.kv import KVCache
 from dss.store import Store
 from dss.types import FingerprintId
-from dss.wire import KV_TRANSFER_PARAMS, SessionTag
+from dss.wire import KV_TRANSFER_PARAMS, PlannedLoad, SessionTag
 from engine_patch.setup.factory import EngineSettings, build_llm, session_params, tag_key
 from engine_patch.setup.model import default_data_dir, find_model, pull_model, resolve_model
 
@@ -148,6 +148,7 @@ class Engine:
         self.settings = settings(**overrides)
         self.authkey = authkey
         self.planner: KVCache | None = None
+        self._planned: list[PlannedLoad] = []  # sent, their leases not ended yet (`drop_planned`)
         self.fingerprint: FingerprintId | None = None  # as the connector reports it
         key = "VLLM_ENABLE_V1_MULTIPROCESSING"
         old = os.environ.get(key)
@@ -181,7 +182,18 @@ class Engine:
         tag = SessionTag.from_params(session.get(KV_TRANSFER_PARAMS), key)
         if tag is None:
             return session
-        return tag.extra_args(key, self.planner.plan_ahead(self.fingerprint, tag.tenant, prompt))
+        plan = self.planner.plan_ahead(self.fingerprint, tag.tenant, prompt)
+        if plan is not None:
+            self._planned.append(plan)
+        return tag.extra_args(key, plan)
+
+    def drop_planned(self) -> None:
+        """End the leases of the loads planned since the last call, once their requests are
+        answered (a plan's lease is its sender's to end, as `dss serve` does)."""
+        planned, self._planned = self._planned, []
+        if self.planner is not None:
+            for plan in planned:
+                self.planner.drop_planned(plan)
 
     def note_report(self, params: dict[str, Any] | None) -> None:
         """Follow the fingerprint the connector reports (what the API does, `generate`)."""
@@ -205,7 +217,10 @@ class Engine:
             for s, m in zip(sessions, limits, strict=True)
         ]
         inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        outs = self.llm.generate(inputs, params, use_tqdm=False)
+        try:
+            outs = self.llm.generate(inputs, params, use_tqdm=False)
+        finally:
+            self.drop_planned()
         for o in outs:
             self.note_report(o.kv_transfer_params)
         return [

@@ -92,7 +92,6 @@ async def generate(
     choices = [_ChoiceState() for _ in range(sampling.n)]
     finished: list[Finished] = []
     aborted = False
-    answered = False
     # One request per prompt (n choices are n engine requests, each needing its own lease). The
     # last step before the request goes: every way out from here ends the plan's lease.
     planned = _plan_load(engine, tenant, prompt_ids) if persist and sampling.n == 1 else None
@@ -102,7 +101,11 @@ async def generate(
         # aclosing: a consumer that stops early (client gone) aborts the request at once.
         async with contextlib.aclosing(engine.llm.generate(prompt, params, request_id)) as outputs:
             async for out in outputs:
-                answered = True
+                if planned is not None:
+                    # The engine's workers copied the planned pages before this first token:
+                    # the lease is the sender's to end, and it ends now.
+                    _drop_planned(engine, planned)
+                    planned = None
                 for comp in out.outputs:
                     st = choices[comp.index]
                     if out.num_cached_tokens is not None:
@@ -140,11 +143,11 @@ async def generate(
         raise
     finally:
         aborted = aborts.end(tenant, request_id)
-        if planned is not None and not answered and engine.planner is not None:
-            # The engine may never have had the request: its planned load's lease would wait for
-            # the lease timeout. One it did have and used is copied from a lease that ends now:
-            # its check fails and the (aborted) request recomputes.
-            engine.planner.drop_planned(planned)
+        if planned is not None:
+            # No token came: the engine may never have had the request, or stopped it. Its
+            # workers may still copy from the lease (an aborted request's load in flight): the
+            # slots' generations tell them if the pages moved on once it ended.
+            _drop_planned(engine, planned)
     if aborted:
         raise ErasedDuringGeneration(_ERASED)
     for fin in finished:
@@ -156,6 +159,17 @@ async def generate(
                 engine.fingerprint,
             )
             engine.fingerprint = FingerprintId(str(reported))
+
+
+def _drop_planned(engine: ChatEngine, planned: PlannedLoad) -> None:
+    """End a planned load's lease (the sender's to end, `PlannedLoad`); a store that cannot is
+    logged, and the lease expires."""
+    if engine.planner is None:
+        return
+    try:
+        engine.planner.drop_planned(planned)
+    except DSSError as exc:
+        log.warning("ending a planned load's lease failed; it expires: %s", exc)
 
 
 def _plan_load(engine: ChatEngine, tenant: TenantId, prompt_ids: Sequence[int]) -> PlannedLoad | None:

@@ -4,12 +4,12 @@
 - `contract`: what an engine may call (`EngineStore`, the one contract) and the owner's table of
   the parts that answer each call (`EngineCalls`);
 - `server`: `StoreServer`, one thread per connected engine process;
-- `client`: `StoreClient`, with a deadline on every call (`PendingCall`: one sent now, read later).
+- `client`: `StoreClient`, with a deadline on every call.
 
 Every cross-process call has a deadline; a miss is a cache miss for the engine, never a hang.
 """
 
-from dss.rpc.client import PendingCall, StoreClient
+from dss.rpc.client import StoreClient
 from dss.rpc.contract import ENGINE_CALLS, EngineCalls, EngineStore
 from dss.rpc.server import StoreServer
 from dss.rpc.transport import StoreTimeout, StoreUnavailable, socket_path_for
@@ -21,7 +21,6 @@ __all__ = [
     "EngineStore",
     "LoadPlan",
     "PageSlot",
-    "PendingCall",
     "SavePlan",
     "StoreClient",
     "StoreServer",

@@ -50,29 +50,14 @@ class _Failure:
 _BACKING_OFF = _Failure(why="backing off")  # the call was not attempted
 
 
-class PendingCall:
-    """A request sent whose reply is read later (`result`, exactly once): the engine sends
-    what it may learn after its forward pass (the validation of a load's copies) before the
-    pass, and reads the answer after it. The client's connection is held until `result`."""
+@dataclass(slots=True)
+class _Exchange:
+    """One request sent, its reply still to read; the client's connection is held until then."""
 
-    def __init__(
-        self,
-        client: StoreClient,
-        method: str,
-        args: tuple[Any, ...],
-        deadline: float,
-        budget: float,
-        sent: _Failure | None,
-    ) -> None:
-        self.client, self.method, self.args = client, method, args
-        self.deadline = deadline  # the send's (a call read at once: the reply's too)
-        self.budget = budget
-        self.sent = sent  # a failure to send (None: sent)
-
-    def result(self) -> Any:
-        """The reply; its deadline starts now, so a request answered during a long forward pass
-        is not late."""
-        return self.client._finish(self, time.monotonic() + self.budget)
+    method: str
+    args: tuple[Any, ...]
+    deadline: float  # the send's and the reply's
+    sent: _Failure | None  # a failure to send (None: sent)
 
 
 class StoreClient:
@@ -131,11 +116,10 @@ class StoreClient:
 
     # --- transport ------------------------------------------------------------------------
     def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        call = self._start(method, args, timeout_s)
-        return self._finish(call, call.deadline)
+        return self._finish(self._start(method, args, timeout_s))
 
-    def _start(self, method: str, args: tuple[Any, ...], timeout_s: float | None) -> PendingCall:
-        """Send one request and hold the connection for its reply (`PendingCall.result`)."""
+    def _start(self, method: str, args: tuple[Any, ...], timeout_s: float | None) -> _Exchange:
+        """Send one request and hold the connection for its reply (`_finish`)."""
         budget = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + budget
         self._fail_fast_if_backing_off(method)
@@ -147,13 +131,13 @@ class StoreClient:
         except BaseException:
             self._lock.release()
             raise
-        return PendingCall(self, method, args, deadline, budget, sent)
+        return _Exchange(method, args, deadline, sent)
 
-    def _finish(self, call: PendingCall, deadline: float) -> Any:
-        """Read `call`'s reply by `deadline` (or take its failure), let go of the connection,
+    def _finish(self, call: _Exchange) -> Any:
+        """Read `call`'s reply by its deadline (or take its failure), let go of the connection,
         then raise any failure."""
         try:
-            outcome = call.sent if call.sent is not None else self._receive(call, deadline)
+            outcome = call.sent if call.sent is not None else self._receive(call)
         finally:
             self._lock.release()
         if outcome is _BACKING_OFF:
@@ -182,7 +166,7 @@ class StoreClient:
                     return failure
         raise AssertionError("unreachable")
 
-    def _receive(self, call: PendingCall, deadline: float) -> tuple[bool, Any] | _Failure:
+    def _receive(self, call: _Exchange) -> tuple[bool, Any] | _Failure:
         """The reply to the request just sent, under the lock; a connection that broke before
         it answered is replaced and the request sent again, once."""
         for attempt in range(2):
@@ -190,16 +174,13 @@ class StoreClient:
                 conn = self._conn
                 if conn is None:
                     raise EOFError("connection dropped")
-                if deadline != call.deadline:  # read later than sent: the kernel bounds move too
-                    self._bound_io(conn, deadline)
-                if not conn.poll(self._remaining(deadline)):
+                if not conn.poll(self._remaining(call.deadline)):
                     raise DeadlineMissed
                 reply = conn.recv()
             except Exception as exc:
                 failure = self._broken(exc, last=attempt == 1)
-                if failure is None:  # sent again on a fresh connection, bounded like this read
-                    failure = self._send(call.method, call.args, deadline)
-                    call.deadline = deadline
+                if failure is None:  # sent again on a fresh connection, within the same deadline
+                    failure = self._send(call.method, call.args, call.deadline)
                 if failure is not None:
                     return failure
                 continue
@@ -343,14 +324,6 @@ class StoreClient:
         """End this engine rank's (`shard`) part of a lease after copying: how many pages, from
         the first, its copies can be trusted for."""
         return int(self._call("release_checked", load_id, shard, timeout_s=timeout_s))
-
-    def check_and_release_later(self, load_id: str, *, shard: int | None = None) -> PendingCall:
-        """`release_checked(load_id, shard=shard)` sent now and answered later: `.result()` is
-        how many pages, from the first, the copies can be trusted for. A worker sends
-        it once it has copied a load's pages, before the forward pass that reads them, and reads
-        the answer after the pass (vLLM takes a load's failed blocks only then anyway), so the
-        round trip overlaps the pass. The connection is held until then: use a client of its own."""
-        return self._start("release_checked", (load_id, shard), None)
 
     def release(self, load_id: str, *, shard: int | None = None, timeout_s: float | None = None) -> None:
         """End this engine rank's (`shard`) part of a lease without waiting for its pages."""

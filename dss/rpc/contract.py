@@ -23,9 +23,11 @@ from dss.wire import LoadPlan, PageEventBatch, PageSlot, SavePlan
 class EngineStore(Protocol):
     """The calls of the KV path, in the order an engine makes them: a model registers its
     fingerprint; a request's lookup pins the stored pages after what the engine holds
-    (`begin_load`), the workers wait for them and copy them (`wait_loaded`), then end their part
-    of the lease and learn how far their copies can be trusted in one round trip
-    (`release_checked`), or give the lease back unused (`release`); a finished request reserves
+    (`begin_load`), the workers wait for the pages being promoted and copy them (`wait_loaded`),
+    then end their part of the lease and learn how far their copies can be trusted in one round
+    trip (`release_checked`); pages already in the host arena are copied and checked by the slots'
+    generations alone, and their lease ended (`release`) off the turn's path, as is a lease given
+    back unused; a finished request reserves
     host slots for the pages the store lacks (`plan_save`), each rank reports what it copied
     (`commit_save`) or that it copied nothing (`abort_save`); with KV events on, the scheduler
     reads the page events of its fingerprint (`take_events`). `shard` is the engine rank

@@ -34,8 +34,11 @@ class LoadSpec:
     span: SlotSpan | None
     is_async: bool
     # Pages at the front of the store's lease this load leaves out (vLLM's own cache had them):
-    # the store's check counts usable pages from the lease's first.
+    # the store's check of an async load counts usable pages from the lease's first.
     skip_pages: int = 0
+    # Whether the workers end the lease after copying; False for a load planned by the request's
+    # sender, who ends it once the request is answered (no store round trip in the engine).
+    release_lease: bool = True
 
     @property
     def n_pages(self) -> int:

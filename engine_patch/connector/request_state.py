@@ -30,6 +30,9 @@ class Claim:
     plan: LoadPlan
     start_token: int
     skip_pages: int = 0
+    # Planned by the request's sender, who ends the lease once the request is answered or gone
+    # (`SessionTag.planned_load`): neither side of the connector releases it.
+    planned: bool = False
 
 
 @dataclass(slots=True)

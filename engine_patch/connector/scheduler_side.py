@@ -219,8 +219,9 @@ class SchedulerSide:
     def _take_planned(self, st: RequestState, start: int, max_tokens: int) -> tuple[int, bool] | None:
         """Answer the lookup with the load planned before the request came (for its whole prompt,
         from the first token), less the pages vLLM's own cache already holds: the store is not
-        asked again. Nothing left to load: the plan is released (the one round trip). None: the
-        plan does not fit this engine or this request; it is released and the store asked."""
+        asked again. (0, False): nothing left to load. None: the plan does not fit this engine or
+        this request, and the store is asked. Its lease is the sender's to end, used or not: the
+        engine makes no store round trip for it."""
         given, st.planned = st.planned, None
         assert given is not None
         planned, bs = given.plan, self.block_size
@@ -232,10 +233,8 @@ class SchedulerSide:
             or given.prompt != tokens_digest(st.request.prompt_token_ids or ())
             or self._saved_since(session_key(st.session), given.planned_at)
         ):
-            self._release(st, planned.load_id)
             return None
         if skip >= len(planned.pages):  # vLLM's own cache holds all the store held
-            self._release(st, planned.load_id)
             return 0, False
         plan = planned  # from the first page (vLLM's cache held none of it): as the store made it
         if skip:
@@ -244,9 +243,8 @@ class SchedulerSide:
             tiers = tokens_by_tier(_tiers_of(pages), n_tokens, bs)
             plan = replace(planned, n_tokens=n_tokens, start_token=start, pages=pages, tier_tokens=tiers)
         if not self._plan_is_sane(plan, start, max_tokens):
-            self._release(st, plan.load_id)
             return None
-        st.claim = Claim(plan, start, skip)
+        st.claim = Claim(plan, start, skip, planned=True)
         st.planned_ahead = True
         st.found_in = {k: v for k, v in plan.tier_tokens.items() if v}
         return plan.n_tokens, self._is_async(plan)
@@ -260,10 +258,10 @@ class SchedulerSide:
             self._saved_at.popitem(last=False)
         return planned_at < horizon or self._saved_at.get(key, -math.inf) >= planned_at
 
-    def _drop_planned(self, st: RequestState) -> None:
-        given, st.planned = st.planned, None
-        if given is not None:
-            self._release(st, given.plan.load_id)
+    @staticmethod
+    def _drop_planned(st: RequestState) -> None:
+        """Forget the plan the request came with (its sender ends the lease)."""
+        st.planned = None
 
     def _is_async(self, plan: LoadPlan) -> bool:
         """Whether the worker copies the plan's pages on its loader thread, before the request is
@@ -312,7 +310,7 @@ class SchedulerSide:
         # its whole block is copied, and vLLM computes the block's remaining positions.
         n_pages = min(-(-num_external_tokens // bs), len(claim.plan.pages))
         if n_pages == 0:
-            self._release(st, claim.plan.load_id)
+            self._end_claim(st, claim)
             return
         first = claim.start_token // bs
         # Per group; a sliding-window group's blocks below the window of the load's end are the
@@ -323,7 +321,15 @@ class SchedulerSide:
         # Pages in the host arena name their slots now, whichever way vLLM takes the load.
         span = None if claim.plan.is_async else span_of(pages)
         self._loads.append(
-            LoadSpec(st.req_id, claim.plan.load_id, block_ids, span, is_async, claim.skip_pages)
+            LoadSpec(
+                st.req_id,
+                claim.plan.load_id,
+                block_ids,
+                span,
+                is_async,
+                claim.skip_pages,
+                release_lease=not claim.planned,
+            )
         )
         # The tier the plan names for each page: the host arena, a page promoted on the way (disk,
         # or the fleet's remote tier), or one the store has just read from the remote tier into
@@ -530,6 +536,11 @@ class SchedulerSide:
         self._drop_planned(st)
         claim, st.claim = st.claim, None
         if claim is not None:
+            self._end_claim(st, claim)
+
+    def _end_claim(self, st: RequestState, claim: Claim) -> None:
+        """Release a claim's lease, unless its sender planned it (and ends it)."""
+        if not claim.planned:
             self._release(st, claim.plan.load_id)
 
 

@@ -7,20 +7,20 @@ slots the store reserved, then committed. Any failure in a load reports the affe
 vLLM recomputes them (`kv_load_failure_policy="recompute"`); any failure in a save aborts it. The
 request itself never fails because of the store.
 
-Every copy out of the arena is validated after it is taken, twice: here, against the generation
-of each slot (the store bumps it before a slot's bytes change, see `dss.pages.tiers.host`), and by
-the store (`release_checked`, which also ends the lease in the same round trip and answers how many
-pages from the first are still good): a page erased or dropped while it was being copied is not,
-and its block and those after it are recomputed.
-A load copied on the forward pass's thread sends that check before the pass and reads its answer
-after it (`StoreClient.check_and_release_later`): vLLM learns a load's failed blocks after the
-pass in any case, so the round trip costs the turn nothing.
-Store round trips per turn from this process: one per load (two for an async load: wait for the
-promotion, then validate), one `commit_save` per save plan.
+Every copy out of the arena is validated after it is taken, against the generation of each slot:
+the store bumps it before a slot's bytes change and when the page in it stops being valid (dropped,
+moved, erased: `dss.pages.placement.copies`), so a page erased or dropped while it was being copied
+is not taken, and its block and those after it are recomputed. A load copied on the forward pass's
+thread therefore needs no store round trip: the lease of a load its request's sender planned is
+the sender's to end, and any other is ended by the releasing thread.
+Store round trips per turn from this process: none for a planned load from the host tier, one
+release on the releasing thread for another, two on the loader thread for an async load (wait for
+the promotion, then validate and release), and one `commit_save` per save plan.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -32,7 +32,7 @@ from vllm.logger import init_logger
 
 from dss.errors import DSSError
 from dss.namespace import ModelFingerprint
-from dss.rpc import PendingCall, StoreClient
+from dss.rpc import StoreClient
 from dss.wire import span_of, usable_prefix
 from engine_patch.connector.copy import ArenaViews, KVBlocks
 from engine_patch.connector.fingerprint import UnsupportedKVCache, check_layer_tensors
@@ -93,12 +93,13 @@ class WorkerSide:
         self.groups = KVGroups.parse(fingerprint.kv_groups, fingerprint.num_layers) if fingerprint else None
         self._client = client_factory() if client_factory is not None else None
         # The loader thread blocks in `wait_loaded`; it gets its own connection so the main
-        # thread's commits and releases never queue behind it. So do the checks of loads copied
-        # on the forward pass's thread: each holds its connection from before the pass to after.
+        # thread's commits never queue behind it. So does the releasing thread.
         self._loader_client = client_factory() if client_factory is not None else None
-        self._check_client = client_factory() if client_factory is not None else None
-        self._checking: list[tuple[LoadSpec, int, PendingCall]] = []  # forward thread only
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dss-async-load")
+        self._release_client = client_factory() if client_factory is not None else None
+        self._to_release: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._releaser = threading.Thread(target=self._release_loop, name="dss-release", daemon=True)
+        self._releaser.start()
         self._lock = threading.Lock()
         self.blocks: KVBlocks | None = None
         self.views: ArenaViews | None = None
@@ -208,42 +209,30 @@ class WorkerSide:
         return unchanged
 
     def _load_in_place(self, spec: LoadSpec, span: SlotSpan) -> None:
-        """A load whose plan named every slot, on the forward pass's thread: copy, then send the
-        check of the copies (which also releases the lease) and read its answer after the pass
-        (`_settle_checks`)."""
-        client = self._check_client
+        """A load whose plan named every slot, on the forward pass's thread: copy and check the
+        copies against the slots' generations. The lease is ended by the request's sender (a
+        planned load: `LoadSpec.release_lease`) or else by the releasing thread. A store round
+        trip here cost a hot turn 0.3 ms of a ~6 ms reference, and a thread that makes it during
+        the forward pass about as much (issue 31)."""
         kind = "async" if spec.is_async else "sync"
+        n_ok = 0
         try:
-            if not self.ready or client is None:
+            if not self.ready:
                 raise DSSError("connector not ready for loads")
-            n_copied = self._copy_in(span, spec.block_ids)
-            # One check in flight on the connection: the previous load's, answered while this
-            # one was copied, is read first.
-            self._settle_checks()
-            pending = client.check_and_release_later(spec.load_id, shard=self.shard)
-            self._checking.append((spec, n_copied, pending))
+            n_ok = min(self._copy_in(span, spec.block_ids), spec.n_pages)
         except Exception as exc:
             logger.warning(
                 "DSS %s load %s for %s failed, recomputing: %s", kind, spec.load_id, spec.req_id, exc
             )
-            self._release(self._client, spec.load_id, self.shard)
-            self._record_load(spec, 0, async_done=spec.is_async)
+        if spec.release_lease:
+            self._to_release.put(spec.load_id)
+        self._record_load(spec, n_ok, async_done=spec.is_async)
 
-    def _settle_checks(self) -> None:
-        """Read the answers to the checks sent before this step's forward pass and record each
-        load: the pages from the first one not known good on are misses, recomputed by vLLM.
-        Called after the pass, before this step's loads are reported."""
-        checking, self._checking = self._checking, []
-        for spec, n_copied, pending in checking:
-            try:
-                n_ok = max(0, min(n_copied, int(pending.result()) - spec.skip_pages, spec.n_pages))
-            except Exception as exc:
-                logger.warning(
-                    "DSS load %s for %s could not be checked, recomputing: %s", spec.load_id, spec.req_id, exc
-                )
-                self._release(self._client, spec.load_id, self.shard)
-                n_ok = 0
-            self._record_load(spec, n_ok, async_done=spec.is_async)
+    def _release_loop(self) -> None:
+        """The releasing thread: ends the leases of loads copied on the forward pass's thread,
+        in order, on a connection of its own (a failure is logged; the store expires the lease)."""
+        while (load_id := self._to_release.get()) is not None:
+            self._release(self._release_client, load_id, self.shard)
 
     def _load_promoted(self, spec: LoadSpec) -> None:
         """An async load on the loader thread: wait for the store to promote the pages and name
@@ -357,7 +346,6 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ per-step reporting
     def get_finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str] | None, set[str] | None]:
-        self._settle_checks()
         for req_id in finished_req_ids:
             self._finished[req_id] = None
         while len(self._finished) > _FINISHED_MEMORY:
@@ -386,7 +374,6 @@ class WorkerSide:
         return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        self._settle_checks()
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
@@ -404,9 +391,10 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self._loader.shutdown(wait=True, cancel_futures=False)
+        self._to_release.put(None)  # after the leases queued before it
+        self._releaser.join(timeout=self._release_client.timeout_s if self._release_client else 0)
         if self.views is not None:
             self.views.close()
-        self._settle_checks()
-        for client in (self._client, self._loader_client, self._check_client):
+        for client in (self._client, self._loader_client, self._release_client):
             if client is not None:
                 client.close()

@@ -138,9 +138,9 @@ class KVCache:
         request (`SessionTag.planned_load`) so that the engine's scheduler asks the store nothing.
         None when there is nothing to load, and in a store with a remote tier, where planning may
         wait for Redis (a prefetch, the fleet's pages), which the sender's event loop must not:
-        the engine's own lookup does that. The plan's lease ends as any load's does (the engine's
-        workers, or its scheduler dropping it); a sender that never sent the request ends it
-        (`drop_planned`)."""
+        the engine's own lookup does that. The plan's lease is the sender's to end
+        (`drop_planned`), once the engine answered the request's first token or the request is
+        gone: the engine neither releases nor checks it with the store."""
         if self._pages.remote is not None or len(tokens) < 2:
             return None
         planned_at = time.monotonic()  # before: a save that lands meanwhile counts as after it
@@ -149,7 +149,8 @@ class KVCache:
         return None if plan is None else PlannedLoad(str(fid), tokens_digest(arr), plan, planned_at)
 
     def drop_planned(self, planned: PlannedLoad) -> None:
-        """End the lease of a plan that never reached the engine (its request failed first)."""
+        """End the lease of a plan: its request's first token is back (the engine's workers
+        copied its pages before computing it), or the request failed or was never sent."""
         self.loads.release(planned.plan.load_id)
 
     def plan_save(

@@ -290,8 +290,9 @@ class KVLoads:
     def release_checked(self, load_id: str, shard: int | None = None) -> int:
         """`wait_loaded(load_id, 0.0, release=True, shard=shard)` as a count: how many of the
         plan's pages, from the first, a copy taken before this call can be trusted for (0 for a
-        lease that is gone). Asked once per load, on the path of every hot turn: the pages are
-        checked under one lock, and no page objects are built."""
+        lease that is gone). Asked after an async load's copy (a hot turn's pages are checked
+        by their slots' generations in the engine instead): the pages are checked under one lock,
+        and no page objects are built."""
         with self._lock:
             lease = self._leases.get(load_id)
         if lease is None:

@@ -4,7 +4,9 @@ Order: database rows first, then the irreversible part (zeroing host slots, unli
 hash is reported `deleted` to the table last, so a page of the same content saved meanwhile is
 refused rather than have its new copies removed by this deletion. A host slot is zeroed and its
 generation bumped at once, but freed only once no reader holds a lease on its page
-(`PageTable.park`): a reader may be copying from it.
+(`PageTable.park`): a reader may be copying from it. An erasure zeroes its pages' host slots
+when it takes them out of the table (`detach`), before its commit, so that an engine's own check
+of its copies (the slots' generations) refuses them from then on.
 
 No lock of its own; it calls the table (a leaf) and the tiers, never under a lock.
 """
@@ -56,9 +58,19 @@ class PageCopies:
         return gone
 
     def detach(self, pages: Iterable[PageHash]) -> tuple[list[PageEntry], list[PageHash]]:
-        """The first half of a drop (erasure): out of the table, copies still in place until
-        `destroy` (after the caller's metadata commit)."""
+        """The first half of an erasure: out of the table, and their host slots zeroed under new
+        generations at once; files and rows stay until `destroy` (after the caller's metadata
+        commit). An engine checks its copies by the slots' generations alone, without asking the
+        store (`engine_patch.connector.worker_side`), so a slot must move on the moment its page
+        leaves the table: a copy taken from then on is refused, as the store would refuse it.
+        Zeroing before the commit loses nothing: a failed erasure (`abandon`) frees the host slots
+        too, and recovery reads the files. A page being moved (a write-back) is not detached: its
+        mover deletes its copies when it settles, which the eraser waits for."""
         removed, gone = self._table.remove(pages)
+        for e in removed:
+            if e.host_ref is not None:
+                self.free_slot(e.meta.hash, e.serial, e.host_ref)
+                e.host_ref = None
         self._counters.count("pages_dropped", n=len(gone))
         return removed, gone
 
@@ -79,9 +91,6 @@ class PageCopies:
             self._table.deleted(e.meta.hash for e in entries)
 
     def abandon(self, entries: list[PageEntry]) -> None:
-        """Detached entries whose copies stay (the operation that detached them failed): their
-        hashes may be stored again. Their host slots are freed; files stay for recovery."""
-        for e in entries:
-            if e.host_ref is not None:
-                self.free_slot(e.meta.hash, e.serial, e.host_ref)
+        """Detached entries whose files stay (the operation that detached them failed): their
+        hashes may be stored again. Their host slots went at `detach`; files stay for recovery."""
         self._table.deleted(e.meta.hash for e in entries)

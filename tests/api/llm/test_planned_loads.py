@@ -1,6 +1,8 @@
 """The API plans a session turn's load before it sends the request (`api.llm.generation`): the
-plan rides signed with the request, and a request the engine never answered leaves no lease
-behind (against a real store; the engine is a stand-in, a vLLM `AsyncLLM` needs CUDA or minutes)."""
+plan rides signed with the request, its lease is held until the first token is back and then
+ended by the API (the engine makes no store round trip for it), and a request the engine never
+answered leaves no lease behind (against a real store; the engine is a stand-in, a vLLM
+`AsyncLLM` needs CUDA or minutes)."""
 
 from __future__ import annotations
 
@@ -29,15 +31,20 @@ ANA = UserId("ana")
 
 
 class StandInEngine:
-    """`AsyncLLM.generate` as the API uses it: records each request's parameters, then fails
-    before any output (`fail_first`) or answers one finished token."""
+    """`AsyncLLM.generate` as the API uses it: records each request's parameters (and the
+    store's leases then: `leases_at`), then fails before any output (`fail_first`) or answers one
+    finished token."""
 
-    def __init__(self, fail_first: bool) -> None:
+    def __init__(self, fail_first: bool, leases: Any = None) -> None:
         self.fail_first = fail_first
         self.params: list[Any] = []
+        self.leases = leases
+        self.leases_at: list[int] = []
 
     async def generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[Any]:
         self.params.append(params)
+        if self.leases is not None:
+            self.leases_at.append(self.leases())
         if self.fail_first:
             raise VLLMClientError("the engine refused the request")
         done = SimpleNamespace(
@@ -60,7 +67,7 @@ def turn(store: Store, fail_first: bool) -> tuple[StandInEngine, ChatEngine, lis
     tenant = store.identity.tenant_for(ANA)
     tokens = np.arange(1, 4 * SMALL_FP.block_size + 1, dtype=np.int32)
     put_sequence(store, fid, tenant, tokens, pages_for(SMALL_FP, tokens))
-    llm = StandInEngine(fail_first)
+    llm = StandInEngine(fail_first, lambda: store.kv.stats()["leases"])
     engine = ChatEngine(
         llm, None, model_name="m", max_model_len=4096, fingerprint=fid, max_inflight=4, retry_after_s=1,
         tag_key=KEY, planner=store.kv,
@@ -87,8 +94,10 @@ def test_a_turns_load_is_planned_and_sent_signed_with_it(store: Store) -> None:
     planned = tag.planned_load(sent, KEY)
     assert planned is not None and planned.fingerprint == SMALL_FP.id
     assert planned.prompt == tokens_digest(prompt) and planned.plan.n_tokens == 4 * SMALL_FP.block_size
-    # Answered: the engine owns the lease now (its worker releases it after the copy).
-    assert store.kv.stats()["leases"] == 1
+    # Pinned while the engine copies; its first token back, the API ended the lease (the
+    # engine's workers never release a planned load).
+    assert llm.leases_at == [1]
+    assert store.kv.stats()["leases"] == 0
 
 
 def test_a_request_the_engine_never_answered_leaves_no_lease(store: Store) -> None:

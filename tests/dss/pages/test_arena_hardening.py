@@ -477,38 +477,109 @@ def test_the_engine_worker_discards_a_copy_whose_slot_moved_on(store: Store) -> 
         worker.shutdown()
 
 
-def test_a_load_that_leaves_out_the_leases_first_pages_is_checked_from_the_first(store: Store) -> None:
+def test_an_erasure_moves_its_pages_slots_on_before_its_commit(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine checks its copies by the slots' generations alone, with no store round trip on
+    a hot turn (issue 31): from the moment an erasure takes a tenant's pages out of the page
+    table, before its commit, a copy of their slots must be refused, and their bytes gone."""
+    import dss.ops.erasure.eraser as eraser_module
+
+    fid, tenant = SMALL_FP.id, store.identity.tenant_for("alice")
+    tokens = np.arange(1, 9, dtype=np.int32)
+    put_sequence(store, fid, tenant, tokens, pages_for(SMALL_FP, tokens))
+    plan = store.kv.begin_load(fid, tenant, tokens)  # an engine about to copy
+    assert plan is not None
+    refs = [ps.slot for ps in plan.pages]
+    assert all(r is not None for r in refs)
+    first = refs[0]
+    assert first is not None
+    arena = HostArena.attach(first.path, first.slot_nbytes, first.n_slots)
+    seen: list[tuple[int, bool]] = []
+    real = eraser_module.append_receipt
+
+    def before_the_commit(*args: Any, **kwargs: Any) -> Any:
+        slots = [r.slot for r in refs if r is not None]
+        generations = [r.generation for r in refs if r is not None]
+        zeroed = all(not _slot_bytes(r).strip(b"\0") for r in refs if r is not None)
+        seen.append((arena.unchanged(slots, generations), zeroed))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(eraser_module, "append_receipt", before_the_commit)
+    try:
+        store.eraser.erase_user("alice")
+        assert seen == [(0, True)], "a copy taken between the detach and the commit would pass"
+    finally:
+        arena.close()
+    store.kv.loads.release(plan.load_id)
+    store.check()
+    assert store.host.used_bytes == 0
+
+
+def test_a_failed_erasure_frees_its_host_slots_and_keeps_its_files(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host slots go when an erasure detaches its pages, so one whose transaction fails
+    (`abandon`) has freed them already; its files stay for recovery and its pages may be saved
+    again."""
+    import dss.ops.erasure.eraser as eraser_module
+
+    fid, tenant = SMALL_FP.id, store.identity.tenant_for("alice")
+    tokens = np.arange(1, 9, dtype=np.int32)
+    pages = pages_for(SMALL_FP, tokens)
+    put_sequence(store, fid, tenant, tokens, pages)
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the database went away")
+
+    monkeypatch.setattr(eraser_module, "append_receipt", failing)
+    with pytest.raises(RuntimeError):
+        store.eraser.erase_user("alice")
+    assert store.host.used_bytes == 0
+    store.check()
+    monkeypatch.undo()
+    put_sequence(store, fid, tenant, tokens, pages)  # stored again, in fresh slots
+    assert store.host.used_bytes == len(pages) * SMALL_FP.page_nbytes
+    store.check()
+
+
+def test_a_load_that_leaves_out_the_leases_first_pages_checks_the_pages_it_copies(store: Store) -> None:
     """A load planned before the engine's own cache hit was known copies the pages after it
-    (`LoadSpec.skip_pages`); the store's check counts good pages from the lease's first, so a
-    page left out that was dropped meanwhile fails the load rather than being miscounted."""
+    (`LoadSpec.skip_pages`) and checks those by their slots' generations: a copied page dropped
+    meanwhile fails the load from it, and the pages before it are kept. (A page left out cannot
+    go alone: the pages after it in the index go with it.) Each load's lease is ended off the
+    forward pass's thread, soon after."""
     pytest.importorskip("vllm")
     from dss.wire import span_of
     from engine_patch.connector.metadata import DSSConnectorMetadata, LoadSpec
+    from tests.engine_helpers import wait_until
 
     worker, layers = _worker_of(store)
     fid, tenant = SMALL_FP.id, store.identity.tenant_for("alice")
     tokens = np.arange(1, 13, dtype=np.int32)  # 3 pages
     pages = pages_for(SMALL_FP, tokens)
 
-    def load_after_first(blocks: tuple[int, int]) -> tuple[PageHash, LoadSpec]:
+    def load_after_first(blocks: tuple[int, int]) -> tuple[list[PageHash], LoadSpec]:
         plan = store.kv.begin_load(fid, tenant, tokens)
         assert plan is not None and len(plan.pages) == 3
         span = span_of(plan.pages[1:])
         assert span is not None
-        return plan.pages[0].hash, LoadSpec("req", plan.load_id, (blocks,), span, False, skip_pages=1)
+        hashes = [p.hash for p in plan.pages]
+        return hashes, LoadSpec("req", plan.load_id, (blocks,), span, False, skip_pages=1)
 
     try:
         put_sequence(store, fid, tenant, tokens, pages)
-        _first, spec = load_after_first((5, 6))
+        _hashes, spec = load_after_first((5, 6))
         worker.start_load_kv(DSSConnectorMetadata([spec], []))
         assert worker.get_block_ids_with_load_errors() == set()
         assert [_block_bytes(layers, 5), _block_bytes(layers, 6)] == pages[1:]
-        # The page left out is dropped between the plan and the check: the load is not trusted.
-        first, spec = load_after_first((3, 4))
-        store.kv.lookup.forget(store.pages.copies.drop([first]))
+        assert wait_until(lambda: store.stats()["leases"] == 0, timeout_s=5.0)
+        hashes, spec = load_after_first((3, 4))
+        store.kv.lookup.forget(store.pages.copies.drop([hashes[2]]))  # the second page copied
         worker.start_load_kv(DSSConnectorMetadata([spec], []))
-        assert worker.get_block_ids_with_load_errors() == {3, 4}
-        assert store.stats()["leases"] == 0
+        assert worker.get_block_ids_with_load_errors() == {4}
+        assert _block_bytes(layers, 3) == pages[1]
+        assert wait_until(lambda: store.stats()["leases"] == 0, timeout_s=5.0)
         store.check()
     finally:
         worker.shutdown()

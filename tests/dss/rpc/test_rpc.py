@@ -181,20 +181,6 @@ def test_every_method_round_trips(client: StoreClient, service: FakeService) -> 
     assert (client.failures, client.timeouts) == (0, 0)
 
 
-def test_a_check_sent_before_a_long_forward_pass_is_read_after_it(
-    client: StoreClient, service: FakeService
-) -> None:
-    """A worker sends the check of a load's copies before the forward pass and reads the answer
-    after it: the reply's deadline runs from the read, so a pass longer than the client's
-    timeout does not turn every load into a miss; the connection then serves the next call."""
-    client.timeout_s = 0.3
-    pending = client.check_and_release_later("L1", shard=2)
-    time.sleep(0.5)  # the forward pass
-    assert pending.result() == 1
-    assert service.calls[-1] == ("release_checked", ("L1", 2))
-    assert client.ping() and (client.failures, client.timeouts) == (0, 0)
-
-
 def test_the_kernel_bounds_are_set_once_per_connection_and_lowered_for_a_shorter_call(
     server: StoreServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -214,7 +200,7 @@ def test_the_kernel_bounds_are_set_once_per_connection_and_lowered_for_a_shorter
     client = StoreClient(server.address, KEY, timeout_s=5.0)
     for _ in range(20):
         assert client.ping()
-        client.check_and_release_later("L1", shard=0).result()
+        assert client.release_checked("L1", shard=0) == 1
     assert len(bounds) == 1 and 4.0 <= bounds[0] <= 5.0
     assert client.ping(timeout_s=0.5)
     assert len(bounds) == 2 and bounds[1] <= 0.5
@@ -432,8 +418,7 @@ def test_one_contract_the_owners_the_client_and_the_server_follow(tmp_path: Path
     contract = {n for n, v in vars(EngineStore).items() if inspect.isfunction(v) and not n.startswith("_")}
     assert set(ENGINE_CALLS) == contract
     served = {n for n, v in vars(StoreClient).items() if inspect.isfunction(v) and not n.startswith("_")}
-    # `check_and_release_later` is the contract's `release_checked`, its reply read later
-    served -= {"ping", "close", "check_and_release_later"}
+    served -= {"ping", "close"}
     assert served == contract
     store = open_store(tmp_path / "d", shm_dir=tmp_path / "shm")
     try:

@@ -79,6 +79,16 @@ def planned_request(store: Store, req_id: str, tokens: list[int], tenant: str, *
     return request(req_id, tokens, tenant, planned=planned, **kw)
 
 
+def end_planned_lease(store: Store, r: Request) -> None:
+    """What the request's sender does once its first token is back or it is gone: end the lease
+    of the load it planned (`KVCache.drop_planned`)."""
+    params = r.kv_transfer_params
+    tag = SessionTag.from_params(params, TAG_KEY)
+    planned = tag.planned_load(params, TAG_KEY) if tag is not None else None
+    assert planned is not None
+    store.kv.drop_planned(planned)
+
+
 def finished_turn_then_planned_next(store: Store, side: SchedulerSide) -> tuple[Request, SaveSpec, Request]:
     """A turn (2 stored pages, then one more and a tail computed) whose finish-time save is handed
     to the worker, and the session's next turn, planned at once (before that save landed)."""
@@ -215,24 +225,34 @@ def test_a_planned_load_is_taken_without_asking_the_store(
     report = TurnReport.from_params(side.request_finished(r2, ([1, 2, 3, 4, 5],))[1])
     assert report is not None and report.engine_cached_tokens == 2 * BS and report.loaded_tokens == 2 * BS
     assert report.found_in == {"host": 2 * BS}
-    assert store.stats()["leases"] == 2  # the workers release them after their copies
+    assert load.release_lease is False  # planned: the sender ends the lease, not the workers
+    assert store.stats()["leases"] == 2
+    for planned in (r, r2):
+        end_planned_lease(store, planned)
+    assert store.stats()["leases"] == 0
 
 
-def test_a_planned_load_that_cannot_be_used_is_released(
+def test_a_planned_load_that_cannot_be_used_is_left_to_its_sender(
     store: Store, side: SchedulerSide, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The engine makes no store round trip for a planned load it does not use: its lease is the
+    sender's to end; one the scheduler looked up itself instead is the engine's."""
     tenant = store.identity.tenant_for("u")
     tokens = [*stored(store, tenant, 4 * BS), 1]
     no_lookups(side, monkeypatch)
-    # vLLM's own cache holds all of it: nothing to load, and the plan's pages are unpinned.
-    assert side.get_num_new_matched_tokens(planned_request(store, "r1", tokens, tenant), 4 * BS) == (0, False)
-    assert store.stats()["leases"] == 0
+    # vLLM's own cache holds all of it: nothing to load.
+    r1 = planned_request(store, "r1", tokens, tenant)
+    assert side.get_num_new_matched_tokens(r1, 4 * BS) == (0, False)
+    side.request_finished(r1, ([],))
     # Aborted before the scheduler ever asked.
     r2 = planned_request(store, "r2", tokens, tenant)
     side.request_finished(r2, ([],))
+    assert store.stats()["leases"] == 2
+    for r in (r1, r2):
+        end_planned_lease(store, r)
     assert store.stats()["leases"] == 0
     # A plan made for another engine's model, or for another prompt, is not trusted with this
-    # request's blocks: released, and the store asked.
+    # request's blocks: the store is asked, and the engine releases what it asked for.
     monkeypatch.undo()
     another_model: dict[str, Any] = {"fingerprint": "another-model"}
     another_prompt: dict[str, Any] = {"prompt": tokens_digest([7, 7])}
@@ -241,8 +261,10 @@ def test_a_planned_load_that_cannot_be_used_is_released(
         assert made is not None
         r = request(f"r3-{i}", tokens, tenant, planned=replace(made, **wrong))
         assert side.get_num_new_matched_tokens(r, 0) == (4 * BS, False)  # looked up instead
-        assert store.stats()["leases"] == 1
+        assert store.stats()["leases"] == 2
         side.request_finished(r, ([],))
+        assert store.stats()["leases"] == 1  # the sender's
+        store.kv.drop_planned(made)
         assert store.stats()["leases"] == 0
 
 
@@ -277,7 +299,8 @@ def test_a_planned_load_waits_for_the_sessions_save_in_flight(
     released and the store asked again once the save settled."""
     _, save, nxt = finished_turn_then_planned_next(store, side)
     assert side.get_num_new_matched_tokens(nxt, 0) == (None, False)
-    assert store.stats()["leases"] == 0
+    assert store.stats()["leases"] == 1  # the plan's, until its sender ends it
+    end_planned_lease(store, nxt)
     store.kv.saves.abort_save(save.save_id)
     side.update_connector_output(KVConnectorOutput(finished_sending={"r1"}))
     assert side.get_num_new_matched_tokens(nxt, 0) == (2 * BS, False)
@@ -301,6 +324,8 @@ def test_a_load_planned_before_the_sessions_last_save_landed_is_not_taken(
     n, _ = side.get_num_new_matched_tokens(nxt, 0)
     assert n is not None and n > 2 * BS  # the saved pages too, not the plan's 2 pages
     side.request_finished(nxt, ([],))
+    assert store.stats()["leases"] == 1  # the plan's, until its sender ends it
+    end_planned_lease(store, nxt)
     assert store.stats()["leases"] == 0
 
 
