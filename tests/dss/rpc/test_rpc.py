@@ -473,7 +473,10 @@ def test_a_planned_load_travels_signed_for_its_session_and_as_plain_values_only(
     # same digest as the prompt's list) comes back equal too.
     on_disk = replace(plan, pages=(pages[0], PageSlot(1, PageHash("c" * 32), None, "disk")), is_async=True)
     digested = PlannedLoad("fp1", tokens_digest(np.arange(9, dtype="<i4")), on_disk, 12.5)
-    assert digested.prompt == planned.prompt
+    assert digested.prompt == planned.prompt == tokens_digest(list(range(9)))
+    assert tokens_digest(tuple(range(9))) == planned.prompt
+    with pytest.raises(ValueError):
+        tokens_digest([1, 2**31])
     assert tag.planned_load(tag.to_params(key, digested), key) == digested
 
 
