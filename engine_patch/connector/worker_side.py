@@ -99,7 +99,6 @@ class WorkerSide:
         self._release_client = client_factory() if client_factory is not None else None
         self._to_release: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self._releaser = threading.Thread(target=self._release_loop, name="dss-release", daemon=True)
-        self._releaser.start()
         self._lock = threading.Lock()
         self.blocks: KVBlocks | None = None
         self.views: ArenaViews | None = None
@@ -114,6 +113,7 @@ class WorkerSide:
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._disabled_reported = False
         self.stats = {"loaded_pages": 0, "failed_pages": 0, "saved_pages": 0, "aborted_saves": 0}
+        self._releaser.start()
 
     # ------------------------------------------------------------------ setup
     def register_kv_caches(
