@@ -20,6 +20,7 @@ the promotion, then validate and release), and one `commit_save` per save plan.
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -96,7 +97,11 @@ class WorkerSide:
         self._loader_client = client_factory() if client_factory is not None else None
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dss-async-load")
         self._release_client = client_factory() if client_factory is not None else None
-        self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dss-release")
+        self._to_release: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        # A thread of its own, started with the worker (below), not an executor's: an executor
+        # starts its thread at the first submit, on the forward pass's thread, and that start
+        # waited 0.2-1.1 s for a core on a loaded machine (`bench/engine_hot.py --smoke`, s51).
+        self._releaser = threading.Thread(target=self._release_loop, name="dss-release", daemon=True)
         self._lock = threading.Lock()
         self.blocks: KVBlocks | None = None
         self.views: ArenaViews | None = None
@@ -111,6 +116,7 @@ class WorkerSide:
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._disabled_reported = False
         self.stats = {"loaded_pages": 0, "failed_pages": 0, "saved_pages": 0, "aborted_saves": 0}
+        self._releaser.start()
 
     # ------------------------------------------------------------------ setup
     def register_kv_caches(
@@ -222,8 +228,14 @@ class WorkerSide:
                 "DSS %s load %s for %s failed, recomputing: %s", kind, spec.load_id, spec.req_id, exc
             )
         if spec.release_lease:
-            self._releaser.submit(self._release, self._release_client, spec.load_id, self.shard)
+            self._to_release.put(spec.load_id)
         self._record_load(spec, n_ok, async_done=spec.is_async)
+
+    def _release_loop(self) -> None:
+        """The releasing thread: ends the leases of loads copied on the forward pass's thread,
+        in order, on a connection of its own (a failure is logged; the store expires the lease)."""
+        while (load_id := self._to_release.get()) is not None:
+            self._release(self._release_client, load_id, self.shard)
 
     def _load_promoted(self, spec: LoadSpec) -> None:
         """An async load on the loader thread: wait for the store to promote the pages and name
@@ -382,7 +394,8 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self._loader.shutdown(wait=True, cancel_futures=False)
-        self._releaser.shutdown(wait=True, cancel_futures=False)  # the leases queued end first
+        self._to_release.put(None)  # after the leases queued before it
+        self._releaser.join(timeout=self._release_client.timeout_s if self._release_client else 0)
         if self.views is not None:
             self.views.close()
         for client in (self._client, self._loader_client, self._release_client):
